@@ -1,0 +1,185 @@
+"""The one communication layer: point-to-point messages over ``torch.distributed``.
+
+All plugins (allreduce collectives, pipeline stages, parameter servers) talk through
+:class:`Communicator`. It adds three things to bare ``dist.isend``/``dist.irecv``:
+
+* ranks are local to the process group (translated to global ranks for torch);
+* CUDA tensors work on gloo, which can only move CPU tensors, by staging through
+  pinned host buffers;
+* an optional :class:`~lightning_par.comm.trace.CommTrace` records every message,
+  and failures are re-raised naming this rank, its peer and the algorithm step.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+import torch.distributed as dist
+
+from lightning_par.comm.trace import CommTrace, Message
+
+
+class CommError(RuntimeError):
+    """A message could not be delivered: a peer died, hung past the timeout, or failed."""
+
+
+class Handle:
+    """A posted send or receive; :meth:`wait` completes it (and records it in the trace)."""
+
+    def __init__(
+        self,
+        comm: Communicator,
+        work: dist.Work | None,
+        op: str,
+        peer: int,
+        tensor: torch.Tensor,
+        staged: torch.Tensor | None,
+        start: float,
+        step: int | None,
+        chunk: int | None,
+        tag: str,
+    ) -> None:
+        self._comm, self._work, self.op, self.peer = comm, work, op, peer
+        self._tensor, self._staged = tensor, staged
+        self._start, self._step, self._chunk, self._tag = start, step, chunk, tag
+        self._done = False
+
+    def wait(self) -> torch.Tensor:
+        if self._done:
+            return self._tensor
+        self._done = True
+        if self._work is not None:
+            try:
+                self._work.wait()
+            except RuntimeError as err:  # gloo/NCCL say "connection closed", "timed out", ...
+                raise CommError(
+                    f"rank {self._comm.rank}: {self.op} "
+                    f"{'to' if self.op == 'send' else 'from'} rank {self.peer} failed"
+                    f" (step {self._step}, chunk {self._chunk}): {err}. If rank {self.peer}"
+                    " died or hangs, look at its own error above."
+                ) from err
+        if self._staged is not None and self.op == "recv":
+            self._tensor.copy_(self._staged, non_blocking=False)
+        trace = self._comm.trace
+        if trace is not None:
+            trace.record(
+                Message(
+                    rank=self._comm.rank,
+                    op=self.op,
+                    peer=self.peer,
+                    nbytes=self._tensor.numel() * self._tensor.element_size(),
+                    start=self._start,
+                    end=trace.now(),
+                    step=self._step,
+                    chunk=self._chunk,
+                    tag=self._tag,
+                )
+            )
+        return self._tensor
+
+
+class Communicator:
+    """Point-to-point messaging within a process group, with tracing and CUDA-on-gloo staging.
+
+    Args:
+        group: the process group (``None``: the default group).
+        trace: where to record messages; ``None`` records nothing (no overhead).
+    """
+
+    def __init__(self, group: dist.ProcessGroup | None = None, trace: CommTrace | None = None):
+        if not dist.is_initialized():
+            raise RuntimeError(
+                "torch.distributed is not initialised: call "
+                "lightning_par.comm.init_process_group (or run under a Lightning strategy) first"
+            )
+        self.group = group
+        self.rank = dist.get_rank(group)
+        self.world_size = dist.get_world_size(group)
+        self.backend = str(dist.get_backend(group)).lower()
+        self.trace = trace
+        self._global = [self._to_global(r) for r in range(self.world_size)]
+
+    def _to_global(self, rank: int) -> int:
+        if self.group is None or self.group is dist.group.WORLD:
+            return rank
+        return dist.get_global_rank(self.group, rank)
+
+    def _check_peer(self, peer: int) -> None:
+        if not 0 <= peer < self.world_size or peer == self.rank:
+            raise ValueError(
+                f"rank {self.rank}: invalid peer {peer} (world size {self.world_size})"
+            )
+
+    def _needs_staging(self, tensor: torch.Tensor) -> bool:
+        return tensor.device.type != "cpu" and self.backend == "gloo"
+
+    @staticmethod
+    def _host_buffer(tensor: torch.Tensor) -> torch.Tensor:
+        # A fresh buffer per message, so messages in flight at once never share one; torch's
+        # caching host allocator makes this a cheap reuse rather than a new pinning.
+        return torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
+
+    def isend(
+        self,
+        tensor: torch.Tensor,
+        dst: int,
+        *,
+        step: int | None = None,
+        chunk: int | None = None,
+        tag: str = "",
+    ) -> Handle:
+        """Post a send of ``tensor`` to group rank ``dst``; the tensor must not change until
+        the handle is waited on."""
+        self._check_peer(dst)
+        start = self.trace.now() if self.trace is not None else 0.0
+        staged = None
+        payload = tensor if tensor.is_contiguous() else tensor.contiguous()
+        if self._needs_staging(tensor):
+            staged = self._host_buffer(tensor).copy_(tensor)
+            payload = staged
+        work = dist.isend(payload, self._global[dst], group=self.group) if tensor.numel() else None
+        return Handle(self, work, "send", dst, tensor, staged, start, step, chunk, tag)
+
+    def irecv(
+        self,
+        tensor: torch.Tensor,
+        src: int,
+        *,
+        step: int | None = None,
+        chunk: int | None = None,
+        tag: str = "",
+    ) -> Handle:
+        """Post a receive into ``tensor`` (contiguous) from group rank ``src``."""
+        self._check_peer(src)
+        if not tensor.is_contiguous():
+            raise ValueError("irecv needs a contiguous tensor to receive into")
+        start = self.trace.now() if self.trace is not None else 0.0
+        staged = self._host_buffer(tensor) if self._needs_staging(tensor) else None
+        target = staged if staged is not None else tensor
+        work = dist.irecv(target, self._global[src], group=self.group) if tensor.numel() else None
+        return Handle(self, work, "recv", src, tensor, staged, start, step, chunk, tag)
+
+    def send(self, tensor: torch.Tensor, dst: int, **kw) -> None:
+        self.isend(tensor, dst, **kw).wait()
+
+    def recv(self, tensor: torch.Tensor, src: int, **kw) -> torch.Tensor:
+        return self.irecv(tensor, src, **kw).wait()
+
+    def sendrecv(
+        self,
+        send_tensor: torch.Tensor,
+        dst: int,
+        recv_tensor: torch.Tensor,
+        src: int,
+        **kw,
+    ) -> torch.Tensor:
+        """Send to ``dst`` and receive from ``src`` at the same time (no deadlock)."""
+        handles = [self.irecv(recv_tensor, src, **kw), self.isend(send_tensor, dst, **kw)]
+        wait_all(handles)
+        return recv_tensor
+
+
+def wait_all(handles: Sequence[Handle]) -> None:
+    for handle in handles:
+        handle.wait()
