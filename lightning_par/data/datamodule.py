@@ -1,0 +1,238 @@
+"""``CIFAR10DataModule``: one LightningDataModule for every data source."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import lightning.pytorch as pl
+import torch
+from lightning.pytorch.utilities import rank_zero_info
+from torch.utils.data import DataLoader, Dataset, random_split
+from torchvision.transforms import v2
+
+from lightning_par.data.sources import (
+    CLASSES,
+    MINI_ENV,
+    DataNotFoundError,
+    batches_dir,
+    find_cifar10_mini,
+    how_to_get_data,
+    load_batches,
+    load_torchvision,
+    synthesize,
+    verify_md5sums,
+)
+
+SOURCES = ("auto", "torchvision", "cifar10-mini", "folder", "synthetic")
+DATA_ENV = "LIGHTNING_PAR_DATA"
+# Per-channel statistics of the CIFAR-10 training set.
+CIFAR_MEAN = (0.4914, 0.4822, 0.4465)
+CIFAR_STD = (0.2470, 0.2435, 0.2616)
+
+
+def default_data_dir() -> Path:
+    """``$LIGHTNING_PAR_DATA`` if set, else ``datasets/`` in the current directory."""
+    return Path(os.environ.get(DATA_ENV, "datasets"))
+
+
+def eval_transform() -> v2.Compose:
+    return v2.Compose([v2.ToDtype(torch.float32, scale=True), v2.Normalize(CIFAR_MEAN, CIFAR_STD)])
+
+
+def train_transform() -> v2.Compose:
+    """The standard CIFAR augmentation: 4-pixel padded random crop, horizontal flip."""
+    return v2.Compose(
+        [v2.RandomCrop(32, padding=4), v2.RandomHorizontalFlip(), *eval_transform().transforms]
+    )
+
+
+class ImageTensorDataset(Dataset):
+    """uint8 images ``[N, 3, 32, 32]`` and labels, transformed on access."""
+
+    classes = CLASSES
+
+    def __init__(self, images: torch.Tensor, labels: torch.Tensor, transform=None) -> None:
+        if len(images) != len(labels):
+            raise ValueError(f"{len(images)} images but {len(labels)} labels")
+        self.images, self.labels, self.transform = images, labels, transform
+
+    def __len__(self) -> int:
+        return len(self.images)
+
+    def __getitem__(self, index: int):
+        image = self.images[index]
+        if self.transform is not None:
+            image = self.transform(image)
+        return image, int(self.labels[index])
+
+
+class SyntheticCIFAR10(ImageTensorDataset):
+    """Learnable synthetic CIFAR-shaped data (see :func:`~lightning_par.data.sources.synthesize`),
+    normalised like CIFAR, with no augmentation unless ``transform`` is given."""
+
+    def __init__(self, size: int = 2048, seed: int = 0, train: bool = True, transform=None):
+        images, labels = synthesize(size, seed, split=0 if train else 1)
+        super().__init__(images, labels, eval_transform() if transform is None else transform)
+
+
+class _Subset(Dataset):
+    """A split of the training images that keeps its own transform."""
+
+    def __init__(self, base: ImageTensorDataset, indices: list[int], transform) -> None:
+        self.base, self.indices, self.transform = base, indices, transform
+
+    def __len__(self) -> int:
+        return len(self.indices)
+
+    def __getitem__(self, i: int):
+        j = self.indices[i]
+        return self.transform(self.base.images[j]), int(self.base.labels[j])
+
+
+class CIFAR10DataModule(pl.LightningDataModule):
+    """CIFAR-10 from any source, with the standard augmentation and a validation split.
+
+    Args:
+        data_dir: where the data lives (default: ``$LIGHTNING_PAR_DATA`` or ``datasets/``).
+            For ``cifar10-mini`` and ``folder``: a folder in the official
+            ``cifar-10-batches-py`` layout or its parent.
+        source: ``"torchvision"`` (full set, downloaded when ``download``),
+            ``"cifar10-mini"`` (the real 5 085-image subset; found automatically when
+            ``data_dir`` is not given), ``"folder"`` (any official-layout folder),
+            ``"synthetic"`` (learnable, deterministic from ``seed``) or ``"auto"`` (full set
+            if present or downloadable, else the folder ``data_dir`` or
+            ``$LIGHTNING_PAR_CIFAR10_MINI``, else an error naming the three ways to get
+            data; never synthetic data without being asked).
+        batch_size: per-process batch size.
+        num_workers: DataLoader workers.
+        val_size: images held out of the training set for validation (an int, or a
+            fraction when < 1).
+        synthetic_size: training images for ``source="synthetic"`` (test: a fifth).
+        seed: seed of the validation split and of synthetic data.
+        download: allow torchvision to download the full set.
+        augment: apply random crop and flip to training images.
+    """
+
+    def __init__(
+        self,
+        data_dir: str | None = None,
+        source: str = "auto",
+        batch_size: int = 128,
+        num_workers: int = 0,
+        val_size: float = 0.1,
+        synthetic_size: int = 4096,
+        seed: int = 0,
+        download: bool = True,
+        augment: bool = True,
+    ) -> None:
+        super().__init__()
+        if source not in SOURCES:
+            raise ValueError(f"source={source!r} is not one of {SOURCES}")
+        if batch_size < 1:
+            raise ValueError(f"batch_size must be >= 1, got {batch_size}")
+        if val_size < 0:
+            raise ValueError(f"val_size must be >= 0, got {val_size}")
+        self.save_hyperparameters()
+        self.data_dir = Path(data_dir) if data_dir else default_data_dir()
+        self.source = source
+        #: The source actually used, with its location (set by :meth:`setup`).
+        self.source_used: str | None = None
+        self.train_set: Dataset | None = None
+        self.val_set: Dataset | None = None
+        self.test_set: Dataset | None = None
+
+    # -- loading ---------------------------------------------------------------------
+    def _load(self, train: bool) -> tuple[torch.Tensor, torch.Tensor, str]:
+        hp = self.hparams
+        if self.source == "synthetic":
+            size = hp.synthetic_size if train else max(1, hp.synthetic_size // 5)
+            return (*synthesize(size, hp.seed, split=0 if train else 1), "synthetic")
+        if self.source == "torchvision":
+            return (*self._torchvision(train, hp.download), "torchvision CIFAR-10")
+        if self.source in ("cifar10-mini", "folder"):
+            return self._folder(train, allow_mini=self.source == "cifar10-mini")
+        # auto: the full set, then a local folder, then a clear error
+        try:
+            return (*self._torchvision(train, hp.download), "torchvision CIFAR-10")
+        except DataNotFoundError:
+            return self._folder(train, allow_mini=False)
+
+    def _torchvision(self, train: bool, download: bool):
+        try:
+            return load_torchvision(self.data_dir, train, download)
+        except (RuntimeError, OSError) as err:  # offline, or files absent / corrupt
+            raise DataNotFoundError(
+                f"torchvision could not provide CIFAR-10 ({err}).\n"
+                + how_to_get_data(self.data_dir)
+            ) from None
+
+    def _folder(self, train: bool, allow_mini: bool):
+        folder = batches_dir(self.data_dir)
+        if folder is None and not self.hparams.data_dir:
+            # cifar10-mini is looked for beside the project; auto takes only a configured one
+            mini = find_cifar10_mini() if allow_mini else os.environ.get(MINI_ENV)
+            folder = batches_dir(mini) if mini else None
+        if folder is None:
+            raise DataNotFoundError(how_to_get_data(self.data_dir))
+        verify_md5sums(folder)
+        images, labels = load_batches(folder, train)
+        return images, labels, f"CIFAR-10 batches folder {folder}"
+
+    # -- Lightning hooks ---------------------------------------------------------------
+    def prepare_data(self) -> None:
+        # Runs once per node before the ranks split: the only place that may download.
+        if self.source in ("torchvision", "auto") and self.hparams.download:
+            try:
+                load_torchvision(self.data_dir, True, True)
+                load_torchvision(self.data_dir, False, True)
+            except (RuntimeError, OSError):
+                if self.source == "torchvision":
+                    raise DataNotFoundError(
+                        "torchvision could not download CIFAR-10 (no internet?).\n"
+                        + how_to_get_data(self.data_dir)
+                    ) from None
+
+    def setup(self, stage: str | None = None) -> None:
+        if self.train_set is not None:
+            return
+        hp = self.hparams
+        images, labels, where = self._load(train=True)
+        train_tf = train_transform() if hp.augment else eval_transform()
+        full = ImageTensorDataset(images, labels)
+        n_val = int(round(hp.val_size * len(full))) if hp.val_size < 1 else int(hp.val_size)
+        if n_val >= len(full):
+            raise ValueError(f"val_size={hp.val_size} leaves no training images of {len(full)}")
+        split = random_split(
+            range(len(full)), [len(full) - n_val, n_val], torch.Generator().manual_seed(hp.seed)
+        )
+        self.train_set = _Subset(full, list(split[0]), train_tf)
+        self.val_set = _Subset(full, list(split[1]), eval_transform())
+        test_images, test_labels, _ = self._load(train=False)
+        self.test_set = ImageTensorDataset(test_images, test_labels, eval_transform())
+        self.source_used = where
+        rank_zero_info(
+            f"lightning_par data: {where}: {len(self.train_set)} train, {len(self.val_set)} "
+            f"validation, {len(self.test_set)} test images"
+        )
+
+    def _loader(self, dataset, shuffle: bool) -> DataLoader:
+        return DataLoader(
+            dataset,
+            batch_size=self.hparams.batch_size,
+            shuffle=shuffle,
+            num_workers=self.hparams.num_workers,
+            persistent_workers=self.hparams.num_workers > 0,
+        )
+
+    def train_dataloader(self) -> DataLoader:
+        return self._loader(self.train_set, shuffle=True)
+
+    def val_dataloader(self) -> DataLoader:
+        return self._loader(self.val_set, shuffle=False)
+
+    def test_dataloader(self) -> DataLoader:
+        return self._loader(self.test_set, shuffle=False)
+
+    def predict_dataloader(self) -> DataLoader:
+        return self._loader(self.test_set, shuffle=False)

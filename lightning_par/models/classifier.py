@@ -1,0 +1,102 @@
+"""The LightningModule shared by the example models: loss, metrics, optimiser, scheduler.
+
+Subclasses only build ``self.net``, an ``nn.Sequential`` from images to logits, so that
+data-parallel strategies see an ordinary module and model-parallel strategies (layer-wise,
+pipeline) can cut it between any two of its elements.
+"""
+
+from __future__ import annotations
+
+import lightning.pytorch as pl
+import torch
+from torch import nn
+from torchmetrics.classification import MulticlassAccuracy
+
+OPTIMIZERS = ("sgd", "adam")
+SCHEDULERS = ("onecycle", "cosine", None)
+
+
+class ImageClassifier(pl.LightningModule):
+    """Cross-entropy classification with torchmetrics accuracy.
+
+    Args:
+        num_classes: number of classes.
+        optimizer: ``"sgd"`` (with momentum) or ``"adam"``.
+        lr: learning rate (the peak rate for ``"onecycle"``).
+        momentum: SGD momentum.
+        weight_decay: L2 penalty.
+        scheduler: ``"onecycle"`` (per step), ``"cosine"`` (per epoch) or ``None`` (a
+            constant rate, as equivalence tests want).
+    """
+
+    net: nn.Sequential
+
+    def __init__(
+        self,
+        num_classes: int = 10,
+        optimizer: str = "sgd",
+        lr: float = 0.05,
+        momentum: float = 0.9,
+        weight_decay: float = 5e-4,
+        scheduler: str | None = "onecycle",
+    ) -> None:
+        super().__init__()
+        if optimizer not in OPTIMIZERS:
+            raise ValueError(f"optimizer={optimizer!r}: choose one of {OPTIMIZERS}")
+        if scheduler not in SCHEDULERS:
+            raise ValueError(f"scheduler={scheduler!r}: choose one of {SCHEDULERS}")
+        if lr <= 0:
+            raise ValueError(f"lr must be positive, got {lr}")
+        self.criterion = nn.CrossEntropyLoss()
+        self.train_acc = MulticlassAccuracy(num_classes, average="micro")
+        self.val_acc = MulticlassAccuracy(num_classes, average="micro")
+        self.test_acc = MulticlassAccuracy(num_classes, average="micro")
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.net(x)
+
+    def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int):
+        x, y = batch
+        logits = self(x)
+        loss = self.criterion(logits, y)
+        self.train_acc(logits, y)
+        self.log("train_loss", loss, prog_bar=True)
+        self.log("train_acc", self.train_acc, prog_bar=True, on_step=False, on_epoch=True)
+        return loss
+
+    def _evaluate(self, batch, metric: MulticlassAccuracy, stage: str) -> torch.Tensor:
+        x, y = batch
+        logits = self(x)
+        loss = self.criterion(logits, y)
+        metric(logits, y)
+        self.log(f"{stage}_loss", loss, prog_bar=True, sync_dist=True)
+        self.log(f"{stage}_acc", metric, prog_bar=True)
+        return loss
+
+    def validation_step(self, batch, batch_idx: int) -> torch.Tensor:
+        return self._evaluate(batch, self.val_acc, "val")
+
+    def test_step(self, batch, batch_idx: int) -> torch.Tensor:
+        return self._evaluate(batch, self.test_acc, "test")
+
+    def predict_step(self, batch, batch_idx: int) -> torch.Tensor:
+        x = batch[0] if isinstance(batch, (tuple, list)) else batch
+        return self(x).argmax(dim=1)
+
+    def configure_optimizers(self):
+        hp = self.hparams
+        if hp.optimizer == "sgd":
+            opt = torch.optim.SGD(
+                self.parameters(), lr=hp.lr, momentum=hp.momentum, weight_decay=hp.weight_decay
+            )
+        else:
+            opt = torch.optim.Adam(self.parameters(), lr=hp.lr, weight_decay=hp.weight_decay)
+        if hp.scheduler is None:
+            return opt
+        if hp.scheduler == "onecycle":
+            total = max(1, int(self.trainer.estimated_stepping_batches))
+            sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=hp.lr, total_steps=total)
+            return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
+        epochs = max(1, self.trainer.max_epochs or 1)
+        sched = torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=epochs)
+        return {"optimizer": opt, "lr_scheduler": sched}
