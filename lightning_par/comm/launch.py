@@ -26,8 +26,8 @@ START_METHODS = ("fork", "popen", "spawn", "forkserver")
 def is_interactive() -> bool:
     """True inside Jupyter/IPython or the plain interactive interpreter."""
     main = sys.modules.get("__main__")
-    return hasattr(sys, "ps1") or bool(getattr(main, "__IPYTHON__", 0)) or (
-        "ipykernel" in sys.modules
+    return (
+        hasattr(sys, "ps1") or bool(getattr(main, "__IPYTHON__", 0)) or ("ipykernel" in sys.modules)
     )
 
 
