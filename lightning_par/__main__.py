@@ -1,0 +1,5 @@
+"""``python -m lightning_par`` is the ``lightning-par`` command."""
+
+from lightning_par.cli import main
+
+main()
