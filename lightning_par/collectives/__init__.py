@@ -1,0 +1,59 @@
+"""Allreduce collectives built from point-to-point messages (no Lightning needed).
+
+Each function sums a tensor in place across the ranks of a process group, like
+``torch.distributed.all_reduce(t, op=SUM)``, using only sends and receives through
+:class:`lightning_par.comm.Communicator` (so every message can be traced):
+
+* :func:`ring_allreduce` - reduce-scatter + all-gather, bandwidth-optimal;
+* :func:`tree_allreduce` - reduce up a binary tree, broadcast down;
+* :func:`butterfly_allreduce` - recursive doubling, fewest steps;
+* :func:`all_to_all_allreduce`, :func:`master_worker_allreduce` - teaching baselines.
+
+:mod:`~lightning_par.collectives.cost_model` predicts their bytes, messages and time.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+from lightning_par.collectives.baselines import all_to_all_allreduce, master_worker_allreduce
+from lightning_par.collectives.butterfly import butterfly_allreduce
+from lightning_par.collectives.cost_model import Cost, fit_alpha_beta, predict
+from lightning_par.collectives.ring import ring_allreduce
+from lightning_par.collectives.tree import tree_allreduce, tree_broadcast
+
+#: Algorithm name -> collective; the names used by strategies, benchmarks and the cost model.
+ALGORITHMS: dict[str, Callable[..., torch.Tensor]] = {
+    "ring": ring_allreduce,
+    "tree": tree_allreduce,
+    "butterfly": butterfly_allreduce,
+    "all_to_all": all_to_all_allreduce,
+    "master_worker": master_worker_allreduce,
+}
+
+
+def get_allreduce(algorithm: str) -> Callable[..., torch.Tensor]:
+    """The collective named ``algorithm`` (a key of :data:`ALGORITHMS`)."""
+    try:
+        return ALGORITHMS[algorithm]
+    except KeyError:
+        raise ValueError(
+            f"unknown allreduce algorithm {algorithm!r}; choose one of {sorted(ALGORITHMS)}"
+        ) from None
+
+
+__all__ = [
+    "ALGORITHMS",
+    "Cost",
+    "all_to_all_allreduce",
+    "butterfly_allreduce",
+    "fit_alpha_beta",
+    "get_allreduce",
+    "master_worker_allreduce",
+    "predict",
+    "ring_allreduce",
+    "tree_allreduce",
+    "tree_broadcast",
+]

@@ -1,0 +1,79 @@
+"""Shared plumbing for the collectives: resolving the communicator, flat views, chunking."""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from lightning_par.comm import CommTrace, Communicator
+
+
+def resolve_communicator(
+    group: dist.ProcessGroup | None, comm: Communicator | None, trace: CommTrace | None
+) -> Communicator:
+    """The communicator to use: ``comm`` if given, else a new one on ``group`` with ``trace``."""
+    if comm is not None:
+        if group is not None and comm.group is not group:
+            raise ValueError("pass either a process group or a Communicator, not both")
+        if trace is not None and comm.trace is not trace:
+            raise ValueError("the Communicator already has a trace; pass the trace to it instead")
+        return comm
+    return Communicator(group, trace=trace)
+
+
+def check_tensor(tensor: torch.Tensor) -> None:
+    if not isinstance(tensor, torch.Tensor):
+        raise TypeError(f"allreduce needs a torch.Tensor, got {type(tensor).__name__}")
+    if tensor.dtype == torch.bool:
+        raise TypeError("allreduce cannot sum a bool tensor")
+
+
+def flat_work(tensor: torch.Tensor) -> torch.Tensor:
+    """A 1-D view of ``tensor`` to reduce in place (a contiguous copy if it is not contiguous;
+    :func:`finish` copies the result back)."""
+    return (tensor if tensor.is_contiguous() else tensor.contiguous()).view(-1)
+
+
+def finish(tensor: torch.Tensor, flat: torch.Tensor) -> torch.Tensor:
+    if flat.data_ptr() != tensor.data_ptr() or not tensor.is_contiguous():
+        tensor.copy_(flat.view(tensor.shape))
+    return tensor
+
+
+def chunk_sizes(numel: int, parts: int) -> list[int]:
+    """Split ``numel`` elements into ``parts`` chunks whose sizes differ by at most one.
+
+    The first ``numel % parts`` chunks get one extra element, so a tensor smaller than
+    the world size gives some empty chunks.
+    """
+    base, extra = divmod(numel, parts)
+    return [base + (1 if i < extra else 0) for i in range(parts)]
+
+
+def chunk_offsets(sizes: list[int]) -> list[int]:
+    offsets, total = [], 0
+    for size in sizes:
+        offsets.append(total)
+        total += size
+    return offsets
+
+
+def segments(start: int, size: int, segment_elems: int | None) -> list[tuple[int, int]]:
+    """``(start, stop)`` pieces of at most ``segment_elems`` elements covering one chunk."""
+    if size == 0:
+        return []
+    step = size if segment_elems is None else segment_elems
+    return [(s, min(s + step, start + size)) for s in range(start, start + size, step)]
+
+
+def segment_elems_for(segment_bytes: int | None, element_size: int) -> int | None:
+    if segment_bytes is None:
+        return None
+    if segment_bytes <= 0:
+        raise ValueError(f"segment_bytes must be > 0 bytes (or None), got {segment_bytes}")
+    return max(1, segment_bytes // element_size)
+
+
+def depth_in_heap(index: int) -> int:
+    """Depth of node ``index`` in a binary heap (root 0, children ``2i+1`` and ``2i+2``)."""
+    return (index + 1).bit_length() - 1

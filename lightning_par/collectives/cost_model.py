@@ -1,0 +1,224 @@
+"""The alpha-beta cost model: messages, bytes and time of each allreduce, per rank.
+
+Sending ``m`` bytes costs ``alpha + beta * m`` (Hockney's model): ``alpha`` is the
+latency of one message, ``beta`` the time per byte (1 / bandwidth). Counts are exact:
+the tests check that the trace of a real run sends exactly these bytes and messages
+(empty messages are never sent). Times are critical-path estimates:
+
+=================  ===================================  ==========================
+algorithm          bytes sent by rank ``r`` (elements)  time
+=================  ===================================  ==========================
+ring               ``2n - c[(r+1)%p] - c[(r+2)%p]``     ``2(p-1)(alpha + c_max b)``
+tree               ``n * (children + (r != 0))``        ``2D(alpha + k n b)``
+butterfly (p=2^k)  ``n log2 p``                         ``log2 p (alpha + n b)``
+all-to-all         ``(p-1) n``                          ``alpha + (p-1) n b``
+master-worker      ``(p-1) n`` at rank 0, ``n`` else    ``2(alpha + (p-1) n b)``
+=================  ===================================  ==========================
+
+with ``c[i]`` the ring's chunk sizes (``n // p`` or one more, see
+:func:`~lightning_par.collectives._common.chunk_sizes`), ``b = beta * element_size``,
+``D = floor(log2 p)`` the tree depth and ``k`` the number of children of a tree node
+(2 once ``p > 2``). So the ring sends ``2(p-1)/p * n`` elements per rank when ``p``
+divides ``n``; butterfly with ``p`` not a power of two adds a fold-in and a fold-out
+step of ``n`` elements for the folded pairs.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from lightning_par.collectives._common import chunk_sizes, segment_elems_for, segments
+from lightning_par.collectives.butterfly import butterfly_shape
+from lightning_par.collectives.ring import DEFAULT_SEGMENT_BYTES, ring_schedule
+from lightning_par.collectives.tree import tree_children, tree_depth
+
+
+@dataclass(frozen=True)
+class Cost:
+    """Predicted communication of one allreduce of ``numel`` elements on ``world_size`` ranks."""
+
+    algorithm: str
+    world_size: int
+    numel: int
+    element_size: int
+    bytes_sent: tuple[int, ...]  # per rank
+    messages_sent: tuple[int, ...]  # per rank
+    steps: int  # sequential communication steps on the critical path
+    latency_terms: float  # number of alphas on the critical path
+    bandwidth_bytes: float  # bytes on the critical path (times beta)
+
+    def time(self, alpha: float, beta: float) -> float:
+        """Predicted seconds for latency ``alpha`` (s/message) and ``beta`` (s/byte)."""
+        return self.latency_terms * alpha + self.bandwidth_bytes * beta
+
+    @property
+    def max_bytes_sent(self) -> int:
+        return max(self.bytes_sent)
+
+
+def _zero(algorithm: str, numel: int, p: int, element_size: int) -> Cost:
+    return Cost(algorithm, p, numel, element_size, (0,) * p, (0,) * p, 0, 0.0, 0.0)
+
+
+def ring_cost(
+    numel: int,
+    world_size: int,
+    element_size: int = 4,
+    segment_bytes: int | None = DEFAULT_SEGMENT_BYTES,
+) -> Cost:
+    p = world_size
+    if p == 1 or numel == 0:
+        return _zero("ring", numel, p, element_size)
+    sizes = chunk_sizes(numel, p)
+    seg = segment_elems_for(segment_bytes, element_size)
+    elems, messages = [], []
+    for rank in range(p):
+        sent = [sizes[chunk] for chunk, _ in ring_schedule(rank, p)]
+        elems.append(sum(sent))
+        messages.append(sum(len(segments(0, size, seg)) for size in sent))
+    steps = 2 * (p - 1)
+    return Cost(
+        "ring",
+        p,
+        numel,
+        element_size,
+        tuple(e * element_size for e in elems),
+        tuple(messages),
+        steps,
+        float(steps),
+        float(steps * max(sizes) * element_size),
+    )
+
+
+def tree_cost(numel: int, world_size: int, element_size: int = 4) -> Cost:
+    p = world_size
+    if p == 1 or numel == 0:
+        return _zero("tree", numel, p, element_size)
+    messages = tuple(len(tree_children(r, p)) + (r != 0) for r in range(p))
+    depth = tree_depth(p)
+    fan_out = max(len(tree_children(r, p)) for r in range(p))
+    nbytes = numel * element_size
+    return Cost(
+        "tree",
+        p,
+        numel,
+        element_size,
+        tuple(m * nbytes for m in messages),
+        messages,
+        2 * depth,
+        float(2 * depth),
+        float(2 * depth * fan_out * nbytes),
+    )
+
+
+def butterfly_cost(numel: int, world_size: int, element_size: int = 4) -> Cost:
+    p = world_size
+    if p == 1 or numel == 0:
+        return _zero("butterfly", numel, p, element_size)
+    q, extra, rounds = butterfly_shape(p)
+    messages = tuple(1 if r >= q else rounds + (r < extra) for r in range(p))
+    steps = rounds + (2 if extra else 0)
+    nbytes = numel * element_size
+    return Cost(
+        "butterfly",
+        p,
+        numel,
+        element_size,
+        tuple(m * nbytes for m in messages),
+        messages,
+        steps,
+        float(steps),
+        float(steps * nbytes),
+    )
+
+
+def all_to_all_cost(numel: int, world_size: int, element_size: int = 4) -> Cost:
+    p = world_size
+    if p == 1 or numel == 0:
+        return _zero("all_to_all", numel, p, element_size)
+    nbytes = numel * element_size
+    return Cost(
+        "all_to_all",
+        p,
+        numel,
+        element_size,
+        ((p - 1) * nbytes,) * p,
+        (p - 1,) * p,
+        1,
+        1.0,
+        float((p - 1) * nbytes),
+    )
+
+
+def master_worker_cost(numel: int, world_size: int, element_size: int = 4) -> Cost:
+    p = world_size
+    if p == 1 or numel == 0:
+        return _zero("master_worker", numel, p, element_size)
+    nbytes = numel * element_size
+    messages = (p - 1,) + (1,) * (p - 1)
+    return Cost(
+        "master_worker",
+        p,
+        numel,
+        element_size,
+        tuple(m * nbytes for m in messages),
+        messages,
+        2,
+        2.0,
+        float(2 * (p - 1) * nbytes),
+    )
+
+
+COST_MODELS = {
+    "ring": ring_cost,
+    "tree": tree_cost,
+    "butterfly": butterfly_cost,
+    "all_to_all": all_to_all_cost,
+    "master_worker": master_worker_cost,
+}
+
+
+def predict(algorithm: str, numel: int, world_size: int, element_size: int = 4, **options) -> Cost:
+    """The :class:`Cost` of ``algorithm`` (a key of :data:`COST_MODELS`)."""
+    if algorithm not in COST_MODELS:
+        raise ValueError(
+            f"unknown allreduce algorithm {algorithm!r}; choose from {list(COST_MODELS)}"
+        )
+    return COST_MODELS[algorithm](numel, world_size, element_size, **options)
+
+
+def fit_alpha_beta(nbytes: list[float], seconds: list[float]) -> tuple[float, float]:
+    """Least-squares ``alpha, beta`` from one-message timings ``seconds`` of ``nbytes`` bytes."""
+    n = len(nbytes)
+    if n < 2:
+        raise ValueError("need timings of at least two message sizes to fit alpha and beta")
+    mean_x, mean_y = sum(nbytes) / n, sum(seconds) / n
+    var = sum((x - mean_x) ** 2 for x in nbytes)
+    beta = sum((x - mean_x) * (y - mean_y) for x, y in zip(nbytes, seconds)) / var
+    alpha = mean_y - beta * mean_x
+    return max(alpha, 0.0), max(beta, 0.0)
+
+
+def crossover(first: str, second: str, world_size: int, alpha: float, beta: float) -> int | None:
+    """Smallest power-of-two size (elements) where ``second`` becomes faster than ``first``."""
+    for k in range(0, 31):
+        n = 1 << k
+        if predict(second, n, world_size).time(alpha, beta) < predict(first, n, world_size).time(
+            alpha, beta
+        ):
+            return n
+    return None
+
+
+__all__ = [
+    "COST_MODELS",
+    "Cost",
+    "all_to_all_cost",
+    "butterfly_cost",
+    "crossover",
+    "fit_alpha_beta",
+    "master_worker_cost",
+    "predict",
+    "ring_cost",
+    "tree_cost",
+]

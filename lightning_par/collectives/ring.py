@@ -1,0 +1,129 @@
+"""Ring allreduce: reduce-scatter then all-gather around a ring, pipelined in segments.
+
+Baidu's ring allreduce (Gibiansky, 2017; Patarasuk & Yuan, "Bandwidth optimal all-reduce
+algorithms for clusters of workstations", 2009), the "share-reduce then share-only"
+phases of the course slides (003, slides 46-49) and the talk (002): every rank sends only
+to its right neighbour and receives only from its left one.
+
+The tensor is cut into ``p`` chunks. In reduce-scatter step ``s`` rank ``r`` sends chunk
+``(r - s) mod p`` and adds the chunk ``(r - s - 1) mod p`` it receives; after ``p - 1``
+steps it holds the complete sum of chunk ``(r + 1) mod p``. All-gather passes these
+finished chunks around for another ``p - 1`` steps. Each rank sends about
+``2 (p - 1) / p * n`` elements, whatever ``p`` is (see :mod:`.cost_model` for the exact
+count with uneven chunks).
+
+The chunk a rank receives at step ``t`` is the one it sends at step ``t + 1``, so large
+chunks are cut into segments and each segment is forwarded as soon as it has been
+reduced: the link to the right neighbour never waits for a whole chunk.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from lightning_par.collectives._common import (
+    check_tensor,
+    chunk_offsets,
+    chunk_sizes,
+    finish,
+    flat_work,
+    resolve_communicator,
+    segment_elems_for,
+    segments,
+)
+from lightning_par.comm import CommTrace, Communicator, Handle
+
+#: Segment size of the pipeline. 1 MiB, like gloo's own ring; measured in
+#: ``python -m lightning_par.bench allreduce --segment-bytes ...``.
+DEFAULT_SEGMENT_BYTES = 1 << 20
+
+
+def ring_schedule(rank: int, world_size: int) -> list[tuple[int, int]]:
+    """``(chunk sent, chunk received)`` by rank ``rank`` at each of the ``2 (p - 1)`` steps."""
+    p = world_size
+    reduce_scatter = [((rank - s) % p, (rank - s - 1) % p) for s in range(p - 1)]
+    all_gather = [((rank + 1 - s) % p, (rank - s) % p) for s in range(p - 1)]
+    return reduce_scatter + all_gather
+
+
+def ring_allreduce(
+    tensor: torch.Tensor,
+    group: dist.ProcessGroup | None = None,
+    *,
+    comm: Communicator | None = None,
+    trace: CommTrace | None = None,
+    segment_bytes: int | None = DEFAULT_SEGMENT_BYTES,
+) -> torch.Tensor:
+    """Sum ``tensor`` in place over the ranks of ``group`` with the ring algorithm.
+
+    Args:
+        tensor: any shape and floating dtype; CPU or CUDA.
+        group: process group (``None``: default group); or pass ``comm``.
+        comm: an existing :class:`~lightning_par.comm.Communicator` (carries its trace).
+        trace: record every message here (trace ``step`` = ring step, ``chunk`` = chunk).
+        segment_bytes: largest message; ``None`` sends each chunk as one message.
+    """
+    check_tensor(tensor)
+    comm = resolve_communicator(group, comm, trace)
+    p, rank = comm.world_size, comm.rank
+    if p == 1 or tensor.numel() == 0:
+        return tensor
+    flat = flat_work(tensor)
+    sizes = chunk_sizes(flat.numel(), p)
+    offsets = chunk_offsets(sizes)
+    seg = segment_elems_for(segment_bytes, flat.element_size())
+    right, left = (rank + 1) % p, (rank - 1) % p
+    schedule = ring_schedule(rank, p)
+    n_steps = len(schedule)
+    reduce_steps = p - 1
+    # Two receive buffers, alternating by step, so step t + 1's receives can be posted
+    # while step t's segments are still being added.
+    scratch = torch.empty((2, max(sizes)), dtype=flat.dtype, device=flat.device)
+
+    def pieces(chunk: int) -> list[tuple[int, int]]:
+        return segments(offsets[chunk], sizes[chunk], seg)
+
+    def post_receives(step: int) -> list[tuple[Handle, int, int]]:
+        chunk = schedule[step][1]
+        posted = []
+        for start, stop in pieces(chunk):
+            if step < reduce_steps:
+                base = offsets[chunk]
+                target = scratch[step % 2, start - base : stop - base]
+            else:
+                target = flat[start:stop]  # all-gather: the finished chunk lands in place
+            tag = "reduce-scatter" if step < reduce_steps else "all-gather"
+            handle = comm.irecv(target, left, step=step, chunk=chunk, tag=tag)
+            posted.append((handle, start, stop))
+        return posted
+
+    def send(step: int, start: int, stop: int) -> Handle:
+        tag = "reduce-scatter" if step < reduce_steps else "all-gather"
+        return comm.isend(flat[start:stop], right, step=step, chunk=schedule[step][0], tag=tag)
+
+    sends: list[list[Handle]] = [[send(0, a, b) for a, b in pieces(schedule[0][0])]]
+    receives = post_receives(0)
+    for step in range(n_steps):
+        nxt = step + 1
+        next_receives = []
+        if nxt < n_steps:
+            if nxt >= reduce_steps:
+                # All-gather writes into chunk schedule[nxt][1], which this rank sent at
+                # reduce-scatter step nxt - (p - 1): that send must have left the buffer.
+                for handle in sends[nxt - reduce_steps]:
+                    handle.wait()
+            next_receives = post_receives(nxt)
+            sends.append([])
+        for handle, start, stop in receives:
+            handle.wait()
+            if step < reduce_steps:
+                base = offsets[schedule[step][1]]
+                flat[start:stop].add_(scratch[step % 2, start - base : stop - base])
+            if nxt < n_steps:  # forward the segment at once (the pipeline)
+                sends[nxt].append(send(nxt, start, stop))
+        receives = next_receives
+    for step_sends in sends:
+        for handle in step_sends:
+            handle.wait()
+    return finish(tensor, flat)
