@@ -1,0 +1,134 @@
+"""Splitting an ``nn.Sequential`` into pipeline stages.
+
+GPipe (Huang et al., 2019, section 2.2) cuts a sequence of layers into K consecutive cells,
+one per device; the pipeline runs only as fast as its slowest stage, so the cut should
+balance the cost per stage. A ``balance`` is the number of layers per stage, e.g.
+``[3, 5]`` for two stages over eight layers (torchgpipe's convention).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+
+import torch
+from torch import nn
+
+
+def check_balance(num_layers: int, balance: Sequence[int], world_size: int | None = None) -> None:
+    """Raise ``ValueError`` with a fix when ``balance`` cannot split ``num_layers`` layers."""
+    balance = list(balance)
+    if not balance:
+        raise ValueError("balance is empty: give the number of layers for each stage, e.g. [2, 2]")
+    if any(not isinstance(n, int) or n < 1 for n in balance):
+        raise ValueError(f"balance {balance} must hold positive integers (layers per stage)")
+    if len(balance) > num_layers:
+        raise ValueError(
+            f"{len(balance)} stages but the network has only {num_layers} layers: "
+            "use at most one stage per layer"
+        )
+    if sum(balance) != num_layers:
+        raise ValueError(
+            f"balance {balance} sums to {sum(balance)} but the network has {num_layers} layers; "
+            "the numbers of layers per stage must add up to the number of layers"
+        )
+    if world_size is not None and len(balance) != world_size:
+        raise ValueError(
+            f"balance {balance} has {len(balance)} stages but there are {world_size} processes "
+            "(one stage per process): make len(balance) equal the number of devices"
+        )
+
+
+def split_sequential(net: nn.Sequential, balance: Sequence[int]) -> list[nn.Sequential]:
+    """The stages of ``net`` (sharing its layers), keeping each layer's original index as its
+    name so that stage state dicts merge back into the full network's."""
+    if not isinstance(net, nn.Sequential):
+        raise TypeError(
+            f"pipelining needs an nn.Sequential to split into stages, got {type(net).__name__}"
+        )
+    check_balance(len(net), balance)
+    stages, start = [], 0
+    names = [name for name, _ in net.named_children()]
+    for size in balance:
+        stage = nn.Sequential()
+        for name in names[start : start + size]:
+            stage.add_module(name, net._modules[name])
+        stages.append(stage)
+        start += size
+    return stages
+
+
+def stage_bounds(balance: Sequence[int]) -> list[tuple[int, int]]:
+    """``[(first, stop), ...]`` layer index ranges of each stage."""
+    bounds, start = [], 0
+    for size in balance:
+        bounds.append((start, start + size))
+        start += size
+    return bounds
+
+
+def balance_by_cost(costs: Sequence[float], num_stages: int) -> list[int]:
+    """Cut ``costs`` (one per layer) into ``num_stages`` consecutive non-empty parts so that the
+    most expensive part is as cheap as possible (the classic linear-partition dynamic
+    programme; exact, O(K·n²) for n layers)."""
+    n = len(costs)
+    if not 1 <= num_stages <= n:
+        raise ValueError(
+            f"cannot split {n} layers into {num_stages} stages: need 1 <= stages <= layers"
+        )
+    prefix = [0.0]
+    for c in costs:
+        prefix.append(prefix[-1] + float(c))
+    inf = float("inf")
+    # best[k][i]: lowest max-stage cost for the first i layers in k stages; cut[k][i]: last cut.
+    best = [[inf] * (n + 1) for _ in range(num_stages + 1)]
+    cut = [[0] * (n + 1) for _ in range(num_stages + 1)]
+    best[0][0] = 0.0
+    for k in range(1, num_stages + 1):
+        for i in range(k, n + 1):
+            for j in range(k - 1, i):
+                # ties go to the later cut, which keeps earlier stages light
+                cost = max(best[k - 1][j], prefix[i] - prefix[j])
+                if cost <= best[k][i]:
+                    best[k][i], cut[k][i] = cost, j
+    balance, i = [], n
+    for k in range(num_stages, 0, -1):
+        j = cut[k][i]
+        balance.append(i - j)
+        i = j
+    return balance[::-1]
+
+
+def balance_by_params(net: nn.Sequential, num_stages: int) -> list[int]:
+    """Balance by parameter count (layers without parameters count as one, so that a
+    stage is never empty of work)."""
+    costs = [max(1, sum(p.numel() for p in layer.parameters())) for layer in net]
+    return balance_by_cost(costs, num_stages)
+
+
+def layer_times(net: nn.Sequential, sample: torch.Tensor, repeat: int = 3) -> list[float]:
+    """Seconds for forward + backward of each layer on ``sample`` (best of ``repeat``)."""
+    times, x = [], sample
+    for layer in net:
+        best = float("inf")
+        for _ in range(repeat):
+            inp = x.detach().requires_grad_(x.is_floating_point())
+            start = time.perf_counter()
+            out = layer(inp)
+            wrt = [t for t in (inp, *layer.parameters()) if t.requires_grad]
+            if out.requires_grad and wrt:  # autograd.grad leaves .grad untouched
+                torch.autograd.grad(out, wrt, torch.ones_like(out), allow_unused=True)
+            if out.device.type == "cuda":
+                torch.cuda.synchronize(out.device)
+            best = min(best, time.perf_counter() - start)
+        times.append(best)
+        with torch.no_grad():
+            x = layer(x)
+    return times
+
+
+def balance_by_time(
+    net: nn.Sequential, sample: torch.Tensor, num_stages: int, repeat: int = 3
+) -> list[int]:
+    """Balance by measured forward + backward time per layer (torchgpipe's ``balance_by_time``)."""
+    return balance_by_cost(layer_times(net, sample, repeat), num_stages)
