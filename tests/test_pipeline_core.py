@@ -9,7 +9,7 @@ import pytest
 import torch
 from torch import nn
 
-from lightning_par.comm import Communicator, CommTrace, run_on_ranks
+from lightning_par.comm import CommTrace, Communicator, run_on_ranks
 from lightning_par.pipeline import (
     PipelineStage,
     balance_by_cost,
