@@ -1,0 +1,116 @@
+"""The alpha-beta cost model: closed forms, and exact agreement with measured traces."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from lightning_par.collectives import ALGORITHMS
+from lightning_par.collectives.cost_model import crossover, fit_alpha_beta, predict
+from lightning_par.comm import CommTrace, run_on_ranks
+
+
+@pytest.mark.parametrize("p", [2, 3, 4, 5, 8])
+def test_ring_sends_2_p_minus_1_over_p_n_when_p_divides_n(p):
+    n = 840  # divisible by 2..8
+    cost = predict("ring", n, p, element_size=4, segment_bytes=None)
+    assert cost.bytes_sent == (2 * (p - 1) * n // p * 4,) * p
+    assert cost.messages_sent == (2 * (p - 1),) * p
+    assert cost.steps == 2 * (p - 1)
+
+
+def test_ring_uneven_chunks_are_counted_exactly():
+    # n = 10, p = 4: chunks 3, 3, 2, 2; rank r skips chunks r+1 (reduce-scatter) and r+2.
+    cost = predict("ring", 10, 4, element_size=2, segment_bytes=None)
+    sizes = [3, 3, 2, 2]
+    expected = tuple((20 - sizes[(r + 1) % 4] - sizes[(r + 2) % 4]) * 2 for r in range(4))
+    assert cost.bytes_sent == expected == (30, 32, 30, 28)
+    # Fewer elements than ranks: chunks 1, 1, 0, 0; empty chunks send nothing.
+    tiny = predict("ring", 2, 4, segment_bytes=None)
+    assert sum(tiny.bytes_sent) == 2 * 2 * 3 * 4  # each element travels p-1 hops, twice
+    assert tiny.messages_sent == (3, 4, 3, 2)
+
+
+def test_ring_segments_add_messages_not_bytes():
+    whole = predict("ring", 4000, 4, segment_bytes=None)
+    cut = predict("ring", 4000, 4, segment_bytes=400)  # 100 floats, 10 segments per chunk
+    assert cut.bytes_sent == whole.bytes_sent
+    assert cut.messages_sent == tuple(10 * m for m in whole.messages_sent)
+
+
+@pytest.mark.parametrize("p", [2, 4, 8])
+def test_butterfly_power_of_two_sends_n_log2_p(p):
+    cost = predict("butterfly", 1000, p, element_size=4)
+    assert cost.bytes_sent == (1000 * 4 * int(math.log2(p)),) * p
+    assert cost.steps == int(math.log2(p))
+
+
+def test_butterfly_folds_non_powers_of_two():
+    cost = predict("butterfly", 100, 6, element_size=1)  # core of 4, ranks 4, 5 folded
+    assert cost.messages_sent == (3, 3, 2, 2, 1, 1)
+    assert cost.bytes_sent == (300, 300, 200, 200, 100, 100)
+    assert cost.steps == 2 + 2  # fold-in, two rounds, fold-out
+
+
+def test_tree_of_seven_nodes_takes_two_steps_each_way():
+    cost = predict("tree", 1, 7, element_size=1)
+    # root sends to 2 children; inner nodes send up once and down twice; leaves up once.
+    assert cost.messages_sent == (2, 3, 3, 1, 1, 1, 1)
+    assert cost.steps == 4
+
+
+def test_baselines():
+    a2a = predict("all_to_all", 10, 5, element_size=4)
+    assert a2a.bytes_sent == (160,) * 5 and a2a.steps == 1
+    mw = predict("master_worker", 10, 5, element_size=4)
+    assert mw.bytes_sent == (160, 40, 40, 40, 40) and mw.messages_sent == (4, 1, 1, 1, 1)
+
+
+@pytest.mark.parametrize("name", sorted(ALGORITHMS))
+def test_nothing_to_send(name):
+    assert predict(name, 0, 4).bytes_sent == (0,) * 4
+    assert predict(name, 100, 1).messages_sent == (0,)
+
+
+def test_time_model_shapes():
+    alpha, beta = 1e-4, 1e-9
+    # Latency-bound: butterfly's log2(p) steps beat the ring's 2(p-1).
+    assert predict("butterfly", 1, 8).time(alpha, beta) < predict("ring", 1, 8).time(alpha, beta)
+    # Bandwidth-bound: the ring's per-rank traffic hardly grows with p.
+    big = 1 << 24
+    t4, t8 = (predict("ring", big, p).time(0.0, beta) for p in (4, 8))
+    assert t8 / t4 == pytest.approx((2 * 7 / 8) / (2 * 3 / 4), rel=1e-3)
+    assert predict("ring", big, 8).time(alpha, beta) < predict("butterfly", big, 8).time(
+        alpha, beta
+    )
+    n = crossover("butterfly", "ring", 8, alpha, beta)
+    assert n is not None and 1 < n < big
+
+
+def test_fit_alpha_beta_recovers_the_line():
+    sizes = [1e3, 1e5, 1e6, 4e6]
+    alpha, beta = fit_alpha_beta(sizes, [2e-5 + 3e-10 * s for s in sizes])
+    assert alpha == pytest.approx(2e-5) and beta == pytest.approx(3e-10)
+    with pytest.raises(ValueError, match="at least two"):
+        fit_alpha_beta([1.0], [1.0])
+
+
+def _traced_totals(rank: int, world_size: int, numel: int) -> dict:
+    out = {}
+    for name, allreduce in ALGORITHMS.items():
+        trace = CommTrace(rank)
+        allreduce(torch.ones(numel), trace=trace)  # default options (1 MiB ring segments)
+        out[name] = (trace.bytes_sent, trace.messages_sent, trace.steps)
+    return out
+
+
+def test_measured_traffic_equals_the_model_with_default_options():
+    numel = 2_500_001  # 3.3 MB ring chunks on 3 ranks: four 1 MiB segments each
+    for rank, totals in enumerate(run_on_ranks(_traced_totals, 3, numel)):
+        for name, (nbytes, messages, steps) in totals.items():
+            cost = predict(name, numel, 3)
+            assert nbytes == cost.bytes_sent[rank], name
+            assert messages == cost.messages_sent[rank], name
+            assert steps <= cost.steps, name
