@@ -25,7 +25,7 @@ from collections.abc import Callable, Sequence
 import torch
 from torch import nn
 
-from lightning_par.comm import Communicator, Handle
+from lightning_par.comm import Communicator, Event, Handle
 from lightning_par.pipeline.checkpoint import SavedActivations, check_mode, recomputes, run_forward
 from lightning_par.pipeline.microbatch import micro_batch_sizes
 from lightning_par.pipeline.schedule import Step
@@ -57,18 +57,26 @@ class PipelineStage:
         self.module, self.comm = module, comm
         self.stage, self.num_stages = comm.rank, comm.world_size
         self.checkpoint = check_mode(checkpoint)
-        param = next(module.parameters(), None)
-        self.device = device or (param.device if param is not None else torch.device("cpu"))
+        self._device = device
         self.is_first, self.is_last = self.stage == 0, self.stage == self.num_stages - 1
-        self.step_index = 0
+        self.step_index, self._step_start = 0, 0.0
         self.saved: SavedActivations | None = None  # set by measure_memory()
         self._known_shapes: dict[tuple, tuple[torch.Size, torch.dtype]] = {}
         self._reset()
+
+    @property
+    def device(self) -> torch.device:
+        """Where received tensors go: the given device, else the stage's parameters'."""
+        if self._device is not None:
+            return self._device
+        param = next(self.module.parameters(), None)
+        return param.device if param is not None else torch.device("cpu")
 
     # ---- per-step state -------------------------------------------------------------
     def _reset(self) -> None:
         self._inputs: dict[int, torch.Tensor] = {}
         self._outputs: dict[int, torch.Tensor] = {}
+        self._results: dict[int, torch.Tensor] = {}
         self._act_recvs: dict[int, Handle] = {}
         self._grad_recvs: dict[int, Handle] = {}
         self._sends: list[Handle] = []
@@ -81,6 +89,7 @@ class PipelineStage:
         self.sizes = micro_batch_sizes(int(batch_shape[0]), chunks)
         self.chunks = chunks
         self._key = (tuple(batch_shape), chunks)
+        self._step_start = self.comm.trace.now() if self.comm.trace is not None else 0.0
         if self.saved is not None:
             self.saved = SavedActivations(exclude=list(self.module.parameters()))
         return self.sizes
@@ -93,6 +102,10 @@ class PipelineStage:
         """Wait for this step's sends and drop its activations."""
         for handle in self._sends:
             handle.wait()
+        trace = self.comm.trace
+        if trace is not None:  # one "step" event per step (micro_batch holds the step index)
+            event = Event(self.stage, "step", self._step_start, trace.now(), self.step_index)
+            trace.events.append(event)
         self._reset()
         self.step_index += 1
 
@@ -100,6 +113,11 @@ class PipelineStage:
     def outputs(self) -> list[torch.Tensor]:
         """Last stage: the micro-batch outputs of this step, in order (with autograd graph)."""
         return [self._outputs[i] for i in sorted(self._outputs)]
+
+    def joined_output(self) -> torch.Tensor:
+        """Last stage: this step's micro-batch outputs joined into one batch (detached); kept
+        after the backward steps, unlike :attr:`outputs`."""
+        return torch.cat([self._results[i] for i in sorted(self._results)])
 
     # ---- running steps --------------------------------------------------------------
     def run(
@@ -178,6 +196,7 @@ class PipelineStage:
             self._inputs[i] = x
         if self.is_last:
             self._outputs[i] = out
+            self._results[i] = out.detach()
         else:
             if grad:
                 self._outputs[i] = out
