@@ -12,7 +12,39 @@ import importlib
 from lightning.pytorch.strategies import StrategyRegistry
 
 #: (module, class name, registered name, description), one row per strategy.
-PLUGINS: list[tuple[str, str, str, str]] = []
+PLUGINS: list[tuple[str, str, str, str]] = [
+    (
+        "allreduce",
+        "RingAllReduceStrategy",
+        "ring_allreduce",
+        "Ring allreduce (reduce-scatter + all-gather), bucketed and overlapped",
+    ),
+    (
+        "allreduce",
+        "TreeAllReduceStrategy",
+        "tree_allreduce",
+        "Tree allreduce (reduce to rank 0, broadcast back), bucketed and overlapped",
+    ),
+    (
+        "allreduce",
+        "ButterflyAllReduceStrategy",
+        "butterfly_allreduce",
+        "Butterfly allreduce (recursive doubling), bucketed and overlapped",
+    ),
+    (
+        "allreduce",
+        "AllToAllAllReduceStrategy",
+        "all_to_all_allreduce",
+        "All-to-all allreduce (teaching baseline)",
+    ),
+    (
+        "allreduce",
+        "MasterWorkerAllReduceStrategy",
+        "master_worker_allreduce",
+        "Master-worker allreduce (teaching baseline)",
+    ),
+    ("gpipe", "GPipeStrategy", "gpipe", "GPipe pipeline: one stage per device, micro-batches"),
+]
 
 
 def register_strategies(registry=StrategyRegistry) -> None:
