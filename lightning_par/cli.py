@@ -29,15 +29,20 @@ class LightningParCLI(LightningCLI):
         )
 
     def after_fit(self) -> None:
-        epochs = self.trainer.current_epoch
         if self.config[self.subcommand].get("test_after_fit", True):
             self.trainer.test(self.model, datamodule=self.datamodule, verbose=False)
         if self.trainer.global_rank == 0:
-            print(summary_line(self.trainer, self.datamodule, epochs), flush=True)
+            self._print_summary()
 
     def after_test(self) -> None:
         if self.trainer.global_rank == 0:
-            print(summary_line(self.trainer, self.datamodule), flush=True)
+            self._print_summary()
+
+    def _print_summary(self) -> None:
+        # With a fork launcher, data was set up in the children: resolve it here to report it.
+        if getattr(self.datamodule, "source_used", "") is None:
+            self.datamodule.setup("test")
+        print(summary_line(self.trainer, self.datamodule), flush=True)
 
 
 def main(args: list[str] | None = None) -> None:

@@ -45,10 +45,12 @@ class ThroughputMonitor(pl.Callback):
         return self.images / self.seconds if self.seconds else float("nan")
 
     def on_train_end(self, trainer, pl_module) -> None:
-        trainer.callback_metrics["train_images_per_s"] = torch.tensor(self.images_per_second)
+        metrics = trainer.callback_metrics
+        metrics["train_images_per_s"] = torch.tensor(self.images_per_second)
+        metrics["epochs_completed"] = torch.tensor(float(trainer.current_epoch))
 
 
-def summary_line(trainer: pl.Trainer, datamodule=None, epochs: int | None = None) -> str:
+def summary_line(trainer: pl.Trainer, datamodule=None) -> str:
     """``lightning_par summary: strategy=... devices=... data=... test_acc=...``"""
     metrics = {k: float(v) for k, v in trainer.callback_metrics.items() if v.numel() == 1}
     strategy = type(trainer.strategy).__name__
@@ -56,7 +58,7 @@ def summary_line(trainer: pl.Trainer, datamodule=None, epochs: int | None = None
         f"strategy={strategy}",
         f"accelerator={type(trainer.accelerator).__name__.replace('Accelerator', '').lower()}",
         f"processes={trainer.world_size}",
-        f"epochs={trainer.current_epoch if epochs is None else epochs}",
+        f"epochs={int(metrics.get('epochs_completed', trainer.current_epoch))}",
     ]
     if datamodule is not None and getattr(datamodule, "source_used", None):
         parts.append(f"data='{datamodule.source_used}'")

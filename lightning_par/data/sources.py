@@ -108,16 +108,20 @@ def load_torchvision(root: Path, train: bool, download: bool) -> tuple[torch.Ten
 
 
 def synthesize(size: int, seed: int, split: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Learnable CIFAR-shaped data: each class has a smooth colour pattern (a random 4x4
-    image upsampled to 32x32); a sample is its class pattern, randomly shifted, plus noise.
+    """Learnable CIFAR-shaped data: each class has a colour and a smooth pattern (a random
+    4x4 image upsampled to 32x32); a sample is its class's colour and pattern, the pattern
+    randomly shifted, plus noise. Colour makes classes easy, pattern makes them image-like.
 
     Deterministic in ``(seed, split)``; the class patterns depend on ``seed`` only, so a
     train and a test split of the same seed share classes.
     """
     if size < 0:
         raise ValueError(f"synthetic size must be >= 0, got {size}")
-    protos = torch.rand(10, 3, 4, 4, generator=torch.Generator().manual_seed(seed))
-    protos = torch.nn.functional.interpolate(protos, size=32, mode="bilinear")
+    class_gen = torch.Generator().manual_seed(seed)
+    colours = torch.rand(10, 3, 1, 1, generator=class_gen)
+    patterns = torch.rand(10, 3, 4, 4, generator=class_gen)
+    patterns = torch.nn.functional.interpolate(patterns, size=32, mode="bilinear")
+    protos = 0.5 * colours + 0.5 * patterns
     gen = torch.Generator().manual_seed(seed * 1000 + split + 1)
     labels = torch.randint(0, 10, (size,), generator=gen)
     shifts = torch.randint(-3, 4, (size, 2), generator=gen)

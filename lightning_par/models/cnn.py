@@ -20,7 +20,9 @@ NORMS = ("group", "batch", "none")
 
 def make_norm(kind: str, channels: int) -> nn.Module:
     if kind == "group":
-        return nn.GroupNorm(min(8, channels), channels)
+        # About 8 channels a group, at most 8 groups: one channel a group (instance norm)
+        # would erase each image's mean colour, which CIFAR classes depend on.
+        return nn.GroupNorm(min(8, max(1, channels // 8)), channels)
     if kind == "batch":
         return nn.BatchNorm2d(channels)
     return nn.Identity()

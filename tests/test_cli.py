@@ -1,0 +1,88 @@
+"""The lightning-par command (LightningCLI) and the check table."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from lightning_par import check
+from lightning_par.cli import main
+
+FAST = [
+    "--model=CifarCNN",
+    "--model.width=8",
+    "--model.num_blocks=1",
+    "--data.source=synthetic",
+    "--data.synthetic_size=256",
+    "--data.batch_size=32",
+    "--trainer.accelerator=cpu",
+    "--trainer.max_epochs=1",
+    "--trainer.enable_progress_bar=false",
+    "--trainer.enable_model_summary=false",
+]
+
+
+def test_fit_on_two_processes_tests_and_prints_a_summary(tmp_path, capsys):
+    main(["fit", *FAST, "--trainer.devices=2", "--trainer.strategy=ddp_fork",
+          f"--trainer.default_root_dir={tmp_path}"])  # fmt: skip
+    line = [ln for ln in capsys.readouterr().out.splitlines() if "lightning_par summary" in ln]
+    assert len(line) == 1, line
+    summary = line[0]
+    for field in ("processes=2", "data='synthetic'", "train_images_per_s=", "test_acc="):
+        assert field in summary
+    assert (tmp_path / "lightning_logs").is_dir()
+
+
+def test_yaml_config_and_rnn(tmp_path, capsys):
+    config = tmp_path / "run.yaml"
+    config.write_text(
+        "model:\n  class_path: lightning_par.models.CifarRNN\n  init_args:\n"
+        "    hidden_size: 8\n    num_layers: 1\n"
+        "data:\n  source: synthetic\n  synthetic_size: 128\n"
+        "trainer:\n  accelerator: cpu\n  max_steps: 2\n  limit_val_batches: 1\n"
+        "  enable_progress_bar: false\n"
+        f"  default_root_dir: {tmp_path}\n"
+        "test_after_fit: false\n"
+    )
+    main(["fit", f"--config={config}"])
+    out = capsys.readouterr().out
+    assert "lightning_par summary" in out and "test_acc" not in out
+
+
+def test_unknown_strategy_is_rejected_before_training(tmp_path):
+    with pytest.raises((SystemExit, ValueError)):
+        main(["fit", *FAST, "--trainer.strategy=no_such_strategy",
+              f"--trainer.default_root_dir={tmp_path}"])  # fmt: skip
+
+
+def test_console_entry_point_lists_the_subcommands():
+    out = subprocess.run(
+        [sys.executable, "-m", "lightning_par", "--help"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert out.returncode == 0
+    assert "fit" in out.stdout and "test" in out.stdout
+
+
+def test_check_prints_one_ok_row_per_run(capsys):
+    code = check.main(["--strategies", "ddp_fork", "--models", "CifarCNN", "--accelerators",
+                       "cpu", "--steps", "3", "--json"])  # fmt: skip
+    rows = json.loads(capsys.readouterr().out)
+    assert code == 0
+    assert [(r["strategy"], r["processes"], r["status"]) for r in rows] == [
+        ("single", 1, "ok"),
+        ("ddp_fork", 2, "ok"),
+    ]
+
+
+def test_check_reports_a_failing_row_without_stopping(capsys):
+    code = check.main(["--strategies", "no_such_strategy", "--models", "CifarRNN",
+                       "--accelerators", "cpu", "--steps", "2", "--json"])  # fmt: skip
+    out = capsys.readouterr().out
+    rows = json.loads(out[: out.rindex("]") + 1])
+    assert code == 1
+    assert [r["status"] for r in rows] == ["ok", "failed"]
+    assert "no_such_strategy" in rows[1]["error"]

@@ -1,0 +1,129 @@
+"""The communication layer: fork runner, failures that name the rank, traced messages."""
+
+import os
+import time
+
+import pytest
+import torch
+
+from lightning_par.comm import (
+    CommError,
+    CommTrace,
+    Communicator,
+    RankFailed,
+    choose_start_method,
+    find_free_port,
+    run_on_ranks,
+)
+
+
+def _ring_shift(rank, world_size):
+    comm = Communicator(trace=CommTrace(rank))
+    out = torch.empty(3)
+    comm.sendrecv(
+        torch.full((3,), float(rank)), (rank + 1) % world_size, out, (rank - 1) % world_size,
+        step=0, chunk=rank,
+    )  # fmt: skip
+    return out.tolist(), comm.trace.totals(), [(m.op, m.peer, m.step) for m in comm.trace.messages]
+
+
+@pytest.mark.parametrize("world_size", [1, 2, 3, 4])
+def test_run_on_ranks_returns_results_in_rank_order(world_size):
+    assert run_on_ranks(lambda r, w, k: (r, w, k), world_size, 7) == [
+        (r, world_size, 7) for r in range(world_size)
+    ]
+
+
+def test_messages_arrive_and_are_traced():
+    results = run_on_ranks(_ring_shift, 3)
+    for rank, (received, totals, messages) in enumerate(results):
+        assert received == [float((rank - 1) % 3)] * 3
+        assert totals == {"rank": rank, "messages_sent": 1, "bytes_sent": 12, "bytes_received": 12}
+        assert sorted(messages) == [("recv", (rank - 1) % 3, 0), ("send", (rank + 1) % 3, 0)]
+
+
+def test_raising_rank_is_named():
+    def fn(rank, world_size):
+        if rank == 1:
+            raise ValueError("boom on purpose")
+        return rank
+
+    with pytest.raises(RankFailed, match=r"rank 1 of 2 raised:(.|\n)*boom on purpose"):
+        run_on_ranks(fn, 2)
+
+
+def test_dead_rank_is_named_before_its_peers_echo():
+    def fn(rank, world_size):
+        if rank == 1:
+            os._exit(3)
+        Communicator().recv(torch.empty(2), 1)
+
+    with pytest.raises(RankFailed, match="rank 1 of 2 died with exit code 3"):
+        run_on_ranks(fn, 2, timeout=10)
+
+
+def test_hung_rank_fails_fast_with_the_peer_named():
+    def fn(rank, world_size):
+        if rank == 1:
+            time.sleep(3600)
+        Communicator().recv(torch.empty(2), 1, step=4)
+
+    start = time.monotonic()
+    with pytest.raises(RankFailed) as err:
+        run_on_ranks(fn, 2, timeout=3)
+    assert time.monotonic() - start < 20
+    message = str(err.value)
+    assert "did not finish" in message or "rank 0: recv from rank 1 failed (step 4" in message
+
+
+def test_communicator_rejects_bad_peers_and_needs_a_group():
+    with pytest.raises(RuntimeError, match="not initialised"):
+        Communicator()
+
+    def fn(rank, world_size):
+        comm = Communicator()
+        for peer in (rank, world_size, -1):
+            with pytest.raises(ValueError, match="invalid peer"):
+                comm.isend(torch.zeros(1), peer)
+        return True
+
+    assert run_on_ranks(fn, 2) == [True, True]
+
+
+def test_empty_tensors_are_not_sent_but_traced():
+    def fn(rank, world_size):
+        comm = Communicator(trace=CommTrace(rank))
+        comm.sendrecv(torch.empty(0), 1 - rank, torch.empty(0), 1 - rank)
+        return comm.trace.totals()["bytes_sent"], len(comm.trace.messages)
+
+    assert run_on_ranks(fn, 2) == [(0, 2), (0, 2)]
+
+
+def test_comm_error_type_is_runtime_error():
+    assert issubclass(CommError, RuntimeError)
+
+
+def test_trace_spans_and_gather():
+    def fn(rank, world_size):
+        trace = CommTrace(rank)
+        with trace.span("forward", micro_batch=rank):
+            time.sleep(0.01)
+        gathered = trace.gather()
+        return None if gathered is None else [t.events[0].micro_batch for t in gathered]
+
+    assert run_on_ranks(fn, 3) == [[0, 1, 2], None, None]
+
+
+def test_start_method_policy(monkeypatch):
+    assert choose_start_method("cpu") == "fork"
+    assert choose_start_method("cuda") == "fork"  # under pytest
+    monkeypatch.setenv("LIGHTNING_PAR_START_METHOD", "spawn")
+    assert choose_start_method("cuda") == "spawn"
+    monkeypatch.setenv("LIGHTNING_PAR_START_METHOD", "teleport")
+    with pytest.raises(ValueError, match="not one of"):
+        choose_start_method()
+
+
+def test_free_ports_differ_and_bind_loopback():
+    ports = {find_free_port() for _ in range(5)}
+    assert all(1024 < p < 65536 for p in ports) and len(ports) >= 4
