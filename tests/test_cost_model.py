@@ -101,13 +101,13 @@ def _traced_totals(rank: int, world_size: int, numel: int) -> dict:
     out = {}
     for name, allreduce in ALGORITHMS.items():
         trace = CommTrace(rank)
-        allreduce(torch.ones(numel), trace=trace)  # default options (1 MiB ring segments)
+        allreduce(torch.ones(numel), trace=trace)  # default options
         out[name] = (trace.bytes_sent, trace.messages_sent, trace.steps)
     return out
 
 
 def test_measured_traffic_equals_the_model_with_default_options():
-    numel = 2_500_001  # 3.3 MB ring chunks on 3 ranks: four 1 MiB segments each
+    numel = 13_000_001  # 17.3 MB ring chunks on 3 ranks: two 16 MiB segments each
     for rank, totals in enumerate(run_on_ranks(_traced_totals, 3, numel)):
         for name, (nbytes, messages, steps) in totals.items():
             cost = predict(name, numel, 3)

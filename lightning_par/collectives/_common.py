@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import threading
+
 import torch
 import torch.distributed as dist
 
@@ -77,3 +79,23 @@ def segment_elems_for(segment_bytes: int | None, element_size: int) -> int | Non
 def depth_in_heap(index: int) -> int:
     """Depth of node ``index`` in a binary heap (root 0, children ``2i+1`` and ``2i+2``)."""
     return (index + 1).bit_length() - 1
+
+
+_workspace = threading.local()
+
+
+def scratch(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A receive buffer reused across calls (per thread, dtype and device).
+
+    Allocating tens of megabytes per call costs page faults on every first touch; reusing
+    one buffer per thread keeps the hot loop allocation-free.
+    """
+    numel = 1
+    for n in shape:
+        numel *= n
+    cache = _workspace.__dict__.setdefault("buffers", {})
+    key = (dtype, device)
+    buf = cache.get(key)
+    if buf is None or buf.numel() < numel:
+        buf = cache[key] = torch.empty(numel, dtype=dtype, device=device)
+    return buf[:numel].view(shape)

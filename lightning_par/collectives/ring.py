@@ -29,14 +29,18 @@ from lightning_par.collectives._common import (
     finish,
     flat_work,
     resolve_communicator,
+    scratch,
     segment_elems_for,
     segments,
 )
 from lightning_par.comm import CommTrace, Communicator, Handle
 
-#: Segment size of the pipeline. 1 MiB, like gloo's own ring; measured in
-#: ``python -m lightning_par.bench allreduce --segment-bytes ...``.
-DEFAULT_SEGMENT_BYTES = 1 << 20
+#: Largest message of the pipeline. Each message costs a wake-up of sender and receiver;
+#: on the 2-core test machine (4 ranks, loopback) that is milliseconds, and a 16M-float
+#: ring took 186 ms unsegmented, 274 ms with 4 MiB and 576 ms with 1 MiB segments (gloo's
+#: own ring uses 1 MiB, in C++). 16 MiB keeps the pipeline for very large chunks only;
+#: tune with ``python -m lightning_par.bench allreduce --segment-bytes ...``.
+DEFAULT_SEGMENT_BYTES = 16 << 20
 
 
 def ring_schedule(rank: int, world_size: int) -> list[tuple[int, int]]:
@@ -79,7 +83,7 @@ def ring_allreduce(
     reduce_steps = p - 1
     # Two receive buffers, alternating by step, so step t + 1's receives can be posted
     # while step t's segments are still being added.
-    scratch = torch.empty((2, max(sizes)), dtype=flat.dtype, device=flat.device)
+    buffers = scratch((2, max(sizes)), flat.dtype, flat.device)
 
     def pieces(chunk: int) -> list[tuple[int, int]]:
         return segments(offsets[chunk], sizes[chunk], seg)
@@ -90,7 +94,7 @@ def ring_allreduce(
         for start, stop in pieces(chunk):
             if step < reduce_steps:
                 base = offsets[chunk]
-                target = scratch[step % 2, start - base : stop - base]
+                target = buffers[step % 2, start - base : stop - base]
             else:
                 target = flat[start:stop]  # all-gather: the finished chunk lands in place
             tag = "reduce-scatter" if step < reduce_steps else "all-gather"
@@ -119,7 +123,7 @@ def ring_allreduce(
             handle.wait()
             if step < reduce_steps:
                 base = offsets[schedule[step][1]]
-                flat[start:stop].add_(scratch[step % 2, start - base : stop - base])
+                flat[start:stop].add_(buffers[step % 2, start - base : stop - base])
             if nxt < n_steps:  # forward the segment at once (the pipeline)
                 sends[nxt].append(send(nxt, start, stop))
         receives = next_receives
