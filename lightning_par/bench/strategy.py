@@ -1,0 +1,110 @@
+"""Step time of the allreduce strategies against Lightning's ``DDPStrategy`` (same run).
+
+    python -m lightning_par.bench strategy --devices 2 --steps 30
+
+Trains the CIFAR CNN on synthetic CIFAR-shaped data for a fixed number of steps with each
+strategy (fork launch, CPU) and reports the median step time of rank 0 after a warm-up,
+and its ratio to DDP's (< 1: faster than DDP).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import statistics
+import tempfile
+import time
+import warnings
+from pathlib import Path
+
+import lightning.pytorch as pl
+from lightning.pytorch.strategies import DDPStrategy
+from torch.utils.data import DataLoader
+
+import lightning_par  # noqa: F401  (registers the strategy names)
+from lightning_par.data import SyntheticCIFAR10
+from lightning_par.models import CifarCNN
+from lightning_par.strategies.allreduce import AllReduceStrategy
+
+ALLREDUCE_STRATEGIES = ("ring", "tree", "butterfly", "all_to_all", "master_worker")
+
+
+class StepTimer(pl.Callback):
+    """Rank 0 writes its per-step wall times to ``path`` at the end of training."""
+
+    def __init__(self, path: str) -> None:
+        self.path, self.times, self._start = path, [], 0.0
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+        self._start = time.perf_counter()
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        self.times.append(time.perf_counter() - self._start)
+
+    def on_train_end(self, trainer, pl_module) -> None:
+        if trainer.global_rank == 0:
+            Path(self.path).write_text(json.dumps(self.times))
+
+
+def run_one(strategy, args, path: str) -> list[float]:
+    model = CifarCNN(width=args.width, num_blocks=args.num_blocks, scheduler=None)
+    data = SyntheticCIFAR10(size=args.batch_size * args.devices * (args.steps + 1), seed=0)
+    trainer = pl.Trainer(
+        strategy=strategy,
+        accelerator="cpu",
+        devices=args.devices,
+        max_steps=args.steps,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        callbacks=[StepTimer(path)],
+    )
+    trainer.fit(model, DataLoader(data, batch_size=args.batch_size))
+    return json.loads(Path(path).read_text())
+
+
+def main(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(prog="python -m lightning_par.bench strategy")
+    parser.add_argument("--devices", type=int, default=2)
+    parser.add_argument("--steps", type=int, default=30)
+    parser.add_argument("--warmup", type=int, default=5, help="steps left out of the median")
+    parser.add_argument("--batch-size", type=int, default=64, help="per rank")
+    parser.add_argument("--width", type=int, default=32)
+    parser.add_argument("--num-blocks", type=int, default=4)
+    parser.add_argument("--bucket-cap-mb", type=float, default=4.0)
+    parser.add_argument(
+        "--algorithms", nargs="+", default=list(ALLREDUCE_STRATEGIES), choices=ALLREDUCE_STRATEGIES
+    )
+    parser.add_argument("--json", action="store_true")
+    args = parser.parse_args(argv)
+    logging.getLogger("lightning.pytorch").setLevel(logging.ERROR)
+    warnings.filterwarnings("ignore", ".*val_dataloader.*|.*LeafSpec.*|.*many workers.*")
+    if args.steps <= args.warmup:
+        parser.error("--steps must be larger than --warmup")
+    candidates = {"ddp": lambda: DDPStrategy(start_method="fork")}
+    for name in args.algorithms:
+        candidates[f"{name}_allreduce"] = lambda name=name: AllReduceStrategy(
+            algorithm=name, bucket_cap_mb=args.bucket_cap_mb
+        )
+    medians = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        for name, make in candidates.items():
+            times = run_one(make(), args, str(Path(tmp) / f"{name}.json"))
+            medians[name] = statistics.median(times[args.warmup :])
+    rows = [
+        {"strategy": n, "median_step_s": t, "ratio_to_ddp": t / medians["ddp"]}
+        for n, t in medians.items()
+    ]
+    if args.json:
+        print(json.dumps({"devices": args.devices, "steps": args.steps, "rows": rows}))
+        return 0
+    print(
+        f"CifarCNN(width={args.width}, num_blocks={args.num_blocks}), batch {args.batch_size}"
+        f"/rank, {args.devices} CPU processes, median of steps {args.warmup}..{args.steps - 1}"
+    )
+    print(f"{'strategy':>24} {'step ms':>9} {'vs DDP':>7}")
+    for r in rows:
+        print(f"{r['strategy']:>24} {r['median_step_s'] * 1e3:>9.1f} {r['ratio_to_ddp']:>7.3f}")
+    return 0
