@@ -27,6 +27,7 @@ from typing import Any, ClassVar
 import torch
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
 from lightning.pytorch.strategies import DDPStrategy
+from lightning.pytorch.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
 
 from lightning_par.collectives import ALGORITHMS, get_allreduce, tree_broadcast
 from lightning_par.comm import CommTrace, Communicator, Event, choose_start_method
@@ -108,8 +109,14 @@ class AllReduceStrategy(DDPStrategy):
     def _configure_launcher(self) -> None:
         assert self.cluster_environment is not None
         if self.cluster_environment.creates_processes_externally:
-            self._start_method = "popen"  # torchrun/SLURM started the ranks: launch nothing
-        elif not self._start_method_given:
+            # torchrun, SLURM or run_on_ranks started the ranks: launch nothing (also in a
+            # notebook, where Lightning would refuse its script launcher).
+            self._start_method = "popen"
+            self._launcher = _ExistingRanksLauncher(
+                self.cluster_environment, self.num_processes, self.num_nodes
+            )
+            return
+        if not self._start_method_given:
             device = self.parallel_devices[0].type if self.parallel_devices else "cpu"
             self._start_method = choose_start_method(device)
         super()._configure_launcher()
@@ -163,6 +170,15 @@ class AllReduceStrategy(DDPStrategy):
             self.buckets.close()
             self.buckets = None
         super().teardown()
+
+
+class _ExistingRanksLauncher(_SubprocessScriptLauncher):
+    """Every rank already runs this code: Lightning's script launcher then starts nothing,
+    which is as safe in a notebook as anywhere."""
+
+    @property
+    def is_interactive_compatible(self) -> bool:
+        return True
 
 
 class RingAllReduceStrategy(AllReduceStrategy):
