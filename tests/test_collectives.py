@@ -158,3 +158,26 @@ def test_cuda_tensors(backend):
         return problems
 
     assert run_on_ranks(on_gpu, 2, backend=backend) == [[], []]
+
+
+def test_exchanges_with_one_peer_are_posted_lower_rank_sending_first():
+    # NCCL runs both directions between two ranks on one stream in posting order: if both
+    # posted their send first, large messages would deadlock. Checked without a GPU.
+    from lightning_par.collectives._common import ordered_exchange
+
+    class Recorder:
+        def __init__(self, rank):
+            self.rank, self.posted = rank, []
+
+        def isend(self, tensor, peer, **kw):
+            self.posted.append(("send", peer))
+
+        def irecv(self, tensor, peer, **kw):
+            self.posted.append(("recv", peer))
+
+    t = torch.zeros(1)
+    low, high = Recorder(0), Recorder(1)
+    ordered_exchange(low, [(t, {}), (t, {})], [(t, {})], 1)
+    ordered_exchange(high, [(t, {})], [(t, {}), (t, {})], 0)
+    assert low.posted == [("send", 1), ("send", 1), ("recv", 1)]
+    assert high.posted == [("recv", 0), ("recv", 0), ("send", 0)]

@@ -7,7 +7,7 @@ import threading
 import torch
 import torch.distributed as dist
 
-from lightning_par.comm import CommTrace, Communicator
+from lightning_par.comm import CommTrace, Communicator, Handle
 
 
 def resolve_communicator(
@@ -99,3 +99,22 @@ def scratch(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) ->
     if buf is None or buf.numel() < numel:
         buf = cache[key] = torch.empty(numel, dtype=dtype, device=device)
     return buf[:numel].view(shape)
+
+
+def ordered_exchange(
+    comm: Communicator,
+    sends: list[tuple[torch.Tensor, dict]],
+    recvs: list[tuple[torch.Tensor, dict]],
+    peer: int,
+) -> list[Handle]:
+    """Post sends to and receives from one ``peer``, the lower rank sending first.
+
+    NCCL runs all messages between two ranks on one stream in posting order, so if both
+    ranks posted their (large) send first, each would wait for a receive queued behind it.
+    Posting in rank order pairs every send with the peer's receive; gloo does not care.
+    Each entry is ``(tensor, trace keywords)``.
+    """
+    post_sends = [lambda t=t, kw=kw: comm.isend(t, peer, **kw) for t, kw in sends]
+    post_recvs = [lambda t=t, kw=kw: comm.irecv(t, peer, **kw) for t, kw in recvs]
+    order = post_sends + post_recvs if comm.rank < peer else post_recvs + post_sends
+    return [post() for post in order]

@@ -15,7 +15,13 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from lightning_par.collectives._common import check_tensor, finish, flat_work, resolve_communicator
+from lightning_par.collectives._common import (
+    check_tensor,
+    finish,
+    flat_work,
+    ordered_exchange,
+    resolve_communicator,
+)
 from lightning_par.comm import CommTrace, Communicator, wait_all
 
 MASTER = 0
@@ -37,9 +43,11 @@ def all_to_all_allreduce(
     flat = flat_work(tensor)
     gathered = torch.empty((p, flat.numel()), dtype=flat.dtype, device=flat.device)
     gathered[rank].copy_(flat)
-    peers = [r for r in range(p) if r != rank]
-    handles = [comm.irecv(gathered[r], r, step=0, tag="all-to-all") for r in peers]
-    handles += [comm.isend(flat, r, step=0, tag="all-to-all") for r in peers]
+    kw = {"step": 0, "tag": "all-to-all"}
+    handles = []
+    for r in range(p):
+        if r != rank:
+            handles += ordered_exchange(comm, [(flat, kw)], [(gathered[r], kw)], r)
     wait_all(handles)
     flat.copy_(gathered[0])
     for r in range(1, p):

@@ -20,8 +20,14 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from lightning_par.collectives._common import check_tensor, finish, flat_work, resolve_communicator
-from lightning_par.comm import CommTrace, Communicator
+from lightning_par.collectives._common import (
+    check_tensor,
+    finish,
+    flat_work,
+    ordered_exchange,
+    resolve_communicator,
+)
+from lightning_par.comm import CommTrace, Communicator, wait_all
 
 
 def butterfly_shape(world_size: int) -> tuple[int, int, int]:
@@ -60,7 +66,8 @@ def butterfly_allreduce(
         flat.add_(incoming)
     for k in range(rounds):
         partner = rank ^ (1 << k)
-        comm.sendrecv(flat, partner, incoming, partner, step=first + k, tag="butterfly")
+        kw = {"step": first + k, "tag": "butterfly"}
+        wait_all(ordered_exchange(comm, [(flat, kw)], [(incoming, kw)], partner))
         flat.add_(incoming)
     if rank < extra:
         comm.send(flat, rank + q, step=first + rounds, tag="fold-out")

@@ -28,12 +28,13 @@ from lightning_par.collectives._common import (
     chunk_sizes,
     finish,
     flat_work,
+    ordered_exchange,
     resolve_communicator,
     scratch,
     segment_elems_for,
     segments,
 )
-from lightning_par.comm import CommTrace, Communicator, Handle
+from lightning_par.comm import CommTrace, Communicator, Handle, wait_all
 
 #: Largest message of the pipeline. Each message costs a wake-up of sender and receiver;
 #: on the 2-core test machine (4 ranks, loopback) that is milliseconds, and a 16M-float
@@ -77,6 +78,8 @@ def ring_allreduce(
     sizes = chunk_sizes(flat.numel(), p)
     offsets = chunk_offsets(sizes)
     seg = segment_elems_for(segment_bytes, flat.element_size())
+    if p == 2:
+        return finish(tensor, _two_rank_ring(flat, comm, sizes, offsets, seg))
     right, left = (rank + 1) % p, (rank - 1) % p
     schedule = ring_schedule(rank, p)
     n_steps = len(schedule)
@@ -131,3 +134,26 @@ def ring_allreduce(
         for handle in step_sends:
             handle.wait()
     return finish(tensor, flat)
+
+
+def _two_rank_ring(
+    flat: torch.Tensor, comm: Communicator, sizes: list[int], offsets: list[int], seg: int | None
+) -> torch.Tensor:
+    """The ring for ``p = 2``: the left and right neighbour are one rank, so each step is
+    an exchange posted in rank order (NCCL puts both directions on one stream, see
+    :func:`~lightning_par.collectives._common.ordered_exchange`)."""
+    peer = 1 - comm.rank
+    buffer = scratch((max(sizes),), flat.dtype, flat.device)
+    for step, (send_chunk, recv_chunk) in enumerate(ring_schedule(comm.rank, 2)):
+        tag = "reduce-scatter" if step == 0 else "all-gather"
+        send_kw = {"step": step, "chunk": send_chunk, "tag": tag}
+        recv_kw = {"step": step, "chunk": recv_chunk, "tag": tag}
+        base, size = offsets[recv_chunk], sizes[recv_chunk]
+        target = buffer if step == 0 else flat[base : base + size]
+        outgoing = segments(offsets[send_chunk], sizes[send_chunk], seg)
+        sends = [(flat[a:b], send_kw) for a, b in outgoing]
+        recvs = [(target[a - base : b - base], recv_kw) for a, b in segments(base, size, seg)]
+        wait_all(ordered_exchange(comm, sends, recvs, peer))
+        if step == 0:
+            flat[base : base + size].add_(buffer[:size])
+    return flat
