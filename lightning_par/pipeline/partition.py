@@ -100,10 +100,30 @@ def balance_by_cost(costs: Sequence[float], num_stages: int) -> list[int]:
 
 
 def balance_by_params(net: nn.Sequential, num_stages: int) -> list[int]:
-    """Balance by parameter count (layers without parameters count as one, so that a
-    stage is never empty of work)."""
-    costs = [max(1, sum(p.numel() for p in layer.parameters())) for layer in net]
-    return balance_by_cost(costs, num_stages)
+    """Balance by parameter count. A layer without parameters joins the next layer (the last
+    one joins the previous), so that no stage is left without parameters to train when the
+    network has enough parameterised layers (torch optimisers reject an empty parameter list)."""
+    counts = [sum(p.numel() for p in layer.parameters()) for layer in net]
+    units: list[list[int]] = []  # groups of layer indices, each with parameters if possible
+    pending: list[int] = []
+    for i, count in enumerate(counts):
+        pending.append(i)
+        if count:
+            units.append(pending)
+            pending = []
+    if pending:
+        if units:
+            units[-1] += pending
+        else:
+            units.append(pending)
+    if len(units) < num_stages:  # too few parameterised layers: cut between any layers
+        return balance_by_cost([max(1, c) for c in counts], num_stages)
+    unit_balance = balance_by_cost([sum(counts[i] for i in unit) for unit in units], num_stages)
+    balance, start = [], 0
+    for size in unit_balance:
+        balance.append(sum(len(unit) for unit in units[start : start + size]))
+        start += size
+    return balance
 
 
 def layer_times(net: nn.Sequential, sample: torch.Tensor, repeat: int = 3) -> list[float]:

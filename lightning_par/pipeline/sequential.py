@@ -63,6 +63,7 @@ class PipelinedSequential(nn.Module):
         self.runtime = PipelineStage(stage_layers, comm, checkpoint=checkpoint)
         self._pending: tuple[list[Step], torch.Tensor, list[int]] | None = None
         self._precomputed: torch.Tensor | None = None
+        self._stash: list[tuple[nn.Parameter, torch.Tensor | None]] | None = None
         self.active = False  # set by the strategy around steps, when every stage runs forward
 
     def extra_repr(self) -> str:
@@ -109,7 +110,12 @@ class PipelinedSequential(nn.Module):
 
     def backward(self) -> None:
         """Run the backward half of a GPipe step with the gradient the user's loss left on
-        the output (no-op when no forward is pending)."""
+        the output; after :meth:`train_1f1b`, add the gradients it computed."""
+        if self._stash is not None:  # 1F1B: hand over the gradients train_1f1b computed
+            for param, grad in self._stash:
+                if grad is not None:
+                    param.grad = grad if param.grad is None else param.grad.add_(grad)
+            self._stash = None
         if self._pending is None:
             return
         steps, leaf, sizes = self._pending
@@ -130,7 +136,8 @@ class PipelinedSequential(nn.Module):
     ) -> torch.Tensor:
         """Forward and backward under 1F1B with the mean-reduced ``loss_fn`` per micro-batch
         (micro-batch ``i`` back-propagates ``scale * n_i / B * loss_fn(out_i, y_i)``); the next
-        ``forward`` returns the joined output, which is also returned here."""
+        ``forward`` returns the joined output, which is also returned here. The parameter
+        gradients are added to ``.grad`` by the following :meth:`backward` call."""
         stage = self.runtime
         chunks = self.chunks_for(x.shape[0])
         sizes = stage.begin(x.shape, chunks)
@@ -142,7 +149,16 @@ class PipelinedSequential(nn.Module):
             return torch.autograd.grad(loss, out)[0]
 
         steps = stage_steps(self.schedule, stage.stage, stage.num_stages, chunks)
+        # Lightning zeroes gradients between training_step and backward: keep this step's
+        # gradients aside and hand them over in backward()
+        params = [p for p in self.parameters() if p.requires_grad]
+        before = [p.grad for p in params]
+        for p in params:
+            p.grad = None
         stage.run(steps, scatter(x, chunks) if stage.is_first else None, output_grad=micro_grad)
+        self._stash = [(p, p.grad) for p in params]
+        for p, grad in zip(params, before):
+            p.grad = grad
         joined = stage.joined_output() if stage.is_last else None
         out = stage.share_output(joined)
         stage.finish()

@@ -25,7 +25,9 @@ class FullStateLauncher(_MultiProcessingLauncher):
     def launch(self, function, *args: Any, trainer: pl.Trainer | None = None, **kwargs: Any) -> Any:
         check = getattr(self._strategy, "check_before_launch", None)
         if check is not None:
-            check()  # bad configurations fail here, in the main process, with their own error
+            check(
+                trainer
+            )  # bad configurations fail here, in the main process, with their own error
         return super().launch(function, *args, trainer=trainer, **kwargs)
 
     def _collect_rank_zero_results(self, trainer: pl.Trainer, results: Any) -> _WorkerOutput | None:

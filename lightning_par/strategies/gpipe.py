@@ -191,7 +191,7 @@ class GPipeStrategy(ParallelStrategy):
         net = getattr(module, self.module_attr, None)
         if isinstance(net, PipelinedSequential):
             return
-        self.check_before_launch()
+        self.check_before_launch(self.lightning_module.trainer)
         balance = self._resolve_balance(module, net)
         self.comm = Communicator(trace=CommTrace(self.global_rank) if self.trace_dir else None)
         stages = split_sequential(net, balance)
@@ -204,7 +204,7 @@ class GPipeStrategy(ParallelStrategy):
         send_weights_from_first(self.comm, first, piped.state_dict(), self.root_device)
         setattr(module, self.module_attr, piped)
 
-    def check_before_launch(self) -> None:
+    def check_before_launch(self, trainer: pl.Trainer | None = None) -> None:
         """Reject a network, balance or loss this strategy cannot run, before any process
         starts (the launcher calls this in the main process)."""
         module = self.lightning_module
@@ -227,6 +227,19 @@ class GPipeStrategy(ParallelStrategy):
             )
         if self.balance is not None:
             check_balance(len(net), self.balance, stages)
+        balance = self.balance or (
+            balance_by_params(net, stages) if self.balance_by == "params" else None
+        )
+        fitting = trainer is None or trainer.state.fn == "fit"
+        for s, stage in enumerate(split_sequential(net, balance) if balance and fitting else []):
+            if not any(p.requires_grad for p in stage.parameters()):
+                layers = ", ".join(type(m).__name__ for m in stage)
+                raise ValueError(
+                    f"stage {s} of balance {balance} ({layers}) "
+                    "has no parameters to train and torch optimisers reject an empty parameter "
+                    "list: give every stage a layer with parameters (balance=[...]) or use fewer "
+                    "devices"
+                )
         if self.schedule == "1f1b":
             loss_fn = getattr(module, self.loss_attr, None)
             if not callable(loss_fn) or getattr(loss_fn, "reduction", "mean") != "mean":
