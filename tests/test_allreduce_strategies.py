@@ -344,5 +344,9 @@ def test_bad_options_fail_before_training():
         AllReduceStrategy(algorithm="rnig")
     with pytest.raises(ValueError, match="needs an algorithm"):
         AllReduceStrategy()
+    with pytest.raises(TypeError, match=r"unknown option\(s\) \['bucket_size'\]"):
+        RingAllReduceStrategy(bucket_size=4)
+    with pytest.raises(TypeError, match="no DistributedDataParallel wrapper"):
+        RingAllReduceStrategy(find_unused_parameters=True)
     with pytest.raises(ValueError, match="start_method='thread'"):
         RingAllReduceStrategy(start_method="thread")

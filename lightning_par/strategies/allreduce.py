@@ -34,6 +34,14 @@ from lightning_par.comm import CommTrace, Communicator, Event, choose_start_meth
 from lightning_par.strategies.buckets import GradientBuckets
 
 START_METHODS = ("popen", "spawn", "fork", "forkserver")
+#: DDPStrategy arguments that Lightning itself may pass.
+PLUMBING_ARGUMENTS = {
+    "accelerator",
+    "parallel_devices",
+    "cluster_environment",
+    "checkpoint_io",
+    "precision_plugin",
+}
 
 
 class AllReduceStrategy(DDPStrategy):
@@ -83,6 +91,14 @@ class AllReduceStrategy(DDPStrategy):
             raise ValueError(
                 f"bucket_cap_mb must be > 0 MiB, got {bucket_cap_mb}; DDP's default is 25, "
                 "smaller buckets start communicating earlier in backward"
+            )
+        unknown = sorted(set(kwargs) - PLUMBING_ARGUMENTS)
+        if unknown:
+            raise TypeError(
+                f"{type(self).__name__} got unknown option(s) {unknown}: it accepts algorithm, "
+                "bucket_cap_mb, overlap, trace, start_method, process_group_backend, timeout "
+                f"and {sorted(PLUMBING_ARGUMENTS)} (torch DDP options do not apply: there is "
+                "no DistributedDataParallel wrapper)"
             )
         if start_method is not None and start_method not in START_METHODS:
             raise ValueError(f"start_method={start_method!r}: choose one of {START_METHODS}")
