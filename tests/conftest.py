@@ -22,3 +22,10 @@ def mini_dir() -> Path:
         "cifar10-mini not found: set LIGHTNING_PAR_CIFAR10_MINI or put shared/ beside the repo"
     )
     return path
+
+
+@pytest.fixture(autouse=True)
+def _run_in_tmp_dir(tmp_path, monkeypatch):
+    """Each test runs in its own temporary folder, so Trainer logs and checkpoints written
+    to the working directory never land in the repository."""
+    monkeypatch.chdir(tmp_path)
