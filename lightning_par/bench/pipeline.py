@@ -1,0 +1,213 @@
+"""Pipeline benchmark: naive split vs our GPipe and 1F1B vs torch.distributed.pipelining.
+
+``python -m lightning_par.bench pipeline [--workload linear,cnn] [--chunks 2,4,8] [--json]``
+
+Two stages (two processes, gloo, one thread each so that the two stages share the two
+cores of the reference machine fairly), the same split and the same model for every
+contender, in one run:
+
+* one process on the whole model (1 thread and 2 threads) for context;
+* the naive split (``M = 1``: one stage works while the other waits);
+* our GPipe and 1F1B for several ``M`` (``checkpoint="never"``: no recomputation, like
+  torch's schedule), with the measured bubble from the trace next to (K-1)/(M+K-1);
+* torch's ``ScheduleGPipe`` on the same stages;
+* activation bytes each stage stores between forward and backward per re-materialisation
+  mode at the largest ``M`` (counted with ``saved_tensors_hooks``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import time
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from lightning_par.comm import CommTrace, Communicator, run_on_ranks
+from lightning_par.pipeline import (
+    CHECKPOINT_MODES,
+    PipelineStage,
+    balance_by_params,
+    balance_by_time,
+    bubble_fraction,
+    forward_backward,
+    split_sequential,
+)
+from lightning_par.pipeline.timeline import measured_bubble
+
+
+def linear_workload() -> tuple[nn.Sequential, torch.Tensor, torch.Tensor, nn.Module]:
+    """8 x (Linear(1024) + ReLU), batch 256: compute-dominated, easy to balance."""
+    torch.manual_seed(0)
+    layers: list[nn.Module] = []
+    for _ in range(8):
+        layers += [nn.Linear(1024, 1024), nn.ReLU()]
+    x, y = torch.randn(256, 1024), torch.randn(256, 1024)
+    return nn.Sequential(*layers), x, y, nn.MSELoss()
+
+
+def cnn_workload(batch: int = 64) -> tuple[nn.Sequential, torch.Tensor, torch.Tensor, nn.Module]:
+    """The course's CIFAR CNN (width 32, 4 residual blocks), batch 64."""
+    from lightning_par.models import CifarCNN
+
+    torch.manual_seed(0)
+    x, y = torch.randn(batch, 3, 32, 32), torch.randint(0, 10, (batch,))
+    return CifarCNN().net, x, y, nn.CrossEntropyLoss()
+
+
+WORKLOADS = {"linear": linear_workload, "cnn": cnn_workload}
+
+
+def _time_steps(step, optimizer, warmup: int, steps: int) -> float:
+    for _ in range(warmup):
+        optimizer.zero_grad()
+        step()
+        optimizer.step()
+    dist.barrier()
+    start = time.perf_counter()
+    for _ in range(steps):
+        optimizer.zero_grad()
+        step()
+        optimizer.step()
+    dist.barrier()
+    return (time.perf_counter() - start) / steps
+
+
+def _single(rank: int, world_size: int, workload: str, threads: int, warmup: int, steps: int):
+    torch.set_num_threads(threads)
+    net, x, y, loss_fn = WORKLOADS[workload]()
+    opt = torch.optim.SGD(net.parameters(), lr=1e-3)
+    return _time_steps(lambda: loss_fn(net(x), y).backward(), opt, warmup, steps)
+
+
+def _stage_input(net: nn.Sequential, balance: list[int], stage: int, x: torch.Tensor):
+    with torch.no_grad():
+        return net[: sum(balance[:stage])](x) if stage else x
+
+
+def _pipelines(rank: int, world_size: int, workload: str, chunks: list[int], warmup: int,
+               steps: int) -> dict:  # fmt: skip
+    torch.set_num_threads(1)
+    base, x, y, loss_fn = WORKLOADS[workload]()
+    if workload == "linear":  # identical layers: equal parameter counts are equal work
+        balance = balance_by_params(base, world_size)
+    else:  # measured on rank 0, shared so that both stages cut at the same place
+        box = [balance_by_time(base, x, world_size, repeat=5) if rank == 0 else None]
+        dist.broadcast_object_list(box, 0)
+        balance = box[0]
+    results: dict = {"balance": balance, "runs": [], "saved_bytes": {}}
+    comm = Communicator(trace=CommTrace(rank))
+
+    def ours(schedule: str, m: int, mode: str = "never"):
+        module = split_sequential(copy.deepcopy(base), balance)[rank]
+        stage = PipelineStage(module, comm, checkpoint=mode)
+        opt = torch.optim.SGD(module.parameters(), lr=1e-3)
+        return stage, opt, lambda: forward_backward(stage, x, y, loss_fn, m, schedule)
+
+    for schedule, m in [("gpipe", 1)] + [(s, m) for s in ("gpipe", "1f1b") for m in chunks]:
+        stage, opt, step = ours(schedule, m)
+        comm.trace = CommTrace(rank)  # a fresh trace per run, returned with it
+        seconds = _time_steps(step, opt, warmup, steps)
+        run = {"name": "naive" if m == 1 else schedule, "chunks": m, "step_s": seconds}
+        run.update(trace=comm.trace, first_step=stage.step_index - steps)
+        results["runs"].append(run)
+
+    from torch.distributed.pipelining import PipelineStage as TorchStage
+    from torch.distributed.pipelining import ScheduleGPipe
+
+    for m in chunks:
+        module = split_sequential(copy.deepcopy(base), balance)[rank]
+        micro = _stage_input(base, balance, rank, x.tensor_split(m)[0])
+        stage = TorchStage(module, rank, world_size, torch.device("cpu"), input_args=(micro,))
+        schedule = ScheduleGPipe(stage, n_microbatches=m, loss_fn=loss_fn)
+        opt = torch.optim.SGD(module.parameters(), lr=1e-3)
+        if rank == 0:
+            step = lambda schedule=schedule: schedule.step(x)  # noqa: E731
+        else:
+            step = lambda schedule=schedule: schedule.step(target=y)  # noqa: E731
+        seconds = _time_steps(step, opt, warmup, steps)
+        results["runs"].append({"name": "torch ScheduleGPipe", "chunks": m, "step_s": seconds})
+
+    for mode in CHECKPOINT_MODES:
+        stage, opt, step = ours("gpipe", max(chunks), mode)
+        stage.measure_memory()
+        step()
+        results["saved_bytes"][mode] = stage.saved.nbytes
+    return results
+
+
+def run(workload: str, chunks: list[int], warmup: int, steps: int) -> dict:
+    single = {
+        t: run_on_ranks(_single, 1, workload, t, warmup, steps, timeout=600)[0] for t in (1, 2)
+    }
+    ranks = run_on_ranks(_pipelines, 2, workload, chunks, warmup, steps, timeout=1200)
+    naive = ranks[0]["runs"][0]["step_s"]
+    rows = []
+    for i, run0 in enumerate(ranks[0]["runs"]):
+        step_s = max(r["runs"][i]["step_s"] for r in ranks)
+        row = {"name": run0["name"], "chunks": run0["chunks"], "step_ms": step_s * 1e3,
+               "speedup_vs_naive": naive / step_s,
+               "theory_bubble": bubble_fraction(2, run0["chunks"])}  # fmt: skip
+        if "trace" in run0:
+            traces = [r["runs"][i]["trace"] for r in ranks]
+            first = run0["first_step"]
+            bubbles = [measured_bubble(traces, first + k) for k in range(steps)]
+            row["measured_bubble"] = sum(bubbles) / len(bubbles)
+        rows.append(row)
+    best_torch = min(r["step_ms"] for r in rows if r["name"].startswith("torch"))
+    for row in rows:
+        row["speedup_vs_torch_best"] = best_torch / row["step_ms"]
+    return {
+        "workload": workload,
+        "balance": ranks[0]["balance"],
+        "single_process_ms": {
+            f"{t}_thread{'s' if t > 1 else ''}": s * 1e3 for t, s in single.items()
+        },
+        "rows": rows,
+        "saved_activation_bytes_per_stage": {
+            mode: [r["saved_bytes"][mode] for r in ranks] for mode in CHECKPOINT_MODES
+        },
+        "saved_at_chunks": max(chunks),
+    }
+
+
+def report(result: dict) -> str:
+    lines = [f"## {result['workload']} (balance {result['balance']})", ""]
+    single = ", ".join(
+        f"{k.replace('_', ' ')} {v:.1f} ms" for k, v in result["single_process_ms"].items()
+    )
+    lines += [f"one process: {single}", ""]
+    lines.append("| run | M | step (ms) | vs naive | vs best torch | bubble measured | theory |")
+    lines.append("|---|---|---|---|---|---|---|")
+    for r in result["rows"]:
+        measured = f"{r['measured_bubble']:.0%}" if "measured_bubble" in r else "-"
+        lines.append(
+            f"| {r['name']} | {r['chunks']} | {r['step_ms']:.1f} | {r['speedup_vs_naive']:.2f}x "
+            f"| {r['speedup_vs_torch_best']:.2f}x | {measured} | {r['theory_bubble']:.0%} |"
+        )
+    lines += [
+        "",
+        f"saved activations per stage at M={result['saved_at_chunks']} (GPipe schedule):",
+        "",
+    ]
+    lines += ["| checkpoint | stage 0 | stage 1 |", "|---|---|---|"]
+    for mode, per_stage in result["saved_activation_bytes_per_stage"].items():
+        lines.append(f"| {mode} | " + " | ".join(f"{b / 2**20:.1f} MiB" for b in per_stage) + " |")
+    return "\n".join(lines)
+
+
+def main(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(prog="python -m lightning_par.bench pipeline")
+    parser.add_argument("--workload", default="linear,cnn", help="comma list of linear, cnn")
+    parser.add_argument("--chunks", default="2,4,8", help="micro-batch counts to compare")
+    parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--steps", type=int, default=8)
+    parser.add_argument("--json", action="store_true", help="print JSON instead of tables")
+    args = parser.parse_args(argv)
+    chunks = [int(c) for c in args.chunks.split(",")]
+    results = [run(w, chunks, args.warmup, args.steps) for w in args.workload.split(",")]
+    print(json.dumps(results, indent=2) if args.json else "\n\n".join(map(report, results)))
+    return 0

@@ -1,0 +1,98 @@
+"""Timelines of a real pipeline run: Gantt charts and the measured bubble.
+
+Each stage records ``fwd``/``bwd`` compute spans and one ``step`` span per step (whose
+``micro_batch`` field holds the step index) in its :class:`~lightning_par.comm.CommTrace`,
+and the communicator records every message. Times are per process, relative to each
+trace's ``origin`` (``time.perf_counter``, one clock for all processes of a machine), so
+``origin + t`` puts all stages on one axis.
+
+The measured bubble of a step is the idle share of the stages over the step's window,
+``1 - sum(busy time of each stage) / (K * window)``, to compare with GPipe's
+``(K - 1) / (M + K - 1)``, which assumes equal stages and free communication.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from lightning_par.comm import CommTrace, Event, Message
+
+COLOURS = {"fwd": "tab:blue", "bwd": "tab:orange", "send": "tab:green", "recv": "tab:gray"}
+
+
+def load_traces(folder: str | Path) -> list[CommTrace]:
+    """The traces a strategy with ``trace_dir=folder`` wrote, ordered by rank."""
+    traces = []
+    for path in sorted(Path(folder).glob("rank*.json"), key=lambda p: int(p.stem[4:])):
+        record = json.loads(path.read_text())
+        trace = CommTrace(rank=record["rank"], origin=record["origin"])
+        trace.messages = [Message(**m) for m in record["messages"]]
+        trace.events = [Event(**e) for e in record["events"]]
+        traces.append(trace)
+    return traces
+
+
+def step_window(traces: list[CommTrace], step: int) -> tuple[float, float]:
+    """Absolute (start, end) of ``step`` over all stages."""
+    spans = [
+        (t.origin + e.start, t.origin + e.end)
+        for t in traces
+        for e in t.events
+        if e.name == "step" and e.micro_batch == step
+    ]
+    if not spans:
+        raise ValueError(f"no stage recorded step {step}")
+    return min(s for s, _ in spans), max(e for _, e in spans)
+
+
+def busy_time(trace: CommTrace, start: float, end: float) -> float:
+    """Seconds of forward/backward compute of one stage inside an absolute window."""
+    total = 0.0
+    for e in trace.events:
+        if e.name in ("fwd", "bwd"):
+            lo, hi = max(start, trace.origin + e.start), min(end, trace.origin + e.end)
+            total += max(0.0, hi - lo)
+    return total
+
+
+def measured_bubble(traces: list[CommTrace], step: int) -> float:
+    """Idle fraction of all stages during ``step`` (see the module docstring)."""
+    start, end = step_window(traces, step)
+    busy = sum(busy_time(t, start, end) for t in traces)
+    return 1.0 - busy / (len(traces) * (end - start))
+
+
+def last_step(traces: list[CommTrace]) -> int:
+    return max(e.micro_batch for t in traces for e in t.events if e.name == "step")
+
+
+def plot_timeline(traces: list[CommTrace], step: int, ax=None, messages: bool = True):
+    """Gantt chart of one step: a row per stage, forward (blue) and backward (orange)
+    spans labelled with their micro-batch, and thin bars for send/receive waits."""
+    import matplotlib.pyplot as plt
+
+    ax = ax or plt.subplots(figsize=(10, 0.7 + 0.6 * len(traces)))[1]
+    start, end = step_window(traces, step)
+    for t in traces:
+        row = t.rank
+        for e in t.events:
+            lo, hi = t.origin + e.start - start, t.origin + e.end - start
+            if e.name not in ("fwd", "bwd") or hi < 0 or lo > end - start:
+                continue
+            ax.barh(row, (hi - lo) * 1e3, left=lo * 1e3, color=COLOURS[e.name], edgecolor="k",
+                    height=0.6)  # fmt: skip
+            ax.text((lo + hi) / 2 * 1e3, row, f"{'F' if e.name == 'fwd' else 'B'}{e.micro_batch}",
+                    ha="center", va="center", fontsize=7, color="white")  # fmt: skip
+        if messages:
+            for m in t.messages:
+                lo, hi = t.origin + m.start - start, t.origin + m.end - start
+                if m.tag in ("act", "grad") and 0 <= lo <= end - start:
+                    y = row + (0.36 if m.op == "send" else -0.36)
+                    ax.barh(y, (hi - lo) * 1e3, left=lo * 1e3, color=COLOURS[m.op], height=0.1)
+    ax.set_yticks(range(len(traces)), [f"stage {t.rank}" for t in traces])
+    ax.invert_yaxis()
+    ax.set_xlabel("time in step (ms)")
+    bubble = measured_bubble(traces, step)
+    ax.set_title(f"step {step}: measured bubble {bubble:.0%}")
+    return ax
