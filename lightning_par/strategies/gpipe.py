@@ -157,9 +157,21 @@ class GPipeStrategy(ParallelStrategy):
         self._process_group_backend = self._process_group_backend or (
             _get_default_process_group_backend_for_device(self.root_device)
         )
+        self._check_backend(self._process_group_backend)
         _init_dist_connection(
             self.cluster_environment, self._process_group_backend, timeout=self._timeout
         )
+
+    def _check_backend(self, backend: str) -> None:
+        if self.schedule == "1f1b" and backend == "nccl":
+            # 1F1B has a stage send its next activation while its neighbour sends a gradient
+            # back; NCCL runs one pair's messages in posting order on one stream, so both
+            # sends would wait for receives queued behind them.
+            raise ValueError(
+                "schedule='1f1b' needs sends in both directions between two stages at once, "
+                "which NCCL point-to-point serialises (deadlock): use schedule='gpipe' on GPUs, "
+                "or process_group_backend='gloo' (CUDA tensors are staged through host memory)"
+            )
 
     def set_world_ranks(self) -> None:
         if self.cluster_environment is not None:
@@ -240,6 +252,9 @@ class GPipeStrategy(ParallelStrategy):
                     "list: give every stage a layer with parameters (balance=[...]) or use fewer "
                     "devices"
                 )
+        devices = self.parallel_devices or []
+        if devices and devices[0].type == "cuda":
+            self._check_backend(self._process_group_backend or "nccl")
         if self.schedule == "1f1b":
             loss_fn = getattr(module, self.loss_attr, None)
             if not callable(loss_fn) or getattr(loss_fn, "reduction", "mean") != "mean":
