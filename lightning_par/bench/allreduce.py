@@ -44,6 +44,10 @@ def _time_interleaved(candidates: dict, tensor: torch.Tensor, repeats: int) -> d
     return out
 
 
+def default_repeats(numel: int) -> int:
+    return 200 if numel <= 65536 else 10
+
+
 def _measure(
     rank: int, world_size: int, sizes, algorithms, repeats, warmup, segment_bytes
 ) -> list[dict]:
@@ -58,7 +62,7 @@ def _measure(
         for a in algorithms:
             candidates[a] = partial(ALGORITHMS[a], **options.get(a, {}))
         _time_interleaved(candidates, tensor, warmup)
-        results = _time_interleaved(candidates, tensor, repeats)
+        results = _time_interleaved(candidates, tensor, repeats or default_repeats(numel))
         for name in candidates:
             row = {"numel": numel, "algorithm": name, "median_s": results[name]}
             nbytes = numel * tensor.element_size()
@@ -80,7 +84,13 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--world-size", type=int, default=4)
     parser.add_argument("--sizes", type=int, nargs="+", default=[1024, 65536, 1 << 20, 1 << 24])
     parser.add_argument("--algorithms", nargs="+", default=list(ALGORITHMS), choices=ALGORITHMS)
-    parser.add_argument("--repeats", type=int, default=10)
+    parser.add_argument(
+        "--repeats",
+        type=int,
+        default=None,
+        help="repetitions per size (default: 200 up to 64K floats, where latency noise "
+        "dominates, else 10)",
+    )
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument(
         "--segment-bytes", type=int, default=None, help="ring segment size (default: the ring's)"
@@ -89,7 +99,7 @@ def main(argv: list[str]) -> int:
     args = parser.parse_args(argv)
     if args.world_size < 2:
         parser.error("--world-size must be >= 2")
-    if any(n < 1 for n in args.sizes) or args.repeats < 1:
+    if any(n < 1 for n in args.sizes) or (args.repeats is not None and args.repeats < 1):
         parser.error("--sizes and --repeats must be positive")
     rows = run_on_ranks(
         _measure,
@@ -104,7 +114,8 @@ def main(argv: list[str]) -> int:
     if args.json:
         print(json.dumps({"world_size": args.world_size, "backend": "gloo", "rows": rows}))
         return 0
-    print(f"allreduce, gloo, {args.world_size} ranks, median of {args.repeats}")
+    repeats = args.repeats or "200 (<= 64K floats) / 10"
+    print(f"allreduce, gloo, {args.world_size} ranks, median of {repeats} repetitions")
     header = f"{'numel':>10} {'algorithm':>14} {'median ms':>10} {'busbw GB/s':>10}"
     print(header + f" {'torch/ours':>10} {'bytes/rank measured':>20} {'model':>12}")
     for r in rows:
