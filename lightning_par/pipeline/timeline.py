@@ -33,33 +33,26 @@ def load_traces(folder: str | Path) -> list[CommTrace]:
     return traces
 
 
-def step_window(traces: list[CommTrace], step: int) -> tuple[float, float]:
-    """Absolute (start, end) of ``step`` over all stages."""
-    spans = [
-        (t.origin + e.start, t.origin + e.end)
-        for t in traces
-        for e in t.events
-        if e.name == "step" and e.micro_batch == step
-    ]
+def step_events(trace: CommTrace, step: int) -> list[Event]:
+    """The forward/backward spans one stage ran inside its own ``step`` span."""
+    spans = [e for e in trace.events if e.name == "step" and e.micro_batch == step]
     if not spans:
-        raise ValueError(f"no stage recorded step {step}")
+        raise ValueError(f"stage {trace.rank} recorded no step {step}")
+    lo, hi = spans[0].start, spans[0].end
+    return [e for e in trace.events if e.name in ("fwd", "bwd") and lo <= e.start and e.end <= hi]
+
+
+def step_window(traces: list[CommTrace], step: int) -> tuple[float, float]:
+    """Absolute (start, end) of ``step``: from its first forward on any stage to its last
+    backward on any stage (waiting before the first forward is the previous step's tail)."""
+    spans = [(t.origin + e.start, t.origin + e.end) for t in traces for e in step_events(t, step)]
     return min(s for s, _ in spans), max(e for _, e in spans)
-
-
-def busy_time(trace: CommTrace, start: float, end: float) -> float:
-    """Seconds of forward/backward compute of one stage inside an absolute window."""
-    total = 0.0
-    for e in trace.events:
-        if e.name in ("fwd", "bwd"):
-            lo, hi = max(start, trace.origin + e.start), min(end, trace.origin + e.end)
-            total += max(0.0, hi - lo)
-    return total
 
 
 def measured_bubble(traces: list[CommTrace], step: int) -> float:
     """Idle fraction of all stages during ``step`` (see the module docstring)."""
     start, end = step_window(traces, step)
-    busy = sum(busy_time(t, start, end) for t in traces)
+    busy = sum(e.end - e.start for t in traces for e in step_events(t, step))
     return 1.0 - busy / (len(traces) * (end - start))
 
 
@@ -69,17 +62,17 @@ def last_step(traces: list[CommTrace]) -> int:
 
 def plot_timeline(traces: list[CommTrace], step: int, ax=None, messages: bool = True):
     """Gantt chart of one step: a row per stage, forward (blue) and backward (orange)
-    spans labelled with their micro-batch, and thin bars for send/receive waits."""
+    spans labelled with their micro-batch; with ``messages``, thin bars from posting each
+    activation/gradient send (green, above) or receive (grey, below) to its completion as
+    the stage observed it (sends are checked at the end of the step)."""
     import matplotlib.pyplot as plt
 
     ax = ax or plt.subplots(figsize=(10, 0.7 + 0.6 * len(traces)))[1]
     start, end = step_window(traces, step)
     for t in traces:
         row = t.rank
-        for e in t.events:
+        for e in step_events(t, step):
             lo, hi = t.origin + e.start - start, t.origin + e.end - start
-            if e.name not in ("fwd", "bwd") or hi < 0 or lo > end - start:
-                continue
             ax.barh(row, (hi - lo) * 1e3, left=lo * 1e3, color=COLOURS[e.name], edgecolor="k",
                     height=0.6)  # fmt: skip
             ax.text((lo + hi) / 2 * 1e3, row, f"{'F' if e.name == 'fwd' else 'B'}{e.micro_batch}",
@@ -87,7 +80,7 @@ def plot_timeline(traces: list[CommTrace], step: int, ax=None, messages: bool = 
         if messages:
             for m in t.messages:
                 lo, hi = t.origin + m.start - start, t.origin + m.end - start
-                if m.tag in ("act", "grad") and 0 <= lo <= end - start:
+                if m.tag in ("act", "grad") and m.step == step:
                     y = row + (0.36 if m.op == "send" else -0.36)
                     ax.barh(y, (hi - lo) * 1e3, left=lo * 1e3, color=COLOURS[m.op], height=0.1)
     ax.set_yticks(range(len(traces)), [f"stage {t.rank}" for t in traces])
