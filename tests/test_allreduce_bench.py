@@ -3,13 +3,21 @@
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 
-from lightning_par.bench import allreduce, strategy
+
+def run_bench(*argv: str) -> dict:
+    """``python -m lightning_par.bench ... --json`` in a fresh interpreter (its ranks fork
+    from a parent that has not started an OpenMP pool, as in real use)."""
+    cmd = [sys.executable, "-m", "lightning_par.bench", *argv, "--json"]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=240, check=False)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return json.loads(done.stdout.strip().splitlines()[-1])
 
 
-def test_allreduce_benchmark_reports_every_algorithm_and_torch(capsys):
-    assert allreduce.main(["--world-size", "3", "--sizes", "10", "--repeats", "1", "--json"]) == 0
-    out = json.loads(capsys.readouterr().out)
+def test_allreduce_benchmark_reports_every_algorithm_and_torch():
+    out = run_bench("allreduce", "--world-size", "3", "--sizes", "10", "--repeats", "1")
     rows = {r["algorithm"]: r for r in out["rows"]}
     assert set(rows) == {"torch", "ring", "tree", "butterfly", "all_to_all", "master_worker"}
     for name, row in rows.items():
@@ -18,10 +26,9 @@ def test_allreduce_benchmark_reports_every_algorithm_and_torch(capsys):
             assert row["bytes_sent_measured"] == row["bytes_sent_model"] > 0
 
 
-def test_strategy_benchmark_compares_with_ddp(capsys):
+def test_strategy_benchmark_compares_with_ddp():
     argv = ["--steps", "3", "--warmup", "1", "--width", "4", "--num-blocks", "1"]
-    assert strategy.main([*argv, "--batch-size", "4", "--algorithms", "ring", "--json"]) == 0
-    out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    out = run_bench("strategy", *argv, "--batch-size", "4", "--algorithms", "ring")
     names = [r["strategy"] for r in out["rows"]]
     assert names == ["ddp", "ring_allreduce"]
     assert out["rows"][0]["ratio_to_ddp"] == 1.0 and out["rows"][1]["median_step_s"] > 0

@@ -14,12 +14,13 @@ import numpy as np
 import pytest
 import torch
 import torch.distributed as dist
+from ranks import run_ranks
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 import lightning_par  # noqa: F401  (registers the strategy names)
 from lightning_par.collectives import ring_allreduce
-from lightning_par.comm import Communicator, run_on_ranks
+from lightning_par.comm import Communicator
 from lightning_par.models import CifarCNN, CifarRNN
 from lightning_par.strategies.allreduce import AllReduceStrategy, RingAllReduceStrategy
 from lightning_par.strategies.buckets import GradientBuckets
@@ -128,14 +129,14 @@ def _check(results, world_size):
 
 def test_every_strategy_matches_one_process_on_two_ranks():
     combos = [(s, kind) for s in STRATEGIES for kind in ("cnn", "rnn")]
-    _check(run_on_ranks(_equivalence, 2, combos, timeout=120), 2)
+    _check(run_ranks(_equivalence, 2, combos, timeout=120), 2)
 
 
 @pytest.mark.parametrize("world_size", [3, 4])
 def test_every_strategy_matches_one_process_on_three_and_four_ranks(world_size):
     # CNN for every strategy, RNN for the three real algorithms (the baselines' RNN runs at 2).
     combos = [(s, "cnn") for s in STRATEGIES] + [(s, "rnn") for s in STRATEGIES[:3]]
-    _check(run_on_ranks(_equivalence, world_size, combos, timeout=120), world_size)
+    _check(run_ranks(_equivalence, world_size, combos, timeout=120), world_size)
 
 
 def _reference_on_one_rank(rank, world_size, kind, ranks):
@@ -169,7 +170,7 @@ def test_registered_name_with_default_arguments_and_fork_launch():
     assert run.strategy._start_method == "fork"
     run.fit(model, DataLoader(RankShard(x, y, 2), batch_size=PER_RANK))
     # The reference runs in a forked child: this process stays free of autograd state.
-    (reference,) = run_on_ranks(_reference_on_one_rank, 1, "cnn", 2)
+    (reference,) = run_ranks(_reference_on_one_rank, 1, "cnn", 2)
     assert abs(flat_weights(model).numpy() - reference).max() < ATOL
 
 
@@ -211,7 +212,7 @@ def _overlap(rank: int, world_size: int) -> dict:
 
 
 def test_bucket_communication_starts_before_backward_ends():
-    for rank_result in run_on_ranks(_overlap, 2, timeout=120):
+    for rank_result in run_ranks(_overlap, 2, timeout=120):
         assert rank_result["backward_steps"] == 3
         assert rank_result["buckets"] >= 3 * 4  # 7 x 1 MiB of weights -> several buckets/step
         assert rank_result["started_early"] == 3, rank_result
@@ -254,7 +255,7 @@ def _accumulate_and_clip(rank: int, world_size: int) -> dict:
 
 
 def test_gradient_accumulation_and_clipping():
-    for out in run_on_ranks(_accumulate_and_clip, 2, timeout=120):
+    for out in run_ranks(_accumulate_and_clip, 2, timeout=120):
         assert out["accumulate_diff"] < ATOL, out
         assert out["synced_backwards"] == 2, "accumulating micro-steps must not communicate"
         # One ring per step over all gradients (+ one flag per parameter): ~n elements on 2 ranks.
@@ -294,7 +295,7 @@ def _manual_and_mixed(rank: int, world_size: int) -> dict:
 
 
 def test_manual_optimization_and_mixed_precision():
-    results = run_on_ranks(_manual_and_mixed, 2, timeout=120)
+    results = run_ranks(_manual_and_mixed, 2, timeout=120)
     for out in results:
         assert out["manual_diff"] < ATOL, out["manual_diff"]
     assert np.isfinite(results[0]["mixed"]).all()
@@ -324,7 +325,7 @@ def _unused(rank: int, world_size: int) -> dict:
 
 
 def test_unused_parameters_count_as_zero_and_stay_none_if_unused_everywhere():
-    results = run_on_ranks(_unused, 2)
+    results = run_ranks(_unused, 2)
     r0, r1 = results
     assert r0["n_buckets"] > 1
     assert (r0["used"] == r1["used"]).all()
