@@ -66,6 +66,7 @@ def _single_process(model: pl.LightningModule) -> dict[str, torch.Tensor]:
 @pytest.mark.parametrize(
     "kind, devices, kwargs",
     [
+        ("cnn", 1, {"chunks": 4, "checkpoint": "always"}),  # one stage: micro-batches only
         ("cnn", 2, {}),  # defaults: auto balance, chunks=4 (uneven: 10 = 3+3+2+2), except_last
         ("cnn", 3, {"chunks": 1, "checkpoint": "never"}),  # the naive split
         ("cnn", 4, {"chunks": 3, "schedule": "1f1b", "checkpoint": "always"}),

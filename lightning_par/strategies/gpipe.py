@@ -152,6 +152,11 @@ class GPipeStrategy(ParallelStrategy):
 
     def setup_environment(self) -> None:
         super().setup_environment()
+        launcher = self._launcher
+        if isinstance(launcher, FullStateLauncher) and launcher._start_method == "fork":
+            # A forked child hangs in its first multi-threaded OpenMP region when the parent
+            # had started OpenMP threads (e.g. built the model): keep one thread per stage.
+            torch.set_num_threads(1)
         reset_seed()
         self.set_world_ranks()
         self._process_group_backend = self._process_group_backend or (
