@@ -1,0 +1,17 @@
+"""Smoke test of ``python -m lightning_par.bench pipeline``: every contender runs and reports."""
+
+import json
+
+from lightning_par.bench.pipeline import main
+
+
+def test_pipeline_bench_runs(capsys):
+    argv = ["--workload", "linear", "--chunks", "2", "--steps", "1", "--rounds", "1"]
+    assert main(argv + ["--warmup", "0", "--json"]) == 0
+    (result,) = json.loads(capsys.readouterr().out)
+    names = [row["name"] for row in result["rows"]]
+    assert names == ["naive", "gpipe", "1f1b", "torch ScheduleGPipe"]
+    assert all(row["step_ms"] > 0 for row in result["rows"])
+    assert 0 < result["rows"][1]["measured_bubble"] < 1
+    saved = result["saved_activation_bytes_per_stage"]
+    assert all(a < n for a, n in zip(saved["always"], saved["never"]))
