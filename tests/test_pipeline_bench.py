@@ -7,7 +7,9 @@ from lightning_par.bench.pipeline import main
 
 def test_pipeline_bench_runs(capsys):
     argv = ["--workload", "linear", "--chunks", "2", "--steps", "1", "--rounds", "1"]
-    assert main(argv + ["--warmup", "0", "--json"]) == 0
+    # one thread only: earlier tests started OpenMP threads in this process, which a forked
+    # child cannot use
+    assert main(argv + ["--warmup", "0", "--single-threads", "1", "--json"]) == 0
     (result,) = json.loads(capsys.readouterr().out)
     names = [row["name"] for row in result["rows"]]
     assert names == ["naive", "gpipe", "1f1b", "torch ScheduleGPipe"]

@@ -153,9 +153,12 @@ def _pipelines(rank: int, world_size: int, workload: str, chunks: list[int], war
     return results
 
 
-def run(workload: str, chunks: list[int], warmup: int, steps: int, rounds: int) -> dict:
+def run(workload: str, chunks: list[int], warmup: int, steps: int, rounds: int,
+        single_threads: tuple[int, ...] = (1, 2)) -> dict:  # fmt: skip
     timing = (warmup, steps, rounds)
-    single = {t: run_on_ranks(_single, 1, workload, t, *timing, timeout=900)[0] for t in (1, 2)}
+    single = {
+        t: run_on_ranks(_single, 1, workload, t, *timing, timeout=900)[0] for t in single_threads
+    }
     ranks = run_on_ranks(_pipelines, 2, workload, chunks, *timing, timeout=1800)
     naive = ranks[0]["runs"][0]["step_s"]
     rows = []
@@ -219,10 +222,17 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--steps", type=int, default=5, help="timed steps per round")
     parser.add_argument("--rounds", type=int, default=3, help="rounds; the best one counts")
+    parser.add_argument(
+        "--single-threads",
+        default="1,2",
+        help="thread counts of the one-process reference (a forked child can only use more "
+        "than one if this process has not started OpenMP threads yet)",
+    )
     parser.add_argument("--json", action="store_true", help="print JSON instead of tables")
     args = parser.parse_args(argv)
     chunks = [int(c) for c in args.chunks.split(",")]
     workloads = args.workload.split(",")
-    results = [run(w, chunks, args.warmup, args.steps, args.rounds) for w in workloads]
+    threads = tuple(int(t) for t in args.single_threads.split(","))
+    results = [run(w, chunks, args.warmup, args.steps, args.rounds, threads) for w in workloads]
     print(json.dumps(results, indent=2) if args.json else "\n\n".join(map(report, results)))
     return 0
