@@ -10,7 +10,7 @@ PY := $(VENV)/bin/python
 # e.g. `make TORCH_PINS= test` to let pip pick any torch >= 2.4.
 TORCH_PINS ?= torch==2.14.1 torchvision==0.29.1
 
-STRATEGY ?= ddp_fork
+STRATEGY ?= ring_allreduce
 DEVICES ?= 2
 EPOCHS ?= 10
 DATA ?= cifar10-mini
