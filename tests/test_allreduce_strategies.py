@@ -8,19 +8,20 @@ suite fast; one test uses the registered name with Lightning's own fork launcher
 from __future__ import annotations
 
 import copy
+import time
+from datetime import timedelta
 
 import lightning.pytorch as pl
 import numpy as np
 import pytest
 import torch
 import torch.distributed as dist
-from ranks import run_ranks
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 import lightning_par  # noqa: F401  (registers the strategy names)
 from lightning_par.collectives import ring_allreduce
-from lightning_par.comm import Communicator
+from lightning_par.comm import Communicator, default_timeout, run_on_ranks
 from lightning_par.models import CifarCNN, CifarRNN
 from lightning_par.strategies.allreduce import AllReduceStrategy, RingAllReduceStrategy
 from lightning_par.strategies.buckets import GradientBuckets
@@ -129,14 +130,14 @@ def _check(results, world_size):
 
 def test_every_strategy_matches_one_process_on_two_ranks():
     combos = [(s, kind) for s in STRATEGIES for kind in ("cnn", "rnn")]
-    _check(run_ranks(_equivalence, 2, combos, timeout=120), 2)
+    _check(run_on_ranks(_equivalence, 2, combos, timeout=120), 2)
 
 
 @pytest.mark.parametrize("world_size", [3, 4])
 def test_every_strategy_matches_one_process_on_three_and_four_ranks(world_size):
     # CNN for every strategy, RNN for the three real algorithms (the baselines' RNN runs at 2).
     combos = [(s, "cnn") for s in STRATEGIES] + [(s, "rnn") for s in STRATEGIES[:3]]
-    _check(run_ranks(_equivalence, world_size, combos, timeout=120), world_size)
+    _check(run_on_ranks(_equivalence, world_size, combos, timeout=120), world_size)
 
 
 def _reference_on_one_rank(rank, world_size, kind, ranks):
@@ -170,7 +171,7 @@ def test_registered_name_with_default_arguments_and_fork_launch():
     assert run.strategy._start_method == "fork"
     run.fit(model, DataLoader(RankShard(x, y, 2), batch_size=PER_RANK))
     # The reference runs in a forked child: this process stays free of autograd state.
-    (reference,) = run_ranks(_reference_on_one_rank, 1, "cnn", 2)
+    (reference,) = run_on_ranks(_reference_on_one_rank, 1, "cnn", 2)
     assert abs(flat_weights(model).numpy() - reference).max() < ATOL
 
 
@@ -212,7 +213,7 @@ def _overlap(rank: int, world_size: int) -> dict:
 
 
 def test_bucket_communication_starts_before_backward_ends():
-    for rank_result in run_ranks(_overlap, 2, timeout=120):
+    for rank_result in run_on_ranks(_overlap, 2, timeout=120):
         assert rank_result["backward_steps"] == 3
         assert rank_result["buckets"] >= 3 * 4  # 7 x 1 MiB of weights -> several buckets/step
         assert rank_result["started_early"] == 3, rank_result
@@ -255,7 +256,7 @@ def _accumulate_and_clip(rank: int, world_size: int) -> dict:
 
 
 def test_gradient_accumulation_and_clipping():
-    for out in run_ranks(_accumulate_and_clip, 2, timeout=120):
+    for out in run_on_ranks(_accumulate_and_clip, 2, timeout=120):
         assert out["accumulate_diff"] < ATOL, out
         assert out["synced_backwards"] == 2, "accumulating micro-steps must not communicate"
         # One ring per step over all gradients (+ one flag per parameter): ~n elements on 2 ranks.
@@ -295,7 +296,7 @@ def _manual_and_mixed(rank: int, world_size: int) -> dict:
 
 
 def test_manual_optimization_and_mixed_precision():
-    results = run_ranks(_manual_and_mixed, 2, timeout=120)
+    results = run_on_ranks(_manual_and_mixed, 2, timeout=120)
     for out in results:
         assert out["manual_diff"] < ATOL, out["manual_diff"]
     assert np.isfinite(results[0]["mixed"]).all()
@@ -325,7 +326,7 @@ def _unused(rank: int, world_size: int) -> dict:
 
 
 def test_unused_parameters_count_as_zero_and_stay_none_if_unused_everywhere():
-    results = run_ranks(_unused, 2)
+    results = run_on_ranks(_unused, 2)
     r0, r1 = results
     assert r0["n_buckets"] > 1
     assert (r0["used"] == r1["used"]).all()
@@ -351,3 +352,30 @@ def test_bad_options_fail_before_training():
         RingAllReduceStrategy(find_unused_parameters=True)
     with pytest.raises(ValueError, match="start_method='thread'"):
         RingAllReduceStrategy(start_method="thread")
+
+
+class HangsOnRankOne(pl.LightningModule):
+    def __init__(self):
+        super().__init__()
+        self.layer = nn.Linear(4, 2)
+
+    def training_step(self, batch, i):
+        if self.global_rank == 1 and i == 1:
+            time.sleep(600)  # a rank that never reaches the allreduce
+        return self.layer(batch[0]).sum()
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+def test_a_hung_rank_fails_the_fork_launched_run_fast_naming_it():
+    # The default timeout is ours (LIGHTNING_PAR_TIMEOUT, 60 s), not Lightning's 30 min.
+    assert RingAllReduceStrategy()._timeout == default_timeout()
+    strategy = RingAllReduceStrategy(timeout=timedelta(seconds=4))
+    data = TensorDataset(torch.randn(32, 4), torch.zeros(32))
+    start = time.monotonic()
+    with pytest.raises(
+        Exception, match=r"(?s)rank 0: (send to|recv from) rank 1 failed.*look at its own"
+    ):
+        trainer(strategy, 2, max_steps=4).fit(HangsOnRankOne(), DataLoader(data, batch_size=4))
+    assert time.monotonic() - start < 40

@@ -9,11 +9,10 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.distributed as dist
-from ranks import run_ranks
 
 from lightning_par.collectives import ALGORITHMS, get_allreduce, ring_allreduce, tree_broadcast
 from lightning_par.collectives.cost_model import predict
-from lightning_par.comm import CommTrace
+from lightning_par.comm import CommTrace, run_on_ranks
 
 DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 TOLERANCE = {torch.float32: 1e-5, torch.float16: 2e-2, torch.bfloat16: 5e-2}
@@ -61,7 +60,7 @@ def _grid(rank: int, world_size: int) -> list[tuple]:
 
 @pytest.mark.parametrize("world_size", range(1, 9))
 def test_collectives_equal_torch_all_reduce(world_size):
-    results = run_ranks(_grid, world_size, timeout=60)
+    results = run_on_ranks(_grid, world_size, timeout=60)
     for rank, (problems, totals) in enumerate(results):
         assert problems == [], f"rank {rank} of {world_size}: {problems}"
         assert len(totals) == len(sizes_for(world_size)) * len(DTYPES) * len(ALGORITHMS)
@@ -94,7 +93,7 @@ def _shapes_and_views(rank: int, world_size: int) -> list[str]:
 
 
 def test_shapes_views_and_broadcast():
-    assert run_ranks(_shapes_and_views, 3) == [[], [], []]
+    assert run_on_ranks(_shapes_and_views, 3) == [[], [], []]
 
 
 def _large(rank: int, world_size: int, numel: int) -> list[str]:
@@ -111,7 +110,7 @@ def _large(rank: int, world_size: int, numel: int) -> list[str]:
 
 def test_tens_of_millions_of_elements():
     # 10M + 19 floats on 3 ranks: uneven chunks, 13 pipeline segments per ring chunk.
-    assert run_ranks(_large, 3, 10_000_019, timeout=120) == [[], [], []]
+    assert run_on_ranks(_large, 3, 10_000_019, timeout=120) == [[], [], []]
 
 
 def test_bad_input_errors():
@@ -125,7 +124,7 @@ def test_bad_input_errors():
             ring_allreduce(torch.ones(3, dtype=torch.bool))
         return True
 
-    assert run_ranks(bool_tensor, 2) == [True, True]
+    assert run_on_ranks(bool_tensor, 2) == [True, True]
 
 
 def _dead_peer(rank: int, world_size: int):
@@ -138,7 +137,7 @@ def test_dead_rank_ends_the_collective_with_a_clear_error():
     from lightning_par.comm import RankFailed
 
     with pytest.raises(RankFailed, match="rank 1 of 3"):
-        run_ranks(_dead_peer, 3, timeout=10)
+        run_on_ranks(_dead_peer, 3, timeout=10)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
@@ -158,7 +157,7 @@ def test_cuda_tensors(backend):
                 problems.append(name)
         return problems
 
-    assert run_ranks(on_gpu, 2, backend=backend) == [[], []]
+    assert run_on_ranks(on_gpu, 2, backend=backend) == [[], []]
 
 
 def test_exchanges_with_one_peer_are_posted_lower_rank_sending_first():

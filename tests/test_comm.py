@@ -127,3 +127,22 @@ def test_start_method_policy(monkeypatch):
 def test_free_ports_differ_and_bind_loopback():
     ports = {find_free_port() for _ in range(5)}
     assert all(1024 < p < 65536 for p in ports) and len(ports) >= 4
+
+
+def _compute(rank, world_size):
+    a = torch.randn(600, 600)
+    conv = torch.nn.functional.conv2d(torch.randn(32, 16, 32, 32), torch.randn(16, 16, 3, 3))
+    return torch.get_num_threads(), bool(torch.isfinite((a @ a).sum() + conv.sum()))
+
+
+def test_ranks_compute_after_the_parent_started_its_openmp_pool():
+    # A forked child that enters its parent's OpenMP pool hangs forever (reproduced with
+    # torch 2.14 and libgomp, whatever thread count the child picks above one);
+    # run_on_ranks computes on one thread per rank.
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        _compute(0, 1)  # starts the pool in this process
+        assert run_on_ranks(_compute, 2, timeout=10) == [(1, True), (1, True)]
+    finally:
+        torch.set_num_threads(threads)

@@ -6,11 +6,10 @@ import math
 
 import pytest
 import torch
-from ranks import run_ranks
 
 from lightning_par.collectives import ALGORITHMS
 from lightning_par.collectives.cost_model import crossover, fit_alpha_beta, predict
-from lightning_par.comm import CommTrace
+from lightning_par.comm import CommTrace, run_on_ranks
 
 
 @pytest.mark.parametrize("p", [2, 3, 4, 5, 8])
@@ -109,7 +108,7 @@ def _traced_totals(rank: int, world_size: int, numel: int) -> dict:
 
 def test_measured_traffic_equals_the_model_with_default_options():
     numel = 13_000_001  # 17.3 MB ring chunks on 3 ranks: two 16 MiB segments each
-    for rank, totals in enumerate(run_ranks(_traced_totals, 3, numel)):
+    for rank, totals in enumerate(run_on_ranks(_traced_totals, 3, numel)):
         for name, (nbytes, messages, steps) in totals.items():
             cost = predict(name, numel, 3)
             assert nbytes == cost.bytes_sent[rank], name

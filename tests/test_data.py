@@ -121,6 +121,17 @@ def test_find_cifar10_mini_honours_the_env_var(tmp_path, monkeypatch, mini_dir):
     assert find_cifar10_mini() == mini_dir
 
 
+@pytest.mark.parametrize("source", ["cifar10-mini", "auto"])
+def test_a_wrong_cifar10_mini_env_var_is_an_error_not_a_fallback(tmp_path, monkeypatch, source):
+    monkeypatch.setenv("LIGHTNING_PAR_CIFAR10_MINI", str(tmp_path / "typo"))
+    monkeypatch.setenv("LIGHTNING_PAR_DATA", str(tmp_path / "empty"))
+    with pytest.raises(DataNotFoundError, match="LIGHTNING_PAR_CIFAR10_MINI=.*typo"):
+        find_cifar10_mini()
+    dm = CIFAR10DataModule(source=source, download=False)
+    with pytest.raises(DataNotFoundError, match="LIGHTNING_PAR_CIFAR10_MINI"):
+        dm.setup("fit")
+
+
 @pytest.mark.parametrize(
     "kwargs, message",
     [

@@ -178,15 +178,7 @@ def _reference(steps: int = 3):
     return first_grads, net.state_dict()
 
 
-def _one_thread() -> None:
-    # A forked child hangs in its first OpenMP region if the parent had already started
-    # OpenMP threads (e.g. an earlier test trained a model in the pytest process); one
-    # thread per rank avoids the inherited, dead thread pool.
-    torch.set_num_threads(1)
-
-
 def _grid(rank: int, world_size: int, configs) -> list[tuple]:
-    _one_thread()
     ref_grads, ref_weights = _reference()
     comm = Communicator(trace=CommTrace(rank))
     results = []
@@ -240,7 +232,6 @@ def test_equivalence_grid(stages):
 
 
 def _eval_and_trace(rank: int, world_size: int) -> tuple:
-    _one_thread()
     net = _net()
     module = split_sequential(net, [5, 8])[rank]
     comm = Communicator(trace=CommTrace(rank))

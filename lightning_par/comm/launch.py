@@ -56,8 +56,13 @@ class RankFailed(RuntimeError):
 
 
 def _rank_main(fn, rank, world_size, backend, port, timeout_s, args, kwargs, queue) -> None:
+    import torch
     import torch.distributed as dist
 
+    # A forked child hangs in its first OpenMP parallel region if the parent had already
+    # started an OpenMP pool (libgomp; with any thread count above one), so each rank
+    # computes on one thread, which also keeps ranks from oversubscribing the cores.
+    torch.set_num_threads(1)
     os.environ.update(
         MASTER_ADDR="127.0.0.1",
         MASTER_PORT=str(port),
@@ -119,7 +124,8 @@ def run_on_ranks(
     :func:`~lightning_par.comm.default_timeout`) applies to every collective and receive;
     10 s later the parent stops ranks stuck elsewhere. If a rank raises, exits or hangs,
     the others are killed and :class:`RankFailed` names the rank (a dead rank first, since
-    its peers' errors are only the echo of its death).
+    its peers' errors are only the echo of its death). Each rank computes on one
+    intra-op thread: see :func:`_rank_main`.
     """
     if world_size < 1:
         raise ValueError(f"world_size must be >= 1, got {world_size}")

@@ -171,7 +171,8 @@ class CIFAR10DataModule(pl.LightningDataModule):
         folder = batches_dir(self.data_dir)
         if folder is None and not self.hparams.data_dir:
             # cifar10-mini is looked for beside the project; auto takes only a configured one
-            mini = find_cifar10_mini() if allow_mini else os.environ.get(MINI_ENV)
+            # (a configured one that is wrong raises, naming the variable).
+            mini = find_cifar10_mini() if allow_mini or os.environ.get(MINI_ENV) else None
             folder = batches_dir(mini) if mini else None
         if folder is None:
             raise DataNotFoundError(how_to_get_data(self.data_dir))

@@ -52,10 +52,20 @@ def find_cifar10_mini() -> Path | None:
     """The real CIFAR-10 subset shipped beside the project (``shared/datasets/cifar10-mini``).
 
     Looked up in ``$LIGHTNING_PAR_CIFAR10_MINI``, then beside the repository root and the
-    current directory's parents. Returns ``None`` when it is nowhere.
+    current directory's parents. Returns ``None`` when it is nowhere; a
+    ``$LIGHTNING_PAR_CIFAR10_MINI`` that names no batches folder is an error, not a
+    reason to look elsewhere, so a typo never silently picks up other data.
     """
     env = os.environ.get(MINI_ENV)
-    candidates = [Path(env)] if env else []
+    if env:
+        if batches_dir(env) is None:
+            raise DataNotFoundError(
+                f"{MINI_ENV}={env} holds no CIFAR-10 batch files (expected "
+                f"data_batch_1 and test_batch there or in {env}/{BATCHES_FOLDER}); fix "
+                f"the path or unset {MINI_ENV}"
+            )
+        return Path(env)
+    candidates = []
     here = Path(__file__).resolve()
     for base in [*here.parents, *Path.cwd().resolve().parents, Path.cwd().resolve()]:
         candidates.append(base / "shared" / "datasets" / "cifar10-mini")

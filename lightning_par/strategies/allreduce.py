@@ -25,12 +25,17 @@ from datetime import timedelta
 from typing import Any, ClassVar
 
 import torch
-from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
 from lightning.pytorch.strategies import DDPStrategy
 from lightning.pytorch.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
 
 from lightning_par.collectives import ALGORITHMS, get_allreduce, tree_broadcast
-from lightning_par.comm import CommTrace, Communicator, Event, choose_start_method
+from lightning_par.comm import (
+    CommTrace,
+    Communicator,
+    Event,
+    choose_start_method,
+    default_timeout,
+)
 from lightning_par.strategies.buckets import GradientBuckets
 
 START_METHODS = ("popen", "spawn", "fork", "forkserver")
@@ -60,8 +65,16 @@ class AllReduceStrategy(DDPStrategy):
             tests and on CPU, ``popen`` for GPU scripts); under torchrun/SLURM the
             processes already exist and none are started.
         **kwargs: ``accelerator``, ``parallel_devices``, ``cluster_environment``,
-            ``checkpoint_io``, ``precision_plugin``, ``process_group_backend`` and
-            ``timeout``, as for ``DDPStrategy``.
+            ``checkpoint_io``, ``precision_plugin`` and ``process_group_backend``, as
+            for ``DDPStrategy``.
+        timeout: how long any collective or receive may wait before the run fails,
+            naming the rank (default :func:`~lightning_par.comm.default_timeout`: 60 s,
+            ``LIGHTNING_PAR_TIMEOUT`` seconds if set; Lightning's own default is 30 min).
+            Raise it when rank 0 may spend longer alone, e.g. writing a large checkpoint.
+
+    Ranks started with ``fork`` compute on one intra-op thread each: a forked child
+    hangs in OpenMP if its parent had already used OpenMP threads. For more threads per
+    rank on a many-core CPU, pass ``start_method="popen"``.
     """
 
     #: The collective of this strategy, a key of :data:`lightning_par.collectives.ALGORITHMS`.
@@ -75,7 +88,7 @@ class AllReduceStrategy(DDPStrategy):
         trace: bool = False,
         start_method: str | None = None,
         process_group_backend: str | None = None,
-        timeout: timedelta | None = default_pg_timeout,
+        timeout: timedelta | None = None,
         **kwargs: Any,
     ) -> None:
         algorithm = algorithm or self.algorithm
@@ -105,7 +118,7 @@ class AllReduceStrategy(DDPStrategy):
         super().__init__(
             start_method=start_method or "popen",
             process_group_backend=process_group_backend,
-            timeout=timeout,
+            timeout=timeout or default_timeout(),
             **kwargs,
         )
         self._algorithm_name = algorithm
@@ -136,6 +149,14 @@ class AllReduceStrategy(DDPStrategy):
             device = self.parallel_devices[0].type if self.parallel_devices else "cpu"
             self._start_method = choose_start_method(device)
         super()._configure_launcher()
+
+    def setup_environment(self) -> None:
+        if (
+            self._start_method == "fork"
+            and not self.cluster_environment.creates_processes_externally
+        ):
+            torch.set_num_threads(1)  # see the class docstring: OpenMP after fork
+        super().setup_environment()
 
     def configure_ddp(self) -> None:
         """Instead of wrapping in ``DistributedDataParallel``: same start, own gradient sync."""
