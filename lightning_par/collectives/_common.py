@@ -30,6 +30,22 @@ def check_tensor(tensor: torch.Tensor) -> None:
         raise TypeError("allreduce cannot sum a bool tensor")
 
 
+def prepare(
+    tensor: torch.Tensor,
+    group: dist.ProcessGroup | None,
+    comm: Communicator | None,
+    trace: CommTrace | None,
+) -> tuple[Communicator, torch.Tensor | None]:
+    """What every allreduce does first: check ``tensor``, pick the communicator, and take
+    a flat work view; the view is ``None`` when there is nothing to exchange (one rank,
+    or an empty tensor)."""
+    check_tensor(tensor)
+    comm = resolve_communicator(group, comm, trace)
+    if comm.world_size == 1 or tensor.numel() == 0:
+        return comm, None
+    return comm, flat_work(tensor)
+
+
 def flat_work(tensor: torch.Tensor) -> torch.Tensor:
     """A 1-D view of ``tensor`` to reduce in place (a contiguous copy if it is not contiguous;
     :func:`finish` copies the result back)."""

@@ -16,11 +16,9 @@ import torch
 import torch.distributed as dist
 
 from lightning_par.collectives._common import (
-    check_tensor,
     finish,
-    flat_work,
     ordered_exchange,
-    resolve_communicator,
+    prepare,
 )
 from lightning_par.comm import CommTrace, Communicator, wait_all
 
@@ -35,12 +33,10 @@ def all_to_all_allreduce(
     trace: CommTrace | None = None,
 ) -> torch.Tensor:
     """Sum ``tensor`` in place: everyone sends everything to everyone (trace step 0)."""
-    check_tensor(tensor)
-    comm = resolve_communicator(group, comm, trace)
-    p, rank = comm.world_size, comm.rank
-    if p == 1 or tensor.numel() == 0:
+    comm, flat = prepare(tensor, group, comm, trace)
+    if flat is None:
         return tensor
-    flat = flat_work(tensor)
+    p, rank = comm.world_size, comm.rank
     gathered = torch.empty((p, flat.numel()), dtype=flat.dtype, device=flat.device)
     gathered[rank].copy_(flat)
     kw = {"step": 0, "tag": "all-to-all"}
@@ -63,12 +59,10 @@ def master_worker_allreduce(
     trace: CommTrace | None = None,
 ) -> torch.Tensor:
     """Sum ``tensor`` in place: gather at rank 0 (step 0), add, send the sum back (step 1)."""
-    check_tensor(tensor)
-    comm = resolve_communicator(group, comm, trace)
-    p, rank = comm.world_size, comm.rank
-    if p == 1 or tensor.numel() == 0:
+    comm, flat = prepare(tensor, group, comm, trace)
+    if flat is None:
         return tensor
-    flat = flat_work(tensor)
+    p, rank = comm.world_size, comm.rank
     if rank != MASTER:
         comm.send(flat, MASTER, step=0, tag="gather")
         comm.recv(flat, MASTER, step=1, tag="scatter-result")

@@ -21,11 +21,9 @@ import torch
 import torch.distributed as dist
 
 from lightning_par.collectives._common import (
-    check_tensor,
     finish,
-    flat_work,
     ordered_exchange,
-    resolve_communicator,
+    prepare,
 )
 from lightning_par.comm import CommTrace, Communicator, wait_all
 
@@ -48,12 +46,10 @@ def butterfly_allreduce(
     Trace steps: ``0`` fold-in (only if ``p`` is not a power of two), then one step per
     round, then the fold-out step.
     """
-    check_tensor(tensor)
-    comm = resolve_communicator(group, comm, trace)
-    p, rank = comm.world_size, comm.rank
-    if p == 1 or tensor.numel() == 0:
+    comm, flat = prepare(tensor, group, comm, trace)
+    if flat is None:
         return tensor
-    flat = flat_work(tensor)
+    p, rank = comm.world_size, comm.rank
     q, extra, rounds = butterfly_shape(p)
     first = 1 if extra else 0
     if rank >= q:  # folded rank: hand over, wait for the answer

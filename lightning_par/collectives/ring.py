@@ -23,13 +23,11 @@ import torch
 import torch.distributed as dist
 
 from lightning_par.collectives._common import (
-    check_tensor,
     chunk_offsets,
     chunk_sizes,
     finish,
-    flat_work,
     ordered_exchange,
-    resolve_communicator,
+    prepare,
     scratch,
     segment_elems_for,
     segments,
@@ -69,12 +67,10 @@ def ring_allreduce(
         trace: record every message here (trace ``step`` = ring step, ``chunk`` = chunk).
         segment_bytes: largest message; ``None`` sends each chunk as one message.
     """
-    check_tensor(tensor)
-    comm = resolve_communicator(group, comm, trace)
-    p, rank = comm.world_size, comm.rank
-    if p == 1 or tensor.numel() == 0:
+    comm, flat = prepare(tensor, group, comm, trace)
+    if flat is None:
         return tensor
-    flat = flat_work(tensor)
+    p, rank = comm.world_size, comm.rank
     sizes = chunk_sizes(flat.numel(), p)
     offsets = chunk_offsets(sizes)
     seg = segment_elems_for(segment_bytes, flat.element_size())

@@ -18,11 +18,9 @@ import torch
 import torch.distributed as dist
 
 from lightning_par.collectives._common import (
-    check_tensor,
     depth_in_heap,
     finish,
-    flat_work,
-    resolve_communicator,
+    prepare,
 )
 from lightning_par.comm import CommTrace, Communicator, wait_all
 
@@ -74,12 +72,10 @@ def tree_broadcast(
     A node at depth ``d`` receives at step ``step_offset + d - 1`` and sends at
     ``step_offset + d``.
     """
-    check_tensor(tensor)
-    comm = resolve_communicator(group, comm, trace)
-    p = comm.world_size
-    if p == 1 or tensor.numel() == 0:
+    comm, flat = prepare(tensor, group, comm, trace)
+    if flat is None:
         return tensor
-    flat = flat_work(tensor)
+    p = comm.world_size
     v = (comm.rank - root) % p
     d = depth_in_heap(v)
     if v != 0:
@@ -105,11 +101,9 @@ def tree_allreduce(
 
     Trace steps ``0 .. depth - 1`` are the reduction, ``depth .. 2 depth - 1`` the broadcast.
     """
-    check_tensor(tensor)
-    comm = resolve_communicator(group, comm, trace)
-    if comm.world_size == 1 or tensor.numel() == 0:
+    comm, flat = prepare(tensor, group, comm, trace)
+    if flat is None:
         return tensor
-    flat = flat_work(tensor)
     tree_reduce(flat, comm, root=0)
     tree_broadcast(flat, comm=comm, root=0, step_offset=tree_depth(comm.world_size))
     return finish(tensor, flat)
