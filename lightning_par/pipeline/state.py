@@ -66,3 +66,36 @@ def _to_cpu(obj: Any) -> Any:
     if isinstance(obj, list):
         return [_to_cpu(v) for v in obj]
     return obj
+
+
+def gather_full_state_dict(
+    comm: Communicator | None, local: dict[str, Any], prefix: str, device: torch.device
+) -> dict[str, Any]:
+    """The full model's state dict on rank 0 (every stage's layers under their original
+    names, which ``PipelinedSequential`` keeps), ``local`` elsewhere or without a ``comm``
+    (network not split). Entries starting with ``prefix`` (the network's attribute) are per
+    stage; the others are equal on all ranks."""
+    if comm is None:
+        return local
+    stages = gather_objects(comm, {k: v for k, v in local.items() if k.startswith(prefix)}, device)
+    if stages is None:
+        return local
+    full = {k: v for k, v in local.items() if not k.startswith(prefix)}
+    for stage_state in stages:
+        full.update(stage_state)
+    return full
+
+
+def gather_optimizer_state(comm: Communicator | None, state: Any, device: torch.device) -> Any:
+    """Every stage's optimiser state on rank 0 as ``{"pipeline_stages": [...]}`` (each stage
+    optimises different parameters), ``{}`` elsewhere; ``state`` itself without a ``comm``."""
+    if comm is None:
+        return state
+    stages = gather_objects(comm, state, device)
+    return {"pipeline_stages": stages} if stages is not None else {}
+
+
+def stage_optimizer_state(state: dict, rank: int) -> dict:
+    """This stage's part of a state saved by :func:`gather_optimizer_state` (any other state
+    is returned unchanged)."""
+    return state["pipeline_stages"][rank] if "pipeline_stages" in state else state

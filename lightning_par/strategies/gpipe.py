@@ -24,7 +24,6 @@ gathered on rank 0 and load without this strategy (``CifarCNN.load_from_checkpoi
 from __future__ import annotations
 
 import json
-import os
 from collections.abc import Mapping
 from datetime import timedelta
 from pathlib import Path
@@ -42,13 +41,17 @@ from lightning.fabric.utilities.seed import reset_seed
 from lightning.pytorch.strategies import ParallelStrategy
 from lightning.pytorch.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
 from lightning.pytorch.utilities.rank_zero import rank_zero_only, rank_zero_warn
-from torch import nn
 
 from lightning_par.comm import CommTrace, Communicator, choose_start_method, default_timeout
-from lightning_par.pipeline import CHECKPOINT_MODES, SCHEDULES, balance_by_params
-from lightning_par.pipeline.partition import balance_by_time, check_balance, split_sequential
+from lightning_par.pipeline.partition import split_sequential
 from lightning_par.pipeline.sequential import PipelinedSequential
-from lightning_par.pipeline.state import gather_objects, send_weights_from_first
+from lightning_par.pipeline.state import (
+    gather_full_state_dict,
+    gather_optimizer_state,
+    send_weights_from_first,
+    stage_optimizer_state,
+)
+from lightning_par.strategies import _gpipe_checks as checks
 from lightning_par.strategies._launcher import FullStateLauncher
 
 
@@ -99,17 +102,7 @@ class GPipeStrategy(ParallelStrategy):
             checkpoint_io=checkpoint_io,
             precision_plugin=precision_plugin,
         )
-        if not isinstance(chunks, int) or chunks < 1:
-            raise ValueError(f"chunks (micro-batches per batch) must be an int >= 1: {chunks!r}")
-        for name, value, choices in [
-            ("checkpoint", checkpoint, CHECKPOINT_MODES),
-            ("schedule", schedule, SCHEDULES),
-            ("balance_by", balance_by, ("params", "time")),
-        ]:
-            if value not in choices:
-                raise ValueError(f"{name}={value!r}: choose one of {choices}")
-        if balance is not None:
-            check_balance(sum(balance) if all(isinstance(b, int) for b in balance) else 0, balance)
+        checks.check_settings(balance, chunks, checkpoint, schedule, balance_by)
         self.balance, self.chunks, self.checkpoint = balance, chunks, checkpoint
         self.schedule, self.module_attr, self.loss_attr = schedule, module_attr, loss_attr
         self.balance_by, self.trace_dir = balance_by, trace_dir
@@ -162,21 +155,10 @@ class GPipeStrategy(ParallelStrategy):
         self._process_group_backend = self._process_group_backend or (
             _get_default_process_group_backend_for_device(self.root_device)
         )
-        self._check_backend(self._process_group_backend)
+        checks.check_backend(self.schedule, self._process_group_backend)
         _init_dist_connection(
             self.cluster_environment, self._process_group_backend, timeout=self._timeout
         )
-
-    def _check_backend(self, backend: str) -> None:
-        if self.schedule == "1f1b" and backend == "nccl":
-            # 1F1B has a stage send its next activation while its neighbour sends a gradient
-            # back; NCCL runs one pair's messages in posting order on one stream, so both
-            # sends would wait for receives queued behind them.
-            raise ValueError(
-                "schedule='1f1b' needs sends in both directions between two stages at once, "
-                "which NCCL point-to-point serialises (deadlock): use schedule='gpipe' on GPUs, "
-                "or process_group_backend='gloo' (CUDA tensors are staged through host memory)"
-            )
 
     def set_world_ranks(self) -> None:
         if self.cluster_environment is not None:
@@ -187,13 +169,7 @@ class GPipeStrategy(ParallelStrategy):
 
     # ---- splitting the network --------------------------------------------------------------
     def setup(self, trainer: pl.Trainer) -> None:
-        if trainer.gradient_clip_val and trainer.gradient_clip_algorithm == "norm":
-            raise ValueError(
-                "gradient_clip_algorithm='norm' would clip each stage by its own norm under "
-                "the gpipe strategy; use gradient_clip_algorithm='value' or no clipping"
-            )
-        if self.schedule == "1f1b":
-            self._check_1f1b_contract(trainer)
+        checks.check_trainer(trainer, self.schedule, self.precision_plugin)
         self._split_network()
         super().setup(trainer)
 
@@ -209,7 +185,10 @@ class GPipeStrategy(ParallelStrategy):
         if isinstance(net, PipelinedSequential):
             return
         self.check_before_launch(self.lightning_module.trainer)
-        balance = self._resolve_balance(module, net)
+        balance = checks.resolve_balance(
+            module, net, stages=self.world_size, balance=self.balance, balance_by=self.balance_by,
+            rank=self.global_rank, broadcast=self.broadcast,
+        )  # fmt: skip
         self.comm = Communicator(trace=CommTrace(self.global_rank) if self.trace_dir else None)
         stages = split_sequential(net, balance)
         piped = PipelinedSequential(
@@ -224,70 +203,12 @@ class GPipeStrategy(ParallelStrategy):
     def check_before_launch(self, trainer: pl.Trainer | None = None) -> None:
         """Reject a network, balance or loss this strategy cannot run, before any process
         starts (the launcher calls this in the main process)."""
-        module = self.lightning_module
-        net = getattr(module, self.module_attr, None) if module is not None else None
-        if module is None or isinstance(net, PipelinedSequential):
-            return
-        if not isinstance(net, nn.Sequential):
-            found = "nothing" if net is None else type(net).__name__
-            raise TypeError(
-                f"GPipeStrategy splits `{type(module).__name__}.{self.module_attr}` into stages, "
-                f"which must be an nn.Sequential, but found {found}. Build the network as an "
-                "nn.Sequential of layers (each mapping one tensor to one tensor), or pass "
-                "module_attr='<name of your Sequential>'"
-            )
-        stages = self.num_processes * self.num_nodes
-        if stages > len(net):
-            raise ValueError(
-                f"{stages} devices (stages) but `{self.module_attr}` has only {len(net)} layers: "
-                f"use devices <= {len(net)}"
-            )
-        if self.balance is not None:
-            check_balance(len(net), self.balance, stages)
-        balance = self.balance or (
-            balance_by_params(net, stages) if self.balance_by == "params" else None
-        )
-        fitting = trainer is None or trainer.state.fn == "fit"
-        for s, stage in enumerate(split_sequential(net, balance) if balance and fitting else []):
-            if not any(p.requires_grad for p in stage.parameters()):
-                layers = ", ".join(type(m).__name__ for m in stage)
-                raise ValueError(
-                    f"stage {s} of balance {balance} ({layers}) "
-                    "has no parameters to train and torch optimisers reject an empty parameter "
-                    "list: give every stage a layer with parameters (balance=[...]) or use fewer "
-                    "devices"
-                )
-        devices = self.parallel_devices or []
-        if devices and devices[0].type == "cuda":
-            self._check_backend(self._process_group_backend or "nccl")
-        if self.schedule == "1f1b":
-            loss_fn = getattr(module, self.loss_attr, None)
-            if not callable(loss_fn) or getattr(loss_fn, "reduction", "mean") != "mean":
-                raise TypeError(
-                    f"schedule='1f1b' computes the loss per micro-batch with "
-                    f"`module.{self.loss_attr}(output, target)`, which must be a mean-reduced "
-                    f"loss (e.g. nn.CrossEntropyLoss()); found {loss_fn!r}. Use "
-                    "schedule='gpipe' for any other loss"
-                )
-
-    def _resolve_balance(self, module: pl.LightningModule, net: nn.Sequential) -> list[int]:
-        stages = self.world_size
-        if self.balance is not None:
-            return list(self.balance)
-        if self.balance_by == "params":
-            return balance_by_params(net, stages)
-        sample = getattr(module, "example_input_array", None)
-        if not isinstance(sample, torch.Tensor):
-            raise ValueError(
-                "balance_by='time' measures each layer on `module.example_input_array`: set "
-                "it to an input batch, or use balance_by='params' or an explicit balance"
-            )
-        balance = balance_by_time(net, sample) if self.global_rank == 0 else None
-        return self.broadcast(balance)
-
-    def _check_1f1b_contract(self, trainer: pl.Trainer) -> None:
-        if getattr(self.precision_plugin, "scaler", None) is not None:
-            raise ValueError("schedule='1f1b' does not support a gradient scaler; use 'gpipe'")
+        checks.check_before_launch(
+            self.lightning_module, trainer, module_attr=self.module_attr,
+            stages=self.num_processes * self.num_nodes, balance=self.balance,
+            balance_by=self.balance_by, schedule=self.schedule, loss_attr=self.loss_attr,
+            devices=self.parallel_devices or [], backend=self._process_group_backend,
+        )  # fmt: skip
 
     # ---- steps ------------------------------------------------------------------------------
     def _in_step(self, hook: str, *args: Any, **kwargs: Any) -> Any:
@@ -353,30 +274,15 @@ class GPipeStrategy(ParallelStrategy):
     def lightning_module_state_dict(self) -> dict[str, Any]:
         """The full model's state dict on rank 0 (every stage's layers, original names)."""
         local = self.lightning_module.state_dict()
-        if self.comm is None:
-            return local
-        prefix = f"{self.module_attr}."
-        stages = gather_objects(self.comm, {k: v for k, v in local.items() if k.startswith(prefix)},
-                                self.root_device)  # fmt: skip
-        if stages is None:
-            return local
-        full = {k: v for k, v in local.items() if not k.startswith(prefix)}
-        for stage_state in stages:
-            full.update(stage_state)
-        return full
+        return gather_full_state_dict(self.comm, local, f"{self.module_attr}.", self.root_device)
 
     def optimizer_state(self, optimizer) -> dict[str, Any]:
         state = super().optimizer_state(optimizer)
-        if self.comm is None:
-            return state
-        stages = gather_objects(self.comm, state, self.root_device)
-        return {"pipeline_stages": stages} if stages is not None else {}
+        return gather_optimizer_state(self.comm, state, self.root_device)
 
     def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
         for optimizer, state in zip(self.optimizers, checkpoint["optimizer_states"]):
-            if "pipeline_stages" in state:
-                state = state["pipeline_stages"][self.global_rank]
-            optimizer.load_state_dict(state)
+            optimizer.load_state_dict(stage_optimizer_state(state, self.global_rank))
 
     def teardown(self) -> None:
         if self.trace_dir and self.comm is not None and self.comm.trace is not None:
@@ -388,6 +294,5 @@ class GPipeStrategy(ParallelStrategy):
                 "messages": trace.to_records(),
                 "events": [vars(e) for e in trace.events],
             }
-            path = os.path.join(self.trace_dir, f"rank{self.global_rank}.json")
-            Path(path).write_text(json.dumps(record))
+            (Path(self.trace_dir) / f"rank{self.global_rank}.json").write_text(json.dumps(record))
         super().teardown()

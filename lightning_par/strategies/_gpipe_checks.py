@@ -1,0 +1,158 @@
+"""Checks behind :class:`~lightning_par.strategies.gpipe.GPipeStrategy`: settings, network,
+balance, loss and backend, each rejected with what is wrong and how to fix it, before any
+process starts where possible. Plain functions of the strategy's settings, so the strategy
+file keeps only Lightning's hooks."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+from torch import nn
+
+from lightning_par.pipeline import CHECKPOINT_MODES, SCHEDULES, balance_by_params
+from lightning_par.pipeline.partition import balance_by_time, check_balance, split_sequential
+from lightning_par.pipeline.sequential import PipelinedSequential
+
+
+def check_settings(
+    balance: list[int] | None, chunks: int, checkpoint: str, schedule: str, balance_by: str
+) -> None:
+    """Reject constructor arguments out of range (called by ``GPipeStrategy.__init__``)."""
+    if not isinstance(chunks, int) or chunks < 1:
+        raise ValueError(f"chunks (micro-batches per batch) must be an int >= 1: {chunks!r}")
+    for name, value, choices in [
+        ("checkpoint", checkpoint, CHECKPOINT_MODES),
+        ("schedule", schedule, SCHEDULES),
+        ("balance_by", balance_by, ("params", "time")),
+    ]:
+        if value not in choices:
+            raise ValueError(f"{name}={value!r}: choose one of {choices}")
+    if balance is not None:
+        check_balance(sum(balance) if all(isinstance(b, int) for b in balance) else 0, balance)
+
+
+def check_before_launch(
+    module: pl.LightningModule | None,
+    trainer: pl.Trainer | None,
+    *,
+    module_attr: str,
+    stages: int,
+    balance: list[int] | None,
+    balance_by: str,
+    schedule: str,
+    loss_attr: str,
+    devices: Sequence[torch.device],
+    backend: str | None,
+) -> None:
+    """Reject a network, balance or loss the strategy cannot run; nothing to check when there
+    is no module yet or its network is already split. ``stages``: number of processes."""
+    net = getattr(module, module_attr, None) if module is not None else None
+    if module is None or isinstance(net, PipelinedSequential):
+        return
+    if not isinstance(net, nn.Sequential):
+        found = "nothing" if net is None else type(net).__name__
+        raise TypeError(
+            f"GPipeStrategy splits `{type(module).__name__}.{module_attr}` into stages, "
+            f"which must be an nn.Sequential, but found {found}. Build the network as an "
+            "nn.Sequential of layers (each mapping one tensor to one tensor), or pass "
+            "module_attr='<name of your Sequential>'"
+        )
+    if stages > len(net):
+        raise ValueError(
+            f"{stages} devices (stages) but `{module_attr}` has only {len(net)} layers: "
+            f"use devices <= {len(net)}"
+        )
+    if balance is not None:
+        check_balance(len(net), balance, stages)
+    balance = balance or (balance_by_params(net, stages) if balance_by == "params" else None)
+    fitting = trainer is None or trainer.state.fn == "fit"
+    if balance and fitting:
+        check_stages_have_parameters(net, balance)
+    if devices and devices[0].type == "cuda":
+        check_backend(schedule, backend or "nccl")
+    if schedule == "1f1b":
+        check_1f1b_loss(module, loss_attr)
+
+
+def check_stages_have_parameters(net: nn.Sequential, balance: list[int]) -> None:
+    """Every stage needs a trainable parameter: its optimiser is built from its stage only."""
+    for s, stage in enumerate(split_sequential(net, balance)):
+        if not any(p.requires_grad for p in stage.parameters()):
+            layers = ", ".join(type(m).__name__ for m in stage)
+            raise ValueError(
+                f"stage {s} of balance {balance} ({layers}) "
+                "has no parameters to train and torch optimisers reject an empty parameter "
+                "list: give every stage a layer with parameters (balance=[...]) or use fewer "
+                "devices"
+            )
+
+
+def check_1f1b_loss(module: pl.LightningModule, loss_attr: str) -> None:
+    """1F1B calls the loss per micro-batch, which sums to the batch loss only for a mean."""
+    loss_fn = getattr(module, loss_attr, None)
+    if not callable(loss_fn) or getattr(loss_fn, "reduction", "mean") != "mean":
+        raise TypeError(
+            f"schedule='1f1b' computes the loss per micro-batch with "
+            f"`module.{loss_attr}(output, target)`, which must be a mean-reduced "
+            f"loss (e.g. nn.CrossEntropyLoss()); found {loss_fn!r}. Use "
+            "schedule='gpipe' for any other loss"
+        )
+
+
+def check_backend(schedule: str, backend: str) -> None:
+    """Reject 1F1B on NCCL, which would deadlock."""
+    if schedule == "1f1b" and backend == "nccl":
+        # 1F1B has a stage send its next activation while its neighbour sends a gradient
+        # back; NCCL runs one pair's messages in posting order on one stream, so both
+        # sends would wait for receives queued behind them.
+        raise ValueError(
+            "schedule='1f1b' needs sends in both directions between two stages at once, "
+            "which NCCL point-to-point serialises (deadlock): use schedule='gpipe' on GPUs, "
+            "or process_group_backend='gloo' (CUDA tensors are staged through host memory)"
+        )
+
+
+def check_trainer(trainer: pl.Trainer, schedule: str, precision_plugin: Any) -> None:
+    """Reject trainer settings that would differ from single-process training: per-stage
+    gradient norm clipping, and a gradient scaler under 1F1B."""
+    if trainer.gradient_clip_val and trainer.gradient_clip_algorithm == "norm":
+        raise ValueError(
+            "gradient_clip_algorithm='norm' would clip each stage by its own norm under "
+            "the gpipe strategy; use gradient_clip_algorithm='value' or no clipping"
+        )
+    if schedule == "1f1b":
+        check_1f1b_contract(precision_plugin)
+
+
+def check_1f1b_contract(precision_plugin: Any) -> None:
+    """1F1B runs its backwards inside the training step, outside Lightning's loss scaling."""
+    if getattr(precision_plugin, "scaler", None) is not None:
+        raise ValueError("schedule='1f1b' does not support a gradient scaler; use 'gpipe'")
+
+
+def resolve_balance(
+    module: pl.LightningModule,
+    net: nn.Sequential,
+    *,
+    stages: int,
+    balance: list[int] | None,
+    balance_by: str,
+    rank: int,
+    broadcast: Callable[[Any], Any],
+) -> list[int]:
+    """Layers per stage: the given ``balance``, else by parameter count, else timed on rank 0
+    with ``module.example_input_array`` and ``broadcast`` so that every stage cuts alike."""
+    if balance is not None:
+        return list(balance)
+    if balance_by == "params":
+        return balance_by_params(net, stages)
+    sample = getattr(module, "example_input_array", None)
+    if not isinstance(sample, torch.Tensor):
+        raise ValueError(
+            "balance_by='time' measures each layer on `module.example_input_array`: set "
+            "it to an input batch, or use balance_by='params' or an explicit balance"
+        )
+    return broadcast(balance_by_time(net, sample) if rank == 0 else None)
