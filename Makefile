@@ -12,7 +12,7 @@ TORCH_PINS ?= torch==2.14.1 torchvision==0.29.1
 
 STRATEGY ?= ring_allreduce
 DEVICES ?= 2
-EPOCHS ?= 10
+EPOCHS ?= 20
 DATA ?= cifar10-mini
 NB_TIMEOUT ?= 180
 

@@ -41,7 +41,8 @@ def test_folder_source_with_explicit_data_dir(mini_dir):
     dm.setup()
     assert len(dm.train_set) == 5085
     x, y = next(iter(dm.train_dataloader()))
-    assert x.shape == (128, 3, 32, 32) and x.dtype == torch.float32 and y.dtype == torch.int64
+    assert x.shape == (32, 3, 32, 32) and x.dtype == torch.float32  # the default batch size
+    assert y.dtype == torch.int64
 
 
 def test_folder_layout_may_be_the_batches_folder_itself(mini_dir):

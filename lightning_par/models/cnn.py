@@ -93,7 +93,7 @@ class CifarCNN(ImageClassifier):
         norm: str = "group",
         num_classes: int = 10,
         optimizer: str = "sgd",
-        lr: float = 0.05,
+        lr: float = 0.1,
         momentum: float = 0.9,
         weight_decay: float = 5e-4,
         scheduler: str | None = "onecycle",
