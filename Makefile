@@ -10,6 +10,7 @@ PY := $(VENV)/bin/python
 # e.g. `make TORCH_PINS= test` to let pip pick any torch >= 2.4.
 TORCH_PINS ?= torch==2.14.1 torchvision==0.29.1
 
+MODEL ?= CifarCNN
 STRATEGY ?= ring_allreduce
 DEVICES ?= 2
 EPOCHS ?= 20
@@ -26,7 +27,7 @@ $(VENV)/.installed: pyproject.toml
 	touch $@
 
 demo: setup
-	$(VENV)/bin/lightning-par fit --model=CifarCNN --data.source=$(DATA) \
+	$(VENV)/bin/lightning-par fit --model=$(MODEL) --data.source=$(DATA) \
 		--trainer.accelerator=cpu --trainer.devices=$(DEVICES) \
 		--trainer.strategy=$(STRATEGY) --trainer.max_epochs=$(EPOCHS) \
 		--trainer.default_root_dir=runs/demo
