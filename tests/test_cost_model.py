@@ -107,7 +107,7 @@ def _traced_totals(rank: int, world_size: int, numel: int) -> dict:
 
 
 def test_measured_traffic_equals_the_model_with_default_options():
-    numel = 13_000_001  # 17.3 MB ring chunks on 3 ranks: two 16 MiB segments each
+    numel = 13_000_001  # 17.3 MB ring chunks on 3 ranks: five 4 MiB segments each
     for rank, totals in enumerate(run_on_ranks(_traced_totals, 3, numel)):
         for name, (nbytes, messages, steps) in totals.items():
             cost = predict(name, numel, 3)

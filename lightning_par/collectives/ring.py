@@ -34,12 +34,13 @@ from lightning_par.collectives._common import (
 )
 from lightning_par.comm import CommTrace, Communicator, Handle, wait_all
 
-#: Largest message of the pipeline. Each message costs a wake-up of sender and receiver;
-#: on the 2-core test machine (4 ranks, loopback) that is milliseconds, and a 16M-float
-#: ring took 186 ms unsegmented, 274 ms with 4 MiB and 576 ms with 1 MiB segments (gloo's
-#: own ring uses 1 MiB, in C++). 16 MiB keeps the pipeline for very large chunks only;
-#: tune with ``python -m lightning_par.bench allreduce --segment-bytes ...``.
-DEFAULT_SEGMENT_BYTES = 16 << 20
+#: Largest message of the pipeline: a chunk is sent in segments so that adding one segment
+#: overlaps with receiving the next, but every message also costs a wake-up of sender and
+#: receiver. On the idle 2-core test machine (16M floats, 4 ranks, loopback, medians of 30)
+#: 4 MiB segments ran at 0.96-0.98x torch's speed, 2 MiB at 0.91-0.95x, 16 MiB (one message
+#: per chunk) 0.88-0.93x; gloo's own C++ ring uses 1 MiB. Tune with
+#: ``python -m lightning_par.bench allreduce --segment-bytes ...``.
+DEFAULT_SEGMENT_BYTES = 4 << 20
 
 
 def ring_schedule(rank: int, world_size: int) -> list[tuple[int, int]]:
