@@ -17,7 +17,7 @@ import sys
 from lightning.pytorch.cli import LightningCLI
 
 import lightning_par  # noqa: F401  (registers the strategy names)
-from lightning_par.data import CIFAR10DataModule
+from lightning_par.data import CIFAR10DataModule, DataNotFoundError
 from lightning_par.models import CifarCNN, CifarRNN, ImageClassifier  # noqa: F401
 from lightning_par.summary import ThroughputMonitor, summary_line
 
@@ -27,6 +27,16 @@ class LightningParCLI(LightningCLI):
         parser.add_argument(
             "--test_after_fit", type=bool, default=True, help="Test the model after fit."
         )
+
+    def _data_before_launch(self) -> None:
+        # Find (or download) and load the data here, in the parent, so a missing data set
+        # is one clear error before any process starts; forked ranks inherit the loaded
+        # tensors, and ranks that import the script afresh load them again.
+        if isinstance(self.datamodule, CIFAR10DataModule):
+            self.datamodule.prepare_data()
+            self.datamodule.setup("fit")
+
+    before_fit = before_validate = before_test = before_predict = _data_before_launch
 
     def after_fit(self) -> None:
         if self.config[self.subcommand].get("test_after_fit", True):
@@ -46,6 +56,19 @@ class LightningParCLI(LightningCLI):
 
 
 def main(args: list[str] | None = None) -> None:
+    try:
+        _run_cli(args)
+    except DataNotFoundError as err:
+        # The message says what is missing and the three ways to get data: no traceback.
+        print(
+            f"lightning-par: error: {err}\nOn the command line: --data.source=torchvision, "
+            "--data.source=cifar10-mini or --data.source=synthetic; --data.data_dir=PATH.",
+            file=sys.stderr,
+        )
+        raise SystemExit(2) from None
+
+
+def _run_cli(args: list[str] | None) -> None:
     LightningParCLI(
         ImageClassifier,
         CIFAR10DataModule,

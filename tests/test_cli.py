@@ -56,6 +56,22 @@ def test_unknown_strategy_is_rejected_before_training(tmp_path):
               f"--trainer.default_root_dir={tmp_path}"])  # fmt: skip
 
 
+def test_missing_data_is_one_clear_error_before_any_process_starts(tmp_path, monkeypatch):
+    monkeypatch.setenv("LIGHTNING_PAR_DATA", str(tmp_path / "empty"))
+    monkeypatch.delenv("LIGHTNING_PAR_CIFAR10_MINI", raising=False)
+    out = subprocess.run(
+        [sys.executable, "-m", "lightning_par", "fit", "--model=CifarCNN",
+         "--data.download=false", "--trainer.accelerator=cpu", "--trainer.devices=2",
+         "--trainer.strategy=ring_allreduce", f"--trainer.default_root_dir={tmp_path}"],
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert out.returncode == 2, out.stderr[-2000:]
+    assert "No CIFAR-10 data found" in out.stderr and "Three ways to get data" in out.stderr
+    assert "--data.source=synthetic" in out.stderr
+    assert "Traceback" not in out.stderr
+    assert "Initializing distributed" not in out.stderr + out.stdout  # no rank was started
+
+
 def test_console_entry_point_lists_the_subcommands():
     out = subprocess.run(
         [sys.executable, "-m", "lightning_par", "--help"],

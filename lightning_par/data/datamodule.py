@@ -154,11 +154,13 @@ class CIFAR10DataModule(pl.LightningDataModule):
             return (*self._torchvision(train, hp.download), "torchvision CIFAR-10")
         if self.source in ("cifar10-mini", "folder"):
             return self._folder(train, allow_mini=self.source == "cifar10-mini")
-        # auto: the full set, then a local folder, then a clear error
+        # auto: the full set, then a local folder, then a clear error (raised outside the
+        # except block, so the user sees one message, not two chained tracebacks)
         try:
             return (*self._torchvision(train, hp.download), "torchvision CIFAR-10")
         except DataNotFoundError:
-            return self._folder(train, allow_mini=False)
+            pass
+        return self._folder(train, allow_mini=False)
 
     def _torchvision(self, train: bool, download: bool):
         try:
