@@ -3,8 +3,11 @@
 Policy (:func:`choose_start_method`): under torchrun, SLURM or another cluster launcher
 the processes already exist; in notebooks and tests ``fork`` (1 s instead of 8-15 s for a
 fresh interpreter on the 2-core CI machine, and it works with functions defined in a
-notebook cell); in scripts ``fork`` on CPU and Lightning's standard ``popen`` launcher on
-GPUs, because a forked child cannot use CUDA once the parent has touched it.
+notebook cell). In scripts, Lightning's standard ``popen`` launcher, except on a CPU whose
+cores give each rank at most one thread anyway, where ``fork`` starts faster and loses
+nothing. Why threads decide it: a forked rank must compute on one thread, because it hangs
+in its first multi-threaded OpenMP region if the parent had already used OpenMP (GNU
+libgomp is not fork-safe); and a forked child cannot use CUDA that the parent touched.
 """
 
 from __future__ import annotations
@@ -37,8 +40,12 @@ def under_cluster_launcher() -> bool:
     return ("LOCAL_RANK" in env and "WORLD_SIZE" in env) or "SLURM_NTASKS" in env
 
 
-def choose_start_method(accelerator: str = "cpu") -> str:
-    """The start method for the extra ranks (``LIGHTNING_PAR_START_METHOD`` overrides)."""
+def choose_start_method(accelerator: str = "cpu", num_processes: int | None = None) -> str:
+    """The start method for the extra ranks (``LIGHTNING_PAR_START_METHOD`` overrides).
+
+    ``fork`` in notebooks and tests, and for CPU scripts whose ``num_processes`` ranks get
+    at most one core each; ``popen`` otherwise (see the module docstring).
+    """
     override = os.environ.get("LIGHTNING_PAR_START_METHOD")
     if override:
         if override not in START_METHODS:
@@ -46,7 +53,10 @@ def choose_start_method(accelerator: str = "cpu") -> str:
                 f"LIGHTNING_PAR_START_METHOD={override!r} is not one of {START_METHODS}"
             )
         return override
-    if is_interactive() or "pytest" in sys.modules or accelerator == "cpu":
+    if is_interactive() or "pytest" in sys.modules:
+        return "fork"
+    cores_per_rank = (os.cpu_count() or 1) // max(1, num_processes or 1)
+    if accelerator == "cpu" and cores_per_rank <= 1:
         return "fork"
     return "popen"
 

@@ -62,8 +62,8 @@ class AllReduceStrategy(DDPStrategy):
             :attr:`trace` (a :class:`~lightning_par.comm.CommTrace`).
         start_method: how Lightning starts the extra ranks; default
             :func:`~lightning_par.comm.choose_start_method` (``fork`` in notebooks,
-            tests and on CPU, ``popen`` for GPU scripts); under torchrun/SLURM the
-            processes already exist and none are started.
+            tests and CPU scripts with at most one core per rank, else ``popen``); under
+            torchrun/SLURM the processes already exist and none are started.
         **kwargs: ``accelerator``, ``parallel_devices``, ``cluster_environment``,
             ``checkpoint_io``, ``precision_plugin`` and ``process_group_backend``, as
             for ``DDPStrategy``.
@@ -73,8 +73,9 @@ class AllReduceStrategy(DDPStrategy):
             Raise it when rank 0 may spend longer alone, e.g. writing a large checkpoint.
 
     Ranks started with ``fork`` compute on one intra-op thread each: a forked child
-    hangs in OpenMP if its parent had already used OpenMP threads. For more threads per
-    rank on a many-core CPU, pass ``start_method="popen"``.
+    hangs in OpenMP if its parent had already used OpenMP threads. So in scripts the
+    default is ``fork`` only where each rank gets one core anyway, and ``popen`` (ranks
+    use cores/ranks threads) elsewhere.
     """
 
     #: The collective of this strategy, a key of :data:`lightning_par.collectives.ALGORITHMS`.
@@ -147,7 +148,7 @@ class AllReduceStrategy(DDPStrategy):
             return
         if not self._start_method_given:
             device = self.parallel_devices[0].type if self.parallel_devices else "cpu"
-            self._start_method = choose_start_method(device)
+            self._start_method = choose_start_method(device, self.num_processes)
         super()._configure_launcher()
 
     def setup_environment(self) -> None:

@@ -135,7 +135,7 @@ class GPipeStrategy(ParallelStrategy):
         if self.cluster_environment.creates_processes_externally:
             return
         device_type = self.parallel_devices[0].type if self.parallel_devices else "cpu"
-        method = self._start_method or choose_start_method(device_type)
+        method = self._start_method or choose_start_method(device_type, self.num_processes)
         if method == "popen":
             self._launcher = _SubprocessScriptLauncher(
                 self.cluster_environment, self.num_processes, self.num_nodes
