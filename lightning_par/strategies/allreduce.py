@@ -26,6 +26,7 @@ from typing import Any, ClassVar
 
 import torch
 from lightning.pytorch.strategies import DDPStrategy
+from lightning.pytorch.strategies.launchers.multiprocessing import _MultiProcessingLauncher
 from lightning.pytorch.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
 
 from lightning_par.collectives import ALGORITHMS, get_allreduce, tree_broadcast
@@ -152,10 +153,9 @@ class AllReduceStrategy(DDPStrategy):
         super()._configure_launcher()
 
     def setup_environment(self) -> None:
-        if (
-            self._start_method == "fork"
-            and not self.cluster_environment.creates_processes_externally
-        ):
+        # (Inside a forked rank the cluster environment already reports LOCAL_RANK, so ask
+        # the launcher object, inherited from the parent, how this process started.)
+        if isinstance(self._launcher, _MultiProcessingLauncher) and self._start_method == "fork":
             torch.set_num_threads(1)  # see the class docstring: OpenMP after fork
         super().setup_environment()
 
