@@ -49,9 +49,7 @@ class LightningParCLI(LightningCLI):
             self._print_summary()
 
     def _print_summary(self) -> None:
-        # With a fork launcher, data was set up in the children: resolve it here to report it.
-        if getattr(self.datamodule, "source_used", "") is None:
-            self.datamodule.setup("test")
+        # The data was set up here before launching, so its source is known in this process.
         print(summary_line(self.trainer, self.datamodule), flush=True)
 
 

@@ -112,6 +112,21 @@ def test_torchvision_offline_says_what_is_missing(tmp_path):
         dm.setup()
 
 
+def test_prepare_data_downloads_only_when_files_are_missing(tmp_path, monkeypatch, mini_dir):
+    import lightning_par.data.datamodule as datamodule
+
+    calls = []
+    monkeypatch.setattr(datamodule, "load_torchvision", lambda *a: calls.append(a))
+    dm = CIFAR10DataModule(source="torchvision", data_dir=str(tmp_path))
+    dm.prepare_data()
+    assert [(train, download) for _, train, download in calls] == [(True, True), (False, True)]
+    calls.clear()
+    # every batch file present (the mini set has the official layout): nothing to read
+    (tmp_path / "cifar-10-batches-py").symlink_to(mini_dir / "cifar-10-batches-py")
+    dm.prepare_data()
+    assert calls == []
+
+
 def test_data_env_var_sets_the_default_root(tmp_path, monkeypatch):
     monkeypatch.setenv("LIGHTNING_PAR_DATA", str(tmp_path))
     assert CIFAR10DataModule().data_dir == tmp_path

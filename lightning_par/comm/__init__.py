@@ -4,6 +4,7 @@ from lightning_par.comm.launch import (
     RankFailed,
     choose_start_method,
     is_interactive,
+    one_thread_after_fork,
     run_on_ranks,
     under_cluster_launcher,
 )
@@ -24,6 +25,7 @@ __all__ = [
     "find_free_port",
     "init_process_group",
     "is_interactive",
+    "one_thread_after_fork",
     "run_on_ranks",
     "under_cluster_launcher",
     "wait_all",

@@ -61,18 +61,29 @@ def choose_start_method(accelerator: str = "cpu", num_processes: int | None = No
     return "popen"
 
 
+def one_thread_after_fork() -> None:
+    """Call first thing in a forked rank: compute on one intra-op thread from now on.
+
+    A forked child hangs in its first multi-threaded OpenMP region if its parent had
+    already used OpenMP threads (GNU libgomp is not fork-safe; reproduced with torch 2.14
+    for every thread count above one), and nothing tells the child whether it had. One
+    thread per rank is always safe, and on a machine with no more cores than ranks it is
+    what each rank would get anyway (the start-method policy forks scripts only then).
+    """
+    import torch
+
+    torch.set_num_threads(1)
+    os.environ["OMP_NUM_THREADS"] = "1"  # so Lightning's launcher keeps it
+
+
 class RankFailed(RuntimeError):
     """A rank raised, died or timed out inside :func:`run_on_ranks`."""
 
 
 def _rank_main(fn, rank, world_size, backend, port, timeout_s, args, kwargs, queue) -> None:
-    import torch
     import torch.distributed as dist
 
-    # A forked child hangs in its first OpenMP parallel region if the parent had already
-    # started an OpenMP pool (libgomp; with any thread count above one), so each rank
-    # computes on one thread, which also keeps ranks from oversubscribing the cores.
-    torch.set_num_threads(1)
+    one_thread_after_fork()
     os.environ.update(
         MASTER_ADDR="127.0.0.1",
         MASTER_PORT=str(port),
@@ -135,7 +146,7 @@ def run_on_ranks(
     10 s later the parent stops ranks stuck elsewhere. If a rank raises, exits or hangs,
     the others are killed and :class:`RankFailed` names the rank (a dead rank first, since
     its peers' errors are only the echo of its death). Each rank computes on one
-    intra-op thread: see :func:`_rank_main`.
+    intra-op thread: see :func:`one_thread_after_fork`.
     """
     if world_size < 1:
         raise ValueError(f"world_size must be >= 1, got {world_size}")

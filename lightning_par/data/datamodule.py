@@ -17,6 +17,7 @@ from lightning_par.data.sources import (
     DataNotFoundError,
     batches_dir,
     find_cifar10_mini,
+    has_full_cifar10,
     how_to_get_data,
     load_batches,
     load_torchvision,
@@ -187,7 +188,11 @@ class CIFAR10DataModule(pl.LightningDataModule):
     # -- Lightning hooks ---------------------------------------------------------------
     def prepare_data(self) -> None:
         # Runs once per node before the ranks split: the only place that may download.
+        # Files already there: nothing to do (torchvision would read all 60 000 images
+        # just to find that out; setup verifies its checksums when it loads them).
         if self.source in ("torchvision", "auto") and self.hparams.download:
+            if has_full_cifar10(self.data_dir):
+                return
             try:
                 load_torchvision(self.data_dir, True, True)
                 load_torchvision(self.data_dir, False, True)

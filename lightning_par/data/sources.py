@@ -75,6 +75,12 @@ def find_cifar10_mini() -> Path | None:
     return None
 
 
+def has_full_cifar10(root: str | os.PathLike) -> bool:
+    """Whether ``root/cifar-10-batches-py`` holds every batch file of the full set."""
+    folder = Path(root) / BATCHES_FOLDER
+    return all((folder / name).is_file() for name in TRAIN_FILES + TEST_FILES)
+
+
 def verify_md5sums(folder: Path) -> None:
     """Check the batch files against a ``MD5SUMS`` file, where the folder (or its parent)
     has one: the mini subset carries its own, since torchvision's checksums don't apply."""

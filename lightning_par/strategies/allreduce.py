@@ -36,6 +36,7 @@ from lightning_par.comm import (
     Event,
     choose_start_method,
     default_timeout,
+    one_thread_after_fork,
 )
 from lightning_par.strategies.buckets import GradientBuckets
 
@@ -65,13 +66,13 @@ class AllReduceStrategy(DDPStrategy):
             :func:`~lightning_par.comm.choose_start_method` (``fork`` in notebooks,
             tests and CPU scripts with at most one core per rank, else ``popen``); under
             torchrun/SLURM the processes already exist and none are started.
-        **kwargs: ``accelerator``, ``parallel_devices``, ``cluster_environment``,
-            ``checkpoint_io``, ``precision_plugin`` and ``process_group_backend``, as
-            for ``DDPStrategy``.
         timeout: how long any collective or receive may wait before the run fails,
             naming the rank (default :func:`~lightning_par.comm.default_timeout`: 60 s,
             ``LIGHTNING_PAR_TIMEOUT`` seconds if set; Lightning's own default is 30 min).
             Raise it when rank 0 may spend longer alone, e.g. writing a large checkpoint.
+        **kwargs: ``accelerator``, ``parallel_devices``, ``cluster_environment``,
+            ``checkpoint_io``, ``precision_plugin`` and ``process_group_backend``, as
+            for ``DDPStrategy``.
 
     Ranks started with ``fork`` compute on one intra-op thread each: a forked child
     hangs in OpenMP if its parent had already used OpenMP threads. So in scripts the
@@ -156,7 +157,7 @@ class AllReduceStrategy(DDPStrategy):
         # (Inside a forked rank the cluster environment already reports LOCAL_RANK, so ask
         # the launcher object, inherited from the parent, how this process started.)
         if isinstance(self._launcher, _MultiProcessingLauncher) and self._start_method == "fork":
-            torch.set_num_threads(1)  # see the class docstring: OpenMP after fork
+            one_thread_after_fork()
         super().setup_environment()
 
     def configure_ddp(self) -> None:

@@ -42,7 +42,8 @@ from lightning.pytorch.strategies import ParallelStrategy
 from lightning.pytorch.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
 from lightning.pytorch.utilities.rank_zero import rank_zero_only, rank_zero_warn
 
-from lightning_par.comm import CommTrace, Communicator, choose_start_method, default_timeout
+from lightning_par.comm import CommTrace, Communicator, default_timeout
+from lightning_par.comm.launch import choose_start_method, one_thread_after_fork
 from lightning_par.pipeline.partition import split_sequential
 from lightning_par.pipeline.sequential import PipelinedSequential
 from lightning_par.pipeline.state import (
@@ -147,9 +148,7 @@ class GPipeStrategy(ParallelStrategy):
         super().setup_environment()
         launcher = self._launcher
         if isinstance(launcher, FullStateLauncher) and launcher._start_method == "fork":
-            # A forked child hangs in its first multi-threaded OpenMP region when the parent
-            # had started OpenMP threads (e.g. built the model): keep one thread per stage.
-            torch.set_num_threads(1)
+            one_thread_after_fork()
         reset_seed()
         self.set_world_ranks()
         self._process_group_backend = self._process_group_backend or (
