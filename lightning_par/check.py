@@ -11,18 +11,20 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
 import sys
 import time
+
+from lightning_par.comm.run import run_bounded
 
 RESULT_TAG = "CHECK_RESULT "
 MODELS = ("CifarCNN", "CifarRNN")
 
 
 def registered_strategies() -> list[str]:
-    from lightning_par.strategies import PLUGINS
+    """Lightning's DDP (the reference, under our launch policy), then every plugin."""
+    from lightning_par.strategies import plugin_names
 
-    return ["ddp_fork"] + [name for _, _, name, _ in PLUGINS]
+    return ["lightning_ddp", *plugin_names()]
 
 
 def run_row(strategy: str, model: str, accelerator: str, devices: int, steps: int) -> dict:
@@ -100,16 +102,16 @@ def main(argv: list[str] | None = None) -> int:
         cmd += ["--run-row", strategy, model, accel, str(devices)]
         start = time.perf_counter()
         row = {"strategy": strategy, "model": model, "device": accel, "processes": devices}
-        try:
-            proc = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout)
-            found = [ln for ln in proc.stdout.splitlines() if ln.startswith(RESULT_TAG)]
-            if proc.returncode == 0 and found:
-                row.update(status="ok", **json.loads(found[-1][len(RESULT_TAG) :]))
-            else:
-                tail = (proc.stderr or proc.stdout).strip().splitlines()[-1:] or ["no output"]
-                row.update(status="failed", error=tail[0][:200])
-        except subprocess.TimeoutExpired:
-            row.update(status="failed", error=f"timed out after {args.timeout:.0f} s")
+        proc = run_bounded(cmd, args.timeout)
+        found = [ln for ln in proc.stdout.splitlines() if ln.startswith(RESULT_TAG)]
+        if proc.returncode == 0 and found:
+            row.update(status="ok", **json.loads(found[-1][len(RESULT_TAG) :]))
+        elif proc.timed_out:
+            row.update(status="failed", error=f"timed out after {args.timeout:.0f} s; "
+                       "every process of the row was killed")  # fmt: skip
+        else:
+            tail = (proc.stderr or proc.stdout).strip().splitlines()[-1:] or ["no output"]
+            row.update(status="failed", error=tail[0][:200])
         row["seconds"] = round(time.perf_counter() - start, 1)
         results.append(row)
         if not args.json:

@@ -22,9 +22,9 @@ from torch.utils.data import DataLoader, TensorDataset
 import lightning_par  # noqa: F401  (registers the strategy names)
 from lightning_par.collectives import ring_allreduce
 from lightning_par.comm import Communicator, default_timeout, run_on_ranks
+from lightning_par.comm.buckets import allreduce_buckets
 from lightning_par.models import CifarCNN, CifarRNN
-from lightning_par.strategies.allreduce import AllReduceStrategy, RingAllReduceStrategy
-from lightning_par.strategies.buckets import GradientBuckets
+from lightning_par.strategies.allreduce import AllReduceStrategy
 
 STRATEGIES = (
     "ring_allreduce",
@@ -167,9 +167,9 @@ def test_registered_name_with_default_arguments_and_fork_launch():
     x, y = global_batches(2)
     model = make_model("cnn")
     run = trainer("ring_allreduce", 2)
-    assert isinstance(run.strategy, RingAllReduceStrategy)
-    assert run.strategy._start_method == "fork"
+    assert isinstance(run.strategy, AllReduceStrategy) and run.strategy.algorithm_name == "ring"
     run.fit(model, DataLoader(RankShard(x, y, 2), batch_size=PER_RANK))
+    assert run.strategy.launch_plan.method == "fork"
     # The reference runs in a forked child: this process stays free of autograd state.
     (reference,) = run_on_ranks(_reference_on_one_rank, 1, "cnn", 2)
     assert abs(flat_weights(model).numpy() - reference).max() < ATOL
@@ -193,7 +193,7 @@ def _overlap(rank: int, world_size: int) -> dict:
             return torch.optim.SGD(self.parameters(), lr=0.01)
 
     data = TensorDataset(torch.randn(3 * 256, 512), torch.randint(0, 10, (3 * 256,)))
-    strategy = RingAllReduceStrategy(bucket_cap_mb=1.0, trace=True)
+    strategy = AllReduceStrategy("ring", bucket_cap_mb=1.0, trace=True)
     trainer(strategy, world_size, max_steps=3).fit(Deep(), DataLoader(data, batch_size=256))
     trace = strategy.trace
     backward = [e for e in trace.events if e.name == "backward"]
@@ -226,7 +226,7 @@ def _accumulate_and_clip(rank: int, world_size: int) -> dict:
     batch = world_size * PER_RANK
     # Accumulation: 2 micro-batches per step -> the reference steps on 2 global batches.
     model = make_model("cnn")
-    strategy = RingAllReduceStrategy(trace=True)
+    strategy = AllReduceStrategy("ring", trace=True)
     trainer(strategy, world_size, max_steps=2, accumulate_grad_batches=2).fit(
         model, shard(x, y, rank, world_size)
     )
@@ -307,7 +307,7 @@ def _unused(rank: int, world_size: int) -> dict:
     torch.manual_seed(0)
     used, sometimes, never = nn.Linear(4, 4), nn.Linear(4, 4), nn.Linear(4, 4)
     module = nn.ModuleList([used, sometimes, never])
-    buckets = GradientBuckets(module, ring_allreduce, Communicator(), bucket_cap_mb=1e-4)
+    buckets = allreduce_buckets(module, ring_allreduce, Communicator(), bucket_cap_mb=1e-4)
     x = torch.full((2, 4), float(rank + 1))
     out = used(x)
     if rank == 0:
@@ -337,21 +337,21 @@ def test_unused_parameters_count_as_zero_and_stay_none_if_unused_everywhere():
 
 def test_bad_options_fail_before_training():
     with pytest.raises(ValueError, match="bucket_cap_mb must be > 0"):
-        RingAllReduceStrategy(bucket_cap_mb=0)
+        AllReduceStrategy("ring", bucket_cap_mb=0)
     with pytest.raises(ValueError, match="bucket_cap_mb must be > 0"):
-        RingAllReduceStrategy(bucket_cap_mb=-1)
+        AllReduceStrategy("ring", bucket_cap_mb=-1)
     with pytest.raises(TypeError, match="bucket_cap_mb must be a number"):
-        RingAllReduceStrategy(bucket_cap_mb="big")
+        AllReduceStrategy("ring", bucket_cap_mb="big")
     with pytest.raises(ValueError, match="unknown allreduce algorithm 'rnig'.*ring"):
         AllReduceStrategy(algorithm="rnig")
     with pytest.raises(ValueError, match="needs an algorithm"):
         AllReduceStrategy()
     with pytest.raises(TypeError, match=r"unknown option\(s\) \['bucket_size'\]"):
-        RingAllReduceStrategy(bucket_size=4)
+        AllReduceStrategy("ring", bucket_size=4)
     with pytest.raises(TypeError, match="no DistributedDataParallel wrapper"):
-        RingAllReduceStrategy(find_unused_parameters=True)
+        AllReduceStrategy("ring", find_unused_parameters=True)
     with pytest.raises(ValueError, match="start_method='thread'"):
-        RingAllReduceStrategy(start_method="thread")
+        AllReduceStrategy("ring", start_method="thread")
 
 
 class HangsOnRankOne(pl.LightningModule):
@@ -370,8 +370,8 @@ class HangsOnRankOne(pl.LightningModule):
 
 def test_a_hung_rank_fails_the_fork_launched_run_fast_naming_it():
     # The default timeout is ours (LIGHTNING_PAR_TIMEOUT, 60 s), not Lightning's 30 min.
-    assert RingAllReduceStrategy()._timeout == default_timeout()
-    strategy = RingAllReduceStrategy(timeout=timedelta(seconds=4))
+    assert AllReduceStrategy("ring")._timeout == default_timeout()
+    strategy = AllReduceStrategy("ring", timeout=timedelta(seconds=4))
     data = TensorDataset(torch.randn(32, 4), torch.zeros(32))
     start = time.monotonic()
     with pytest.raises(

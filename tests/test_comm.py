@@ -1,7 +1,6 @@
 """The communication layer: fork runner, failures that name the rank, traced messages."""
 
 import os
-import sys
 import time
 
 import pytest
@@ -12,9 +11,7 @@ from lightning_par.comm import (
     CommTrace,
     Communicator,
     RankFailed,
-    choose_start_method,
     find_free_port,
-    launch,
     run_on_ranks,
 )
 
@@ -114,27 +111,6 @@ def test_trace_spans_and_gather():
         return None if gathered is None else [t.events[0].micro_batch for t in gathered]
 
     assert run_on_ranks(fn, 3) == [[0, 1, 2], None, None]
-
-
-def test_start_method_policy(monkeypatch):
-    assert choose_start_method("cpu") == "fork"
-    assert choose_start_method("cuda") == "fork"  # under pytest
-    # In a script: fork only where each rank gets one core anyway (a forked rank must
-    # run on one thread); Lightning's popen where ranks could use several threads each.
-    monkeypatch.delitem(sys.modules, "pytest")
-    monkeypatch.setattr(launch, "is_interactive", lambda: False)  # nbval loads ipykernel
-    monkeypatch.setattr(os, "cpu_count", lambda: 16)
-    assert choose_start_method("cpu", 16) == "fork"
-    assert choose_start_method("cpu", 4) == "popen"
-    assert choose_start_method("cuda", 16) == "popen"
-    monkeypatch.setattr(os, "cpu_count", lambda: 2)
-    assert choose_start_method("cpu", 2) == "fork"
-    assert choose_start_method("cpu", 1) == "popen"
-    monkeypatch.setenv("LIGHTNING_PAR_START_METHOD", "spawn")
-    assert choose_start_method("cuda") == "spawn"
-    monkeypatch.setenv("LIGHTNING_PAR_START_METHOD", "teleport")
-    with pytest.raises(ValueError, match="not one of"):
-        choose_start_method()
 
 
 def test_free_ports_differ_and_bind_loopback():

@@ -33,6 +33,15 @@ ALGORITHMS: dict[str, Callable[..., torch.Tensor]] = {
     "master_worker": master_worker_allreduce,
 }
 
+#: Algorithm name -> one line for listings (the strategy registry, the CLI, the check).
+DESCRIPTIONS: dict[str, str] = {
+    "ring": "Ring allreduce (reduce-scatter + all-gather)",
+    "tree": "Tree allreduce (reduce to rank 0, broadcast back)",
+    "butterfly": "Butterfly allreduce (recursive doubling)",
+    "all_to_all": "All-to-all allreduce (teaching baseline)",
+    "master_worker": "Master-worker allreduce (teaching baseline)",
+}
+
 
 def get_allreduce(algorithm: str) -> Callable[..., torch.Tensor]:
     """The collective named ``algorithm`` (a key of :data:`ALGORITHMS`)."""
@@ -46,6 +55,7 @@ def get_allreduce(algorithm: str) -> Callable[..., torch.Tensor]:
 
 __all__ = [
     "ALGORITHMS",
+    "DESCRIPTIONS",
     "Cost",
     "all_to_all_allreduce",
     "butterfly_allreduce",

@@ -1,15 +1,21 @@
-"""One communication layer for every plugin: messages, traces, launching."""
+"""One communication layer for every plugin: messages, traces, the launch policy."""
 
 from lightning_par.comm.launch import (
-    RankFailed,
+    LaunchError,
+    LaunchPlan,
+    ProcessState,
     choose_start_method,
     is_interactive,
+    limit_threads_after_fork,
     one_thread_after_fork,
-    run_on_ranks,
+    plan_launch,
+    process_state,
     under_cluster_launcher,
+    warn_if_oversubscribed,
 )
 from lightning_par.comm.p2p import CommError, Communicator, Handle, wait_all
 from lightning_par.comm.rendezvous import default_timeout, find_free_port, init_process_group
+from lightning_par.comm.run import RankFailed, run_on_ranks, stop_process_groups
 from lightning_par.comm.trace import CommTrace, Event, Message
 
 __all__ = [
@@ -18,15 +24,23 @@ __all__ = [
     "Communicator",
     "Event",
     "Handle",
+    "LaunchError",
+    "LaunchPlan",
     "Message",
+    "ProcessState",
     "RankFailed",
     "choose_start_method",
     "default_timeout",
     "find_free_port",
     "init_process_group",
     "is_interactive",
+    "limit_threads_after_fork",
     "one_thread_after_fork",
+    "plan_launch",
+    "process_state",
     "run_on_ranks",
+    "stop_process_groups",
     "under_cluster_launcher",
     "wait_all",
+    "warn_if_oversubscribed",
 ]

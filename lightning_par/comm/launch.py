@@ -1,29 +1,73 @@
-"""Launching ranks: the start-method policy and a fork-based runner for tests and notebooks.
+"""The launch policy: how every multi-process entry point of this project starts its ranks.
 
-Policy (:func:`choose_start_method`): under torchrun, SLURM or another cluster launcher
-the processes already exist; in notebooks and tests ``fork`` (1 s instead of 8-15 s for a
-fresh interpreter on the 2-core CI machine, and it works with functions defined in a
-notebook cell). In scripts, Lightning's standard ``popen`` launcher, except on a CPU whose
-cores give each rank at most one thread anyway, where ``fork`` starts faster and loses
-nothing. Why threads decide it: a forked rank must compute on one thread, because it hangs
-in its first multi-threaded OpenMP region if the parent had already used OpenMP (GNU
-libgomp is not fork-safe); and a forked child cannot use CUDA that the parent touched.
+One function, :func:`plan_launch`, decides from facts checked at launch time
+(:func:`process_state`), and every entry point follows it: the strategies' launchers,
+:func:`~lightning_par.comm.run_on_ranks`, the benchmarks, the check, and the Lightning DDP
+reference the tests and notebooks compare against. Why these facts:
+
+* **Ranks that already exist** (torchrun, SLURM, ``run_on_ranks``): start nothing.
+* **CUDA initialised in this process**: a forked child cannot use CUDA at all (even
+  Lightning's ``isolate_rng`` touches it), so fork is out.
+* **Autograd device threads started**: on a machine with a GPU, the first ``backward``
+  starts one autograd thread per device, and a forked child's own ``backward`` then raises
+  "Unable to handle autograd's threading in combination with fork-based multiprocessing".
+  Fork is out. (torch names those threads ``pt_autograd_<device>``.)
+* **An OpenMP pool started** (any native thread Python did not start): a forked child
+  hangs in its first multi-threaded OpenMP region (GNU libgomp is not fork-safe), so a
+  forked rank must compute on one intra-op thread. With no such thread a forked rank may
+  use its share of the cores.
+* **A notebook**: only fork works (a cell's functions cannot be imported by a new
+  interpreter), so when fork is out the launch stops *before* any process starts with
+  :class:`LaunchError`, saying what was initialised and how to fix it.
+* **Tests** (pytest): fork when safe, else ``forkserver`` (a clean server process forks
+  the ranks; test functions and modules are importable, so it works).
+* **Scripts**: ``fork`` on a CPU whose cores give each rank at most one thread anyway (1 s
+  to start instead of 8-15 s for a fresh interpreter on a 2-core machine) and nothing
+  above made fork unsafe; otherwise Lightning's ``popen``, which re-runs the script, so
+  every rank is a fresh process with all the threads it is given.
 """
 
 from __future__ import annotations
 
-import multiprocessing as mp
 import os
 import sys
-import time
-import traceback
-from collections.abc import Callable
-from datetime import timedelta
-from typing import Any
-
-from lightning_par.comm.rendezvous import default_timeout, find_free_port, init_process_group
+import threading
+import warnings
+from dataclasses import dataclass
 
 START_METHODS = ("fork", "popen", "spawn", "forkserver")
+#: Modules a forkserver imports once, so that each rank it forks starts in milliseconds.
+FORKSERVER_PRELOAD = ["torch", "torch.distributed", "lightning.pytorch"]
+
+
+class LaunchError(RuntimeError):
+    """Ranks cannot be started safely from this process; the message says how to fix it."""
+
+
+@dataclass(frozen=True)
+class ProcessState:
+    """What this process has initialised that decides how ranks may be started."""
+
+    cuda_initialized: bool
+    autograd_threads: bool
+    native_threads: int  # threads Python did not start (OpenMP pool, autograd, drivers)
+    interactive: bool
+    under_pytest: bool
+    external_ranks: bool
+    cores: int
+
+    @property
+    def fork_hazards(self) -> list[str]:
+        """Why a forked child could not work, in words (empty: fork is safe)."""
+        hazards = []
+        if self.cuda_initialized:
+            hazards.append("CUDA is initialised in this process (a forked child cannot use it)")
+        if self.autograd_threads:
+            hazards.append(
+                "autograd has started its GPU device threads in this process (a backward pass "
+                "ran here); a forked child's backward would fail"
+            )
+        return hazards
 
 
 def is_interactive() -> bool:
@@ -40,153 +84,164 @@ def under_cluster_launcher() -> bool:
     return ("LOCAL_RANK" in env and "WORLD_SIZE" in env) or "SLURM_NTASKS" in env
 
 
-def choose_start_method(accelerator: str = "cpu", num_processes: int | None = None) -> str:
-    """The start method for the extra ranks (``LIGHTNING_PAR_START_METHOD`` overrides).
+def _thread_names() -> list[str] | None:
+    """Names of this process's OS threads (Linux ``/proc``), ``None`` where unknown."""
+    try:
+        tasks = os.listdir("/proc/self/task")
+    except OSError:
+        return None
+    names = []
+    for tid in tasks:
+        try:
+            with open(f"/proc/self/task/{tid}/comm") as f:
+                names.append(f.read().strip())
+        except OSError:
+            continue  # the thread ended meanwhile
+    return names
 
-    ``fork`` in notebooks and tests, and for CPU scripts whose ``num_processes`` ranks get
-    at most one core each; ``popen`` otherwise (see the module docstring).
+
+def autograd_threads_started() -> bool:
+    names = _thread_names()
+    return names is not None and any(n.startswith("pt_autograd_") for n in names)
+
+
+def native_thread_count() -> int:
+    """Threads that Python's ``threading`` does not know: OpenMP workers, autograd device
+    threads, driver threads. Where this cannot be read, assume some (the safe answer)."""
+    names = _thread_names()
+    if names is None:
+        return 1
+    return max(0, len(names) - threading.active_count())
+
+
+def cuda_initialized() -> bool:
+    torch = sys.modules.get("torch")
+    return bool(torch is not None and torch.cuda.is_initialized())
+
+
+def process_state() -> ProcessState:
+    """The facts about this process that :func:`plan_launch` decides from."""
+    return ProcessState(
+        cuda_initialized=cuda_initialized(),
+        autograd_threads=autograd_threads_started(),
+        native_threads=native_thread_count(),
+        interactive=is_interactive(),
+        under_pytest="pytest" in sys.modules,
+        external_ranks=under_cluster_launcher(),
+        cores=os.cpu_count() or 1,
+    )
+
+
+@dataclass(frozen=True)
+class LaunchPlan:
+    """How to start the ranks: ``method`` (``"external"``: they exist already) and, for
+    forked ranks, the intra-op threads each one computes on."""
+
+    method: str
+    threads_per_rank: int
+    reason: str
+
+
+def plan_launch(
+    accelerator: str = "cpu",
+    num_processes: int = 1,
+    *,
+    requested: str | None = None,
+    state: ProcessState | None = None,
+    can_exec: bool = True,
+) -> LaunchPlan:
+    """Decide how to start ``num_processes`` ranks (see the module docstring).
+
+    Args:
+        accelerator: ``"cpu"``, ``"cuda"``, ...: where the ranks compute.
+        requested: a start method the user asked for (or ``LIGHTNING_PAR_START_METHOD``);
+            honoured, but ``fork`` still gets the one-thread rule and the hazard check.
+        state: the facts (default: :func:`process_state` now).
+        can_exec: ``False`` for entry points whose rank function cannot be re-created in a
+            fresh interpreter by re-running a script (``run_on_ranks``): they choose
+            between ``fork`` and ``forkserver`` only.
     """
-    override = os.environ.get("LIGHTNING_PAR_START_METHOD")
-    if override:
-        if override not in START_METHODS:
-            raise ValueError(
-                f"LIGHTNING_PAR_START_METHOD={override!r} is not one of {START_METHODS}"
-            )
-        return override
-    if is_interactive() or "pytest" in sys.modules:
-        return "fork"
-    cores_per_rank = (os.cpu_count() or 1) // max(1, num_processes or 1)
+    state = state or process_state()
+    num_processes = max(1, num_processes)
+    cores_per_rank = max(1, state.cores // num_processes)
+    fork_threads = 1 if state.native_threads > 0 else cores_per_rank
+    if state.external_ranks:
+        return LaunchPlan("external", 0, "the ranks were started by an external launcher")
+    requested = requested or os.environ.get("LIGHTNING_PAR_START_METHOD") or None
+    if requested is not None:
+        if requested not in START_METHODS:
+            raise ValueError(f"start method {requested!r} is not one of {START_METHODS}")
+        if requested == "fork" and state.fork_hazards:
+            raise LaunchError(_fork_refused(state, asked=True))
+        return LaunchPlan(requested, fork_threads if requested == "fork" else 0, "requested")
+    hazards = state.fork_hazards
+    if state.interactive:
+        if hazards:
+            raise LaunchError(_fork_refused(state, asked=False))
+        return LaunchPlan("fork", fork_threads, "a notebook can only fork")
+    if hazards:
+        if state.under_pytest or not can_exec:
+            return LaunchPlan("forkserver", 0, "fork is unsafe here: " + "; ".join(hazards))
+        return LaunchPlan("popen", 0, "fork is unsafe here: " + "; ".join(hazards))
+    if state.under_pytest or not can_exec:
+        return LaunchPlan("fork", fork_threads, "tests and run_on_ranks fork when it is safe")
     if accelerator == "cpu" and cores_per_rank <= 1:
-        return "fork"
-    return "popen"
+        return LaunchPlan("fork", 1, "one core per rank: fork starts fastest and loses nothing")
+    return LaunchPlan("popen", 0, "each rank gets several cores or a GPU: fresh processes")
 
 
-def one_thread_after_fork() -> None:
-    """Call first thing in a forked rank: compute on one intra-op thread from now on.
+def _fork_refused(state: ProcessState, *, asked: bool) -> str:
+    where = "start_method='fork' was requested" if asked else "in a notebook only fork works"
+    return (
+        f"cannot start the ranks: {where}, but " + " and ".join(state.fork_hazards) + ". "
+        "Fix: restart the kernel (or interpreter) and run the multi-process cell before "
+        "anything touches CUDA or runs a backward pass on a machine with a GPU; or run the "
+        "training as a script (python train.py), where fresh processes are started instead."
+    )
+
+
+def choose_start_method(accelerator: str = "cpu", num_processes: int | None = None) -> str:
+    """The start method :func:`plan_launch` picks for a Lightning launch now."""
+    return plan_launch(accelerator, num_processes or 1).method
+
+
+def limit_threads_after_fork(threads: int = 1) -> None:
+    """Call first thing in a forked rank: compute on ``threads`` intra-op threads (the
+    plan's ``threads_per_rank``).
 
     A forked child hangs in its first multi-threaded OpenMP region if its parent had
-    already used OpenMP threads (GNU libgomp is not fork-safe; reproduced with torch 2.14
-    for every thread count above one), and nothing tells the child whether it had. One
-    thread per rank is always safe, and on a machine with no more cores than ranks it is
-    what each rank would get anyway (the start-method policy forks scripts only then).
+    already started OpenMP threads (GNU libgomp is not fork-safe; reproduced with torch
+    2.14 for every thread count above one), so :func:`plan_launch` gives forked ranks one
+    thread unless the parent ran no native thread at all. ``OMP_NUM_THREADS`` is set too,
+    so that Lightning's launcher keeps the choice.
     """
     import torch
 
-    torch.set_num_threads(1)
-    os.environ["OMP_NUM_THREADS"] = "1"  # so Lightning's launcher keeps it
+    threads = max(1, threads)
+    torch.set_num_threads(threads)
+    os.environ["OMP_NUM_THREADS"] = str(threads)
 
 
-class RankFailed(RuntimeError):
-    """A rank raised, died or timed out inside :func:`run_on_ranks`."""
+def one_thread_after_fork() -> None:
+    """:func:`limit_threads_after_fork` with one thread (always safe after a fork)."""
+    limit_threads_after_fork(1)
 
 
-def _rank_main(fn, rank, world_size, backend, port, timeout_s, args, kwargs, queue) -> None:
-    import torch.distributed as dist
-
-    one_thread_after_fork()
-    os.environ.update(
-        MASTER_ADDR="127.0.0.1",
-        MASTER_PORT=str(port),
-        RANK=str(rank),
-        WORLD_SIZE=str(world_size),
-        LOCAL_RANK=str(rank),
-    )
-    try:
-        init_process_group(
-            rank,
-            world_size,
-            backend=backend,
-            master_port=port,
-            timeout=timedelta(seconds=timeout_s),
+def warn_if_oversubscribed(accelerator: str, num_processes: int, devices: int | None = None) -> str:
+    """Warn (and return the text) when more ranks than cores, or than GPUs, are asked for."""
+    cores = os.cpu_count() or 1
+    message = ""
+    if accelerator == "cpu" and num_processes > cores:
+        message = (
+            f"{num_processes} processes on {cores} CPU cores: they take turns on the cores, so "
+            f"each step takes about {num_processes / cores:.1f}x as long as with {cores} "
+            f"processes, and memory grows with every process. Use devices <= {cores}."
         )
-        result = fn(rank, world_size, *args, **kwargs)
-        queue.put((rank, True, result))
-    except BaseException:
-        queue.put((rank, False, traceback.format_exc()))
-    finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
-
-
-def _collect(queue, results: dict[int, Any]) -> list[tuple[int, str]]:
-    """Move finished ranks' results into ``results``; return the failures seen."""
-    failures = []
-    while not queue.empty():
-        rank, ok, value = queue.get()
-        if ok:
-            results[rank] = value
-        else:
-            failures.append((rank, value))
-    return failures
-
-
-def _failure_report(procs, results, failures, world_size) -> str:
-    failed = {r for r, _ in failures}
-    dead = [
-        f"rank {r} of {world_size} died with exit code {p.exitcode} before returning a result"
-        for r, p in enumerate(procs)
-        if r not in results and r not in failed and p.exitcode not in (None, 0)
-    ]
-    return "\n".join(dead + [f"rank {r} of {world_size} raised:\n{tb}" for r, tb in failures])
-
-
-def run_on_ranks(
-    fn: Callable[..., Any],
-    world_size: int,
-    *args: Any,
-    backend: str = "gloo",
-    timeout: float | None = None,
-    **kwargs: Any,
-) -> list[Any]:
-    """Run ``fn(rank, world_size, *args, **kwargs)`` on ``world_size`` forked ranks.
-
-    Each rank joins a fresh process group on a free loopback port and its return value
-    is sent back; the list is ordered by rank. ``timeout`` (default:
-    :func:`~lightning_par.comm.default_timeout`) applies to every collective and receive;
-    10 s later the parent stops ranks stuck elsewhere. If a rank raises, exits or hangs,
-    the others are killed and :class:`RankFailed` names the rank (a dead rank first, since
-    its peers' errors are only the echo of its death). Each rank computes on one
-    intra-op thread: see :func:`one_thread_after_fork`.
-    """
-    if world_size < 1:
-        raise ValueError(f"world_size must be >= 1, got {world_size}")
-    group_timeout = default_timeout().total_seconds() if timeout is None else timeout
-    deadline_s = group_timeout + 10
-    ctx = mp.get_context("fork")
-    queue = ctx.SimpleQueue()
-    port = find_free_port()
-    procs = [
-        ctx.Process(
-            target=_rank_main,
-            args=(fn, r, world_size, backend, port, group_timeout, args, kwargs, queue),
-            daemon=True,
+    elif devices is not None and accelerator != "cpu" and num_processes > devices:
+        message = (
+            f"{num_processes} processes on {devices} {accelerator} device(s): ranks would share "
+            f"a device (NCCL refuses that). Use devices <= {devices}."
         )
-        for r in range(world_size)
-    ]
-    for proc in procs:
-        proc.start()
-    results: dict[int, Any] = {}
-    deadline = time.monotonic() + deadline_s
-    try:
-        while len(results) < world_size:
-            failures = _collect(queue, results)
-            exited = any(p.exitcode not in (None, 0) for p in procs)
-            if failures or exited:
-                time.sleep(0.3)  # let the root cause (often a dead peer) surface too
-                failures += _collect(queue, results)
-                raise RankFailed(_failure_report(procs, results, failures, world_size))
-            if time.monotonic() > deadline:
-                missing = sorted(set(range(world_size)) - set(results))
-                raise RankFailed(
-                    f"rank(s) {missing} of {world_size} did not finish within {deadline_s:.0f} s"
-                    " (hung or deadlocked); all ranks were stopped"
-                )
-            time.sleep(0.005)
-    finally:
-        for proc in procs:
-            proc.join(timeout=5 if len(results) == world_size else 0)
-            if proc.is_alive():
-                proc.kill()
-                proc.join()
-        queue.close()
-    return [results[r] for r in range(world_size)]
+    if message:
+        warnings.warn(message, UserWarning, stacklevel=2)
+    return message

@@ -8,9 +8,12 @@ the tests compare its totals with the alpha-beta cost model.
 
 from __future__ import annotations
 
+import json
+import os
 import time
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field
+from pathlib import Path
 
 
 @dataclass(frozen=True)
@@ -127,3 +130,41 @@ class _Span:
         self.trace.events.append(
             Event(self.trace.rank, self.name, self.start, self.trace.now(), self.micro_batch)
         )
+
+
+def trace_to_dict(trace: CommTrace) -> dict:
+    """A JSON-ready dict of ``trace`` (messages and events), loadable by :func:`trace_from_dict`."""
+    return {
+        "rank": trace.rank,
+        "origin": trace.origin,
+        "messages": trace.to_records(),
+        "events": [asdict(e) for e in trace.events],
+    }
+
+
+def trace_from_dict(record: dict) -> CommTrace:
+    return CommTrace(
+        rank=record["rank"],
+        origin=record["origin"],
+        messages=[Message(**m) for m in record["messages"]],
+        events=[Event(**e) for e in record["events"]],
+    )
+
+
+def save_trace(trace: CommTrace, path: str | os.PathLike) -> Path:
+    """Write ``trace`` as JSON to ``path`` (folders are created)."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(trace_to_dict(trace)))
+    return path
+
+
+def load_trace(path: str | os.PathLike) -> CommTrace:
+    """A trace saved by :func:`save_trace` (or a strategy's ``trace_dir``)."""
+    return trace_from_dict(json.loads(Path(path).read_text()))
+
+
+def load_traces(trace_dir: str | os.PathLike) -> list[CommTrace]:
+    """Every rank's trace in ``trace_dir`` (``rank<N>.json``), ordered by rank."""
+    traces = [load_trace(p) for p in Path(trace_dir).glob("rank*.json")]
+    return sorted(traces, key=lambda t: t.rank)

@@ -23,27 +23,13 @@ gathered on rank 0 and load without this strategy (``CifarCNN.load_from_checkpoi
 
 from __future__ import annotations
 
-import json
 from collections.abc import Mapping
-from datetime import timedelta
-from pathlib import Path
 from typing import Any
 
 import lightning.pytorch as pl
 import torch
-import torch.distributed as dist
-from lightning.fabric.utilities.distributed import (
-    _get_default_process_group_backend_for_device,
-    _init_dist_connection,
-    _sync_ddp_if_available,
-)
-from lightning.fabric.utilities.seed import reset_seed
-from lightning.pytorch.strategies import ParallelStrategy
-from lightning.pytorch.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
-from lightning.pytorch.utilities.rank_zero import rank_zero_only, rank_zero_warn
+from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 
-from lightning_par.comm import CommTrace, Communicator, default_timeout
-from lightning_par.comm.launch import choose_start_method, one_thread_after_fork
 from lightning_par.pipeline.partition import split_sequential
 from lightning_par.pipeline.sequential import PipelinedSequential
 from lightning_par.pipeline.state import (
@@ -53,10 +39,10 @@ from lightning_par.pipeline.state import (
     stage_optimizer_state,
 )
 from lightning_par.strategies import _gpipe_checks as checks
-from lightning_par.strategies._launcher import FullStateLauncher
+from lightning_par.strategies._base import ParStrategy
 
 
-class GPipeStrategy(ParallelStrategy):
+class GPipeStrategy(ParStrategy):
     """Pipeline parallelism with micro-batches and re-materialisation (GPipe).
 
     Args:
@@ -69,13 +55,14 @@ class GPipeStrategy(ParallelStrategy):
         loss_attr: name of its mean-reduced loss module (used by ``"1f1b"`` only).
         balance_by: automatic balance by ``"params"`` (parameter count) or ``"time"``
             (forward + backward time per layer on ``module.example_input_array``).
-        trace_dir: if set, each rank writes its message and compute trace there as JSON
-            (``rank<N>.json``) at the end, for timelines (:mod:`lightning_par.pipeline.timeline`).
-        start_method: ``"fork"``, ``"spawn"``, ``"popen"``...; default from
-            :func:`lightning_par.comm.choose_start_method`.
+        **kwargs: ``trace``, ``trace_dir`` (per-rank traces for
+            :mod:`lightning_par.pipeline.timeline`), ``start_method``,
+            ``process_group_backend``, ``timeout``: see
+            :class:`~lightning_par.strategies._base.ParStrategy`.
     """
 
     strategy_name = "gpipe"
+    shards_data = False
 
     def __init__(
         self,
@@ -86,91 +73,19 @@ class GPipeStrategy(ParallelStrategy):
         module_attr: str = "net",
         loss_attr: str = "criterion",
         balance_by: str = "params",
-        trace_dir: str | None = None,
-        start_method: str | None = None,
-        process_group_backend: str | None = None,
-        timeout: timedelta | None = None,
-        accelerator=None,
-        parallel_devices: list[torch.device] | None = None,
-        cluster_environment=None,
-        checkpoint_io=None,
-        precision_plugin=None,
+        **kwargs: Any,
     ) -> None:
-        super().__init__(
-            accelerator=accelerator,
-            parallel_devices=parallel_devices,
-            cluster_environment=cluster_environment,
-            checkpoint_io=checkpoint_io,
-            precision_plugin=precision_plugin,
-        )
         checks.check_settings(balance, chunks, checkpoint, schedule, balance_by)
+        super().__init__(**kwargs)
         self.balance, self.chunks, self.checkpoint = balance, chunks, checkpoint
         self.schedule, self.module_attr, self.loss_attr = schedule, module_attr, loss_attr
-        self.balance_by, self.trace_dir = balance_by, trace_dir
-        self._start_method = start_method
-        self._process_group_backend = process_group_backend
-        self._timeout = timeout or default_timeout()
-        self.comm: Communicator | None = None
-        self.num_nodes = 1
-
-    # ---- processes and devices ------------------------------------------------------------
-    @property
-    def root_device(self) -> torch.device:
-        assert self.parallel_devices is not None
-        return self.parallel_devices[self.local_rank]
-
-    @property
-    def num_processes(self) -> int:
-        return len(self.parallel_devices) if self.parallel_devices is not None else 0
-
-    @property
-    def distributed_sampler_kwargs(self) -> dict[str, Any]:
-        return {"num_replicas": 1, "rank": 0}  # every stage reads every sample
-
-    def model_to_device(self) -> None:
-        assert self.model is not None
-        self.model.to(self.root_device)
-
-    def _configure_launcher(self) -> None:
-        assert self.cluster_environment is not None
-        if self.cluster_environment.creates_processes_externally:
-            return
-        device_type = self.parallel_devices[0].type if self.parallel_devices else "cpu"
-        method = self._start_method or choose_start_method(device_type, self.num_processes)
-        if method == "popen":
-            self._launcher = _SubprocessScriptLauncher(
-                self.cluster_environment, self.num_processes, self.num_nodes
-            )
-        else:
-            self._launcher = FullStateLauncher(self, start_method=method)
-
-    def setup_environment(self) -> None:
-        super().setup_environment()
-        launcher = self._launcher
-        if isinstance(launcher, FullStateLauncher) and launcher._start_method == "fork":
-            one_thread_after_fork()
-        reset_seed()
-        self.set_world_ranks()
-        self._process_group_backend = self._process_group_backend or (
-            _get_default_process_group_backend_for_device(self.root_device)
-        )
-        checks.check_backend(self.schedule, self._process_group_backend)
-        _init_dist_connection(
-            self.cluster_environment, self._process_group_backend, timeout=self._timeout
-        )
-
-    def set_world_ranks(self) -> None:
-        if self.cluster_environment is not None:
-            rank = self.node_rank * self.num_processes + self.local_rank
-            self.cluster_environment.set_global_rank(rank)
-            self.cluster_environment.set_world_size(self.num_nodes * self.num_processes)
-        rank_zero_only.rank = self.global_rank
+        self.balance_by = balance_by
 
     # ---- splitting the network --------------------------------------------------------------
-    def setup(self, trainer: pl.Trainer) -> None:
+    def prepare_model(self, trainer: pl.Trainer) -> None:
         checks.check_trainer(trainer, self.schedule, self.precision_plugin)
+        checks.check_backend(self.schedule, self._process_group_backend)
         self._split_network()
-        super().setup(trainer)
 
     @property
     def pipelined(self) -> PipelinedSequential:
@@ -188,7 +103,6 @@ class GPipeStrategy(ParallelStrategy):
             module, net, stages=self.world_size, balance=self.balance, balance_by=self.balance_by,
             rank=self.global_rank, broadcast=self.broadcast,
         )  # fmt: skip
-        self.comm = Communicator(trace=CommTrace(self.global_rank) if self.trace_dir else None)
         stages = split_sequential(net, balance)
         piped = PipelinedSequential(
             net, balance, self.comm, chunks=self.chunks, checkpoint=self.checkpoint,
@@ -252,23 +166,6 @@ class GPipeStrategy(ParallelStrategy):
     def predict_step(self, *args: Any, **kwargs: Any) -> Any:
         return self._in_step("predict_step", *args, **kwargs)
 
-    # ---- collectives Lightning needs (logging with sync_dist, barriers) -----------------------
-    def barrier(self, name: str | None = None) -> None:
-        if dist.is_initialized():
-            dist.barrier()
-
-    def broadcast(self, obj: Any, src: int = 0) -> Any:
-        if not dist.is_initialized():
-            return obj
-        box = [obj]
-        dist.broadcast_object_list(box, src)
-        return box[0]
-
-    def reduce(self, tensor, group: Any | None = None, reduce_op: Any | None = "mean"):
-        if isinstance(tensor, torch.Tensor):
-            return _sync_ddp_if_available(tensor, group, reduce_op=reduce_op)
-        return tensor
-
     # ---- checkpoints: the full model on rank 0 -----------------------------------------------
     def lightning_module_state_dict(self) -> dict[str, Any]:
         """The full model's state dict on rank 0 (every stage's layers, original names)."""
@@ -282,16 +179,3 @@ class GPipeStrategy(ParallelStrategy):
     def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
         for optimizer, state in zip(self.optimizers, checkpoint["optimizer_states"]):
             optimizer.load_state_dict(stage_optimizer_state(state, self.global_rank))
-
-    def teardown(self) -> None:
-        if self.trace_dir and self.comm is not None and self.comm.trace is not None:
-            Path(self.trace_dir).mkdir(parents=True, exist_ok=True)
-            trace = self.comm.trace
-            record = {
-                "rank": trace.rank,
-                "origin": trace.origin,
-                "messages": trace.to_records(),
-                "events": [vars(e) for e in trace.events],
-            }
-            (Path(self.trace_dir) / f"rank{self.global_rank}.json").write_text(json.dumps(record))
-        super().teardown()

@@ -17,8 +17,10 @@ Accelerating Data Parallel Training", VLDB 2020), written in Python so it can be
 Each bucket carries one extra element per parameter, 1 where this rank has a gradient,
 so after the sum a parameter that no rank used keeps ``grad = None`` as in one process.
 
-Any allreduce with the signature ``fn(tensor, comm=...)`` fits, so the parameter-server
-plugin can reuse this module with its own push/pull.
+What happens to a full bucket is a parameter: :class:`GradientBuckets` hands each one to
+``communicate(bucket)`` (on the communication thread) and, after all of them are done, to
+``finish(bucket)``. :func:`allreduce_buckets` plugs in an allreduce and the average; the
+parameter server plugs in a push to its servers and a pull of the new weights.
 """
 
 from __future__ import annotations
@@ -31,9 +33,11 @@ from contextlib import contextmanager
 import torch
 from torch import nn
 
-from lightning_par.comm import CommTrace, Communicator, Event
+from lightning_par.comm.p2p import Communicator
+from lightning_par.comm.trace import CommTrace, Event
 
 AllReduceFn = Callable[..., torch.Tensor]
+BucketFn = Callable[["Bucket"], None]
 
 
 class Bucket:
@@ -103,38 +107,43 @@ def make_buckets(params: list[nn.Parameter], bucket_cap_bytes: int) -> list[Buck
 
 
 class GradientBuckets:
-    """Average the gradients of ``module`` over the ranks of ``comm``, bucket by bucket.
+    """Send the gradients of ``module`` in buckets as backward produces them.
 
     Args:
-        module: the model; its parameters that require gradients are synchronised.
-        allreduce: an in-place sum, e.g. :func:`lightning_par.collectives.ring_allreduce`.
-        comm: the communicator (its trace, if any, records the messages).
+        module: the model; its parameters that require gradients travel.
+        communicate: what to do with a full bucket, e.g. sum its buffer over the ranks;
+            runs on the communication thread (``overlap``) or the caller's.
+        finish: what to do with each bucket once all are communicated, in
+            :meth:`synchronize` (e.g. :meth:`Bucket.unpack` with the world size).
         bucket_cap_mb: bucket size in megabytes (MiB).
         overlap: start buckets during backward on a communication thread; ``False``
             starts all of them after backward, on the calling thread.
         trace: where to record one ``bucket <i>`` event per bucket (launch to done).
+        rank: the rank recorded in those events.
     """
 
     def __init__(
         self,
         module: nn.Module,
-        allreduce: AllReduceFn,
-        comm: Communicator,
+        communicate: BucketFn,
+        finish: BucketFn,
         bucket_cap_mb: float = 25.0,
         overlap: bool = True,
         trace: CommTrace | None = None,
+        rank: int = 0,
     ) -> None:
         if not bucket_cap_mb > 0:
             raise ValueError(f"bucket_cap_mb must be > 0, got {bucket_cap_mb}")
         params = [p for p in module.parameters() if p.requires_grad]
-        self.allreduce, self.comm, self.overlap, self.trace = allreduce, comm, overlap, trace
+        self.communicate, self.finish, self.overlap = communicate, finish, overlap
+        self.trace, self.rank = trace, rank
         self.buckets = make_buckets(list(reversed(params)), int(bucket_cap_mb * 2**20))
         self._where = {id(p): b for b in self.buckets for p in b.params}
         self._next = 0  # first bucket not started yet
         self._lock = threading.Lock()
         self.enabled = True
         self._executor = (
-            ThreadPoolExecutor(1, thread_name_prefix="lightning_par-allreduce") if overlap else None
+            ThreadPoolExecutor(1, thread_name_prefix="lightning_par-buckets") if overlap else None
         )
         self._hooks = [p.register_post_accumulate_grad_hook(self._grad_ready) for p in params]
 
@@ -178,10 +187,10 @@ class GradientBuckets:
         if ready_event is not None:
             torch.cuda.current_stream(bucket.buffer.device).wait_event(ready_event)
         start = self.trace.now() if self.trace is not None else 0.0
-        self.allreduce(bucket.buffer, comm=self.comm)
+        self.communicate(bucket)
         if self.trace is not None:
             self.trace.events.append(
-                Event(self.comm.rank, f"bucket {bucket.index}", start, self.trace.now())
+                Event(self.rank, f"bucket {bucket.index}", start, self.trace.now())
             )
 
     def synchronize(self) -> None:
@@ -194,7 +203,7 @@ class GradientBuckets:
             for bucket in self.buckets:
                 if bucket.future is not None:
                     bucket.future.result()  # re-raises a failed collective here
-                bucket.unpack(self.comm.world_size)
+                self.finish(bucket)
         finally:
             for bucket in self.buckets:
                 bucket.ready.clear()
@@ -208,3 +217,24 @@ class GradientBuckets:
         if self._executor is not None:
             self._executor.shutdown(wait=True)
             self._executor = None
+
+
+def allreduce_buckets(
+    module: nn.Module,
+    allreduce: AllReduceFn,
+    comm: Communicator,
+    bucket_cap_mb: float = 25.0,
+    overlap: bool = True,
+    trace: CommTrace | None = None,
+) -> GradientBuckets:
+    """Average the gradients of ``module`` over the ranks of ``comm`` with ``allreduce`` (an
+    in-place sum such as :func:`lightning_par.collectives.ring_allreduce`), bucket by bucket."""
+    return GradientBuckets(
+        module,
+        communicate=lambda bucket: allreduce(bucket.buffer, comm=comm),
+        finish=lambda bucket: bucket.unpack(comm.world_size),
+        bucket_cap_mb=bucket_cap_mb,
+        overlap=overlap,
+        trace=trace,
+        rank=comm.rank,
+    )

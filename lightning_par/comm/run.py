@@ -1,0 +1,242 @@
+"""``run_on_ranks``: run a function on n local ranks and get each rank's result back.
+
+Used by the tests, the benchmarks and the notebooks. Ranks start as the launch policy says
+(:func:`~lightning_par.comm.launch.plan_launch`: ``fork`` when it is safe, else a clean
+``forkserver``); each rank leads its own process group, so that a rank that raises, dies
+or hangs is stopped together with every process it started, and no rank outlives the
+process that started it.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import signal
+import sys
+import time
+import traceback
+from collections.abc import Callable
+from datetime import timedelta
+from typing import Any
+
+from lightning_par.comm.launch import FORKSERVER_PRELOAD, limit_threads_after_fork, plan_launch
+from lightning_par.comm.rendezvous import default_timeout, find_free_port, init_process_group
+
+
+class RankFailed(RuntimeError):
+    """A rank raised, died or timed out inside :func:`run_on_ranks`."""
+
+
+def _rank_main(fn, rank, world_size, backend, port, timeout_s, threads, args, kwargs, queue):
+    import torch.distributed as dist
+
+    die_with_parent()
+    if threads:
+        limit_threads_after_fork(threads)
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        RANK=str(rank),
+        WORLD_SIZE=str(world_size),
+        LOCAL_RANK=str(rank),
+    )
+    try:
+        init_process_group(
+            rank, world_size, backend=backend, master_port=port,
+            timeout=timedelta(seconds=timeout_s),
+        )  # fmt: skip
+        result = fn(rank, world_size, *args, **kwargs)
+        queue.put((rank, True, result))
+    except BaseException:
+        queue.put((rank, False, traceback.format_exc()))
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def _collect(queue, results: dict[int, Any]) -> list[tuple[int, str]]:
+    """Move finished ranks' results into ``results``; return the failures seen."""
+    failures = []
+    while not queue.empty():
+        rank, ok, value = queue.get()
+        if ok:
+            results[rank] = value
+        else:
+            failures.append((rank, value))
+    return failures
+
+
+def _failure_report(procs, results, failures, world_size) -> str:
+    failed = {r for r, _ in failures}
+    dead = [
+        f"rank {r} of {world_size} died with exit code {p.exitcode} before returning a result"
+        for r, p in enumerate(procs)
+        if r not in results and r not in failed and p.exitcode not in (None, 0)
+    ]
+    return "\n".join(dead + [f"rank {r} of {world_size} raised:\n{tb}" for r, tb in failures])
+
+
+def _descendants(pid: int) -> list[int]:
+    """Every process below ``pid`` (Linux ``/proc``; empty elsewhere)."""
+    found, todo = [], [pid]
+    while todo:
+        parent = todo.pop()
+        try:
+            tasks = os.listdir(f"/proc/{parent}/task")
+        except OSError:
+            continue
+        for tid in tasks:
+            try:
+                with open(f"/proc/{parent}/task/{tid}/children") as f:
+                    kids = [int(k) for k in f.read().split()]
+            except OSError:
+                continue
+            found += kids
+            todo += kids
+    return found
+
+
+def kill_tree(pid: int) -> None:
+    """SIGKILL ``pid`` and every process it started (data workers, ranks of ranks)."""
+    for victim in [*_descendants(pid), pid]:
+        try:
+            os.kill(victim, signal.SIGKILL)
+        except OSError:
+            pass  # gone already
+
+
+def stop_process_groups(procs) -> None:
+    """Kill each process (a ``multiprocessing.Process`` or ``Popen``) and all it started."""
+    for proc in procs:
+        if proc.pid is not None:
+            kill_tree(proc.pid)
+
+
+def die_with_parent() -> None:
+    """Ask Linux to SIGKILL this process when its parent dies (a rank must not outlive the
+    process that started it, e.g. one killed by a timeout); no-op elsewhere."""
+    if not sys.platform.startswith("linux"):
+        return
+    import ctypes
+
+    PR_SET_PDEATHSIG = 1
+    try:
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+    except OSError:
+        pass
+
+
+def run_on_ranks(
+    fn: Callable[..., Any],
+    world_size: int,
+    *args: Any,
+    backend: str = "gloo",
+    timeout: float | None = None,
+    **kwargs: Any,
+) -> list[Any]:
+    """Run ``fn(rank, world_size, *args, **kwargs)`` on ``world_size`` local ranks.
+
+    Each rank joins a fresh process group on a free loopback port and its return value
+    is sent back; the list is ordered by rank. ``timeout`` (default:
+    :func:`~lightning_par.comm.default_timeout`) applies to every collective and receive;
+    10 s later the parent stops ranks stuck elsewhere. If a rank raises, exits or hangs,
+    every rank and what it started is killed and :class:`RankFailed` names the rank (a dead
+    rank first, since its peers' errors are only the echo of its death). Forked ranks
+    compute on the threads the launch policy allows (one if the parent ran OpenMP); when
+    forking is unsafe, ``fn`` and the arguments must be picklable (module-level).
+    """
+    if world_size < 1:
+        raise ValueError(f"world_size must be >= 1, got {world_size}")
+    plan = plan_launch("cpu", world_size, can_exec=False)
+    group_timeout = default_timeout().total_seconds() if timeout is None else timeout
+    deadline_s = group_timeout + 10
+    ctx = mp.get_context(plan.method)
+    if plan.method == "forkserver":
+        ctx.set_forkserver_preload(FORKSERVER_PRELOAD)
+    queue = ctx.SimpleQueue()
+    port = find_free_port()
+    procs = [
+        ctx.Process(
+            target=_rank_main,
+            args=(
+                fn,
+                r,
+                world_size,
+                backend,
+                port,
+                group_timeout,
+                plan.threads_per_rank,
+                args,
+                kwargs,
+                queue,
+            ),
+            daemon=True,
+        )  # fmt: skip
+        for r in range(world_size)
+    ]
+    for proc in procs:
+        proc.start()
+    results: dict[int, Any] = {}
+    deadline = time.monotonic() + deadline_s
+    try:
+        while len(results) < world_size:
+            failures = _collect(queue, results)
+            exited = any(p.exitcode not in (None, 0) for p in procs)
+            if failures or exited:
+                time.sleep(0.3)  # let the root cause (often a dead peer) surface too
+                failures += _collect(queue, results)
+                raise RankFailed(_failure_report(procs, results, failures, world_size))
+            if time.monotonic() > deadline:
+                missing = sorted(set(range(world_size)) - set(results))
+                raise RankFailed(
+                    f"rank(s) {missing} of {world_size} did not finish within {deadline_s:.0f} s"
+                    " (hung or deadlocked); all ranks were stopped"
+                )
+            time.sleep(0.005)
+    finally:
+        for proc in procs:
+            proc.join(timeout=5 if len(results) == world_size else 0)
+        stop_process_groups([p for p in procs if p.is_alive()])
+        for proc in procs:
+            proc.join()
+        queue.close()
+    return [results[r] for r in range(world_size)]
+
+
+class Completed:
+    """What :func:`run_bounded` saw: exit code, output, whether it ran out of time."""
+
+    def __init__(self, returncode: int, stdout: str, stderr: str, timed_out: bool) -> None:
+        self.returncode, self.stdout, self.stderr = returncode, stdout, stderr
+        self.timed_out = timed_out
+
+
+def run_bounded(cmd: list[str], timeout: float, **popen_kwargs: Any) -> Completed:
+    """Run ``cmd`` in its own session; after ``timeout`` seconds kill its whole process
+    group (the command and every rank it started), so nothing outlives the limit."""
+    import subprocess
+
+    proc = subprocess.Popen(
+        cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        start_new_session=True, **popen_kwargs,
+    )  # fmt: skip
+    try:
+        out, err = proc.communicate(timeout=timeout)
+        return Completed(proc.returncode, out, err, False)
+    except subprocess.TimeoutExpired:
+        kill_tree(proc.pid)
+        _kill_group(proc.pid)
+        out, err = proc.communicate()
+        return Completed(proc.returncode, out, err, True)
+    finally:
+        if proc.poll() is None:  # interrupted: leave nothing behind
+            kill_tree(proc.pid)
+            _kill_group(proc.pid)
+            proc.wait()
+
+
+def _kill_group(pgid: int) -> None:
+    try:
+        os.killpg(pgid, signal.SIGKILL)
+    except OSError:
+        pass

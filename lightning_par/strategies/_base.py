@@ -1,0 +1,221 @@
+"""The base every lightning_par strategy inherits: launching, process group, trace.
+
+:class:`ParStrategy` keeps the plumbing of Lightning's ``DDPStrategy`` (ranks, devices,
+``barrier``/``broadcast``/``reduce``, samplers, checkpoint I/O) and replaces what every
+plugin needs done its own way:
+
+* **launching** by the project's launch policy at ``fit`` time
+  (:class:`~lightning_par.strategies._launchers.PolicyLauncher`), nothing launched when
+  the ranks exist already (torchrun, SLURM, ``run_on_ranks``);
+* **the process group** with this project's timeout (60 s, ``LIGHTNING_PAR_TIMEOUT``)
+  instead of Lightning's 30 minutes, announced by one line for the whole run;
+* **one trace option**: ``trace=True`` records every message and compute span in
+  :attr:`trace` (a :class:`~lightning_par.comm.CommTrace`; after a fork launch the main
+  process receives rank 0's), ``trace_dir=...`` also saves each rank's trace as
+  ``rank<N>.json`` (:func:`lightning_par.comm.trace.load_traces` reads them back);
+* **no DistributedDataParallel wrapper**: :meth:`setup` calls three hooks that the
+  plugins fill in.
+
+How a plugin maps onto Lightning's hooks (``Trainer.fit``): ``launcher.launch`` →
+``check_before_launch`` (main process) → ranks start → ``setup_environment`` (process
+group) → ``setup``: :meth:`prepare_model` (e.g. split the network), ``model_to_device``,
+:meth:`sync_model_states` (every rank starts from rank 0's weights), and when fitting
+:meth:`configure_sync` (e.g. gradient buckets) and the optimisers → the loop
+(``training_step``, ``backward`` with ``pre_backward``/``post_backward``,
+``optimizer_step``) → ``teardown`` (trace written).
+"""
+
+from __future__ import annotations
+
+import os
+from datetime import timedelta
+from pathlib import Path
+from typing import Any, ClassVar
+
+import lightning.pytorch as pl
+import torch
+import torch.distributed as dist
+from lightning.fabric.utilities.distributed import _get_default_process_group_backend_for_device
+from lightning.fabric.utilities.optimizer import _optimizers_to_device
+from lightning.fabric.utilities.seed import reset_seed
+from lightning.pytorch.strategies import DDPStrategy
+from lightning.pytorch.trainer.states import TrainerFn
+
+from lightning_par.comm import CommTrace, Communicator, default_timeout
+from lightning_par.comm.launch import START_METHODS, LaunchPlan
+from lightning_par.comm.trace import save_trace
+from lightning_par.strategies._launchers import (
+    ExistingRanksLauncher,
+    PolicyLauncher,
+    log_startup,
+)
+
+#: Arguments Lightning's accelerator connector may pass to any strategy.
+PLUMBING_ARGUMENTS = (
+    "accelerator",
+    "parallel_devices",
+    "cluster_environment",
+    "checkpoint_io",
+    "precision_plugin",
+)
+
+
+class ParStrategy(DDPStrategy):
+    """Shared plumbing of the lightning_par strategies (see the module docstring).
+
+    Args:
+        trace: record messages and compute spans in :attr:`trace`.
+        trace_dir: also save each rank's trace there as ``rank<N>.json``.
+        start_method: ``"fork"``, ``"popen"``, ``"spawn"`` or ``"forkserver"``; default
+            :func:`lightning_par.comm.plan_launch`, decided at launch time.
+        process_group_backend: ``"gloo"`` or ``"nccl"`` (default: by device).
+        timeout: how long a collective or receive may wait before the run fails, naming
+            the rank (default :func:`~lightning_par.comm.default_timeout`).
+    """
+
+    #: The name this class is registered under (set by the registry table).
+    strategy_name: ClassVar[str] = "lightning_par"
+    #: Data-parallel strategies give each rank its own shard of the training data (Lightning
+    #: injects a ``DistributedSampler``); model-split ones feed every rank the same batches,
+    #: from the user's own sampler, as one process would read them.
+    shards_data: ClassVar[bool] = True
+
+    def __init__(
+        self,
+        *,
+        trace: bool = False,
+        trace_dir: str | os.PathLike | None = None,
+        start_method: str | None = None,
+        process_group_backend: str | None = None,
+        timeout: timedelta | None = None,
+        **plumbing: Any,
+    ) -> None:
+        unknown = sorted(set(plumbing) - set(PLUMBING_ARGUMENTS))
+        if unknown:
+            raise TypeError(
+                f"{type(self).__name__} got unknown option(s) {unknown}; it accepts "
+                f"{', '.join(self.option_names())} (torch DDP options do not apply: there is "
+                "no DistributedDataParallel wrapper)"
+            )
+        if start_method is not None and start_method not in START_METHODS:
+            raise ValueError(f"start_method={start_method!r}: choose one of {START_METHODS}")
+        if not isinstance(trace, bool):
+            raise TypeError(f"trace must be True or False, got {trace!r}")
+        super().__init__(
+            process_group_backend=process_group_backend,
+            timeout=timeout or default_timeout(),
+            start_method=start_method or "popen",
+            **plumbing,
+        )
+        self._requested_start_method = start_method
+        self._trace_enabled = trace or trace_dir is not None
+        self.trace_dir = Path(trace_dir) if trace_dir is not None else None
+        self.trace: CommTrace | None = None
+        self.comm: Communicator | None = None
+        self.launch_plan: LaunchPlan | None = None
+
+    @classmethod
+    def option_names(cls) -> list[str]:
+        """Every keyword this strategy takes (for error messages)."""
+        import inspect
+
+        names = []
+        for klass in cls.__mro__:
+            if klass is DDPStrategy:
+                break
+            for name, p in inspect.signature(klass.__init__).parameters.items():
+                if p.kind is p.KEYWORD_ONLY or p.kind is p.POSITIONAL_OR_KEYWORD:
+                    if name != "self" and name not in names:
+                        names.append(name)
+        return names + list(PLUMBING_ARGUMENTS)
+
+    # ---- launching --------------------------------------------------------------------------
+    @property
+    def root_device_type(self) -> str:
+        return self.parallel_devices[0].type if self.parallel_devices else "cpu"
+
+    def _configure_launcher(self) -> None:
+        assert self.cluster_environment is not None
+        if self.cluster_environment.creates_processes_externally:
+            self._launcher = ExistingRanksLauncher(
+                self.cluster_environment, self.num_processes, self.num_nodes
+            )
+        else:
+            self._launcher = PolicyLauncher(self, requested=self._requested_start_method)
+
+    def check_before_launch(self, trainer: pl.Trainer | None) -> None:
+        """Reject a configuration this strategy cannot run, in the main process, before
+        any rank starts (override; the default accepts everything)."""
+
+    # ---- process group ------------------------------------------------------------------------
+    def setup_distributed(self) -> None:
+        reset_seed()
+        self.set_world_ranks()
+        self._process_group_backend = self._get_process_group_backend()
+        env = self.cluster_environment
+        assert env is not None
+        if not dist.is_initialized():
+            os.environ["MASTER_ADDR"] = env.main_address
+            os.environ["MASTER_PORT"] = str(env.main_port)
+            kwargs: dict[str, Any] = {"timeout": self._timeout}
+            if self.root_device.type != "cpu":
+                kwargs["device_id"] = self.root_device
+            dist.init_process_group(
+                self._process_group_backend, rank=self.global_rank,
+                world_size=self.world_size, **kwargs,
+            )  # fmt: skip
+        log_startup(
+            self.strategy_name, self.world_size, self.launch_plan, self._process_group_backend
+        )
+
+    def _get_process_group_backend(self) -> str:
+        return self._process_group_backend or _get_default_process_group_backend_for_device(
+            self.root_device
+        )
+
+    # ---- setting the model up -------------------------------------------------------------------
+    def setup(self, trainer: pl.Trainer) -> None:
+        assert self.accelerator is not None and self.model is not None
+        self.accelerator.setup(trainer)
+        fitting = trainer.state.fn == TrainerFn.FITTING
+        if not self.shards_data:  # read before the loop sets its data loaders up
+            trainer._accelerator_connector.use_distributed_sampler = False
+        if fitting and self._layer_sync:
+            self.model = self._layer_sync.apply(self.model)
+        self.precision_plugin.convert_module(self.model)
+        self.trace = CommTrace(self.global_rank) if self._trace_enabled else None
+        self.comm = Communicator(trace=self.trace)
+        self.prepare_model(trainer)
+        self.model_to_device()
+        self.sync_model_states()
+        if fitting:
+            self.configure_sync()
+            self.setup_optimizers(trainer)
+        self.setup_precision_plugin()
+        if fitting:
+            _optimizers_to_device(self.optimizers, self.root_device)
+        if self.trace is not None:
+            self.trace.clear()  # keep only what training, testing, ... send
+
+    def prepare_model(self, trainer: pl.Trainer) -> None:
+        """Change the model before it moves to its device (e.g. keep one stage of it)."""
+
+    def sync_model_states(self) -> None:
+        """Make every rank start from the same weights (data parallel: rank 0's)."""
+
+    def configure_sync(self) -> None:
+        """When fitting: set up how gradients or parameters are kept in step."""
+
+    def configure_ddp(self) -> None:  # DDPStrategy's hook: no DistributedDataParallel here
+        self.configure_sync()
+
+    # ---- end of a run ---------------------------------------------------------------------------
+    def teardown(self) -> None:
+        if self.trace_dir is not None and self.trace is not None:
+            save_trace(self.trace, self.trace_dir / f"rank{self.global_rank}.json")
+        super().teardown()
+
+    def reduce(self, tensor: Any, group: Any | None = None, reduce_op: Any | None = "mean") -> Any:
+        if not isinstance(tensor, torch.Tensor):
+            return tensor
+        return super().reduce(tensor, group=group, reduce_op=reduce_op)

@@ -1,0 +1,210 @@
+"""Launchers for every lightning_par strategy: the launch policy applied at ``fit`` time.
+
+:class:`PolicyLauncher` decides how to start the ranks when ``Trainer.fit/test/...`` runs
+(not when the Trainer is built: CUDA may be initialised in between), following
+:func:`lightning_par.comm.plan_launch`, and then
+
+* runs the strategy's ``check_before_launch(trainer)`` in the main process, so a bad
+  configuration fails once, with its own message, before any process starts;
+* warns when more ranks than cores (or GPUs) are asked for;
+* forked ranks compute on the threads the plan allows and lead their own process group;
+* an interrupt of the main process (Ctrl-C, Jupyter's "interrupt kernel", SIGTERM from a
+  scheduler) or any error there stops every rank and what it started, and says where the
+  newest checkpoint is;
+* after a fork the main process gets the FULL model (``strategy.lightning_module_state_dict``,
+  gathered from every stage by model-split strategies) and rank 0's trace.
+
+:class:`ExistingRanksLauncher` is used when the ranks already exist (torchrun, SLURM,
+``run_on_ranks``): it starts nothing, also in a notebook.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import tempfile
+import threading
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import lightning.pytorch as pl
+from lightning.pytorch.strategies.launchers.multiprocessing import (
+    _MultiProcessingLauncher,
+    _WorkerOutput,
+)
+from lightning.pytorch.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
+from lightning.pytorch.trainer.states import TrainerFn
+from lightning.pytorch.utilities.rank_zero import rank_zero_info
+
+from lightning_par.comm.launch import (
+    FORKSERVER_PRELOAD,
+    LaunchPlan,
+    limit_threads_after_fork,
+    plan_launch,
+    warn_if_oversubscribed,
+)
+from lightning_par.comm.run import die_with_parent, stop_process_groups
+from lightning_par.comm.trace import trace_from_dict, trace_to_dict
+
+
+class ExistingRanksLauncher(_SubprocessScriptLauncher):
+    """Every rank already runs this code: start nothing (as safe in a notebook as anywhere)."""
+
+    @property
+    def is_interactive_compatible(self) -> bool:
+        return True
+
+    def launch(self, function: Callable, *args: Any, trainer: pl.Trainer | None = None, **kw):
+        return function(*args, **kw)
+
+
+class _Terminated(KeyboardInterrupt):
+    """SIGTERM in the main process, handled like Ctrl-C."""
+
+
+@contextmanager
+def _sigterm_as_interrupt() -> Iterator[None]:
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def handler(signum, frame):
+        raise _Terminated(f"signal {signum}")
+
+    previous = signal.signal(signal.SIGTERM, handler)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+def newest_checkpoint(root: str | os.PathLike, since: float) -> Path | None:
+    """The newest ``*.ckpt`` under ``root`` written after ``since`` (a ``time.time()``)."""
+    found = [p for p in Path(root).rglob("*.ckpt") if p.stat().st_mtime >= since]
+    return max(found, key=lambda p: p.stat().st_mtime, default=None)
+
+
+class PolicyLauncher(_MultiProcessingLauncher):
+    """Starts the ranks as the launch policy says (see the module docstring)."""
+
+    def __init__(self, strategy: Any, requested: str | None = None) -> None:
+        super().__init__(strategy, start_method="fork")
+        self.requested = requested
+        self.plan: LaunchPlan | None = None
+        self._script: _SubprocessScriptLauncher | None = None
+
+    @property
+    def is_interactive_compatible(self) -> bool:
+        return True  # the plan forks in a notebook, or stops with a LaunchError saying why
+
+    def launch(self, function: Callable, *args: Any, trainer: pl.Trainer | None = None, **kw):
+        strategy = self._strategy
+        strategy.check_before_launch(trainer)
+        device = strategy.root_device_type
+        self.plan = plan_launch(device, strategy.num_processes, requested=self.requested)
+        strategy.launch_plan = self.plan
+        devices = None if device == "cpu" else _device_count(device)
+        warn_if_oversubscribed(device, strategy.num_processes, devices)
+        started = time.time()
+        try:
+            with _sigterm_as_interrupt():
+                if self.plan.method == "popen":
+                    self._script = _SubprocessScriptLauncher(
+                        strategy.cluster_environment, strategy.num_processes, strategy.num_nodes
+                    )
+                    return self._script.launch(function, *args, trainer=trainer, **kw)
+                self._start_method = self.plan.method
+                if self.plan.method == "forkserver":
+                    import multiprocessing as mp
+
+                    mp.get_context("forkserver").set_forkserver_preload(FORKSERVER_PRELOAD)
+                return super().launch(function, *args, trainer=trainer, **kw)
+        except BaseException as error:
+            self._stop_ranks(trainer, error, started)
+            raise
+
+    def _stop_ranks(self, trainer: pl.Trainer | None, error: BaseException, started: float):
+        procs = self._script.procs if self._script is not None else self.procs
+        alive = [p for p in procs if _alive(p)]
+        stop_process_groups(alive)
+        if not isinstance(error, KeyboardInterrupt):
+            return
+        what = "SIGTERM" if isinstance(error, _Terminated) else "an interrupt"
+        message = f"lightning_par: stopped every rank after {what}"
+        if alive:
+            message += f" ({len(alive)} still running were killed)"
+        root = trainer.default_root_dir if trainer is not None else None
+        checkpoint = newest_checkpoint(root, started) if root else None
+        message += (
+            f"; the newest checkpoint is {checkpoint}"
+            if checkpoint
+            else "; no checkpoint was saved"
+        )
+        print(message, flush=True)
+
+    def kill(self, signum: Any) -> None:
+        if self._script is not None:
+            self._script.kill(signum)
+        super().kill(signum)
+
+    def _wrapping_function(self, process_idx: int, trainer, function, args, kwargs, queue, *rest):
+        die_with_parent()
+        if self._start_method == "fork":
+            limit_threads_after_fork(self.plan.threads_per_rank if self.plan else 1)
+        return super()._wrapping_function(process_idx, trainer, function, args, kwargs, queue,
+                                          *rest)  # fmt: skip
+
+    def _collect_rank_zero_results(self, trainer: pl.Trainer, results: Any) -> Any:
+        callback = trainer.checkpoint_callback
+        best_model_path = getattr(callback, "best_model_path", None) if callback else None
+        state_dict = self._strategy.lightning_module_state_dict()  # every rank takes part
+        if self._strategy.local_rank != 0:
+            return None
+        weights_path = None
+        if trainer.state.fn == TrainerFn.FITTING:
+            weights_path = os.path.join(tempfile.mkdtemp(), ".temp.ckpt")
+            self._strategy.checkpoint_io.save_checkpoint(state_dict, weights_path)
+        extra = self.get_extra_results(trainer)
+        return _WorkerOutput(best_model_path, weights_path, trainer.state, results, extra)
+
+    def get_extra_results(self, trainer: pl.Trainer) -> dict[str, Any]:
+        extra = super().get_extra_results(trainer)
+        trace = getattr(self._strategy, "trace", None)
+        extra["lightning_par_trace"] = trace_to_dict(trace) if trace is not None else None
+        return extra
+
+    def update_main_process_results(self, trainer: pl.Trainer, extra: dict[str, Any]) -> None:
+        super().update_main_process_results(trainer, extra)
+        record = extra.get("lightning_par_trace")
+        if record is not None:
+            self._strategy.trace = trace_from_dict(record)
+
+    def __getstate__(self) -> dict:
+        state = super().__getstate__()
+        state["_script"] = None
+        return state
+
+
+def _alive(proc: Any) -> bool:
+    poll = getattr(proc, "poll", None)
+    return proc.poll() is None if poll is not None else proc.is_alive()
+
+
+def _device_count(device: str) -> int | None:
+    import torch
+
+    module = getattr(torch, device, None)
+    count = getattr(module, "device_count", None)
+    return count() if callable(count) else None
+
+
+def log_startup(name: str, world_size: int, plan: LaunchPlan | None, backend: str) -> None:
+    """One line for the whole run (rank 0), instead of one per rank."""
+    how = "started by an external launcher" if plan is None else plan.method
+    threads = (
+        f", {plan.threads_per_rank} thread(s) per rank" if plan and plan.threads_per_rank else ""
+    )
+    rank_zero_info(f"lightning_par: {name} on {world_size} process(es) ({how}, {backend}{threads})")

@@ -1,0 +1,89 @@
+"""The one table of registered strategy names; every listing derives from it.
+
+The registry, the CLI's choices, the check and the benchmarks read :func:`strategy_specs`.
+The allreduce rows are one per key of :data:`lightning_par.collectives.ALGORITHMS` (described
+in ``DESCRIPTIONS``), so a new collective is a new strategy.
+"""
+
+from __future__ import annotations
+
+import importlib
+from dataclasses import dataclass, field
+from typing import Any
+
+from lightning.pytorch.strategies import StrategyRegistry
+
+
+@dataclass(frozen=True)
+class StrategySpec:
+    """One registered name: where its class lives and the options it is created with."""
+
+    name: str
+    module: str  # under lightning_par.strategies
+    cls: str
+    description: str
+    kind: str  # "data parallel", "pipeline", "reference", ...
+    options: dict[str, Any] = field(default_factory=dict)
+
+    def load(self) -> type:
+        return getattr(importlib.import_module(f"lightning_par.strategies.{self.module}"), self.cls)
+
+    def create(self, **overrides: Any) -> Any:
+        """A new strategy object with this row's options (``overrides`` win)."""
+        return self.load()(**{**self.options, **overrides})
+
+
+def strategy_specs() -> list[StrategySpec]:
+    """Every strategy lightning_par registers, plugins first, the reference last."""
+    from lightning_par.collectives import ALGORITHMS, DESCRIPTIONS
+
+    specs = [
+        StrategySpec(
+            f"{name}_allreduce",
+            "allreduce",
+            "AllReduceStrategy",
+            f"{DESCRIPTIONS[name]}, bucketed and overlapped with backward",
+            "data parallel",
+            {"algorithm": name},
+        )  # fmt: skip
+        for name in ALGORITHMS
+    ]
+    specs.append(
+        StrategySpec(
+            "gpipe",
+            "gpipe",
+            "GPipeStrategy",
+            "GPipe pipeline: one stage per device, micro-batches",
+            "pipeline",
+        )  # fmt: skip
+    )
+    specs.append(
+        StrategySpec(
+            "lightning_ddp",
+            "reference",
+            "LightningDDPStrategy",
+            "Lightning's DDP (torch DistributedDataParallel) under lightning_par's launch "
+            "policy: the reference the plugins are compared with",
+            "reference",
+        )  # fmt: skip
+    )
+    return specs
+
+
+def plugin_names() -> list[str]:
+    """The names of lightning_par's own strategies (not the reference)."""
+    return [s.name for s in strategy_specs() if s.kind != "reference"]
+
+
+def spec(name: str) -> StrategySpec:
+    for row in strategy_specs():
+        if row.name == name:
+            return row
+    raise KeyError(f"no lightning_par strategy named {name!r}; choose one of {plugin_names()}")
+
+
+def register_strategies(registry: Any = StrategyRegistry) -> None:
+    """Register every row with Lightning (``Trainer(strategy="<name>")``)."""
+    for row in strategy_specs():
+        if row.name not in registry:
+            registry.register(row.name, row.load(), description=row.description, **row.options)
