@@ -8,6 +8,7 @@ import torch
 import torch.distributed as dist
 
 from lightning_par.comm import CommTrace, Communicator, Handle
+from lightning_par.split import even_sizes
 
 
 def resolve_communicator(
@@ -59,21 +60,10 @@ def finish(tensor: torch.Tensor, flat: torch.Tensor) -> torch.Tensor:
 
 
 def chunk_sizes(numel: int, parts: int) -> list[int]:
-    """Split ``numel`` elements into ``parts`` chunks whose sizes differ by at most one.
-
-    The first ``numel % parts`` chunks get one extra element, so a tensor smaller than
-    the world size gives some empty chunks.
-    """
-    base, extra = divmod(numel, parts)
-    return [base + (1 if i < extra else 0) for i in range(parts)]
-
-
-def chunk_offsets(sizes: list[int]) -> list[int]:
-    offsets, total = [], 0
-    for size in sizes:
-        offsets.append(total)
-        total += size
-    return offsets
+    """Split ``numel`` elements into ``parts`` chunks whose sizes differ by at most one
+    (:func:`lightning_par.split.even_sizes`: a tensor smaller than the world size gives some
+    empty chunks)."""
+    return even_sizes(numel, parts)
 
 
 def segments(start: int, size: int, segment_elems: int | None) -> list[tuple[int, int]]:

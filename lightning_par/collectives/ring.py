@@ -23,7 +23,6 @@ import torch
 import torch.distributed as dist
 
 from lightning_par.collectives._common import (
-    chunk_offsets,
     chunk_sizes,
     finish,
     ordered_exchange,
@@ -33,6 +32,7 @@ from lightning_par.collectives._common import (
     segments,
 )
 from lightning_par.comm import CommTrace, Communicator, Handle, wait_all
+from lightning_par.split import offsets as split_offsets
 
 #: Largest message of the pipeline: a chunk is sent in segments so that adding one segment
 #: overlaps with receiving the next, but every message also costs a wake-up of sender and
@@ -73,7 +73,7 @@ def ring_allreduce(
         return tensor
     p, rank = comm.world_size, comm.rank
     sizes = chunk_sizes(flat.numel(), p)
-    offsets = chunk_offsets(sizes)
+    offsets = split_offsets(sizes)
     seg = segment_elems_for(segment_bytes, flat.element_size())
     if p == 2:
         return finish(tensor, _two_rank_ring(flat, comm, sizes, offsets, seg))

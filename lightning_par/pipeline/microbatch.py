@@ -11,6 +11,8 @@ from collections.abc import Sequence
 
 import torch
 
+from lightning_par.split import even_sizes
+
 
 def micro_batch_sizes(batch_size: int, chunks: int) -> list[int]:
     """Sizes of the ``chunks`` micro-batches of a batch of ``batch_size`` samples."""
@@ -21,8 +23,7 @@ def micro_batch_sizes(batch_size: int, chunks: int) -> list[int]:
             f"cannot split a batch of {batch_size} samples into {chunks} micro-batches: "
             f"use chunks <= {batch_size} or a larger batch size"
         )
-    base, extra = divmod(batch_size, chunks)
-    return [base + (1 if i < extra else 0) for i in range(chunks)]
+    return even_sizes(batch_size, chunks)
 
 
 def scatter(batch: torch.Tensor, chunks: int) -> list[torch.Tensor]:

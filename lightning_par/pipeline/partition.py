@@ -14,6 +14,8 @@ from collections.abc import Sequence
 import torch
 from torch import nn
 
+from lightning_par.split import bounds
+
 
 def check_balance(num_layers: int, balance: Sequence[int], world_size: int | None = None) -> None:
     """Raise ``ValueError`` with a fix when ``balance`` cannot split ``num_layers`` layers."""
@@ -60,11 +62,7 @@ def split_sequential(net: nn.Sequential, balance: Sequence[int]) -> list[nn.Sequ
 
 def stage_bounds(balance: Sequence[int]) -> list[tuple[int, int]]:
     """``[(first, stop), ...]`` layer index ranges of each stage."""
-    bounds, start = [], 0
-    for size in balance:
-        bounds.append((start, start + size))
-        start += size
-    return bounds
+    return bounds(balance)
 
 
 def balance_by_cost(costs: Sequence[float], num_stages: int) -> list[int]:
