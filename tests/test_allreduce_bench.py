@@ -3,16 +3,18 @@
 from __future__ import annotations
 
 import json
-import subprocess
+import os
 import sys
+
+from lightning_par.comm.run import run_bounded
 
 
 def run_bench(*argv: str) -> dict:
     """``python -m lightning_par.bench ... --json`` in a fresh interpreter (its ranks fork
     from a parent that has not started an OpenMP pool, as in real use)."""
     cmd = [sys.executable, "-m", "lightning_par.bench", *argv, "--json"]
-    done = subprocess.run(cmd, capture_output=True, text=True, timeout=240, check=False)
-    assert done.returncode == 0, done.stderr[-3000:]
+    done = run_bounded(cmd, timeout=240)
+    assert not done.timed_out and done.returncode == 0, done.stderr[-3000:]
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
@@ -29,6 +31,21 @@ def test_allreduce_benchmark_reports_every_algorithm_and_torch():
 def test_strategy_benchmark_compares_with_ddp():
     argv = ["--steps", "3", "--warmup", "1", "--width", "4", "--num-blocks", "1"]
     out = run_bench("strategy", *argv, "--batch-size", "4", "--algorithms", "ring")
-    names = [r["strategy"] for r in out["rows"]]
-    assert names == ["ddp", "ring_allreduce"]
-    assert out["rows"][0]["ratio_to_ddp"] == 1.0 and out["rows"][1]["median_step_s"] > 0
+    ddp, ring = out["rows"]
+    assert (ddp["strategy"], ring["strategy"]) == ("lightning_ddp", "ring_allreduce")
+    for row in (ddp, ring):
+        assert row["steps_timed"] == 2 and row["workers"] == 2
+        assert row["min_step_s"] <= row["median_step_s"] <= row["max_step_s"]
+        # the launch policy: a script forks only when each rank gets one core anyway
+        assert row["start_method"] == ("fork" if (os.cpu_count() or 1) // 2 <= 1 else "popen")
+    assert abs(ring["ratio_to_ddp"] - ring["median_step_s"] / ddp["median_step_s"]) < 1e-12
+
+
+def test_a_benchmark_past_its_time_limit_is_stopped_with_its_ranks():
+    argv = ["strategy", "--steps", "400", "--warmup", "1", "--width", "4", "--num-blocks", "1"]
+    env = {**os.environ, "LIGHTNING_PAR_BENCH_TIMEOUT": "8"}
+    cmd = [sys.executable, "-m", "lightning_par.bench", *argv, "--algorithms", "ring"]
+    done = run_bounded(cmd, timeout=120, env=env)
+    assert not done.timed_out, "the benchmark's own limit did not stop it"
+    assert done.returncode != 0
+    assert "ran past its 8 s limit" in done.stderr

@@ -7,7 +7,6 @@ import pytest
 import torch
 
 from lightning_par.comm import (
-    CommError,
     CommTrace,
     Communicator,
     RankFailed,
@@ -72,7 +71,9 @@ def test_hung_rank_fails_fast_with_the_peer_named():
         run_on_ranks(fn, 2, timeout=3)
     assert time.monotonic() - start < 20
     message = str(err.value)
-    assert "did not finish" in message or "rank 0: recv from rank 1 failed (step 4" in message
+    # the waiting rank's own error names the silent peer and the step it waited in
+    assert "rank 0 of 2 raised" in message and "CommError" in message
+    assert "rank 0: recv from rank 1 failed (step 4" in message
 
 
 def test_communicator_rejects_bad_peers_and_needs_a_group():
@@ -98,10 +99,6 @@ def test_empty_tensors_are_not_sent_but_traced():
     assert run_on_ranks(fn, 2) == [(0, 2), (0, 2)]
 
 
-def test_comm_error_type_is_runtime_error():
-    assert issubclass(CommError, RuntimeError)
-
-
 def test_trace_spans_and_gather():
     def fn(rank, world_size):
         trace = CommTrace(rank)
@@ -114,8 +111,13 @@ def test_trace_spans_and_gather():
 
 
 def test_free_ports_differ_and_bind_loopback():
-    ports = {find_free_port() for _ in range(5)}
-    assert all(1024 < p < 65536 for p in ports) and len(ports) >= 4
+    import socket
+
+    ports = [find_free_port() for _ in range(5)]
+    assert len(set(ports)) == 5 and all(1024 < p < 65536 for p in ports)
+    for port in ports:  # each is free on the loopback address the ranks rendezvous on
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+            sock.bind(("127.0.0.1", port))
 
 
 def _compute(rank, world_size):

@@ -1,10 +1,11 @@
-"""Step time of the allreduce strategies against Lightning's ``DDPStrategy`` (same run).
+"""Step time of the allreduce strategies against Lightning's DDP (same run).
 
     python -m lightning_par.bench strategy --devices 2 --steps 30
 
 Trains the CIFAR CNN on synthetic CIFAR-shaped data for a fixed number of steps with each
-strategy (fork launch, CPU) and reports the median step time of rank 0 after a warm-up,
-and its ratio to DDP's (< 1: faster than DDP).
+strategy (CPU, ranks started by the launch policy; Lightning's DDP is ``lightning_ddp``,
+launched the same way) and reports the median step time of rank 0 after a warm-up, and
+its ratio to DDP's (< 1: faster than DDP).
 """
 
 from __future__ import annotations
@@ -19,15 +20,14 @@ import warnings
 from pathlib import Path
 
 import lightning.pytorch as pl
-from lightning.pytorch.strategies import DDPStrategy
 from torch.utils.data import DataLoader
 
 import lightning_par  # noqa: F401  (registers the strategy names)
+from lightning_par.collectives import ALGORITHMS
 from lightning_par.data import SyntheticCIFAR10
 from lightning_par.models import CifarCNN
+from lightning_par.strategies import reference_ddp
 from lightning_par.strategies.allreduce import AllReduceStrategy
-
-ALLREDUCE_STRATEGIES = ("ring", "tree", "butterfly", "all_to_all", "master_worker")
 
 
 class StepTimer(pl.Callback):
@@ -47,7 +47,7 @@ class StepTimer(pl.Callback):
             Path(self.path).write_text(json.dumps(self.times))
 
 
-def run_one(strategy, args, path: str) -> list[float]:
+def run_one(strategy, args, path: str) -> tuple[list[float], str]:
     model = CifarCNN(width=args.width, num_blocks=args.num_blocks, scheduler=None)
     data = SyntheticCIFAR10(size=args.batch_size * args.devices * (args.steps + 1), seed=0)
     trainer = pl.Trainer(
@@ -62,7 +62,7 @@ def run_one(strategy, args, path: str) -> list[float]:
         callbacks=[StepTimer(path)],
     )
     trainer.fit(model, DataLoader(data, batch_size=args.batch_size))
-    return json.loads(Path(path).read_text())
+    return json.loads(Path(path).read_text()), trainer.strategy.launch_plan.method
 
 
 def main(argv: list[str]) -> int:
@@ -74,29 +74,30 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--width", type=int, default=32)
     parser.add_argument("--num-blocks", type=int, default=4)
     parser.add_argument("--bucket-cap-mb", type=float, default=4.0)
-    parser.add_argument(
-        "--algorithms", nargs="+", default=list(ALLREDUCE_STRATEGIES), choices=ALLREDUCE_STRATEGIES
-    )
+    parser.add_argument("--algorithms", nargs="+", default=list(ALGORITHMS), choices=ALGORITHMS)
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args(argv)
     logging.getLogger("lightning.pytorch").setLevel(logging.ERROR)
     warnings.filterwarnings("ignore", ".*val_dataloader.*|.*LeafSpec.*|.*many workers.*")
     if args.steps <= args.warmup:
         parser.error("--steps must be larger than --warmup")
-    candidates = {"ddp": lambda: DDPStrategy(start_method="fork")}
+    candidates = {"lightning_ddp": reference_ddp}
     for name in args.algorithms:
         candidates[f"{name}_allreduce"] = lambda name=name: AllReduceStrategy(
             algorithm=name, bucket_cap_mb=args.bucket_cap_mb
         )
-    medians = {}
+    rows = []
     with tempfile.TemporaryDirectory() as tmp:
         for name, make in candidates.items():
-            times = run_one(make(), args, str(Path(tmp) / f"{name}.json"))
-            medians[name] = statistics.median(times[args.warmup :])
-    rows = [
-        {"strategy": n, "median_step_s": t, "ratio_to_ddp": t / medians["ddp"]}
-        for n, t in medians.items()
-    ]
+            times, method = run_one(make(), args, str(Path(tmp) / f"{name}.json"))
+            timed = times[args.warmup :]
+            rows.append({
+                "strategy": name, "workers": args.devices, "start_method": method,
+                "steps_timed": len(timed), "median_step_s": statistics.median(timed),
+                "min_step_s": min(timed), "max_step_s": max(timed),
+            })  # fmt: skip
+    for row in rows:
+        row["ratio_to_ddp"] = row["median_step_s"] / rows[0]["median_step_s"]
     if args.json:
         print(json.dumps({"devices": args.devices, "steps": args.steps, "rows": rows}))
         return 0

@@ -12,10 +12,10 @@ reference the tests and notebooks compare against. Why these facts:
   starts one autograd thread per device, and a forked child's own ``backward`` then raises
   "Unable to handle autograd's threading in combination with fork-based multiprocessing".
   Fork is out. (torch names those threads ``pt_autograd_<device>``.)
-* **An OpenMP pool started** (any native thread Python did not start): a forked child
-  hangs in its first multi-threaded OpenMP region (GNU libgomp is not fork-safe), so a
-  forked rank must compute on one intra-op thread. With no such thread a forked rank may
-  use its share of the cores.
+* **An OpenMP pool started**: a forked child hangs in its first multi-threaded OpenMP
+  region (GNU libgomp is not fork-safe). Whether the pool runs cannot be told apart from
+  torch's own threads reliably, so every forked rank computes on one intra-op thread;
+  scripts therefore fork only where each rank gets one core anyway.
 * **A notebook**: only fork works (a cell's functions cannot be imported by a new
   interpreter), so when fork is out the launch stops *before* any process starts with
   :class:`LaunchError`, saying what was initialised and how to fix it.
@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import os
 import sys
-import threading
 import warnings
 from dataclasses import dataclass
 
@@ -50,7 +49,6 @@ class ProcessState:
 
     cuda_initialized: bool
     autograd_threads: bool
-    native_threads: int  # threads Python did not start (OpenMP pool, autograd, drivers)
     interactive: bool
     under_pytest: bool
     external_ranks: bool
@@ -105,15 +103,6 @@ def autograd_threads_started() -> bool:
     return names is not None and any(n.startswith("pt_autograd_") for n in names)
 
 
-def native_thread_count() -> int:
-    """Threads that Python's ``threading`` does not know: OpenMP workers, autograd device
-    threads, driver threads. Where this cannot be read, assume some (the safe answer)."""
-    names = _thread_names()
-    if names is None:
-        return 1
-    return max(0, len(names) - threading.active_count())
-
-
 def cuda_initialized() -> bool:
     torch = sys.modules.get("torch")
     return bool(torch is not None and torch.cuda.is_initialized())
@@ -124,8 +113,8 @@ def process_state() -> ProcessState:
     return ProcessState(
         cuda_initialized=cuda_initialized(),
         autograd_threads=autograd_threads_started(),
-        native_threads=native_thread_count(),
-        interactive=is_interactive(),
+        # (pytest's nbval plugin imports ipykernel: the test process is no notebook)
+        interactive=is_interactive() and "pytest" not in sys.modules,
         under_pytest="pytest" in sys.modules,
         external_ranks=under_cluster_launcher(),
         cores=os.cpu_count() or 1,
@@ -164,7 +153,7 @@ def plan_launch(
     state = state or process_state()
     num_processes = max(1, num_processes)
     cores_per_rank = max(1, state.cores // num_processes)
-    fork_threads = 1 if state.native_threads > 0 else cores_per_rank
+    fork_threads = 1  # see the module docstring: a forked rank never uses OpenMP threads
     if state.external_ranks:
         return LaunchPlan("external", 0, "the ranks were started by an external launcher")
     requested = requested or os.environ.get("LIGHTNING_PAR_START_METHOD") or None
@@ -212,7 +201,7 @@ def limit_threads_after_fork(threads: int = 1) -> None:
     A forked child hangs in its first multi-threaded OpenMP region if its parent had
     already started OpenMP threads (GNU libgomp is not fork-safe; reproduced with torch
     2.14 for every thread count above one), so :func:`plan_launch` gives forked ranks one
-    thread unless the parent ran no native thread at all. ``OMP_NUM_THREADS`` is set too,
+    thread. ``OMP_NUM_THREADS`` is set too,
     so that Lightning's launcher keeps the choice.
     """
     import torch

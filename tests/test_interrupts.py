@@ -1,0 +1,93 @@
+"""An interrupt of the main process (Ctrl-C, Jupyter's "interrupt kernel", SIGTERM from a
+scheduler) stops every rank within seconds, leaves no process behind, and says where the
+newest checkpoint is."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+SCRIPT = """
+import os, sys, time
+import lightning.pytorch as pl
+import torch
+from torch.utils.data import DataLoader, TensorDataset
+import lightning_par
+from lightning_par.strategies.allreduce import AllReduceStrategy
+
+class Slow(pl.LightningModule):
+    def __init__(self):
+        super().__init__()
+        self.layer = torch.nn.Linear(4, 1)
+    def training_step(self, batch, i):
+        if i == 2:  # every rank is in the loop: tell the test who we are
+            open(os.path.join(sys.argv[1], f"rank{self.global_rank}.pid"), "w").write(
+                str(os.getpid()))
+        time.sleep(0.2)
+        return self.layer(batch[0]).sum()
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.01)
+
+if __name__ == "__main__":
+    data = TensorDataset(torch.randn(4000, 4))
+    trainer = pl.Trainer(
+        strategy=AllReduceStrategy("ring", start_method=sys.argv[2]), accelerator="cpu",
+        devices=2, max_epochs=1, logger=False, enable_progress_bar=False,
+        default_root_dir=sys.argv[1],
+    )
+    trainer.fit(Slow(), DataLoader(data, batch_size=2))
+"""
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    try:  # a zombie (exited, not yet reaped) is no running process
+        return Path(f"/proc/{pid}/stat").read_text().split()[2] != "Z"
+    except OSError:
+        return False
+
+
+@pytest.mark.parametrize(
+    "start_method, signum",
+    [("fork", signal.SIGINT), ("fork", signal.SIGTERM), ("popen", signal.SIGTERM)],
+)
+def test_an_interrupt_of_the_main_process_stops_every_rank(tmp_path, start_method, signum):
+    script = tmp_path / "train.py"
+    script.write_text(textwrap.dedent(SCRIPT))
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "LIGHTNING_PAR_TIMEOUT": "60"}
+    proc = subprocess.Popen(
+        [sys.executable, str(script), str(tmp_path), start_method], env=env,
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True,
+    )  # fmt: skip
+    try:
+        deadline = time.monotonic() + 120
+        while len(list(tmp_path.glob("rank*.pid"))) < 2:
+            assert proc.poll() is None, proc.communicate()[0][-3000:]
+            assert time.monotonic() < deadline, "the ranks never started training"
+            time.sleep(0.2)
+        pids = [int(p.read_text()) for p in tmp_path.glob("rank*.pid")]
+        proc.send_signal(signum)  # the main process only, as Jupyter does
+        start = time.monotonic()
+        out = proc.communicate(timeout=30)[0]
+        while any(_alive(p) for p in pids) and time.monotonic() - start < 10:
+            time.sleep(0.1)
+        assert not [p for p in pids if _alive(p)], f"ranks still running:\n{out[-3000:]}"
+        assert time.monotonic() - start < 10
+        assert "lightning_par: stopped every rank" in out, out[-3000:]
+        assert "no checkpoint was saved" in out  # the epoch never ended
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
