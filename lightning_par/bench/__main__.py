@@ -7,6 +7,7 @@ import pkgutil
 import sys
 
 import lightning_par.bench as bench_pkg
+from lightning_par.quiet import quiet_lightning
 
 
 def available() -> list[str]:
@@ -20,6 +21,7 @@ def main(argv: list[str] | None = None) -> int:
         print("usage: python -m lightning_par.bench {" + ",".join(names) + "} [options]")
         print("       python -m lightning_par.bench NAME --help for a benchmark's options")
         return 0 if argv and argv[0] in ("-h", "--help") else 2
+    quiet_lightning()
     module = importlib.import_module(f"lightning_par.bench.{argv[0]}")
     return module.main(argv[1:]) or 0
 
