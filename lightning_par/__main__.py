@@ -2,4 +2,4 @@
 
 from lightning_par.cli import main
 
-main()
+main(prog="python -m lightning_par")

@@ -85,7 +85,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json", action="store_true", help="print rows as JSON")
     parser.add_argument("--run-row", nargs=4, metavar=("STRATEGY", "MODEL", "ACCEL", "DEVICES"))
     args = parser.parse_args(argv)
+    from lightning_par.quiet import quiet_lightning
 
+    quiet_lightning()  # here and in each row's subprocess, which runs main() too
     if args.run_row:
         strategy, model, accel, devices = args.run_row
         result = run_row(strategy, model, accel, int(devices), args.steps)

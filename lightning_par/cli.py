@@ -7,19 +7,33 @@ from a YAML config, e.g.::
         --trainer.devices=2 --trainer.strategy=ring_allreduce --trainer.max_epochs=3
 
 After ``fit`` the model is tested (``--test_after_fit=false`` to skip) and one summary
-line reports the strategy, the data used, throughput and accuracy.
+line reports the strategy, the data used, throughput and accuracy. A value that cannot
+work (unknown strategy, source, model, accelerator; 0 devices; negative counts) ends the
+command at once with a short usage error and exit code 2, before any process starts.
 """
 
 from __future__ import annotations
 
 import sys
 
+from jsonargparse import ArgumentError
+from lightning.fabric.utilities.exceptions import MisconfigurationException
+from lightning.pytorch.callbacks import ModelSummary
 from lightning.pytorch.cli import LightningCLI
 
 import lightning_par  # noqa: F401  (registers the strategy names)
+from lightning_par.cli_checks import UsageError, check_argv, check_config
 from lightning_par.data import CIFAR10DataModule, DataNotFoundError
 from lightning_par.models import CifarCNN, CifarRNN, ImageClassifier  # noqa: F401
-from lightning_par.summary import ThroughputMonitor, summary_line
+from lightning_par.quiet import quiet_lightning
+from lightning_par.summary import (
+    FitTimeEstimate,
+    ThroughputMonitor,
+    WholeModelSummary,
+    summary_line,
+)
+
+SUBCOMMANDS = ("fit", "validate", "test", "predict")
 
 
 class LightningParCLI(LightningCLI):
@@ -27,6 +41,28 @@ class LightningParCLI(LightningCLI):
         parser.add_argument(
             "--test_after_fit", type=bool, default=True, help="Test the model after fit."
         )
+
+    def parse_arguments(self, parser, args) -> None:
+        check_argv(sys.argv[1:] if args is None else [str(a) for a in args])
+        super().parse_arguments(parser, args)
+        subcommand = self.config.get("subcommand")
+        if subcommand:  # values from the command line and config files alike
+            check_config(self.config[subcommand])
+
+    def instantiate_classes(self) -> None:
+        # Constructors that reject a value (ours, or Trainer's) do so before any process
+        # starts: report the message, not the traceback.
+        try:
+            super().instantiate_classes()
+        except (ValueError, MisconfigurationException) as err:
+            raise UsageError(str(err)) from None
+
+    def after_instantiate_classes(self) -> None:
+        # Lightning's default model summary, taken before a strategy can split the model.
+        callbacks = self.trainer.callbacks
+        for i, callback in enumerate(callbacks):
+            if type(callback) is ModelSummary:
+                callbacks[i] = WholeModelSummary(callback._max_depth, **callback._summarize_kwargs)
 
     def _data_before_launch(self) -> None:
         # Find (or download) and load the data here, in the parent, so a missing data set
@@ -53,27 +89,47 @@ class LightningParCLI(LightningCLI):
         print(summary_line(self.trainer, self.datamodule), flush=True)
 
 
-def main(args: list[str] | None = None) -> None:
+def main(args: list[str] | None = None, prog: str = "lightning-par") -> None:
+    """Run the command; ``prog`` is the name usage and error messages show."""
+    quiet_lightning()
     try:
-        _run_cli(args)
+        _run_cli(args, prog)
     except DataNotFoundError as err:
         # The message says what is missing and the three ways to get data: no traceback.
-        print(
-            f"lightning-par: error: {err}\nOn the command line: --data.source=torchvision, "
+        _usage_exit(
+            prog,
+            f"{err}\nOn the command line: --data.source=torchvision, "
             "--data.source=cifar10-mini or --data.source=synthetic; --data.data_dir=PATH.",
-            file=sys.stderr,
         )
-        raise SystemExit(2) from None
+    except UsageError as err:
+        _usage_exit(prog, str(err))
+    except ArgumentError as err:
+        # jsonargparse's own parse errors, without its 60-line usage text.
+        _usage_exit(prog, f"{err}\nSee `{prog} {_subcommand(args)}--help` for every option.")
 
 
-def _run_cli(args: list[str] | None) -> None:
+def _subcommand(args: list[str] | None) -> str:
+    argv = sys.argv[1:] if args is None else args
+    return next((f"{a} " for a in argv if a in SUBCOMMANDS), "")
+
+
+def _usage_exit(prog: str, message: str) -> None:
+    print(f"{prog}: error: {message}", file=sys.stderr, flush=True)
+    raise SystemExit(2) from None
+
+
+def _run_cli(args: list[str] | None, prog: str) -> None:
     LightningParCLI(
         ImageClassifier,
         CIFAR10DataModule,
         subclass_mode_model=True,
         seed_everything_default=0,
         save_config_kwargs={"overwrite": True},
-        trainer_defaults={"callbacks": [ThroughputMonitor()], "max_epochs": 10},
+        trainer_defaults={
+            "callbacks": [ThroughputMonitor(), FitTimeEstimate()],
+            "max_epochs": 10,
+        },
+        parser_kwargs={"prog": prog, "exit_on_error": False},
         args=args,
     )
 

@@ -17,6 +17,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 
 import lightning_par.bench as bench_pkg
+from lightning_par.quiet import quiet_lightning
 
 
 def available() -> list[str]:
@@ -56,6 +57,7 @@ def main(argv: list[str] | None = None) -> int:
         print("usage: python -m lightning_par.bench {" + ",".join(names) + "} [options]")
         print("       python -m lightning_par.bench NAME --help for a benchmark's options")
         return 0 if argv and argv[0] in ("-h", "--help") else 2
+    quiet_lightning()
     module = importlib.import_module(f"lightning_par.bench.{argv[0]}")
     limit = float(os.environ.get("LIGHTNING_PAR_BENCH_TIMEOUT", 1800))
     with time_limit(argv[0], limit):
