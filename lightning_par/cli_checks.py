@@ -18,10 +18,10 @@ class UsageError(Exception):
 
 
 def our_strategy_names() -> list[str]:
-    """The strategy names lightning_par registers, in registry order."""
-    from lightning_par.strategies import PLUGINS
+    """The strategy names lightning_par registers, in registry order (the reference last)."""
+    from lightning_par.strategies import strategy_specs
 
-    return [name for _, _, name, _ in PLUGINS]
+    return [spec.name for spec in strategy_specs()]
 
 
 def lightning_strategy_names() -> list[str]:

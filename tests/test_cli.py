@@ -1,6 +1,7 @@
 """The lightning-par command (LightningCLI) and the check table."""
 
 import json
+import re
 import subprocess
 import sys
 
@@ -24,7 +25,7 @@ FAST = [
 
 
 def test_fit_on_two_processes_tests_and_prints_a_summary(tmp_path, capsys):
-    main(["fit", *FAST, "--trainer.devices=2", "--trainer.strategy=ddp_fork",
+    main(["fit", *FAST, "--trainer.devices=2", "--trainer.strategy=lightning_ddp",
           f"--trainer.default_root_dir={tmp_path}"])  # fmt: skip
     line = [ln for ln in capsys.readouterr().out.splitlines() if "lightning_par summary" in ln]
     assert len(line) == 1, line
@@ -51,9 +52,10 @@ def test_yaml_config_and_rnn(tmp_path, capsys):
 
 
 def test_unknown_strategy_is_rejected_before_training(tmp_path):
-    with pytest.raises((SystemExit, ValueError)):
+    with pytest.raises(SystemExit) as exit_info:
         main(["fit", *FAST, "--trainer.strategy=no_such_strategy",
               f"--trainer.default_root_dir={tmp_path}"])  # fmt: skip
+    assert exit_info.value.code == 2  # a usage error, before any training
 
 
 def test_missing_data_is_one_clear_error_before_any_process_starts(tmp_path, monkeypatch):
@@ -80,17 +82,20 @@ def test_console_entry_point_lists_the_subcommands():
         timeout=120,
     )
     assert out.returncode == 0
-    assert "fit" in out.stdout and "test" in out.stdout
+    subcommands = {"fit", "validate", "test", "predict"}
+    assert subcommands <= set(re.findall(r"\b(fit|validate|test|predict)\b", out.stdout)), (
+        out.stdout
+    )
 
 
 def test_check_prints_one_ok_row_per_run(capsys):
-    code = check.main(["--strategies", "ddp_fork", "--models", "CifarCNN", "--accelerators",
+    code = check.main(["--strategies", "lightning_ddp", "--models", "CifarCNN", "--accelerators",
                        "cpu", "--steps", "3", "--json"])  # fmt: skip
     rows = json.loads(capsys.readouterr().out)
     assert code == 0
     assert [(r["strategy"], r["processes"], r["status"]) for r in rows] == [
         ("single", 1, "ok"),
-        ("ddp_fork", 2, "ok"),
+        ("lightning_ddp", 2, "ok"),
     ]
 
 

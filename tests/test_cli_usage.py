@@ -7,7 +7,7 @@ import pytest
 
 from lightning_par.cli import main
 from lightning_par.cli_checks import lightning_strategy_names, our_strategy_names
-from lightning_par.strategies import PLUGINS
+from lightning_par.strategies import strategy_specs
 
 BASE = [
     "fit",
@@ -70,7 +70,8 @@ def test_strategy_error_lists_our_names_first(capsys):
 
 
 def test_our_strategy_names_come_from_the_registry():
-    assert our_strategy_names() == [name for _, _, name, _ in PLUGINS]
+    assert our_strategy_names() == [spec.name for spec in strategy_specs()]
+    assert "ring_allreduce" in our_strategy_names() and "lightning_ddp" in our_strategy_names()
     lightning = lightning_strategy_names()
     assert "ddp" in lightning and "auto" in lightning
     assert not set(our_strategy_names()) & set(lightning)

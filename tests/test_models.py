@@ -7,6 +7,7 @@ from torch import nn
 
 from lightning_par.data import CIFAR10DataModule
 from lightning_par.models import CifarCNN, CifarRNN
+from lightning_par.strategies import reference_ddp
 
 
 def _tiny(kind: str, **kw):
@@ -71,7 +72,7 @@ def _fit(model, devices: int, steps: int = 12):
     trainer = pl.Trainer(
         accelerator="cpu",
         devices=devices,
-        strategy="ddp_fork" if devices > 1 else "auto",
+        strategy=reference_ddp() if devices > 1 else "auto",
         max_steps=steps,
         limit_val_batches=2,
         val_check_interval=steps,
