@@ -66,6 +66,14 @@ def wavefront_utilisation(num_stages: int, num_chunks: int) -> float:
 
 
 # ---- cutting the network -------------------------------------------------------------------
+def _check_stages(stages: int, recurrent: int) -> None:
+    if stages > recurrent:
+        raise ValueError(
+            f"{stages} stages but only {recurrent} recurrent layers: with time_chunk every "
+            f"stage needs a recurrent layer, so use at most {recurrent} stages"
+        )
+
+
 def _recurrent_span(net: nn.Sequential) -> tuple[int, int]:
     flags = [is_recurrent(layer, i) for i, layer in enumerate(net)]
     rec = [i for i, f in enumerate(flags) if f]
@@ -88,11 +96,7 @@ def recurrent_parts(net: nn.Sequential, balance: Sequence[int]) -> list[tuple[in
     network or balance the wavefront cannot run."""
     check_balance(len(net), balance)
     lo, hi = _recurrent_span(net)
-    if len(balance) > hi - lo:
-        raise ValueError(
-            f"{len(balance)} stages but only {hi - lo} recurrent layers: with time_chunk every "
-            f"stage needs a recurrent layer, so use at most {hi - lo} stages"
-        )
+    _check_stages(len(balance), hi - lo)
     parts, start = [], 0
     for size in balance:
         stop = start + size
@@ -111,6 +115,7 @@ def wavefront_balance(net: nn.Sequential, num_stages: int) -> list[int]:
     """Layers per stage balancing the recurrent layers' parameter counts over ``num_stages``
     stages, with the layers before (after) them on the first (last) stage."""
     lo, hi = _recurrent_span(net)
+    _check_stages(num_stages, hi - lo)
     counts = [sum(p.numel() for p in layer.parameters()) for layer in net[lo:hi]]
     balance = balance_by_cost([max(1, c) for c in counts], num_stages)
     balance[0] += lo
