@@ -31,6 +31,11 @@ class LSTMLayer(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.lstm(x)[0]
 
+    def forward_chunk(self, x: torch.Tensor, state):
+        """Run on a time chunk from ``state`` ((h, c) or None); returns (outputs, (h, c)), so
+        the layerwise wavefront can carry the state to the next chunk."""
+        return self.lstm(x, state)
+
 
 class LastStep(nn.Module):
     """Classify from the last time step's output."""

@@ -59,6 +59,15 @@ def strategy_specs() -> list[StrategySpec]:
     )
     specs.append(
         StrategySpec(
+            "layerwise",
+            "layerwise",
+            "LayerwiseStrategy",
+            "layer-wise model parallelism: consecutive layers per device, RNN wavefront",
+            "model parallel",
+        )  # fmt: skip
+    )
+    specs.append(
+        StrategySpec(
             "lightning_ddp",
             "reference",
             "LightningDDPStrategy",
