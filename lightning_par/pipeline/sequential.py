@@ -22,10 +22,10 @@ import torch
 from torch import nn
 
 from lightning_par.comm import Communicator
-from lightning_par.pipeline.microbatch import scatter
 from lightning_par.pipeline.partition import split_sequential
 from lightning_par.pipeline.runtime import PipelineStage
-from lightning_par.pipeline.schedule import Step, stage_steps
+from lightning_par.pipeline.schedule import Step
+from lightning_par.pipeline.step import backward_half, forward_half, one_f_one_b
 
 
 class PipelinedSequential(nn.Module):
@@ -61,7 +61,7 @@ class PipelinedSequential(nn.Module):
         self.balance, self.chunks, self.schedule = list(balance), chunks, schedule
         # a plain object, not a submodule: its Sequential shares this module's layers
         self.runtime = PipelineStage(stage_layers, comm, checkpoint=checkpoint)
-        self._pending: tuple[list[Step], torch.Tensor, list[int]] | None = None
+        self._pending: tuple[list[Step], torch.Tensor] | None = None
         self._precomputed: torch.Tensor | None = None
         self._stash: list[tuple[nn.Parameter, torch.Tensor | None]] | None = None
         self.active = False  # set by the strategy around steps, when every stage runs forward
@@ -89,23 +89,18 @@ class PipelinedSequential(nn.Module):
         if self._pending is not None:  # a previous step never ran backward: drop it
             self._pending = None
             self.runtime.finish()
-        stage = self.runtime
-        chunks = self.chunks_for(x.shape[0])
-        stage.begin(x.shape, chunks)
         training = torch.is_grad_enabled()
         if training and self.schedule != "gpipe":
             raise RuntimeError(
                 f"schedule={self.schedule!r} computes the loss per micro-batch: call train_1f1b()"
             )
-        steps = stage_steps("gpipe", stage.stage, stage.num_stages, chunks)
-        stage.run(steps[:chunks], scatter(x, chunks) if stage.is_first else None)
-        joined = stage.joined_output() if stage.is_last else None
-        out = stage.share_output(joined)
+        steps, joined = forward_half(self.runtime, x, self.chunks_for(x.shape[0]))
+        out = self.runtime.share_output(joined)
         if not training:
-            stage.finish()
+            self.runtime.finish()
             return out
         leaf = out.detach().requires_grad_(out.is_floating_point())
-        self._pending = (steps[chunks:], leaf, stage.sizes)
+        self._pending = (steps, leaf)
         return leaf
 
     def backward(self) -> None:
@@ -118,14 +113,9 @@ class PipelinedSequential(nn.Module):
             self._stash = None
         if self._pending is None:
             return
-        steps, leaf, sizes = self._pending
+        steps, leaf = self._pending
         self._pending = None
-        grads = None
-        if self.runtime.is_last:
-            grad = leaf.grad if leaf.grad is not None else torch.zeros_like(leaf)
-            grads = torch.split(grad, sizes)
-        self.runtime.run(steps, output_grad=lambda i, out: grads[i])
-        self.runtime.finish()
+        backward_half(self.runtime, steps, leaf.grad if self.runtime.is_last else None)
 
     def train_1f1b(
         self,
@@ -139,27 +129,16 @@ class PipelinedSequential(nn.Module):
         ``forward`` returns the joined output, which is also returned here. The parameter
         gradients are added to ``.grad`` by the following :meth:`backward` call."""
         stage = self.runtime
-        chunks = self.chunks_for(x.shape[0])
-        sizes = stage.begin(x.shape, chunks)
-        targets = scatter(target, chunks) if stage.is_last else None
-
-        def micro_grad(i: int, out: torch.Tensor) -> torch.Tensor:
-            out = out.detach().requires_grad_(True)
-            loss = loss_fn(out, targets[i]) * (scale * sizes[i] / x.shape[0])
-            return torch.autograd.grad(loss, out)[0]
-
-        steps = stage_steps(self.schedule, stage.stage, stage.num_stages, chunks)
         # Lightning zeroes gradients between training_step and backward: keep this step's
         # gradients aside and hand them over in backward()
         params = [p for p in self.parameters() if p.requires_grad]
         before = [p.grad for p in params]
         for p in params:
             p.grad = None
-        stage.run(steps, scatter(x, chunks) if stage.is_first else None, output_grad=micro_grad)
+        joined, _ = one_f_one_b(stage, x, target, loss_fn, self.chunks_for(x.shape[0]), scale)
         self._stash = [(p, p.grad) for p in params]
         for p, grad in zip(params, before):
             p.grad = grad
-        joined = stage.joined_output() if stage.is_last else None
         out = stage.share_output(joined)
         stage.finish()
         self._precomputed = out.detach().requires_grad_(out.is_floating_point())

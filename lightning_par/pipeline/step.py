@@ -1,15 +1,21 @@
-"""A whole training step of a pipeline, for a loss on the joined output.
+"""One pipeline training step, the single implementation behind the strategy, the tests and
+the benchmarks.
 
 How a batch loss maps onto micro-batches depends on the schedule:
 
-* **GPipe** runs every forward first, so the last stage can join the micro-batch outputs and
-  apply *any* loss to the whole batch; the gradient of that loss w.r.t. the joined output is
-  then cut back into micro-batch pieces for the backward steps. This is exactly the
+* **GPipe** runs every forward first (:func:`forward_half`), so the last stage can join the
+  micro-batch outputs and apply *any* loss to the whole batch; the gradient of that loss
+  w.r.t. the joined output is then cut back into micro-batch pieces for the backward steps
+  (:func:`backward_half`). This is exactly the single-process gradient.
+* **1F1B** (:func:`one_f_one_b`) starts backwards before the last forward, so the loss must
+  be computed per micro-batch. For a *mean-reduced* loss over B samples, the batch loss is
+  the size-weighted sum of micro-batch losses, ``L = sum_i (n_i / B) * loss(out_i, y_i)``,
+  so each micro-batch back-propagates ``(n_i / B) * d loss(out_i, y_i)``: again the
   single-process gradient.
-* **1F1B** starts backwards before the last forward, so the loss must be computed per
-  micro-batch. For a *mean-reduced* loss over B samples, the batch loss is the size-weighted
-  sum of micro-batch losses, ``L = sum_i (n_i / B) * loss(out_i, y_i)``, so each micro-batch
-  back-propagates ``(n_i / B) * d loss(out_i, y_i)``: again the single-process gradient.
+
+:func:`forward_backward` strings them together for a loss on the last stage;
+:class:`~lightning_par.pipeline.sequential.PipelinedSequential` calls the halves from
+Lightning's ``training_step`` and ``backward``.
 """
 
 from __future__ import annotations
@@ -20,9 +26,63 @@ import torch
 
 from lightning_par.pipeline.microbatch import scatter
 from lightning_par.pipeline.runtime import PipelineStage
-from lightning_par.pipeline.schedule import stage_steps
+from lightning_par.pipeline.schedule import Step, stage_steps
 
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+def forward_half(
+    stage: PipelineStage, x: torch.Tensor, chunks: int
+) -> tuple[list[Step], torch.Tensor | None]:
+    """GPipe's forward half: every micro-batch's forward on this stage. Returns the backward
+    steps still to run and, on the last stage, the joined output (``None`` elsewhere)."""
+    stage.begin(x.shape, chunks)
+    steps = stage_steps("gpipe", stage.stage, stage.num_stages, chunks)
+    stage.run(steps[:chunks], scatter(x, chunks) if stage.is_first else None)
+    return steps[chunks:], (stage.joined_output() if stage.is_last else None)
+
+
+def backward_half(
+    stage: PipelineStage, steps: list[Step], output_grad: torch.Tensor | None
+) -> None:
+    """GPipe's backward half, given the loss gradient w.r.t. the joined output on the last
+    stage (``None`` elsewhere, and ``None`` on the last stage means a zero gradient)."""
+    grads = None
+    if stage.is_last:
+        joined = stage.joined_output()
+        grad = output_grad if output_grad is not None else torch.zeros_like(joined)
+        grads = torch.split(grad, stage.sizes)
+    stage.run(steps, output_grad=lambda i, out: grads[i])
+    stage.finish()
+
+
+def one_f_one_b(
+    stage: PipelineStage,
+    x: torch.Tensor,
+    target: torch.Tensor | None,
+    loss_fn: LossFn,
+    chunks: int,
+    scale: float = 1.0,
+) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """A whole 1F1B step with the mean-reduced ``loss_fn`` per micro-batch (micro-batch ``i``
+    back-propagates ``scale * n_i / B * loss_fn(out_i, y_i)``). Returns, on the last stage,
+    the joined output and the batch loss (unscaled); ``(None, None)`` elsewhere. The caller
+    calls ``stage.finish()`` (after sharing the output, if it does)."""
+    sizes = stage.begin(x.shape, chunks)
+    targets = scatter(target, chunks) if stage.is_last else None
+    batch, losses = x.shape[0], []
+
+    def micro_grad(i: int, out: torch.Tensor) -> torch.Tensor:
+        out = out.detach().requires_grad_(True)
+        loss = loss_fn(out, targets[i]) * (sizes[i] / batch)
+        losses.append(loss.detach())
+        return torch.autograd.grad(loss * scale, out)[0]
+
+    steps = stage_steps("1f1b", stage.stage, stage.num_stages, chunks)
+    stage.run(steps, scatter(x, chunks) if stage.is_first else None, output_grad=micro_grad)
+    if not stage.is_last:
+        return None, None
+    return stage.joined_output(), torch.stack(losses).sum()
 
 
 def forward_backward(
@@ -36,32 +96,16 @@ def forward_backward(
     """Run one step's forward and backward passes on every stage (each rank calls it with
     the same batch ``x``; only stage 0 reads its values, only the last stage ``target``).
     Accumulates parameter gradients; returns the batch loss on the last stage, else None."""
-    sizes = stage.begin(x.shape, chunks)
-    steps = stage_steps(schedule, stage.stage, stage.num_stages, chunks)
-    inputs = scatter(x, chunks) if stage.is_first else None
-    targets = scatter(target, chunks) if stage.is_last and target is not None else None
-    loss = None
-    if schedule == "gpipe":
-        forwards = [s for s in steps if s.op == "fwd"]
-        stage.run(forwards, inputs)
-        grads = None
-        if stage.is_last:
-            joined = torch.cat([o.detach() for o in stage.outputs]).requires_grad_(True)
-            loss = loss_fn(joined, target)
-            loss.backward()
-            grads = torch.split(joined.grad, sizes)
-        stage.run(steps[len(forwards) :], output_grad=lambda i, out: grads[i])
-    else:
-        batch, losses = sum(sizes), []
-
-        def micro_grad(i: int, out: torch.Tensor) -> torch.Tensor:
-            out = out.detach().requires_grad_(True)
-            micro_loss = loss_fn(out, targets[i]) * (sizes[i] / batch)
-            losses.append(micro_loss.detach())
-            return torch.autograd.grad(micro_loss, out)[0]
-
-        stage.run(steps, inputs, output_grad=micro_grad)
-        if stage.is_last:
-            loss = torch.stack(losses).sum()
-    stage.finish()
+    if schedule != "gpipe":
+        _, loss = one_f_one_b(stage, x, target, loss_fn, chunks)
+        stage.finish()
+        return loss
+    steps, joined = forward_half(stage, x, chunks)
+    loss, grad = None, None
+    if stage.is_last:
+        joined = joined.requires_grad_(True)
+        loss = loss_fn(joined, target)
+        loss.backward()
+        grad = joined.grad
+    backward_half(stage, steps, grad)
     return loss
