@@ -2,16 +2,18 @@
 
 The course slides (003, "AllReduce Implementation") list round-robin allreduce between
 tree and butterfly, citing Zhao & Canny, "Butterfly Mixing: Accelerating
-Incremental-Update Algorithms on Clusters" (SDM 2013, arXiv:1312.3020). There it is one
-of the full-mix ("AllReduce") topologies that butterfly mixing is compared with: instead
-of one node aggregating the whole model, the model is partitioned and each node is
-responsible for aggregating one partition, so the aggregation work and traffic are spread
-over all nodes in turn rather than funnelled through a master.
+Incremental-Update Algorithms on Clusters" (SDM 2013, arXiv:1312.3020), whose abstract
+compares butterfly mixing with a full mix (AllReduce) on every step; the slide gives no
+further description, and we could not consult the paper's full text. We read "round-robin"
+as the parameter-server-like scheme in which the model is partitioned and each node in turn
+is responsible for aggregating one partition, so the aggregation work and traffic are spread
+over all nodes instead of funnelled through one master.
 
-That is the definition implemented here, because it is the one that differs from the other
-five collectives: it is **master-worker allreduce with the master's job dealt out round-robin
-over chunks**. The tensor is cut into ``p`` chunks (``chunk_sizes``); rank ``r`` owns chunk
-``r``.
+We implement that reading because it is the one that differs from the other five
+collectives: **master-worker allreduce with the master's job dealt out round-robin over
+chunks** (a rank that sends its whole array to every other rank in turn would be all-to-all
+allreduce with a schedule). The tensor is cut into ``p`` chunks (``chunk_sizes``); rank
+``r`` owns chunk ``r``.
 
 1. *Reduce* (steps ``0 .. p-2``): in step ``s`` rank ``r`` sends chunk ``(r + s + 1) mod p`` to
    its owner and receives its own chunk from rank ``(r - s - 1) mod p``, then adds the
