@@ -181,3 +181,27 @@ def test_exchanges_with_one_peer_are_posted_lower_rank_sending_first():
     ordered_exchange(high, [(t, {})], [(t, {}), (t, {})], 0)
     assert low.posted == [("send", 1), ("send", 1), ("recv", 1)]
     assert high.posted == [("recv", 0), ("recv", 0), ("send", 0)]
+
+
+def test_round_robin_steps_are_permutations():
+    # In every step each rank receives from exactly one rank, and it is the rank that
+    # sends to it: no rank's link is asked to take two messages in one step.
+    from lightning_par.collectives.round_robin import round_robin_schedule
+
+    for p in range(2, 9):
+        schedules = [round_robin_schedule(r, p) for r in range(p)]
+        for step in range(2 * (p - 1)):
+            sends = {r: schedules[r][step][0] for r in range(p)}
+            assert sorted(sends.values()) == list(range(p)), (p, step)
+            for r in range(p):
+                dst, sent_chunk, _, _ = schedules[r][step]
+                _, _, src, got_chunk = schedules[dst][step]
+                assert src == r and got_chunk == sent_chunk, (p, step, r)
+
+
+def test_every_algorithm_is_described_and_registered_as_a_strategy():
+    from lightning_par.collectives import ALGORITHMS, DESCRIPTIONS
+    from lightning_par.strategies import plugin_names
+
+    assert set(DESCRIPTIONS) == set(ALGORITHMS)
+    assert {f"{name}_allreduce" for name in ALGORITHMS} <= set(plugin_names())

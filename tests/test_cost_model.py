@@ -114,3 +114,22 @@ def test_measured_traffic_equals_the_model_with_default_options():
             assert nbytes == cost.bytes_sent[rank], name
             assert messages == cost.messages_sent[rank], name
             assert steps <= cost.steps, name
+
+
+def test_round_robin_sends_the_rings_volume_when_p_divides_n():
+    for p in (2, 3, 4, 5, 8):
+        rr, ring = predict("round_robin", 840, p), predict("ring", 840, p, segment_bytes=None)
+        assert rr.bytes_sent == ring.bytes_sent and rr.messages_sent == ring.messages_sent
+        assert rr.steps == ring.steps == 2 * (p - 1)
+
+
+def test_round_robin_uneven_chunks_are_counted_exactly():
+    # n = 10, p = 4: chunks 3, 3, 2, 2. Rank r sends the 3 other chunks to their owners,
+    # then its own chunk to the 3 other ranks: 10 - c_r + 3 c_r elements.
+    cost = predict("round_robin", 10, 4, element_size=1)
+    assert cost.bytes_sent == (16, 16, 14, 14)
+    # 2 elements on 4 ranks: chunks 1, 1, 0, 0. Owners of empty chunks receive and send
+    # nothing for them; ranks 0 and 1 each send one element to the other and broadcast.
+    tiny = predict("round_robin", 2, 4, element_size=1)
+    assert tiny.messages_sent == (1 + 3, 1 + 3, 2, 2)
+    assert tiny.bytes_sent == (4, 4, 2, 2)

@@ -7,6 +7,7 @@ Each function sums a tensor in place across the ranks of a process group, like
 * :func:`ring_allreduce` - reduce-scatter + all-gather, bandwidth-optimal;
 * :func:`tree_allreduce` - reduce up a binary tree, broadcast down;
 * :func:`butterfly_allreduce` - recursive doubling, fewest steps;
+* :func:`round_robin_allreduce` - every rank in turn reduces one chunk (a master per chunk);
 * :func:`all_to_all_allreduce`, :func:`master_worker_allreduce` - teaching baselines.
 
 :mod:`~lightning_par.collectives.cost_model` predicts their bytes, messages and time.
@@ -22,6 +23,7 @@ from lightning_par.collectives.baselines import all_to_all_allreduce, master_wor
 from lightning_par.collectives.butterfly import butterfly_allreduce
 from lightning_par.collectives.cost_model import Cost, fit_alpha_beta, predict
 from lightning_par.collectives.ring import ring_allreduce
+from lightning_par.collectives.round_robin import round_robin_allreduce
 from lightning_par.collectives.tree import tree_allreduce, tree_broadcast
 
 #: Algorithm name -> collective; the names used by strategies, benchmarks and the cost model.
@@ -31,6 +33,7 @@ ALGORITHMS: dict[str, Callable[..., torch.Tensor]] = {
     "butterfly": butterfly_allreduce,
     "all_to_all": all_to_all_allreduce,
     "master_worker": master_worker_allreduce,
+    "round_robin": round_robin_allreduce,
 }
 
 #: Algorithm name -> one line for listings (the strategy registry, the CLI, the check).
@@ -40,6 +43,7 @@ DESCRIPTIONS: dict[str, str] = {
     "butterfly": "Butterfly allreduce (recursive doubling)",
     "all_to_all": "All-to-all allreduce (teaching baseline)",
     "master_worker": "Master-worker allreduce (teaching baseline)",
+    "round_robin": "Round-robin allreduce (each rank in turn reduces its own chunk)",
 }
 
 
@@ -64,6 +68,7 @@ __all__ = [
     "master_worker_allreduce",
     "predict",
     "ring_allreduce",
+    "round_robin_allreduce",
     "tree_allreduce",
     "tree_broadcast",
 ]

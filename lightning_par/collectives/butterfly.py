@@ -24,6 +24,7 @@ from lightning_par.collectives._common import (
     finish,
     ordered_exchange,
     prepare,
+    scratch,
 )
 from lightning_par.comm import CommTrace, Communicator, wait_all
 
@@ -56,7 +57,9 @@ def butterfly_allreduce(
         comm.send(flat, rank - q, step=0, tag="fold-in")
         comm.recv(flat, rank - q, step=first + rounds, tag="fold-out")
         return finish(tensor, flat)
-    incoming = torch.empty_like(flat)
+    # Reused between calls: a fresh buffer costs a page fault per 4 KiB on first touch;
+    # receiving 64 MB into a fresh one took ~18 ms more than into a reused one (2-core box).
+    incoming = scratch(tuple(flat.shape), flat.dtype, flat.device)
     if rank < extra:
         comm.recv(incoming, rank + q, step=0, tag="fold-in")
         flat.add_(incoming)

@@ -13,6 +13,7 @@ tree               ``n * (children + (r != 0))``        ``2D(alpha + k n b)``
 butterfly (p=2^k)  ``n log2 p``                         ``log2 p (alpha + n b)``
 all-to-all         ``(p-1) n``                          ``alpha + (p-1) n b``
 master-worker      ``(p-1) n`` at rank 0, ``n`` else    ``2(alpha + (p-1) n b)``
+round-robin        ``n - c[r] + (p-1) c[r]``            ``2(p-1)(alpha + c_max b)``
 =================  ===================================  ==========================
 
 with ``c[i]`` the ring's chunk sizes (``n // p`` or one more, see
@@ -20,7 +21,9 @@ with ``c[i]`` the ring's chunk sizes (``n // p`` or one more, see
 ``D = floor(log2 p)`` the tree depth and ``k`` the number of children of a tree node
 (2 once ``p > 2``). So the ring sends ``2(p-1)/p * n`` elements per rank when ``p``
 divides ``n``; butterfly with ``p`` not a power of two adds a fold-in and a fold-out
-step of ``n`` elements for the folded pairs.
+step of ``n`` elements for the folded pairs. Round-robin sends the ring's volume in the
+ring's number of steps (one port per rank, one message per step), but each message goes
+straight to the chunk's owner instead of along the ring.
 """
 
 from __future__ import annotations
@@ -169,12 +172,38 @@ def master_worker_cost(numel: int, world_size: int, element_size: int = 4) -> Co
     )
 
 
+def round_robin_cost(numel: int, world_size: int, element_size: int = 4) -> Cost:
+    p = world_size
+    if p == 1 or numel == 0:
+        return _zero("round_robin", numel, p, element_size)
+    sizes = chunk_sizes(numel, p)
+    elems, messages = [], []
+    for rank in range(p):
+        # Every other chunk to its owner, then the own (reduced) chunk to every other rank.
+        elems.append(numel - sizes[rank] + (p - 1) * sizes[rank])
+        others = sum(1 for j in range(p) if j != rank and sizes[j] > 0)
+        messages.append(others + (p - 1 if sizes[rank] > 0 else 0))
+    steps = 2 * (p - 1)
+    return Cost(
+        "round_robin",
+        p,
+        numel,
+        element_size,
+        tuple(e * element_size for e in elems),
+        tuple(messages),
+        steps,
+        float(steps),
+        float(steps * max(sizes) * element_size),
+    )
+
+
 COST_MODELS = {
     "ring": ring_cost,
     "tree": tree_cost,
     "butterfly": butterfly_cost,
     "all_to_all": all_to_all_cost,
     "master_worker": master_worker_cost,
+    "round_robin": round_robin_cost,
 }
 
 
@@ -220,5 +249,6 @@ __all__ = [
     "master_worker_cost",
     "predict",
     "ring_cost",
+    "round_robin_cost",
     "tree_cost",
 ]

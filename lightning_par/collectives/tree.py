@@ -21,6 +21,7 @@ from lightning_par.collectives._common import (
     depth_in_heap,
     finish,
     prepare,
+    scratch,
 )
 from lightning_par.comm import CommTrace, Communicator, wait_all
 
@@ -45,7 +46,8 @@ def tree_reduce(
     v = (comm.rank - root) % p
     depth = tree_depth(p)
     children = tree_children(v, p)
-    buffers = [torch.empty_like(flat) for _ in children]
+    # One reused buffer per child (see butterfly.py: fresh ones cost page faults).
+    buffers = scratch((len(children), flat.numel()), flat.dtype, flat.device)
     handles = [
         comm.irecv(buf, (c + root) % p, step=step_offset + depth - depth_in_heap(c), tag="reduce")
         for c, buf in zip(children, buffers)
