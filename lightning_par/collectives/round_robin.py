@@ -36,7 +36,6 @@ import torch
 import torch.distributed as dist
 
 from lightning_par.collectives._common import (
-    chunk_offsets,
     chunk_sizes,
     finish,
     ordered_exchange,
@@ -44,6 +43,7 @@ from lightning_par.collectives._common import (
     scratch,
 )
 from lightning_par.comm import CommTrace, Communicator, Handle, wait_all
+from lightning_par.split import offsets as split_offsets
 
 
 def round_robin_schedule(rank: int, world_size: int) -> list[tuple[int, int, int, int]]:
@@ -92,7 +92,7 @@ def round_robin_allreduce(
         return tensor
     p, rank = comm.world_size, comm.rank
     sizes = chunk_sizes(flat.numel(), p)
-    offsets = chunk_offsets(sizes)
+    offsets = split_offsets(sizes)
 
     def chunk(i: int) -> torch.Tensor:
         return flat[offsets[i] : offsets[i] + sizes[i]]
