@@ -59,6 +59,16 @@ def strategy_specs() -> list[StrategySpec]:
     )
     specs.append(
         StrategySpec(
+            "local_sgd",
+            "local_sgd",
+            "LocalSGDStrategy",
+            "Local SGD: each rank steps alone, parameters ring-averaged every 4 steps",
+            "data parallel",
+            {"period": 4, "algorithm": "ring"},
+        )  # fmt: skip
+    )
+    specs.append(
+        StrategySpec(
             "lightning_ddp",
             "reference",
             "LightningDDPStrategy",
