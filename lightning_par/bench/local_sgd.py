@@ -74,14 +74,15 @@ def _rank(rank: int, world_size: int, runs: list[tuple[float, str]], args) -> li
         data = CIFAR10DataModule(source="cifar10-mini", batch_size=args.batch_size)
         clock, strategy = TrainClock(), CONTENDERS[name]()
         straggler = Straggler(rank=1, slowdown=slowdown)
-        _trainer(strategy, args, [straggler, clock], max_epochs=args.epochs).fit(
-            model, datamodule=data
-        )
+        _trainer(
+            strategy, args, [straggler, clock], max_epochs=args.epochs,
+            limit_train_batches=args.limit_batches,
+        ).fit(model, datamodule=data)  # fmt: skip
         train_s = time.perf_counter() - clock.start
         trace = strategy.trace
         comm_s = sum(e.end - e.start for e in trace.events if e.name in COMM_SPANS)
         sent = trace.bytes_sent
-        tester = _trainer(CONTENDERS[name](), args, [])
+        tester = _trainer(CONTENDERS[name](), args, [], limit_test_batches=args.limit_batches)
         (metrics,) = tester.test(model, datamodule=data, verbose=False)
         rows.append({
             "strategy": name, "slowdown": slowdown, "train_s": train_s, "images": clock.images,
@@ -147,6 +148,9 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--batch-size", type=int, default=32, help="per rank")
     parser.add_argument("--lr", type=float, default=0.1)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--limit-batches", type=int, default=None, help="train/test batches per epoch (smoke test)"
+    )
     parser.add_argument("--timeout", type=float, default=1200, help="seconds for the run")
     parser.add_argument("--json", action="store_true", help="print one JSON document")
     args = parser.parse_args(argv)
