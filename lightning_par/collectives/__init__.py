@@ -10,6 +10,8 @@ Each function sums a tensor in place across the ranks of a process group, like
 * :func:`round_robin_allreduce` - every rank in turn reduces one chunk (a master per chunk);
 * :func:`all_to_all_allreduce`, :func:`master_worker_allreduce` - teaching baselines.
 
+:func:`average_parameters` averages a model's weights with any of them (local SGD).
+
 :mod:`~lightning_par.collectives.cost_model` predicts their bytes, messages and time.
 """
 
@@ -19,6 +21,7 @@ from collections.abc import Callable
 
 import torch
 
+from lightning_par.collectives.averaging import average_parameters, broadcast_parameters
 from lightning_par.collectives.baselines import all_to_all_allreduce, master_worker_allreduce
 from lightning_par.collectives.butterfly import butterfly_allreduce
 from lightning_par.collectives.cost_model import Cost, fit_alpha_beta, predict
@@ -62,6 +65,8 @@ __all__ = [
     "DESCRIPTIONS",
     "Cost",
     "all_to_all_allreduce",
+    "average_parameters",
+    "broadcast_parameters",
     "butterfly_allreduce",
     "fit_alpha_beta",
     "get_allreduce",

@@ -33,11 +33,36 @@ class StrategySpec:
         return self.load()(**{**self.options, **overrides})
 
 
+#: Every strategy besides the allreduce rows, plugins first, the reference last.
+OTHER_STRATEGIES = [
+    StrategySpec(
+        "gpipe", "gpipe", "GPipeStrategy",
+        "GPipe pipeline: one stage per device, micro-batches", "pipeline",
+    ),
+    StrategySpec(
+        "layerwise", "layerwise", "LayerwiseStrategy",
+        "Layer-wise model parallelism: consecutive layers per device, RNN wavefront",
+        "model parallel",
+    ),
+    StrategySpec(
+        "local_sgd", "local_sgd", "LocalSGDStrategy",
+        "Local SGD: each rank steps alone, parameters ring-averaged every 4 steps",
+        "data parallel", {"period": 4, "algorithm": "ring"},
+    ),
+    StrategySpec(
+        "lightning_ddp", "reference", "LightningDDPStrategy",
+        "Lightning's DDP (torch DistributedDataParallel) under lightning_par's launch "
+        "policy: the reference the plugins are compared with", "reference",
+    ),
+]  # fmt: skip
+
+
 def strategy_specs() -> list[StrategySpec]:
-    """Every strategy lightning_par registers, plugins first, the reference last."""
+    """Every strategy lightning_par registers: one allreduce row per collective, then
+    :data:`OTHER_STRATEGIES`."""
     from lightning_par.collectives import ALGORITHMS, DESCRIPTIONS
 
-    specs = [
+    allreduce = [
         StrategySpec(
             f"{name}_allreduce",
             "allreduce",
@@ -48,35 +73,7 @@ def strategy_specs() -> list[StrategySpec]:
         )  # fmt: skip
         for name in ALGORITHMS
     ]
-    specs.append(
-        StrategySpec(
-            "gpipe",
-            "gpipe",
-            "GPipeStrategy",
-            "GPipe pipeline: one stage per device, micro-batches",
-            "pipeline",
-        )  # fmt: skip
-    )
-    specs.append(
-        StrategySpec(
-            "layerwise",
-            "layerwise",
-            "LayerwiseStrategy",
-            "layer-wise model parallelism: consecutive layers per device, RNN wavefront",
-            "model parallel",
-        )  # fmt: skip
-    )
-    specs.append(
-        StrategySpec(
-            "lightning_ddp",
-            "reference",
-            "LightningDDPStrategy",
-            "Lightning's DDP (torch DistributedDataParallel) under lightning_par's launch "
-            "policy: the reference the plugins are compared with",
-            "reference",
-        )  # fmt: skip
-    )
-    return specs
+    return allreduce + OTHER_STRATEGIES
 
 
 def plugin_names() -> list[str]:
