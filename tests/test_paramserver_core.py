@@ -106,7 +106,9 @@ def ps_rank(rank: int, world: int, num_workers: int, kind: str):
         opt.zero_grad()
     client.close()
     nbytes = sum(p.numel() * p.element_size() for p in model.parameters())
-    return torch.cat([p.detach().flatten() for p in model.parameters()]), nbytes, client.plan
+    # numpy, not a tensor: a tensor would travel as shared memory freed when the rank exits
+    weights = torch.cat([p.detach().flatten() for p in model.parameters()]).numpy()
+    return weights, nbytes, client.plan
 
 
 @pytest.mark.parametrize(
@@ -116,7 +118,7 @@ def test_weights_equal_one_process_and_bytes_equal_cost_model(workers, servers, 
     out = run_on_ranks(ps_rank, workers + servers, workers, kind, timeout=60)
     expected = one_process(workers, kind)
     for weights, _, _ in out[:workers]:
-        torch.testing.assert_close(weights, expected, atol=2e-6, rtol=1e-5)
+        torch.testing.assert_close(torch.from_numpy(weights), expected, atol=2e-6, rtol=1e-5)
     _, n, plan = out[0]
     shard_bytes = plan.server_bytes()
     assert sum(shard_bytes) == n
