@@ -59,6 +59,15 @@ def strategy_specs() -> list[StrategySpec]:
     )
     specs.append(
         StrategySpec(
+            "parameter_server",
+            "parameter_server",
+            "ParameterServerStrategy",
+            "synchronous sharded parameter servers: per-layer push and pull",
+            "data parallel",
+        )  # fmt: skip
+    )
+    specs.append(
+        StrategySpec(
             "lightning_ddp",
             "reference",
             "LightningDDPStrategy",
