@@ -2,8 +2,10 @@
 
 Ranks: workers are ``0 .. W-1`` and servers ``W .. W+S-1`` of one process group. Every
 exchange starts with a **header** from each worker to each server, a float64 tensor
-``[command, step, lr of group 0, lr of group 1, ...]`` (float64 so a scheduler's learning
-rate arrives exactly). Then, by command:
+``[command, step, hyperparameters of group 0, of group 1, ...]``: every number in each
+param group (``lr``, ``momentum``, ``betas``, ``weight_decay``, ...), so what a scheduler
+changes on the workers (OneCycle's learning rate and momentum) reaches the servers, in
+float64 so it arrives exactly. Then, by command:
 
 * ``STEP``: per gradient bucket, one **push** (tag ``push``: the worker's gradient slices
   for that server followed by one "has a gradient" flag per slice) and one **pull** (tag
@@ -45,8 +47,44 @@ class ServerSpec:
     plan: ShardPlan
     optimizer_cls: type
     groups: list[dict[str, Any]]  # each param group's hyperparameters (no "params")
+    schemas: list[Schema]  # the numbers of each group that travel in every header
     group_of: list[int]  # the param group of each parameter
     opt_index: list[int]  # each parameter's index in the worker optimiser's state_dict
+
+
+Schema = list[tuple[str, int | None]]  # (key, index in a tuple value or None) per number
+
+
+def hyper_schema(group: dict[str, Any]) -> Schema:
+    """Where the numbers of a param group are (keys in sorted order)."""
+    schema: Schema = []
+    for key, value in sorted(group.items()):
+        if key == "params" or isinstance(value, bool):
+            continue
+        if isinstance(value, (int, float)):
+            schema.append((key, None))
+        elif isinstance(value, tuple) and all(
+            isinstance(v, (int, float)) and not isinstance(v, bool) for v in value
+        ):
+            schema += [(key, i) for i in range(len(value))]
+    return schema
+
+
+def hyper_values(groups: list[dict[str, Any]], schemas: list[Schema]) -> list[float]:
+    return [
+        float(g[k] if i is None else g[k][i]) for g, schema in zip(groups, schemas)
+        for k, i in schema
+    ]  # fmt: skip
+
+
+def set_hyper(group: dict[str, Any], schema: Schema, values: list[float]) -> None:
+    for (key, i), value in zip(schema, values):
+        if i is None:
+            group[key] = type(group[key])(value)
+        else:
+            items = list(group[key])
+            items[i] = type(items[i])(value)
+            group[key] = tuple(items)
 
 
 def server_rank(num_workers: int, server: int) -> int:
@@ -54,18 +92,18 @@ def server_rank(num_workers: int, server: int) -> int:
 
 
 def send_header(
-    comm: Communicator, servers: list[int], command: int, step: int = 0, lrs: list[float] = ()
+    comm: Communicator, servers: list[int], command: int, step: int = 0, hyper: list[float] = ()
 ) -> None:
-    header = torch.tensor([float(command), float(step), *lrs], dtype=torch.float64)
+    header = torch.tensor([float(command), float(step), *hyper], dtype=torch.float64)
     handles = [comm.isend(header, s, tag="control") for s in servers]
     for h in handles:
         h.wait()
 
 
-def recv_headers(comm: Communicator, num_workers: int, num_groups: int) -> list[torch.Tensor]:
+def recv_headers(comm: Communicator, num_workers: int, num_values: int) -> list[torch.Tensor]:
     """One header from every worker (waits up to :data:`IDLE_TIMEOUT`: a server is idle
     between steps). The workers must agree on the command."""
-    headers = [torch.zeros(2 + num_groups, dtype=torch.float64) for _ in range(num_workers)]
+    headers = [torch.zeros(2 + num_values, dtype=torch.float64) for _ in range(num_workers)]
     handles = [comm.irecv(h, w, tag="control") for w, h in enumerate(headers)]
     for h in handles:
         h.wait(IDLE_TIMEOUT)

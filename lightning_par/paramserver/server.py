@@ -34,6 +34,7 @@ from lightning_par.paramserver.messages import (
     recv_headers,
     recv_object,
     send_object,
+    set_hyper,
 )
 
 Key = tuple[int, int, int]  # (parameter, start, stop) of one slice
@@ -65,11 +66,16 @@ class ShardOptimizer:
         self._group_index = [g for g, ps in enumerate(groups) if ps]
         self.optimizer = spec.optimizer_cls(param_groups) if param_groups else None
 
-    def set_lrs(self, lrs: list[float]) -> None:
-        """Learning rates from the workers (their schedulers run there)."""
-        if self.optimizer is not None:
-            for group, g in zip(self.optimizer.param_groups, self._group_index):
-                group["lr"] = lrs[g]
+    def set_hyper(self, values: list[float]) -> None:
+        """Hyperparameters from the workers (their schedulers run there)."""
+        if self.optimizer is None:
+            return
+        per_group, offset = [], 0
+        for schema in self.spec.schemas:
+            per_group.append(values[offset : offset + len(schema)])
+            offset += len(schema)
+        for group, g in zip(self.optimizer.param_groups, self._group_index):
+            set_hyper(group, self.spec.schemas[g], per_group[g])
 
     def apply(self, bucket: int, grad: torch.Tensor, used: torch.Tensor) -> None:
         """One optimiser step on ``bucket``'s slices with the flat gradient ``grad``;
@@ -158,12 +164,12 @@ def serve(comm: Communicator, server: int, rule: StepRule = synchronous_step) ->
         wait_all([comm.isend(shard.flat[b], w, chunk=b, tag="init")
                   for b in shard.active for w in range(workers)])  # fmt: skip
         while True:
-            header = recv_headers(comm, workers, len(spec.groups))[0]
+            header = recv_headers(comm, workers, sum(len(x) for x in spec.schemas))[0]
             command, step = int(header[0]), int(header[1])
             if command == STOP:
                 return
             if command == STEP:
-                shard.set_lrs(header[2:].tolist())
+                shard.set_hyper(header[2:].tolist())
                 rule(comm, shard, step)
             elif command == GET_STATE:
                 send_object(comm, shard.state_slices(), 0)

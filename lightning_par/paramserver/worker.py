@@ -25,6 +25,8 @@ from lightning_par.paramserver.messages import (
     STEP,
     STOP,
     ServerSpec,
+    hyper_schema,
+    hyper_values,
     recv_object,
     send_header,
     send_object,
@@ -133,6 +135,7 @@ class ParameterClient:
             for per_server in self.layout
         ]
         self.pending: dict[int, list[tuple[int, Handle]]] = {}
+        self.schemas = [hyper_schema(g) for g in optimizer.param_groups]
         self.step = 0
         if self.rank == 0:
             spec = self._spec(members, plan)
@@ -180,13 +183,15 @@ class ParameterClient:
             plan=plan,
             optimizer_cls=type(self.optimizer),
             groups=groups,
+            schemas=self.schemas,
             group_of=[where[id(p)][0] for p in self.params],
             opt_index=[order.index(id(p)) for p in self.params],
         )
 
     # ---- one step -------------------------------------------------------------------------
     def lrs(self) -> list[float]:
-        return [float(g["lr"]) for g in self.optimizer.param_groups]
+        """The numbers of every param group, as they are now (a scheduler may change them)."""
+        return hyper_values(self.optimizer.param_groups, self.schemas)
 
     def _push(self, bucket: Bucket) -> None:
         """Runs on the communication thread as soon as ``bucket`` is full."""
