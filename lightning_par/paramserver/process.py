@@ -75,8 +75,11 @@ def start_servers(
     daemonic = not mp.current_process().daemon  # a daemon may not start daemons
     procs = []
     for s in range(num_servers):
-        args = (s, num_workers, num_servers, address, port, timeout.total_seconds(),
-                plan.threads_per_rank or 1, os.getpid())  # fmt: skip
+        # One intra-op thread: worker 0 may itself be a fork of a process whose OpenMP pool
+        # had started, and libgomp hangs a grandchild's first multi-threaded region (seen
+        # with Adam on a server); a server's element-wise update needs no more.
+        args = (s, num_workers, num_servers, address, port, timeout.total_seconds(), 1,
+                os.getpid())  # fmt: skip
         proc = ctx.Process(target=server_main, args=args, daemon=daemonic, name=f"ps-server-{s}")
         proc.start()
         procs.append(proc)

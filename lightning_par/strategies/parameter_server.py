@@ -281,7 +281,7 @@ class ParameterServerStrategy(ParStrategy):
         self._failed = True  # no goodbye protocol: peers may be mid-step or gone
 
     def teardown(self) -> None:
-        trainer = self.lightning_module.trainer if self.lightning_module is not None else None
+        trainer = getattr(self.lightning_module, "_trainer", None)  # None once detached
         interrupted = trainer is not None and trainer.state.status == TrainerStatus.INTERRUPTED
         clean = not (interrupted or self._failed) and dist.is_initialized()
         if self.client is not None:
