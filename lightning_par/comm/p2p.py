@@ -13,6 +13,7 @@ All plugins (allreduce collectives, pipeline stages, parameter servers) talk thr
 from __future__ import annotations
 
 from collections.abc import Sequence
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
@@ -45,13 +46,18 @@ class Handle:
         self._start, self._step, self._chunk, self._tag = start, step, chunk, tag
         self._done = False
 
-    def wait(self) -> torch.Tensor:
+    def wait(self, timeout: timedelta | None = None) -> torch.Tensor:
+        """Complete the message; ``timeout`` overrides the process group's (e.g. a server
+        idle between steps waits longer than any message within a step may take)."""
         if self._done:
             return self._tensor
         self._done = True
         if self._work is not None:
             try:
-                self._work.wait()
+                if timeout is None:
+                    self._work.wait()
+                else:
+                    self._work.wait(timeout)
             except RuntimeError as err:  # gloo/NCCL say "connection closed", "timed out", ...
                 raise CommError(
                     f"rank {self._comm.rank}: {self.op} "

@@ -45,6 +45,10 @@ OTHER_STRATEGIES = [
         "model parallel",
     ),
     StrategySpec(
+        "parameter_server", "parameter_server", "ParameterServerStrategy",
+        "Synchronous sharded parameter servers: per-layer push and pull", "data parallel",
+    ),
+    StrategySpec(
         "local_sgd", "local_sgd", "LocalSGDStrategy",
         "Local SGD: each rank steps alone, parameters ring-averaged every 4 steps",
         "data parallel", {"period": 4, "algorithm": "ring"},

@@ -1,0 +1,181 @@
+"""The server side: a shard of the parameters, the user's optimiser over it, the serve loop.
+
+Two parts, kept apart so that asynchronous SGD can reuse the first:
+
+* :class:`ShardOptimizer` is the **update rule's state**: this server's slices of the
+  parameters (one flat tensor per gradient bucket, so a pull is one message) and an
+  instance of the user's optimiser class with the user's param-group hyperparameters over
+  them. :meth:`ShardOptimizer.apply` applies one gradient to one bucket's slices.
+* :func:`synchronous_step` is the **synchronous rule**: for each bucket, in the order
+  backward produces them, wait for the pushes of all ``W`` workers, sum them, divide by
+  ``W``, apply, and send the new slices to every worker (the talk's per-layer scheme,
+  course material 002). An asynchronous rule would call :meth:`~ShardOptimizer.apply`
+  for each push as it arrives instead.
+
+:func:`serve` is the loop a server process runs until the workers say stop.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import nn
+
+from lightning_par.comm import CommError, Communicator, wait_all
+from lightning_par.paramserver.messages import (
+    GET_STATE,
+    IDLE_TIMEOUT,
+    SET_STATE,
+    STEP,
+    STOP,
+    ServerSpec,
+    recv_headers,
+    recv_object,
+    send_object,
+    set_hyper,
+)
+
+Key = tuple[int, int, int]  # (parameter, start, stop) of one slice
+
+
+class ShardOptimizer:
+    """This server's slices of the parameters and the user's optimiser over them."""
+
+    def __init__(self, spec: ServerSpec, server: int) -> None:
+        self.spec, self.server = spec, server
+        self.layout = [spec.plan.message(b, server) for b in spec.buckets]
+        self.active = [b for b, pieces in enumerate(self.layout) if pieces]
+        self.flat = [torch.zeros(sum(p.numel for p in m), dtype=spec.dtype) for m in self.layout]
+        self.params: list[list[nn.Parameter]] = []
+        self.keys: dict[int, Key] = {}  # id(slice parameter) -> its key
+        groups: list[list[nn.Parameter]] = [[] for _ in spec.groups]
+        for b, pieces in enumerate(self.layout):
+            views, offset = [], 0
+            for piece in pieces:
+                # A Parameter made from a view shares its storage: the optimiser's in-place
+                # update lands in self.flat[b], which is what the pull sends.
+                view = nn.Parameter(self.flat[b][offset : offset + piece.numel])
+                offset += piece.numel
+                views.append(view)
+                groups[spec.group_of[piece.param]].append(view)
+                self.keys[id(view)] = (piece.param, piece.start, piece.stop)
+            self.params.append(views)
+        param_groups = [{**hyper, "params": ps} for hyper, ps in zip(spec.groups, groups) if ps]
+        self._group_index = [g for g, ps in enumerate(groups) if ps]
+        self.optimizer = spec.optimizer_cls(param_groups) if param_groups else None
+
+    def set_hyper(self, values: list[float]) -> None:
+        """Hyperparameters from the workers (their schedulers run there)."""
+        if self.optimizer is None:
+            return
+        per_group, offset = [], 0
+        for schema in self.spec.schemas:
+            per_group.append(values[offset : offset + len(schema)])
+            offset += len(schema)
+        for group, g in zip(self.optimizer.param_groups, self._group_index):
+            set_hyper(group, self.spec.schemas[g], per_group[g])
+
+    def apply(self, bucket: int, grad: torch.Tensor, used: torch.Tensor) -> None:
+        """One optimiser step on ``bucket``'s slices with the flat gradient ``grad``;
+        slices whose ``used`` is False keep ``grad=None`` (skipped, as in one process)."""
+        offset = 0
+        for view, flag in zip(self.params[bucket], used.tolist()):
+            view.grad = grad[offset : offset + view.numel()] if flag else None
+            offset += view.numel()
+        assert self.optimizer is not None
+        self.optimizer.step()  # slices of other buckets have grad None: untouched
+        for view in self.params[bucket]:
+            view.grad = None
+
+    def state_slices(self) -> dict[Key, dict[str, Any]]:
+        """The optimiser state of every slice (for a checkpoint)."""
+        if self.optimizer is None:
+            return {}
+        state = self.optimizer.state
+        return {self.keys[id(v)]: dict(state[v]) for ps in self.params for v in ps if v in state}
+
+    def load_full(self, full: dict[str, Any]) -> None:
+        """Take this server's slices out of a worker optimiser's full ``state_dict``."""
+        if self.optimizer is None:
+            return
+        for group, g in zip(self.optimizer.param_groups, self._group_index):
+            hyper = {k: v for k, v in full["param_groups"][g].items() if k != "params"}
+            group.update(hyper)
+        for views in self.params:
+            for view in views:
+                param, start, stop = self.keys[id(view)]
+                saved = full["state"].get(self.spec.opt_index[param])
+                if saved is None:
+                    continue
+                self.optimizer.state[view] = {
+                    k: (v.detach().cpu().flatten()[start:stop].clone() if _sliced(v) else _copy(v))
+                    for k, v in saved.items()
+                }
+
+
+def _sliced(value: Any) -> bool:
+    return isinstance(value, torch.Tensor) and value.dim() >= 1
+
+
+def _copy(value: Any) -> Any:
+    return value.detach().cpu().clone() if isinstance(value, torch.Tensor) else value
+
+
+def synchronous_step(comm: Communicator, shard: ShardOptimizer, step: int) -> None:
+    """Wait for every worker's push of a bucket, average, apply, send the slices back."""
+    workers = shard.spec.num_workers
+    pushes = {
+        b: [torch.empty(shard.flat[b].numel() + len(shard.layout[b]), dtype=shard.spec.dtype)
+            for _ in range(workers)]
+        for b in shard.active
+    }  # fmt: skip
+    recvs = {
+        b: [comm.irecv(buf, w, step=step, chunk=b, tag="push") for w, buf in enumerate(bufs)]
+        for b, bufs in pushes.items()
+    }
+    sends = []
+    for b in shard.active:
+        total = recvs[b][0].wait().clone()
+        for handle in recvs[b][1:]:
+            total += handle.wait()  # worker order: the same sum every run
+        n = shard.flat[b].numel()
+        shard.apply(b, total[:n].div_(workers), total[n:] > 0)
+        sends += [comm.isend(shard.flat[b], w, step=step, chunk=b, tag="pull")
+                  for w in range(workers)]  # fmt: skip
+    wait_all(sends)
+
+
+StepRule = Callable[[Communicator, ShardOptimizer, int], None]
+
+
+def serve(comm: Communicator, server: int, rule: StepRule = synchronous_step) -> None:
+    """Run server ``server`` (group rank ``W + server``) until the workers send ``STOP``."""
+    role = f"parameter server {server} (rank {comm.rank})"
+    try:
+        spec: ServerSpec | None = recv_object(comm, 0, IDLE_TIMEOUT)
+        if spec is None:  # nothing to train (validate/test/predict)
+            return
+        workers = spec.num_workers
+        shard = ShardOptimizer(spec, server)
+        for b in shard.active:  # worker 0's initial weights, then to every worker
+            comm.recv(shard.flat[b], 0, chunk=b, tag="init")
+        wait_all([comm.isend(shard.flat[b], w, chunk=b, tag="init")
+                  for b in shard.active for w in range(workers)])  # fmt: skip
+        while True:
+            header = recv_headers(comm, workers, sum(len(x) for x in spec.schemas))[0]
+            command, step = int(header[0]), int(header[1])
+            if command == STOP:
+                return
+            if command == STEP:
+                shard.set_hyper(header[2:].tolist())
+                rule(comm, shard, step)
+            elif command == GET_STATE:
+                send_object(comm, shard.state_slices(), 0)
+            elif command == SET_STATE:
+                shard.load_full(recv_object(comm, 0))
+            else:
+                raise RuntimeError(f"unknown command {command}")
+    except CommError as err:
+        raise CommError(f"{role}: {err} (ranks 0..W-1 are the workers, W.. the servers)") from err

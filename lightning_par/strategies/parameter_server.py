@@ -1,0 +1,297 @@
+"""Synchronous sharded parameter server as a Lightning strategy.
+
+Workers are Lightning's training processes (``devices`` x ``num_nodes``); ``num_servers``
+extra processes, started by worker 0 (:mod:`lightning_par.paramserver.process`), hold the
+parameters and the optimiser state and apply the updates (course material 003: "store the
+model parameters outside of the workers"). The algorithm is in :mod:`lightning_par.paramserver`;
+this file plugs it into Lightning:
+
+* ``setup_distributed``: worker 0 starts the servers, then all ``W + S`` ranks join one gloo
+  process group; Lightning's ``barrier``/``broadcast``/``reduce``/``all_gather`` use a
+  group of the workers only. Under torchrun/SLURM nothing changes: launch ``W`` workers
+  as usual and worker 0 starts the servers next to itself.
+* ``setup``: a :class:`~lightning_par.paramserver.ParameterClient` over the model and the
+  user's optimiser (its class and param groups run on the servers);
+* the step: backward pushes each gradient bucket as it is filled, ``optimizer_step`` runs
+  the closure and the ``on_before_optimizer_step`` hooks but not ``optimizer.step``: the
+  servers step; the next forward waits per layer for the pulled weights;
+* checkpoints: the full model (every worker has it) and the full optimiser state gathered
+  from the servers, in the format of the user's optimiser, so they load without this
+  strategy; resuming sends the state back to the servers.
+
+Refused before training: manual optimisation, several optimisers, gradient clipping (the
+servers would need the global norm over all shards), precision other than 32-bit,
+optimisers that are not element-wise.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Generator, Mapping
+from contextlib import contextmanager
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+import torch.distributed as dist
+from lightning.fabric.utilities.seed import reset_seed
+from lightning.pytorch.trainer.states import TrainerFn, TrainerStatus
+from lightning.pytorch.utilities.exceptions import SIGTERMException
+from torchmetrics import Metric
+
+from lightning_par.comm import Event
+from lightning_par.paramserver.messages import send_object, server_rank
+from lightning_par.paramserver.process import start_servers, stop_servers
+from lightning_par.paramserver.worker import ParameterClient
+from lightning_par.strategies._base import ParStrategy
+from lightning_par.strategies._launchers import log_startup
+
+
+def _positive(name: str, value: Any, kind: type = float) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, float) if kind is float else int):
+        raise TypeError(
+            f"{name} must be {'a number' if kind is float else 'an int'}, got {value!r}"
+        )
+    if not value > 0:
+        raise ValueError(f"{name} must be > 0, got {value}")
+
+
+class ParameterServerStrategy(ParStrategy):
+    """Data parallelism through ``num_servers`` sharded, synchronous parameter servers.
+
+    Args:
+        num_servers: server processes ``S``; parameters are spread over them by bytes.
+        bucket_cap_mb: gradient bucket (push) size in MiB; small buckets push layer by layer.
+        split_mb: tensors larger than this (MiB) are split over all servers.
+        **kwargs: ``trace``, ``trace_dir``, ``start_method``, ``timeout`` (see
+            :class:`~lightning_par.strategies._base.ParStrategy`). The process group is
+            always gloo (servers run on CPU; CUDA tensors are staged through pinned memory).
+    """
+
+    strategy_name = "parameter_server"
+
+    def __init__(
+        self,
+        num_servers: int = 1,
+        bucket_cap_mb: float = 1.0,
+        split_mb: float = 1.0,
+        **kwargs: Any,
+    ) -> None:
+        _positive("num_servers", num_servers, int)
+        _positive("bucket_cap_mb", bucket_cap_mb)
+        _positive("split_mb", split_mb)
+        backend = kwargs.pop("process_group_backend", None)
+        if backend not in (None, "gloo"):
+            raise ValueError(
+                f"process_group_backend={backend!r}: the parameter server talks to CPU servers "
+                "over gloo (CUDA workers stage through pinned memory); leave it unset"
+            )
+        super().__init__(process_group_backend="gloo", **kwargs)
+        self.num_servers, self.bucket_cap_mb, self.split_mb = num_servers, bucket_cap_mb, split_mb
+        self.client: ParameterClient | None = None
+        self.worker_group: Any = None
+        self._servers: list = []
+        self._failed = False
+        self._backward_start = 0.0
+
+    # ---- refusing what we cannot do exactly ---------------------------------------------------
+    def check_before_launch(self, trainer: pl.Trainer | None) -> None:
+        module = self.lightning_module
+        if module is not None and not module.automatic_optimization:
+            raise ValueError(
+                "parameter_server supports automatic optimisation only "
+                "(the servers step the optimiser); manual optimisation is refused"
+            )
+        if trainer is not None and trainer.gradient_clip_val:
+            raise ValueError(
+                "parameter_server cannot clip gradients: no process sees the whole averaged "
+                "gradient (each server holds a shard); remove gradient_clip_val"
+            )
+        precision = str(getattr(trainer, "precision", "32-true")) if trainer else "32-true"
+        if precision not in ("32-true", "32"):
+            raise ValueError(f"parameter_server runs 32-bit precision only, got {precision!r}")
+
+    # ---- processes -----------------------------------------------------------------------------
+    def setup_distributed(self) -> None:
+        reset_seed()
+        self.set_world_ranks()
+        if dist.is_initialized():
+            raise RuntimeError(
+                "parameter_server builds its own process group of workers and servers; it "
+                "cannot join one that exists. Start W workers (Trainer(devices=W), torchrun "
+                "--nproc-per-node W) without initialising torch.distributed first"
+            )
+        env = self.cluster_environment
+        assert env is not None
+        workers, address, port = self.world_size, env.main_address, env.main_port
+        if self.global_rank == 0:
+            self._servers = start_servers(workers, self.num_servers, address, port, self._timeout)
+        dist.init_process_group(
+            "gloo",
+            init_method=f"tcp://{address}:{port}",
+            rank=self.global_rank,
+            world_size=workers + self.num_servers,
+            timeout=self._timeout,
+        )
+        self.worker_group = dist.new_group(list(range(workers)))
+        log_startup(
+            f"{self.strategy_name} ({self.num_servers} server(s))",
+            workers,
+            self.launch_plan,
+            "gloo",
+        )
+
+    # ---- Lightning's collectives: workers only -------------------------------------------------
+    def barrier(self, *args: Any, **kwargs: Any) -> None:
+        if dist.is_initialized():
+            dist.barrier(group=self.worker_group)
+
+    def broadcast(self, obj: Any, src: int = 0) -> Any:
+        if not dist.is_initialized():
+            return obj
+        box = [obj]
+        dist.broadcast_object_list(box, src, group=self.worker_group)
+        return box[0]
+
+    def reduce(self, tensor: Any, group: Any | None = None, reduce_op: Any | None = "mean") -> Any:
+        return super().reduce(tensor, group=group or self.worker_group, reduce_op=reduce_op)
+
+    def all_gather(self, tensor: torch.Tensor, group: Any | None = None, sync_grads: bool = False):
+        return super().all_gather(tensor, group=group or self.worker_group, sync_grads=sync_grads)
+
+    def sync_model_states(self) -> None:
+        assert self.model is not None
+        for sub in self.model.modules():  # torchmetrics sync on the default group otherwise
+            if isinstance(sub, Metric):
+                sub.process_group = self.worker_group
+        with torch.no_grad():
+            for tensor in [*self.model.parameters(), *self.model.buffers()]:
+                dist.broadcast(tensor.data, 0, group=self.worker_group)
+
+    # ---- setting up the client -----------------------------------------------------------------
+    def setup(self, trainer: pl.Trainer) -> None:
+        self.check_before_launch(trainer)  # also under torchrun, where no launcher calls it
+        super().setup(trainer)
+        if trainer.state.fn != TrainerFn.FITTING:
+            return
+        # Lightning broadcasts a SIGTERM flag on the default group every step; servers are in
+        # that group but not in the loop, so the flag travels among the workers only.
+        trainer.fit_loop.epoch_loop._broadcast_sigterm_tensor = self._broadcast_sigterm
+        if len(self.optimizers) != 1:
+            raise ValueError(
+                f"parameter_server runs one optimiser; configure_optimizers "
+                f"returned {len(self.optimizers)}"
+            )
+        assert self.model is not None and self.comm is not None
+        self.client = ParameterClient(
+            self.model,
+            self.optimizers[0],
+            self.comm,
+            self.world_size,
+            self.num_servers,
+            bucket_cap_mb=self.bucket_cap_mb,
+            split_mb=self.split_mb,
+            trace=self.trace,
+        )
+
+    def _broadcast_sigterm(self) -> None:
+        trainer = self.lightning_module.trainer
+        flag = torch.tensor([int(bool(getattr(trainer, "received_sigterm", False)))])
+        dist.broadcast(flag, 0, group=self.worker_group)
+        if flag.item() == 1:
+            dist.barrier(group=self.worker_group)
+            raise SIGTERMException()
+
+    # ---- the step ------------------------------------------------------------------------------
+    @contextmanager
+    def block_backward_sync(self) -> Generator[None, None, None]:
+        """Gradient accumulation: no push on the accumulating micro-steps."""
+        if self.client is None:
+            yield
+            return
+        with self.client.buckets.no_sync():
+            yield
+
+    def pre_backward(self, closure_loss: torch.Tensor) -> None:
+        if self.client is not None:
+            self.client.settle()  # any layer the forward did not wait for (unused, reused)
+        if self.trace is not None:
+            self._backward_start = self.trace.now()
+
+    def post_backward(self, closure_loss: torch.Tensor) -> None:
+        if self.client is None or not self.client.buckets.enabled:
+            return
+        if self.trace is None:
+            self.client.finish_backward()
+            return
+        self.trace.events.append(
+            Event(self.global_rank, "backward", self._backward_start, self.trace.now())
+        )
+        with self.trace.span("wait for pushes"):
+            self.client.finish_backward()
+
+    def optimizer_step(self, optimizer: Any, closure: Any, model: Any = None, **kwargs: Any):
+        """Forward, backward (which pushed the gradients) and the pre-step hooks; the servers
+        step the optimiser, so the worker's ``optimizer.step`` is not called."""
+        if self.client is None:
+            return super().optimizer_step(optimizer, closure, model, **kwargs)
+        result = closure()
+        if result is None:
+            raise RuntimeError(
+                "parameter_server: training_step returned None; every worker "
+                "must push every step (the servers wait for all of them)"
+            )
+        module = model if isinstance(model, pl.LightningModule) else self.lightning_module
+        self.precision_plugin._after_closure(module, optimizer)
+        inner = getattr(optimizer, "_optimizer", optimizer)
+        inner._opt_called = True  # the step happened (on the servers): no scheduler warning
+        return result
+
+    def _settled(self, hook: str, *args: Any, **kwargs: Any) -> Any:
+        if self.client is not None:
+            self.client.settle()
+        return getattr(super(), hook)(*args, **kwargs)
+
+    def validation_step(self, *args: Any, **kwargs: Any) -> Any:
+        return self._settled("validation_step", *args, **kwargs)
+
+    def test_step(self, *args: Any, **kwargs: Any) -> Any:
+        return self._settled("test_step", *args, **kwargs)
+
+    def predict_step(self, *args: Any, **kwargs: Any) -> Any:
+        return self._settled("predict_step", *args, **kwargs)
+
+    # ---- checkpoints ---------------------------------------------------------------------------
+    def lightning_module_state_dict(self) -> dict[str, Any]:
+        if self.client is not None:
+            self.client.settle()
+        return super().lightning_module_state_dict()
+
+    def optimizer_state(self, optimizer: Any) -> dict[str, Any]:
+        if self.client is None:
+            return super().optimizer_state(optimizer)
+        return self.client.gather_state()  # complete on worker 0, which writes the file
+
+    def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
+        if self.client is None:
+            return super().load_optimizer_state_dict(checkpoint)
+        self.client.load_state(checkpoint["optimizer_states"][0])
+
+    # ---- the end -------------------------------------------------------------------------------
+    def on_exception(self, exception: BaseException) -> None:
+        self._failed = True  # no goodbye protocol: peers may be mid-step or gone
+
+    def teardown(self) -> None:
+        trainer = getattr(self.lightning_module, "_trainer", None)  # None once detached
+        interrupted = trainer is not None and trainer.state.status == TrainerStatus.INTERRUPTED
+        clean = not (interrupted or self._failed) and dist.is_initialized()
+        if self.client is not None:
+            if clean:
+                self.client.close()
+            self.client = None
+        elif clean and self.global_rank == 0 and self.comm is not None:
+            for s in range(self.num_servers):  # nothing was trained: tell the servers
+                send_object(self.comm, None, server_rank(self.world_size, s))
+        if self._servers:
+            stop_servers(self._servers, wait_s=10.0 if clean else 0.0)
+            self._servers = []
+        super().teardown()

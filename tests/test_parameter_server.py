@@ -1,0 +1,144 @@
+"""ParameterServerStrategy under Lightning: exact as one process, checkpoints, trace, refusals."""
+
+from __future__ import annotations
+
+import os
+import time
+
+import lightning.pytorch as pl
+import pytest
+import torch
+from torch.utils.data import DataLoader, TensorDataset
+
+import lightning_par  # noqa: F401  (registers the strategy names)
+from lightning_par.models import CifarCNN, CifarRNN
+from lightning_par.strategies.parameter_server import ParameterServerStrategy
+
+PER_WORKER, STEPS = 4, 4
+
+
+def data(n: int):
+    g = torch.Generator().manual_seed(5)
+    return TensorDataset(
+        torch.randn(n, 3, 32, 32, generator=g), torch.randint(0, 10, (n,), generator=g)
+    )
+
+
+class ShardedData:
+    """Each worker reads its slice of every global batch of ``global_batch`` samples, so the
+    workers' batches together are exactly one process's batch (as in the allreduce tests).
+    Two batches per epoch: a checkpoint taken at step 2 ends an epoch, so resuming from it
+    reads the same batches as the uninterrupted run."""
+
+    global_batch = 2 * PER_WORKER
+
+    def train_dataloader(self):
+        world, rank = self.trainer.world_size, self.global_rank
+        per, full = self.global_batch // world, data(STEPS * self.global_batch)
+        index = torch.cat([torch.arange(i * self.global_batch + rank * per,
+                                        i * self.global_batch + (rank + 1) * per)
+                           for i in range(STEPS // 2)])  # fmt: skip
+        return DataLoader(TensorDataset(*full[index]), batch_size=per)
+
+
+class CNN(ShardedData, CifarCNN):
+    pass
+
+
+class RNN(ShardedData, CifarRNN):
+    pass
+
+
+def make(
+    kind: str, workers: int = 2, scheduler: str | None = "onecycle", width: int = 8
+) -> pl.LightningModule:
+    torch.manual_seed(0)
+    if kind == "cnn":
+        model = CNN(width=width, num_blocks=2, scheduler=scheduler, lr=0.05)
+    else:
+        model = RNN(hidden_size=16, num_layers=2, optimizer="adam", scheduler="onecycle", lr=0.01)
+    model.global_batch = workers * PER_WORKER
+    return model
+
+
+def fit(model, strategy, devices: int, steps: int = STEPS, ckpt_path=None, **kw) -> pl.Trainer:
+    trainer = pl.Trainer(
+        strategy=strategy, accelerator="cpu", devices=devices, max_steps=steps, logger=False,
+        enable_progress_bar=False, enable_model_summary=False,
+        enable_checkpointing=kw.pop("enable_checkpointing", False),
+        use_distributed_sampler=False, **kw,
+    )  # fmt: skip
+    trainer.fit(model, ckpt_path=ckpt_path)
+    return trainer
+
+
+def weights(model) -> torch.Tensor:
+    return torch.cat([p.detach().flatten() for p in model.parameters()])
+
+
+@pytest.mark.parametrize("kind,workers,servers", [("cnn", 2, 2), ("rnn", 3, 1)])
+def test_equals_one_process_with_scheduler(kind, workers, servers):
+    reference = make(kind, workers)
+    fit(reference, "auto", 1)
+    model = make(kind, workers)
+    strategy = ParameterServerStrategy(num_servers=servers, bucket_cap_mb=0.01, split_mb=0.005)
+    fit(model, strategy, workers)
+    torch.testing.assert_close(weights(model), weights(reference), atol=2e-5, rtol=1e-4)
+    assert not torch.equal(weights(model), weights(make(kind, workers)))  # it did train
+
+
+def test_pushes_start_before_backward_ends():
+    # a CNN whose backward lasts long enough (tens of ms) that a loaded machine still
+    # schedules the communication thread while it runs
+    strategy = ParameterServerStrategy(num_servers=1, bucket_cap_mb=0.05, trace=True)
+    fit(make("cnn", width=32), strategy, 2, steps=2)
+    trace = strategy.trace  # rank 0's, sent back to this process
+    backward = [e for e in trace.events if e.name == "backward"]
+    pushes = [m for m in trace.messages if m.tag == "push" and m.step == 1]
+    assert len({m.chunk for m in pushes}) > 1  # several buckets
+    assert min(m.start for m in pushes) < backward[1].end  # the first push overlaps backward
+
+
+def test_checkpoint_holds_full_model_and_optimiser_state(tmp_path):
+    first = make("cnn", scheduler=None)
+    trainer = fit(first, ParameterServerStrategy(num_servers=2, split_mb=0.005), 2,
+                  steps=2, default_root_dir=tmp_path, enable_checkpointing=True)  # fmt: skip
+    path = trainer.checkpoint_callback.best_model_path
+    saved = torch.load(path, weights_only=False)
+    state = saved["optimizer_states"][0]["state"]
+    params = list(first.parameters())
+    assert len(state) == len(params)  # every parameter's state, gathered from both servers
+    for s, p in zip(state.values(), params):
+        assert s["momentum_buffer"].shape == p.shape and s["momentum_buffer"].abs().sum() > 0
+    loaded = CifarCNN.load_from_checkpoint(path)  # loads without the strategy
+    torch.testing.assert_close(weights(loaded), weights(first))
+
+
+def test_bad_options_are_refused():
+    with pytest.raises(ValueError, match="num_servers"):
+        ParameterServerStrategy(num_servers=0)
+    with pytest.raises(TypeError, match="num_servers"):
+        ParameterServerStrategy(num_servers=1.5)
+    with pytest.raises(ValueError, match="gloo"):
+        ParameterServerStrategy(process_group_backend="nccl")
+    with pytest.raises(Exception, match="cannot clip"):  # raised in a worker, before step 1
+        fit(make("cnn"), ParameterServerStrategy(), 2, gradient_clip_val=1.0)
+
+
+class DiesAtStep2(CNN):
+    def training_step(self, batch, batch_idx):
+        if batch_idx == 1 and self.global_rank == 1:
+            os._exit(3)
+        return super().training_step(batch, batch_idx)
+
+
+def test_a_dead_worker_ends_the_job_and_its_servers():
+    torch.manual_seed(0)
+    model = DiesAtStep2(width=8, num_blocks=2, scheduler=None)
+    start = time.monotonic()
+    with pytest.raises(Exception, match="exit code 3"):
+        fit(model, ParameterServerStrategy(num_servers=2), 2)
+    assert time.monotonic() - start < 60
+    time.sleep(1.5)  # servers watch worker 0's pid every 0.5 s
+    leftovers = os.popen("ps -eo pid,args").read()
+    assert "ps-server" not in leftovers
