@@ -10,30 +10,13 @@ import re
 import lightning.pytorch as pl
 import pytest
 import torch
+from _split_models import loader as _loader
+from _split_models import trainer as _trainer
 from lightning.pytorch.callbacks import BasePredictionWriter, ModelCheckpoint
 from torch import nn
-from torch.utils.data import DataLoader
 
-from lightning_par.data import SyntheticCIFAR10
 from lightning_par.models import CifarCNN, CifarRNN
 from lightning_par.strategies.gpipe import GPipeStrategy
-
-STEPS = 3
-
-
-def _loader(batch_size: int = 10, size: int = 30) -> DataLoader:
-    return DataLoader(SyntheticCIFAR10(size, seed=1), batch_size=batch_size, shuffle=False)
-
-
-def _trainer(strategy, devices: int, **kw) -> pl.Trainer:
-    kw.setdefault("max_steps", STEPS)
-    kw.setdefault("logger", False)
-    kw.setdefault("limit_val_batches", 0)
-    kw.setdefault("enable_checkpointing", "callbacks" in kw)
-    return pl.Trainer(
-        strategy=strategy, devices=devices, accelerator="cpu",
-        enable_progress_bar=False, enable_model_summary=False, **kw,
-    )  # fmt: skip
 
 
 def _model(kind: str) -> pl.LightningModule:

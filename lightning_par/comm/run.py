@@ -11,8 +11,10 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import os
+import shutil
 import signal
 import sys
+import tempfile
 import time
 import traceback
 from collections.abc import Callable
@@ -27,12 +29,15 @@ class RankFailed(RuntimeError):
     """A rank raised, died or timed out inside :func:`run_on_ranks`."""
 
 
-def _rank_main(fn, rank, world_size, backend, port, timeout_s, threads, args, kwargs, queue):
+def _rank_main(fn, rank, world_size, backend, store, port, timeout_s, threads, args, kwargs,
+               queue):  # fmt: skip
     import torch.distributed as dist
 
     die_with_parent()
     if threads:
         limit_threads_after_fork(threads)
+    # (MASTER_* describe the job to a Lightning Trainer inside fn, which finds the group
+    # already made; the ranks meet in a file, which no other job can take)
     os.environ.update(
         MASTER_ADDR="127.0.0.1",
         MASTER_PORT=str(port),
@@ -42,7 +47,7 @@ def _rank_main(fn, rank, world_size, backend, port, timeout_s, threads, args, kw
     )
     try:
         init_process_group(
-            rank, world_size, backend=backend, master_port=port,
+            rank, world_size, backend=backend, rendezvous_file=store,
             timeout=timedelta(seconds=timeout_s),
         )  # fmt: skip
         result = fn(rank, world_size, *args, **kwargs)
@@ -136,7 +141,7 @@ def run_on_ranks(
 ) -> list[Any]:
     """Run ``fn(rank, world_size, *args, **kwargs)`` on ``world_size`` local ranks.
 
-    Each rank joins a fresh process group on a free loopback port and its return value
+    Each rank joins a fresh process group (meeting in a temporary file) and its return value
     is sent back; the list is ordered by rank. ``timeout`` (default:
     :func:`~lightning_par.comm.default_timeout`) applies to every collective and receive;
     10 s later the parent stops ranks stuck elsewhere. If a rank raises, exits or hangs,
@@ -155,6 +160,8 @@ def run_on_ranks(
         ctx.set_forkserver_preload(FORKSERVER_PRELOAD)
     queue = ctx.SimpleQueue()
     port = find_free_port()
+    store_dir = tempfile.mkdtemp(prefix="lightning_par-ranks-")
+    store = os.path.join(store_dir, "rendezvous")
     procs = [
         ctx.Process(
             target=_rank_main,
@@ -163,6 +170,7 @@ def run_on_ranks(
                 r,
                 world_size,
                 backend,
+                store,
                 port,
                 group_timeout,
                 plan.threads_per_rank,
@@ -200,6 +208,7 @@ def run_on_ranks(
         for proc in procs:
             proc.join()
         queue.close()
+        shutil.rmtree(store_dir, ignore_errors=True)
     return [results[r] for r in range(world_size)]
 
 

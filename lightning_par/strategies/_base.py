@@ -27,6 +27,7 @@ group) → ``setup``: :meth:`prepare_model` (e.g. split the network), ``model_to
 
 from __future__ import annotations
 
+import atexit
 import os
 from datetime import timedelta
 from pathlib import Path
@@ -164,6 +165,10 @@ class ParStrategy(DDPStrategy):
                 self._process_group_backend, rank=self.global_rank,
                 world_size=self.world_size, **kwargs,
             )  # fmt: skip
+            # Destroy the group before the interpreter's own shutdown: a gloo group still
+            # alive then can abort the process ("terminate called without an active
+            # exception"), as Lightning already guards against for NCCL.
+            atexit.register(_destroy_process_group)
         log_startup(
             self.strategy_name, self.world_size, self.launch_plan, self._process_group_backend
         )
@@ -219,3 +224,8 @@ class ParStrategy(DDPStrategy):
         if not isinstance(tensor, torch.Tensor):
             return tensor
         return super().reduce(tensor, group=group, reduce_op=reduce_op)
+
+
+def _destroy_process_group() -> None:
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
