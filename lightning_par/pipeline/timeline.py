@@ -78,8 +78,9 @@ def plot_timeline(traces: list[CommTrace], step: int, ax=None, messages: bool = 
             lo, hi = t.origin + e.start - start, t.origin + e.end - start
             ax.barh(row, (hi - lo) * 1e3, left=lo * 1e3, color=COLOURS[e.name], edgecolor="k",
                     height=0.6)  # fmt: skip
-            ax.text((lo + hi) / 2 * 1e3, row, f"{'F' if e.name == 'fwd' else 'B'}{e.micro_batch}",
-                    ha="center", va="center", fontsize=9)  # fmt: skip
+            label = f"{'F' if e.name == 'fwd' else 'B'}{e.micro_batch}"
+            if hi - lo > 0.025 * (end - start):  # label only spans wide enough for it
+                ax.text((lo + hi) / 2 * 1e3, row, label, ha="center", va="center", fontsize=9)
         if messages:
             for m in t.messages:
                 lo, hi = max(t.origin + m.start - start, 0.0), t.origin + m.end - start
@@ -96,6 +97,6 @@ def plot_timeline(traces: list[CommTrace], step: int, ax=None, messages: bool = 
         names = ["forward", "backward"]
         names += ["send: posted → done", "receive: posted → done"] if messages else []
         handles = [Patch(color=c, label=n) for c, n in zip(COLOURS.values(), names)]
-        ax.legend(handles=handles, loc="upper left", bbox_to_anchor=(1.005, 1), fontsize=9,
+        ax.legend(handles=handles, loc="upper left", bbox_to_anchor=(1.005, 1), fontsize=10,
                   frameon=False)  # fmt: skip
     return ax
