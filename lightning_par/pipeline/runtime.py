@@ -190,7 +190,7 @@ class PipelineStage:
                     "return one tensor (wrap layers that return tuples, e.g. LSTM)"
                 )
         if recompute and self.saved is not None:
-            self.saved.add(x)  # checkpoint keeps the stage input to recompute from
+            self.saved.hold(x, out)  # checkpoint keeps the stage input to recompute from
         self._forwarded.add(i)
         if grad:
             self._inputs[i] = x

@@ -60,14 +60,17 @@ def last_step(traces: list[CommTrace]) -> int:
     return max(e.micro_batch for t in traces for e in t.events if e.name == "step")
 
 
-def plot_timeline(traces: list[CommTrace], step: int, ax=None, messages: bool = True):
+def plot_timeline(traces: list[CommTrace], step: int, ax=None, messages: bool = True,
+                  legend: bool = True):  # fmt: skip
     """Gantt chart of one step: a row per stage, forward (blue) and backward (orange)
     spans labelled with their micro-batch; with ``messages``, thin bars from posting each
     activation/gradient send (green, above) or receive (grey, below) to its completion as
-    the stage observed it (sends are checked at the end of the step)."""
+    the stage observed it (sends are checked at the end of the step). Time 0 is the step's
+    first forward; a receive posted earlier (stages post them ahead) is drawn from 0."""
     import matplotlib.pyplot as plt
+    from matplotlib.patches import Patch
 
-    ax = ax or plt.subplots(figsize=(10, 0.7 + 0.6 * len(traces)))[1]
+    ax = ax or plt.subplots(figsize=(10, 0.9 + 0.6 * len(traces)))[1]
     start, end = step_window(traces, step)
     for t in traces:
         row = t.rank
@@ -75,17 +78,25 @@ def plot_timeline(traces: list[CommTrace], step: int, ax=None, messages: bool = 
             lo, hi = t.origin + e.start - start, t.origin + e.end - start
             ax.barh(row, (hi - lo) * 1e3, left=lo * 1e3, color=COLOURS[e.name], edgecolor="k",
                     height=0.6)  # fmt: skip
-            ax.text((lo + hi) / 2 * 1e3, row, f"{'F' if e.name == 'fwd' else 'B'}{e.micro_batch}",
-                    ha="center", va="center", fontsize=7, color="white")  # fmt: skip
+            label = f"{'F' if e.name == 'fwd' else 'B'}{e.micro_batch}"
+            if hi - lo > 0.025 * (end - start):  # label only spans wide enough for it
+                ax.text((lo + hi) / 2 * 1e3, row, label, ha="center", va="center", fontsize=9)
         if messages:
             for m in t.messages:
-                lo, hi = t.origin + m.start - start, t.origin + m.end - start
-                if m.tag in ("act", "grad") and m.step == step:
+                lo, hi = max(t.origin + m.start - start, 0.0), t.origin + m.end - start
+                if m.tag in ("act", "grad") and m.step == step and hi > lo:
                     y = row + (0.36 if m.op == "send" else -0.36)
                     ax.barh(y, (hi - lo) * 1e3, left=lo * 1e3, color=COLOURS[m.op], height=0.1)
     ax.set_yticks(range(len(traces)), [f"stage {t.rank}" for t in traces])
     ax.invert_yaxis()
+    ax.set_xlim(0, (end - start) * 1e3 * 1.01)
     ax.set_xlabel("time in step (ms)")
     bubble = measured_bubble(traces, step)
     ax.set_title(f"step {step}: measured bubble {bubble:.0%}")
+    if legend:
+        names = ["forward", "backward"]
+        names += ["send: posted → done", "receive: posted → done"] if messages else []
+        handles = [Patch(color=c, label=n) for c, n in zip(COLOURS.values(), names)]
+        ax.legend(handles=handles, loc="upper left", bbox_to_anchor=(1.005, 1), fontsize=10,
+                  frameon=False)  # fmt: skip
     return ax
