@@ -137,3 +137,15 @@ def test_ranks_compute_after_the_parent_started_its_openmp_pool():
         assert run_on_ranks(_compute, 2, timeout=10) == [(1, True), (1, True)]
     finally:
         torch.set_num_threads(threads)
+
+
+def _tensors(rank, world_size):
+    return {"weights": torch.full((1000,), float(rank)), "grads": [torch.ones(3) * rank]}
+
+
+def test_tensors_returned_by_ranks_survive_the_ranks_exit():
+    results = run_on_ranks(_tensors, 3)
+    time.sleep(0.5)  # every rank has exited; the data must still be readable here
+    for rank, out in enumerate(results):
+        assert torch.equal(out["weights"], torch.full((1000,), float(rank)))
+        assert out["grads"][0].tolist() == [float(rank)] * 3

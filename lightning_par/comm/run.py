@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import os
+import pickle
 import shutil
 import signal
 import sys
@@ -51,7 +52,9 @@ def _rank_main(fn, rank, world_size, backend, store, port, timeout_s, threads, a
             timeout=timedelta(seconds=timeout_s),
         )  # fmt: skip
         result = fn(rank, world_size, *args, **kwargs)
-        queue.put((rank, True, result))
+        # plain pickle copies tensors' data: the queue's own pickler would share their
+        # memory with the parent, which fails once this rank has exited
+        queue.put((rank, True, pickle.dumps(result)))
     except BaseException:
         queue.put((rank, False, traceback.format_exc()))
     finally:
@@ -65,7 +68,7 @@ def _collect(queue, results: dict[int, Any]) -> list[tuple[int, str]]:
     while not queue.empty():
         rank, ok, value = queue.get()
         if ok:
-            results[rank] = value
+            results[rank] = pickle.loads(value)
         else:
             failures.append((rank, value))
     return failures
