@@ -2,9 +2,6 @@
 
 from __future__ import annotations
 
-import os
-import time
-
 import lightning.pytorch as pl
 import pytest
 import torch
@@ -168,22 +165,3 @@ def test_bad_options_are_refused():
         ParameterServerStrategy(process_group_backend="nccl")
     with pytest.raises(Exception, match="cannot clip"):  # raised in a worker, before step 1
         fit(make("cnn"), ParameterServerStrategy(), 2, gradient_clip_val=1.0)
-
-
-class DiesAtStep2(CNN):
-    def training_step(self, batch, batch_idx):
-        if batch_idx == 1 and self.global_rank == 1:
-            os._exit(3)
-        return super().training_step(batch, batch_idx)
-
-
-def test_a_dead_worker_ends_the_job_and_its_servers():
-    torch.manual_seed(0)
-    model = DiesAtStep2(width=8, num_blocks=2, scheduler=None)
-    start = time.monotonic()
-    with pytest.raises(Exception, match="exit code 3"):
-        fit(model, ParameterServerStrategy(num_servers=2), 2)
-    assert time.monotonic() - start < 60
-    time.sleep(1.5)  # servers watch worker 0's pid every 0.5 s
-    leftovers = os.popen("ps -eo pid,args").read()
-    assert "ps-server" not in leftovers

@@ -38,7 +38,8 @@ from lightning.pytorch.trainer.states import TrainerFn, TrainerStatus
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 from torchmetrics import Metric
 
-from lightning_par.comm import Event
+from lightning_par.comm import CommError, Event
+from lightning_par.paramserver.faults import explain
 from lightning_par.paramserver.messages import send_object, server_rank
 from lightning_par.paramserver.process import start_servers, stop_servers
 from lightning_par.paramserver.worker import ParameterClient
@@ -196,7 +197,13 @@ class ParameterServerStrategy(ParStrategy):
     def _broadcast_sigterm(self) -> None:
         trainer = self.lightning_module.trainer
         flag = torch.tensor([int(bool(getattr(trainer, "received_sigterm", False)))])
-        dist.broadcast(flag, 0, group=self.worker_group)
+        try:
+            dist.broadcast(flag, 0, group=self.worker_group)
+        except RuntimeError as err:
+            raise CommError(explain(
+                f"worker {self.global_rank}: the workers' per-step broadcast (from worker 0) "
+                f"failed: a worker hangs or died ({err})"
+            )) from err  # fmt: skip
         if flag.item() == 1:
             dist.barrier(group=self.worker_group)
             raise SIGTERMException()
@@ -279,6 +286,11 @@ class ParameterServerStrategy(ParStrategy):
     # ---- the end -------------------------------------------------------------------------------
     def on_exception(self, exception: BaseException) -> None:
         self._failed = True  # no goodbye protocol: peers may be mid-step or gone
+        # under torchrun Lightning calls this in the rank (a fork launch: in the main process)
+        if self.client is None or not isinstance(exception, RuntimeError):
+            return
+        if exception.args and isinstance(exception.args[0], str):  # a server may know who
+            exception.args = (explain(exception.args[0]), *exception.args[1:])
 
     def teardown(self) -> None:
         trainer = getattr(self.lightning_module, "_trainer", None)  # None once detached
