@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from datetime import timedelta
+
 import lightning.pytorch as pl
 import pytest
 import torch
@@ -165,3 +167,19 @@ def test_bad_options_are_refused():
         ParameterServerStrategy(process_group_backend="nccl")
     with pytest.raises(Exception, match="cannot clip"):  # raised in a worker, before step 1
         fit(make("cnn"), ParameterServerStrategy(), 2, gradient_clip_val=1.0)
+
+
+class PreparesData(CNN):
+    def prepare_data(self):  # Lightning then puts a barrier around it, in a new group
+        pass
+
+
+def test_prepare_data_does_not_wait_for_the_servers():
+    # Lightning's barrier around prepare_data spans every rank of the default group; the
+    # servers never enter it, so it must be the workers' (this hung the check's rows)
+    torch.manual_seed(0)
+    model = PreparesData(width=8, num_blocks=2, scheduler=None)
+    strategy = ParameterServerStrategy(num_servers=1, timeout=timedelta(seconds=20))
+    before = weights(model).clone()
+    fit(model, strategy, 2, steps=1)
+    assert not torch.equal(weights(model), before)  # it trained (weights came back)
