@@ -27,7 +27,7 @@ from typing import Any
 
 import torch
 
-from lightning_par.comm import Communicator
+from lightning_par.comm import CommError, Communicator
 from lightning_par.paramserver.plan import ShardPlan
 
 STOP, STEP, GET_STATE, SET_STATE = 0, 1, 2, 3
@@ -105,8 +105,18 @@ def recv_headers(comm: Communicator, num_workers: int, num_values: int) -> list[
     between steps). The workers must agree on the command."""
     headers = [torch.zeros(2 + num_values, dtype=torch.float64) for _ in range(num_workers)]
     handles = [comm.irecv(h, w, tag="control") for w, h in enumerate(headers)]
-    for h in handles:
-        h.wait(IDLE_TIMEOUT)
+    handles[0].wait(IDLE_TIMEOUT)
+    # Worker 0's header opens the exchange; the others, in lockstep with it, get the group's
+    # timeout from then on, so a hung worker is named here rather than waited for a week.
+    for w, handle in enumerate(handles[1:], start=1):
+        try:
+            handle.wait()
+        except CommError as err:
+            raise CommError(
+                f"worker {w} (rank {w}) sent nothing for "
+                f"step {int(headers[0][1])} (command {int(headers[0][0])}) within the timeout "
+                f"after worker 0 did: worker {w} hangs or died ({err})"
+            ) from err
     commands = {int(h[0]) for h in headers}
     if len(commands) != 1:
         raise RuntimeError(

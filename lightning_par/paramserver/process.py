@@ -42,7 +42,8 @@ def server_main(
     import torch.distributed as dist
 
     from lightning_par.comm import Communicator
-    from lightning_par.paramserver.server import serve
+    from lightning_par.paramserver.faults import record_fault, with_test_exit
+    from lightning_par.paramserver.server import serve, synchronous_step
 
     die_with_parent()
     threading.Thread(target=_watch, args=(owner,), daemon=True).start()
@@ -54,8 +55,9 @@ def server_main(
             world_size=num_workers + num_servers, timeout=timedelta(seconds=timeout_s),
         )  # fmt: skip
         dist.new_group(list(range(num_workers)))  # the workers' group: every rank takes part
-        serve(Communicator(), server)
-    except BaseException:
+        serve(Communicator(), server, with_test_exit(server, synchronous_step))
+    except BaseException as err:
+        record_fault(str(err) if f"rank {rank}" in str(err) else f"server rank {rank}: {err}")
         print(
             f"parameter server {server} (rank {rank}) failed:\n{traceback.format_exc()}",
             file=sys.stderr, flush=True,

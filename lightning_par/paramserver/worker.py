@@ -19,6 +19,7 @@ from torch import nn
 
 from lightning_par.comm import CommError, CommTrace, Communicator, Handle
 from lightning_par.comm.buckets import Bucket, GradientBuckets
+from lightning_par.paramserver.faults import explain
 from lightning_par.paramserver.messages import (
     GET_STATE,
     SET_STATE,
@@ -197,7 +198,13 @@ class ParameterClient:
         """Runs on the communication thread as soon as ``bucket`` is full."""
         b = bucket.index
         if b == 0:  # buckets start in index order: the header goes first
-            send_header(self.comm, self.servers, STEP, self.step, self.lrs())
+            try:
+                send_header(self.comm, self.servers, STEP, self.step, self.lrs())
+            except CommError as err:
+                raise CommError(explain(
+                    f"worker {self.rank}: a parameter server (ranks {self.servers}) did not "
+                    f"take step {self.step}'s header: {err}"
+                )) from err  # fmt: skip
         sends, pulls = [], []
         for s, sl in enumerate(self.layout[b]):
             if not sl:
@@ -206,13 +213,19 @@ class ParameterClient:
             flags = torch.stack([bucket.flags[i] for i, _ in sl])
             message = torch.cat([*grads, flags])
             server = self.servers[s]
-            sends.append(self.comm.isend(message, server, step=self.step, chunk=b, tag="push"))
+            sends.append((s, self.comm.isend(message, server, step=self.step, chunk=b, tag="push")))
             pulls.append(
                 (s, self.comm.irecv(self.pull[b][s], server, step=self.step, chunk=b, tag="pull"))
             )
         self.pending[b] = pulls
-        for handle in sends:
-            handle.wait()
+        for s, handle in sends:
+            try:
+                handle.wait()
+            except CommError as err:
+                raise CommError(explain(
+                    f"worker {self.rank}: push to parameter server {s} "
+                    f"(rank {self.servers[s]}) failed: {err}"
+                )) from err  # fmt: skip
 
     def finish_backward(self) -> None:
         """After backward: push what is left and wait until every push has gone."""
@@ -236,10 +249,10 @@ class ParameterClient:
                 try:
                     flat = handle.wait()
                 except CommError as err:
-                    raise CommError(
+                    raise CommError(explain(
                         f"worker {self.rank}: no update from parameter server {s} "
                         f"(rank {self.servers[s]}): {err}"
-                    ) from err
+                    )) from err  # fmt: skip
                 offset = 0
                 for _, pc in self.layout[b][s]:
                     target = self.params[pc.param].data.view(-1)[pc.start : pc.stop]

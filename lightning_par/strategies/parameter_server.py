@@ -34,12 +34,14 @@ import lightning.pytorch as pl
 import torch
 import torch.distributed as dist
 from lightning.fabric.utilities.seed import reset_seed
+from lightning.pytorch.trainer.connectors import data_connector
 from lightning.pytorch.trainer.states import TrainerFn, TrainerStatus
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 from torchmetrics import Metric
 
-from lightning_par.comm import Event
-from lightning_par.paramserver.messages import send_object, server_rank
+from lightning_par.comm import CommError, Event
+from lightning_par.paramserver.faults import explain
+from lightning_par.paramserver.messages import IDLE_TIMEOUT, send_object, server_rank
 from lightning_par.paramserver.process import start_servers, stop_servers
 from lightning_par.paramserver.worker import ParameterClient
 from lightning_par.strategies._base import ParStrategy
@@ -53,6 +55,20 @@ def _positive(name: str, value: Any, kind: type = float) -> None:
         )
     if not value > 0:
         raise ValueError(f"{name} must be > 0, got {value}")
+
+
+class _WorkersBarrier:
+    """Lightning's barrier around ``prepare_data`` (one rank may download for a long time),
+    over the workers' group and with the servers' idle timeout."""
+
+    def __init__(self, group: Any) -> None:
+        self.group = group
+
+    def __enter__(self) -> _WorkersBarrier:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        dist.monitored_barrier(group=self.group, timeout=IDLE_TIMEOUT)
 
 
 class ParameterServerStrategy(ParStrategy):
@@ -133,12 +149,31 @@ class ParameterServerStrategy(ParStrategy):
             timeout=self._timeout,
         )
         self.worker_group = dist.new_group(list(range(workers)))
+        self._prepare_data_among_workers()
         log_startup(
             f"{self.strategy_name} ({self.num_servers} server(s))",
             workers,
             self.launch_plan,
             "gloo",
         )
+
+    def _prepare_data_among_workers(self) -> None:
+        """Lightning brackets ``prepare_data`` with a barrier in a new group of every rank,
+        servers included, which never join it (a hang): here the barrier is the workers'."""
+        trainer = getattr(self.lightning_module, "_trainer", None)
+        if trainer is None:
+            return
+        original, group = trainer._data_connector.prepare_data, self.worker_group
+
+        def prepare_data() -> None:
+            saved = data_connector._InfiniteBarrier
+            data_connector._InfiniteBarrier = lambda: _WorkersBarrier(group)
+            try:
+                original()
+            finally:
+                data_connector._InfiniteBarrier = saved
+
+        trainer._data_connector.prepare_data = prepare_data
 
     # ---- Lightning's collectives: workers only -------------------------------------------------
     def barrier(self, *args: Any, **kwargs: Any) -> None:
@@ -196,7 +231,13 @@ class ParameterServerStrategy(ParStrategy):
     def _broadcast_sigterm(self) -> None:
         trainer = self.lightning_module.trainer
         flag = torch.tensor([int(bool(getattr(trainer, "received_sigterm", False)))])
-        dist.broadcast(flag, 0, group=self.worker_group)
+        try:
+            dist.broadcast(flag, 0, group=self.worker_group)
+        except RuntimeError as err:
+            raise CommError(explain(
+                f"worker {self.global_rank}: the workers' per-step broadcast (from worker 0) "
+                f"failed: a worker hangs or died ({err})"
+            )) from err  # fmt: skip
         if flag.item() == 1:
             dist.barrier(group=self.worker_group)
             raise SIGTERMException()
@@ -279,6 +320,11 @@ class ParameterServerStrategy(ParStrategy):
     # ---- the end -------------------------------------------------------------------------------
     def on_exception(self, exception: BaseException) -> None:
         self._failed = True  # no goodbye protocol: peers may be mid-step or gone
+        # under torchrun Lightning calls this in the rank (a fork launch: in the main process)
+        if self.client is None or not isinstance(exception, RuntimeError):
+            return
+        if exception.args and isinstance(exception.args[0], str):  # a server may know who
+            exception.args = (explain(exception.args[0]), *exception.args[1:])
 
     def teardown(self) -> None:
         trainer = getattr(self.lightning_module, "_trainer", None)  # None once detached
