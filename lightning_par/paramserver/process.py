@@ -36,7 +36,8 @@ def _watch(pid: int) -> None:
 
 def server_main(
     server: int, num_workers: int, num_servers: int, address: str, port: int,
-    timeout_s: float, threads: int, owner: int,
+    timeout_s: float, threads: int, owner: int, asynchronous: bool = False,
+    staleness: int | None = None,
 ) -> None:  # fmt: skip
     """A server process: join the group as rank ``W + server`` and serve until told to stop."""
     import torch.distributed as dist
@@ -54,7 +55,12 @@ def server_main(
             world_size=num_workers + num_servers, timeout=timedelta(seconds=timeout_s),
         )  # fmt: skip
         dist.new_group(list(range(num_workers)))  # the workers' group: every rank takes part
-        serve(Communicator(), server)
+        if asynchronous:
+            from lightning_par.paramserver.asynchronous import serve_async
+
+            serve_async(Communicator(), server, staleness)
+        else:
+            serve(Communicator(), server)
     except BaseException:
         print(
             f"parameter server {server} (rank {rank}) failed:\n{traceback.format_exc()}",
@@ -65,9 +71,16 @@ def server_main(
 
 
 def start_servers(
-    num_workers: int, num_servers: int, address: str, port: int, timeout: timedelta
+    num_workers: int,
+    num_servers: int,
+    address: str,
+    port: int,
+    timeout: timedelta,
+    asynchronous: bool = False,
+    staleness: int | None = None,
 ) -> list[mp.process.BaseProcess]:
-    """Start the servers (call on worker 0 before it joins the process group)."""
+    """Start the servers (call on worker 0 before it joins the process group); with
+    ``asynchronous`` they run :func:`~lightning_par.paramserver.asynchronous.serve_async`."""
     plan = plan_launch("cpu", num_servers, can_exec=False)
     ctx = mp.get_context(plan.method)
     if plan.method == "forkserver":
@@ -79,7 +92,7 @@ def start_servers(
         # had started, and libgomp hangs a grandchild's first multi-threaded region (seen
         # with Adam on a server); a server's element-wise update needs no more.
         args = (s, num_workers, num_servers, address, port, timeout.total_seconds(), 1,
-                os.getpid())  # fmt: skip
+                os.getpid(), asynchronous, staleness)  # fmt: skip
         proc = ctx.Process(target=server_main, args=args, daemon=daemonic, name=f"ps-server-{s}")
         proc.start()
         procs.append(proc)
