@@ -71,14 +71,9 @@ def server_main(
 
 
 def start_servers(
-    num_workers: int,
-    num_servers: int,
-    address: str,
-    port: int,
-    timeout: timedelta,
-    asynchronous: bool = False,
-    staleness: int | None = None,
-) -> list[mp.process.BaseProcess]:
+    num_workers: int, num_servers: int, address: str, port: int, timeout: timedelta,
+    asynchronous: bool = False, staleness: int | None = None,
+) -> list[mp.process.BaseProcess]:  # fmt: skip
     """Start the servers (call on worker 0 before it joins the process group); with
     ``asynchronous`` they run :func:`~lightning_par.paramserver.asynchronous.serve_async`."""
     plan = plan_launch("cpu", num_servers, can_exec=False)
