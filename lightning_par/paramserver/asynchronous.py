@@ -34,7 +34,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from lightning_par.comm import CommError, Communicator, wait_all
+from lightning_par.comm import CommError, Communicator, Event, wait_all
 from lightning_par.comm.buckets import Bucket
 from lightning_par.paramserver.messages import (
     GET_STATE,
@@ -44,7 +44,6 @@ from lightning_par.paramserver.messages import (
     STOP,
     ServerSpec,
     recv_object,
-    send_header,
     send_object,
 )
 from lightning_par.paramserver.server import ShardOptimizer
@@ -191,6 +190,9 @@ class AsyncParameterClient(ParameterClient):
     """A worker of asynchronous SGD: pushes its gradient after backward, takes back the
     weights and the staleness of its update from each server; talks to the servers alone.
 
+    With a trace, each applied update is an :class:`~lightning_par.comm.Event` named
+    ``staleness`` whose ``micro_batch`` field holds the staleness.
+
     Attributes:
         updates: ``(step, staleness, lead)`` per applied update of this worker, the
             largest over the servers (each server counts its own updates).
@@ -202,31 +204,57 @@ class AsyncParameterClient(ParameterClient):
         self.updates: list[tuple[int, int, int]] = []
         self._info: list[tuple[int, Any]] = []
         self._info_step = 0
+        self._trace = kwargs.get("trace")
         super().__init__(module, optimizer, *args, **kwargs)
 
+    def _headers(self, command: int) -> list[Any]:
+        """Post a header to every server without waiting: servers take workers in any order,
+        and a worker blocked on one server's header while another server waits for its
+        push would deadlock the two servers against two workers."""
+        header = torch.tensor([float(command), float(self.step), *self.lrs()], dtype=torch.float64)
+        return [self.comm.isend(header, server, tag="control") for server in self.servers]
+
     def _push(self, bucket: Bucket) -> None:
-        super()._push(bucket)
-        if bucket.index == len(self.buckets.buckets) - 1:  # buckets go in index order
+        b = bucket.index
+        sends = self._headers(STEP) if b == 0 else []
+        pulls = []
+        for s, sl in enumerate(self.layout[b]):
+            if not sl:
+                continue
+            grads = [bucket.views[i].flatten()[pc.start : pc.stop] for i, pc in sl]
+            flags = torch.stack([bucket.flags[i] for i, _ in sl])
+            server = self.servers[s]
+            message = torch.cat([*grads, flags])
+            sends.append(self.comm.isend(message, server, step=self.step, chunk=b, tag="push"))
+            pulls.append(
+                (s, self.comm.irecv(self.pull[b][s], server, step=self.step, chunk=b, tag="pull"))
+            )
+        self.pending[b] = pulls
+        if b == len(self.buckets.buckets) - 1:  # buckets go in index order
             self._info_step = self.step
             self._info = [
                 (s, self.comm.irecv(torch.zeros(INFO), server, step=self.step, tag="staleness"))
                 for s, server in enumerate(self.servers)
             ]
+        wait_all(sends)
 
     def wait_bucket(self, b: int) -> None:
         super().wait_bucket(b)
         if not self.pending and self._info:
             values = [handle.wait() for _, handle in self._info]
             self._info = []
-            self.updates.append(
-                (self._info_step, max(int(v[0]) for v in values), max(int(v[1]) for v in values))
-            )
+            staleness = max(int(v[0]) for v in values)
+            self.updates.append((self._info_step, staleness, max(int(v[1]) for v in values)))
+            if self._trace is not None:  # the staleness rides in the event's number field
+                now = self._trace.now()
+                self._trace.events.append(Event(self.rank, "staleness", now, now, staleness))
 
     def refresh(self) -> None:
         """Take the servers' current weights (the latest of all workers' updates)."""
         self.settle()
-        send_header(self.comm, self.servers, PULL, self.step, self.lrs())
-        self._post_pulls()
+        sends = self._headers(PULL)
+        self._post_pulls()  # before waiting on the headers (see _headers)
+        wait_all(sends)
         self.settle()
 
     def _post_pulls(self) -> None:
@@ -241,8 +269,9 @@ class AsyncParameterClient(ParameterClient):
         """Stop; the servers answer with their final weights once every worker has stopped,
         so every worker ends with the same model (every worker calls this)."""
         self.settle()
-        send_header(self.comm, self.servers, STOP, self.step, self.lrs())
+        sends = self._headers(STOP)
         self._post_pulls()
+        wait_all(sends)
         self.settle()
         for hook in self._hooks:
             hook.remove()
