@@ -36,7 +36,8 @@ def _watch(pid: int) -> None:
 
 def server_main(
     server: int, num_workers: int, num_servers: int, address: str, port: int,
-    timeout_s: float, threads: int, owner: int,
+    timeout_s: float, threads: int, owner: int, asynchronous: bool = False,
+    staleness: int | None = None,
 ) -> None:  # fmt: skip
     """A server process: join the group as rank ``W + server`` and serve until told to stop."""
     import torch.distributed as dist
@@ -55,7 +56,12 @@ def server_main(
             world_size=num_workers + num_servers, timeout=timedelta(seconds=timeout_s),
         )  # fmt: skip
         dist.new_group(list(range(num_workers)))  # the workers' group: every rank takes part
-        serve(Communicator(), server, with_test_exit(server, synchronous_step))
+        if asynchronous:
+            from lightning_par.paramserver.asynchronous import serve_async
+
+            serve_async(Communicator(), server, staleness)
+        else:
+            serve(Communicator(), server, with_test_exit(server, synchronous_step))
     except BaseException as err:
         record_fault(str(err) if f"rank {rank}" in str(err) else f"server rank {rank}: {err}")
         print(
@@ -67,9 +73,11 @@ def server_main(
 
 
 def start_servers(
-    num_workers: int, num_servers: int, address: str, port: int, timeout: timedelta
-) -> list[mp.process.BaseProcess]:
-    """Start the servers (call on worker 0 before it joins the process group)."""
+    num_workers: int, num_servers: int, address: str, port: int, timeout: timedelta,
+    asynchronous: bool = False, staleness: int | None = None,
+) -> list[mp.process.BaseProcess]:  # fmt: skip
+    """Start the servers (call on worker 0 before it joins the process group); with
+    ``asynchronous`` they run :func:`~lightning_par.paramserver.asynchronous.serve_async`."""
     plan = plan_launch("cpu", num_servers, can_exec=False)
     ctx = mp.get_context(plan.method)
     if plan.method == "forkserver":
@@ -81,7 +89,7 @@ def start_servers(
         # had started, and libgomp hangs a grandchild's first multi-threaded region (seen
         # with Adam on a server); a server's element-wise update needs no more.
         args = (s, num_workers, num_servers, address, port, timeout.total_seconds(), 1,
-                os.getpid())  # fmt: skip
+                os.getpid(), asynchronous, staleness)  # fmt: skip
         proc = ctx.Process(target=server_main, args=args, daemon=daemonic, name=f"ps-server-{s}")
         proc.start()
         procs.append(proc)

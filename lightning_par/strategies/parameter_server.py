@@ -84,6 +84,12 @@ class ParameterServerStrategy(ParStrategy):
     """
 
     strategy_name = "parameter_server"
+    #: The worker side (asynchronous SGD subclasses both).
+    client_cls: type[ParameterClient] = ParameterClient
+
+    def _server_options(self) -> dict[str, Any]:
+        """Keyword arguments for :func:`~lightning_par.paramserver.process.start_servers`."""
+        return {}
 
     def __init__(
         self,
@@ -140,7 +146,9 @@ class ParameterServerStrategy(ParStrategy):
         assert env is not None
         workers, address, port = self.world_size, env.main_address, env.main_port
         if self.global_rank == 0:
-            self._servers = start_servers(workers, self.num_servers, address, port, self._timeout)
+            self._servers = start_servers(
+                workers, self.num_servers, address, port, self._timeout, **self._server_options()
+            )
         dist.init_process_group(
             "gloo",
             init_method=f"tcp://{address}:{port}",
@@ -217,7 +225,7 @@ class ParameterServerStrategy(ParStrategy):
                 f"returned {len(self.optimizers)}"
             )
         assert self.model is not None and self.comm is not None
-        self.client = ParameterClient(
+        self.client = self.client_cls(
             self.model,
             self.optimizers[0],
             self.comm,

@@ -49,6 +49,11 @@ OTHER_STRATEGIES = [
         "Synchronous sharded parameter servers: per-layer push and pull", "data parallel",
     ),
     StrategySpec(
+        "async_sgd", "async_sgd", "AsyncSGDStrategy",
+        "Asynchronous SGD on sharded parameter servers: each push applied at once",
+        "data parallel",
+    ),
+    StrategySpec(
         "local_sgd", "local_sgd", "LocalSGDStrategy",
         "Local SGD: each rank steps alone, parameters ring-averaged every 4 steps",
         "data parallel", {"period": 4, "algorithm": "ring"},

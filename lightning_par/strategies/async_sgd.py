@@ -1,0 +1,132 @@
+"""Asynchronous SGD on sharded parameter servers, as a Lightning strategy (``async_sgd``).
+
+The servers and the update rule are in :mod:`lightning_par.paramserver.asynchronous`; the
+processes, checkpoints and refusals are those of
+:class:`~lightning_par.strategies.parameter_server.ParameterServerStrategy`. What changes:
+
+* each worker pushes its whole gradient after backward and the servers apply it at once
+  with the user's optimiser; the worker takes back the newest weights and goes on;
+* ``staleness=s`` bounds how far a worker may run ahead of the slowest (stale synchronous
+  parallel, Ho et al. 2013); ``0`` is exactly the synchronous parameter server, ``None``
+  fully asynchronous;
+* **no collective among the workers during an epoch**: Lightning broadcasts a SIGTERM flag
+  from rank 0 before every training batch, which would keep the workers in lock-step; here
+  each worker checks only its own flag. Log per-step values without ``sync_dist`` for the
+  same reason (Lightning's epoch-end reductions are fine);
+* every applied update's staleness (server updates since that worker's last pull) is
+  logged as ``staleness`` (``on_step`` and the epoch mean, this worker's own) and, with
+  ``trace=True``, recorded in the trace: :func:`staleness_histogram`;
+* checkpoints take the servers' newest weights (:meth:`AsyncParameterClient.refresh`), and
+  at the end every worker receives the servers' final weights once all have stopped.
+
+Each worker's gradient is applied as a full optimiser step, so per update the learning rate
+acts on one worker's batch (the synchronous server applies the mean of ``W``).
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from typing import Any
+
+import lightning.pytorch as pl
+from lightning.pytorch.trainer.states import TrainerFn
+from lightning.pytorch.utilities.exceptions import SIGTERMException
+
+from lightning_par.comm import CommTrace
+from lightning_par.paramserver.asynchronous import ONE_BUCKET_MB, AsyncParameterClient
+from lightning_par.strategies.parameter_server import ParameterServerStrategy
+
+
+def check_staleness(staleness: Any) -> int | None:
+    """``staleness`` if it is ``None`` or an int >= 0; otherwise a clear error."""
+    if staleness is None:
+        return None
+    if isinstance(staleness, bool) or not isinstance(staleness, int):
+        raise TypeError(
+            f"staleness must be a whole number of steps >= 0 or None (fully asynchronous), "
+            f"got {staleness!r}"
+        )
+    if staleness < 0:
+        raise ValueError(
+            f"staleness must be >= 0 (0: synchronous; s: at most s steps ahead of the "
+            f"slowest worker) or None, got {staleness}"
+        )
+    return staleness
+
+
+def staleness_histogram(traces: CommTrace | list[CommTrace]) -> dict[int, int]:
+    """How many applied updates had each staleness, from one or more workers' traces."""
+    traces = [traces] if isinstance(traces, CommTrace) else traces
+    counts = Counter(
+        e.micro_batch for t in traces for e in t.events if e.name == "staleness"
+    )  # fmt: skip
+    return dict(sorted(counts.items()))
+
+
+class AsyncSGDStrategy(ParameterServerStrategy):
+    """Asynchronous (or stale synchronous) SGD through ``num_servers`` parameter servers.
+
+    Args:
+        num_servers: server processes; parameters are spread over them by bytes.
+        staleness: ``None`` (never wait), or ``s >= 0``: a worker more than ``s`` steps
+            ahead of the slowest waits for its weights (``0``: synchronous).
+        split_mb: tensors larger than this (MiB) are split over all servers.
+        **kwargs: ``trace``, ``trace_dir``, ``start_method``, ``timeout``. With ``trace``
+            each applied update is an event ``staleness`` whose ``micro_batch`` field holds
+            the staleness (read it with :func:`staleness_histogram`).
+    """
+
+    strategy_name = "async_sgd"
+    client_cls = AsyncParameterClient
+
+    def __init__(
+        self,
+        num_servers: int = 1,
+        staleness: int | None = None,
+        split_mb: float = 1.0,
+        **kwargs: Any,
+    ) -> None:
+        self.staleness = check_staleness(staleness)
+        if "bucket_cap_mb" in kwargs:
+            raise TypeError(
+                "async_sgd pushes the whole gradient in one message after backward; "
+                "bucket_cap_mb does not apply"
+            )
+        super().__init__(num_servers, bucket_cap_mb=ONE_BUCKET_MB, split_mb=split_mb, **kwargs)
+        self._logged = 0
+
+    def _server_options(self) -> dict[str, Any]:
+        return {"asynchronous": True, "staleness": self.staleness}
+
+    def setup(self, trainer: pl.Trainer) -> None:
+        super().setup(trainer)
+        if trainer.state.fn == TrainerFn.FITTING:
+            trainer.fit_loop.epoch_loop._broadcast_sigterm_tensor = self._own_sigterm
+        self._logged = 0
+
+    def _own_sigterm(self) -> None:
+        """No broadcast: a worker stops on its own signal only."""
+        if getattr(self.lightning_module.trainer, "received_sigterm", False):
+            raise SIGTERMException()
+
+    @property
+    def updates(self) -> list[tuple[int, int, int]]:
+        """``(step, staleness, lead)`` of this worker's applied updates so far."""
+        return list(self.client.updates) if isinstance(self.client, AsyncParameterClient) else []
+
+    def training_step(self, *args: Any, **kwargs: Any) -> Any:
+        output = super().training_step(*args, **kwargs)
+        updates = self.updates  # the forward above took back the last step's answer
+        if len(updates) > self._logged:
+            new = updates[self._logged :]
+            self._logged = len(updates)
+            self.lightning_module.log(
+                "staleness", float(new[-1][1]), on_step=True, on_epoch=True,
+                sync_dist=False, batch_size=1,
+            )  # fmt: skip
+        return output
+
+    def lightning_module_state_dict(self) -> dict[str, Any]:
+        if isinstance(self.client, AsyncParameterClient):
+            self.client.refresh()  # the servers' newest weights, not this worker's last pull
+        return super().lightning_module_state_dict()

@@ -1,0 +1,69 @@
+"""AsyncSGDStrategy under Lightning: s=0 equals parameter_server, workers do not wait for
+each other (no per-batch collective), staleness logged and traced, refusals."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from lightning.pytorch.strategies import StrategyRegistry
+from test_parameter_server import fit, make, weights
+
+import lightning_par  # noqa: F401  (registers the strategy names)
+from lightning_par.callbacks import Straggler
+from lightning_par.comm.trace import load_traces
+from lightning_par.strategies.async_sgd import AsyncSGDStrategy, staleness_histogram
+from lightning_par.strategies.parameter_server import ParameterServerStrategy
+
+
+def test_staleness_zero_equals_parameter_server():
+    sync = make("cnn")
+    fit(sync, ParameterServerStrategy(num_servers=2, split_mb=0.005), 2)
+    ssp0 = make("cnn")
+    fit(ssp0, AsyncSGDStrategy(num_servers=2, staleness=0, split_mb=0.005), 2)
+    torch.testing.assert_close(weights(ssp0), weights(sync), atol=1e-6, rtol=1e-6)
+    assert not torch.equal(weights(ssp0), weights(make("cnn")))  # it trained
+
+
+def test_workers_never_wait_and_staleness_is_logged_and_traced(tmp_path):
+    assert "async_sgd" in StrategyRegistry
+    strategy = AsyncSGDStrategy(trace_dir=tmp_path / "trace")
+    model = make("cnn", scheduler=None)
+    trainer = fit(model, strategy, 2, steps=4, callbacks=[Straggler(rank=1, slowdown=6.0)])
+    assert "staleness" in trainer.callback_metrics
+    traces = load_traces(tmp_path / "trace")
+    slow = staleness_histogram(traces[1])
+    assert sum(slow.values()) == 4  # every update of the slow worker recorded
+    # In lock-step (a per-batch collective among workers) the fast worker could update at
+    # most once while the straggler computed; here it runs several steps ahead.
+    assert max(slow) >= 2
+    assert sum(staleness_histogram(traces).values()) == 8
+    assert not torch.equal(weights(model), weights(make("cnn", scheduler=None)))
+
+
+def test_bounded_staleness_under_a_straggler(tmp_path):
+    strategy = AsyncSGDStrategy(staleness=1, trace_dir=tmp_path / "trace")
+    fit(make("cnn", scheduler=None), strategy, 2, steps=4,
+        callbacks=[Straggler(rank=1, slowdown=6.0)])  # fmt: skip
+    # with s=1 and two workers an update is at most (W-1)(2s+1) = 3 updates stale
+    assert max(staleness_histogram(load_traces(tmp_path / "trace"))) <= 3
+
+
+def test_checkpoint_holds_the_servers_optimiser_state(tmp_path):
+    model = make("cnn", scheduler=None)
+    trainer = fit(model, AsyncSGDStrategy(), 2, steps=2, default_root_dir=tmp_path,
+                  enable_checkpointing=True)  # fmt: skip
+    saved = torch.load(trainer.checkpoint_callback.best_model_path, weights_only=False)
+    state = saved["optimizer_states"][0]["state"]
+    assert len(state) == len(list(model.parameters()))
+    assert all(s["momentum_buffer"].abs().sum() > 0 for s in state.values())
+
+
+def test_bad_options_are_refused():
+    with pytest.raises(ValueError, match="staleness"):
+        AsyncSGDStrategy(staleness=-1)
+    with pytest.raises(TypeError, match="staleness"):
+        AsyncSGDStrategy(staleness=1.5)
+    with pytest.raises(TypeError, match="bucket_cap_mb"):
+        AsyncSGDStrategy(bucket_cap_mb=1.0)
+    with pytest.raises(ValueError, match="num_servers"):
+        AsyncSGDStrategy(num_servers=0)
