@@ -149,3 +149,37 @@ def test_tensors_returned_by_ranks_survive_the_ranks_exit():
     for rank, out in enumerate(results):
         assert torch.equal(out["weights"], torch.full((1000,), float(rank)))
         assert out["grads"][0].tolist() == [float(rank)] * 3
+
+
+def test_a_bounded_command_dies_with_the_process_that_ran_it(tmp_path):
+    # e.g. `timeout 150 python -m lightning_par.check` killing the check: its row (which
+    # runs in a session of its own) must not live on
+    import signal
+    import subprocess
+    import sys
+
+    pid_file = tmp_path / "child.pid"
+    sleeper = (
+        f"import os, time; open({str(pid_file)!r}, 'w').write(str(os.getpid())); time.sleep(120)"
+    )
+    runner = tmp_path / "runner.py"
+    runner.write_text(
+        "import sys\nfrom lightning_par.comm.run import run_bounded\n"
+        f"run_bounded([sys.executable, '-c', {sleeper!r}], 300)\n"
+    )
+    parent = subprocess.Popen([sys.executable, str(runner)])
+    try:
+        deadline = time.monotonic() + 60
+        while not (pid_file.exists() and pid_file.read_text()):
+            assert time.monotonic() < deadline and parent.poll() is None
+            time.sleep(0.1)
+        child = int(pid_file.read_text())
+        parent.send_signal(signal.SIGKILL)  # no finally runs in the parent
+        parent.wait()
+        deadline = time.monotonic() + 10
+        while os.path.exists(f"/proc/{child}") and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert not os.path.exists(f"/proc/{child}"), "the command outlived its parent"
+    finally:
+        if parent.poll() is None:
+            parent.kill()

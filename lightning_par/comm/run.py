@@ -225,12 +225,14 @@ class Completed:
 
 def run_bounded(cmd: list[str], timeout: float, **popen_kwargs: Any) -> Completed:
     """Run ``cmd`` in its own session; after ``timeout`` seconds kill its whole process
-    group (the command and every rank it started), so nothing outlives the limit."""
+    group (the command and every rank it started), so nothing outlives the limit. The
+    command also dies with this process, however this one ends (e.g. killed by a
+    ``timeout`` around it, when no ``finally`` runs)."""
     import subprocess
 
     proc = subprocess.Popen(
         cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-        start_new_session=True, **popen_kwargs,
+        start_new_session=True, preexec_fn=die_with_parent, **popen_kwargs,
     )  # fmt: skip
     try:
         out, err = proc.communicate(timeout=timeout)
