@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import time
+
 import matplotlib
 import torch
 from torch import nn
@@ -55,7 +57,9 @@ def _traced(rank: int, world_size: int) -> CommTrace:
     comm = Communicator(trace=CommTrace(rank))
     stage = PipelineStage(split_sequential(_net(), [4, 4])[rank], comm)
     x, y = torch.randn(BATCH, WIDTH), torch.randn(BATCH, WIDTH)
-    for _ in range(2):  # in step 1, stage 1 posts its receives before stage 0's first forward
+    for step in range(2):
+        if step == 1 and rank == 0:
+            time.sleep(0.2)  # so stage 1 surely posts step 1's receives before this forward
         forward_backward(stage, x, y, nn.MSELoss(), 4, "gpipe")
     return comm.trace
 
