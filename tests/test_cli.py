@@ -74,7 +74,7 @@ def test_missing_data_is_one_clear_error_before_any_process_starts(tmp_path, mon
     assert "Initializing distributed" not in out.stderr + out.stdout  # no rank was started
 
 
-def test_console_entry_point_lists_the_subcommands():
+def test_python_m_help_names_the_command_and_lists_the_subcommands():
     out = subprocess.run(
         [sys.executable, "-m", "lightning_par", "--help"],
         capture_output=True,
@@ -82,6 +82,7 @@ def test_console_entry_point_lists_the_subcommands():
         timeout=120,
     )
     assert out.returncode == 0
+    assert out.stdout.startswith("usage: python -m lightning_par ") and "__main__" not in out.stdout
     subcommands = {"fit", "validate", "test", "predict"}
     assert subcommands <= set(re.findall(r"\b(fit|validate|test|predict)\b", out.stdout)), (
         out.stdout

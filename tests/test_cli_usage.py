@@ -108,15 +108,3 @@ def test_the_command_line_prints_no_traceback_and_starts_no_process(tmp_path):
     assert "Did you mean --trainer.strategy=ring_allreduce?" in out.stderr
     assert "Traceback" not in out.stderr + out.stdout
     assert "Initializing distributed" not in out.stderr + out.stdout
-
-
-def test_python_m_help_names_the_command():
-    out = subprocess.run(
-        [sys.executable, "-m", "lightning_par", "--help"],
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
-    assert out.returncode == 0
-    assert out.stdout.startswith("usage: python -m lightning_par ")
-    assert "__main__" not in out.stdout
