@@ -28,6 +28,7 @@ the server, and every other worker, for that backward.
 
 from __future__ import annotations
 
+import threading
 from typing import Any
 
 import torch
@@ -47,6 +48,7 @@ from lightning_par.paramserver.messages import (
     send_object,
 )
 from lightning_par.paramserver.server import ShardOptimizer
+from lightning_par.paramserver.work import NEXT, NONE, WorkQueue
 from lightning_par.paramserver.worker import ParameterClient
 
 #: A bucket size larger than any model: the whole gradient in one push.
@@ -54,6 +56,11 @@ ONE_BUCKET_MB = 1e6
 #: Header command: send me the current weights (not a step; used for checkpoints, the end).
 PULL = 4
 INFO = 3  # staleness of the update just applied, lead over the slowest at reply, version
+#: Numbers after the hyperparameters in every header: the (epoch, batch) the worker last
+#: trained (acknowledges shared work; NONE without it).
+ACK = 2
+#: The gloo tag of a worker's next batch number (every other message uses tag 0).
+WORK_TAG = 7
 
 
 def recv_any(comm: Communicator, buf: torch.Tensor) -> int:
@@ -80,15 +87,20 @@ class AsyncServer:
         self.waiting: dict[int, int] = {}  # worker -> staleness of its last update, unanswered
         self.held: dict[int, tuple[list[torch.Tensor], torch.Tensor]] = {}  # s=0: this round
         self.history: list[tuple[int, int, int]] = []  # (worker, staleness, lead at reply)
+        self.work = WorkQueue()  # used on server 0 when the workers share batches
 
     def run(self) -> None:
         spec = self.shard.spec
-        header = torch.zeros(2 + sum(len(x) for x in spec.schemas), dtype=torch.float64)
+        header = torch.zeros(2 + sum(len(x) for x in spec.schemas) + ACK, dtype=torch.float64)
         while self.running:
             w = recv_any(self.comm, header)
             command, step = int(header[0]), int(header[1])
             if command == STEP:
-                self._push(w, step, header[2:].clone())
+                self.work.trained(w, int(header[-2]), int(header[-1]))
+                self._push(w, step, header[2:-ACK].clone())
+            elif command == NEXT:  # step: the epoch; the last number: its number of batches
+                reply = torch.tensor(self.work.take(w, step, int(header[-1])), dtype=torch.int64)
+                dist.send(reply, self.comm._global[w], tag=WORK_TAG)
             elif command == GET_STATE:
                 send_object(self.comm, self.shard.state_slices(), w)
             elif command == SET_STATE:
@@ -205,16 +217,43 @@ class AsyncParameterClient(ParameterClient):
         self._info: list[tuple[int, Any]] = []
         self._info_step = 0
         self._trace = kwargs.get("trace")
+        self.sampler: Any = None  # a SharedBatchSampler when the workers share batches
+        self.trained: tuple[int, int] = (NONE, NONE)  # acknowledged with the next push
+        # All messages between two ranks share one gloo tag and match in the order posted:
+        # a header and its push must not be split by the main thread's request for work.
+        self._post = threading.RLock()
         super().__init__(module, optimizer, *args, **kwargs)
 
     def _headers(self, command: int) -> list[Any]:
         """Post a header to every server without waiting: servers take workers in any order,
         and a worker blocked on one server's header while another server waits for its
         push would deadlock the two servers against two workers."""
-        header = torch.tensor([float(command), float(self.step), *self.lrs()], dtype=torch.float64)
+        header = self._header(command, self.step, self.trained)
         return [self.comm.isend(header, server, tag="control") for server in self.servers]
 
+    def _header(self, command: int, step: int, last: tuple[int, int]) -> torch.Tensor:
+        values = [float(command), float(step), *self.lrs(), *map(float, last)]
+        return torch.tensor(values, dtype=torch.float64)
+
+    def next_batch(self, epoch: int, num_batches: int) -> tuple[int, int]:
+        """Ask server 0 for this worker's next ``(epoch, batch)`` (batch NONE: epoch done).
+
+        One header, ``num_batches`` in its last number; the answer comes on its own tag, so
+        it cannot be taken for weights the communication thread waits for from server 0."""
+        reply = torch.zeros(2, dtype=torch.int64)
+        handle = dist.irecv(reply, self.comm._global[self.servers[0]], tag=WORK_TAG)
+        with self._post:  # not between another header and its push (see _push)
+            header = self._header(NEXT, epoch, (NONE, num_batches))
+            sent = self.comm.isend(header, self.servers[0], tag="control")
+        sent.wait()
+        handle.wait(IDLE_TIMEOUT)
+        return int(reply[0]), int(reply[1])
+
     def _push(self, bucket: Bucket) -> None:
+        with self._post:
+            self._post_push(bucket)
+
+    def _post_push(self, bucket: Bucket) -> None:
         b = bucket.index
         sends = self._headers(STEP) if b == 0 else []
         pulls = []
