@@ -90,6 +90,8 @@ class AsyncSGDStrategy(ParameterServerStrategy):
     """
 
     strategy_name = "async_sgd"
+    #: a fork launch goes on when a worker other than rank 0 dies (the servers drop it)
+    survives_lost_workers = True
     client_cls = AsyncParameterClient
 
     def __init__(
