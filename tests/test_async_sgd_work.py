@@ -52,7 +52,8 @@ class Seen(pl.Callback):
 
 def test_fast_worker_takes_more_batches_and_each_sample_once_per_epoch(tmp_path):
     torch.manual_seed(0)
-    model = Numbered(width=8, num_blocks=2, scheduler=None, lr=0.01)
+    # the default one-cycle schedule needs estimated_stepping_batches of a length-less loader
+    model = Numbered(width=8, num_blocks=2, lr=0.01)
     trainer = pl.Trainer(
         strategy=AsyncSGDStrategy(), accelerator="cpu", devices=2, max_epochs=EPOCHS,
         logger=False, enable_progress_bar=False, enable_model_summary=False,

@@ -3,7 +3,9 @@
 Lightning's launcher joins its ranks with torch's ``ProcessContext.join``, which kills every
 rank as soon as one exits with an error. A strategy whose workers never wait for each other
 (``async_sgd``) can finish without a lost worker, so for it the launch joins the ranks
-here instead: a rank other than 0 that exits with an error is reported and left behind;
+here instead: a rank other than 0 that dies abruptly (killed, ``os._exit``: no Python error
+left in its error file) is reported and left behind; a Python error raised in any rank
+stops every rank as before;
 rank 0 (logging, checkpoints, the servers' parent) ending with an error ends the job as
 before, with a message that says so.
 """
@@ -11,6 +13,7 @@ before, with a message that says so.
 from __future__ import annotations
 
 import multiprocessing.connection
+import os
 import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -29,14 +32,14 @@ def _join(context: Any, timeout: float | None = None, grace_period: float | None
         process.join()
         if process.exitcode == 0:
             context.sentinels.pop(sentinel)
-        elif index != 0:
-            context.sentinels.pop(sentinel)
+        elif index != 0 and not os.path.exists(context.error_files[index]):
+            context.sentinels.pop(sentinel)  # died abruptly: a lost worker
             print(
                 f"lightning_par: worker {index} (rank {index}) died (exit code "
                 f"{process.exitcode}); the other workers go on without it",
                 file=sys.stderr, flush=True,
             )  # fmt: skip
-        else:
+        else:  # rank 0, or an error raised in a rank (a bug to show, not a lost worker)
             try:
                 return type(context).join(context, timeout, grace_period)  # kills the rest
             except tmp.ProcessExitedException as err:

@@ -121,6 +121,8 @@ class AsyncSGDStrategy(ParameterServerStrategy):
         return {"asynchronous": True, "staleness": self.staleness}
 
     def setup(self, trainer: pl.Trainer) -> None:
+        if trainer.state.fn == TrainerFn.FITTING:
+            self._count_shared_batches(trainer)
         super().setup(trainer)
         if trainer.state.fn == TrainerFn.FITTING:
             trainer.fit_loop.epoch_loop._broadcast_sigterm_tensor = self._own_sigterm
@@ -164,8 +166,29 @@ class AsyncSGDStrategy(ParameterServerStrategy):
             persistent_workers=dataloader.persistent_workers,
         )  # fmt: skip
 
+    def _count_shared_batches(self, trainer: pl.Trainer) -> None:
+        """A shared sampler has no length (so that Lightning fetches one batch ahead and sees
+        the epoch's last); for ``estimated_stepping_batches`` (schedulers) count each worker
+        as up to the whole epoch, the most it can take."""
+        loop = trainer.fit_loop
+        original = loop.setup_data
+
+        def setup_data() -> None:
+            original()
+            if self.sampler is not None and loop.max_batches == float("inf"):
+                limit = trainer.limit_train_batches
+                total = self.sampler.num_batches
+                loop.max_batches = min(total, limit) if isinstance(limit, int) else total
+            if self.sampler is not None and self.client is None:
+                # set up early (a scheduler asked for the step count): Lightning already
+                # began epoch 0's iterator, which found no servers; build it again later
+                loop._combined_loader = None
+
+        loop.setup_data = setup_data
+
     def _next_batch(self, epoch: int, num_batches: int) -> tuple[int, int]:
-        assert isinstance(self.client, AsyncParameterClient)
+        if not isinstance(self.client, AsyncParameterClient):
+            return epoch, NONE  # iterated before the servers are up (see above)
         epoch = self.lightning_module.trainer.current_epoch  # whether or not set_epoch was called
         item = self.client.next_batch(epoch, num_batches)
         if item[1] != NONE:
