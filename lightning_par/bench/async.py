@@ -68,7 +68,13 @@ class TrainClock(pl.Callback):
 
 def fit_one(name: str, args, root: Path) -> dict:
     pl.seed_everything(args.seed, verbose=False)
-    model = CifarCNN(width=args.width, num_blocks=args.num_blocks, lr=args.lr, scheduler=None)
+    # an asynchronous update is one worker's batch, a synchronous one the mean of W: at
+    # --async-lr-scale 1/W both move the weights by the same amount per image
+    asynchronous = name.startswith("async_sgd")
+    lr = args.lr * (args.async_lr_scale if asynchronous else 1.0)
+    momentum = args.async_momentum if asynchronous else 0.9
+    model = CifarCNN(width=args.width, num_blocks=args.num_blocks, lr=lr, momentum=momentum,
+                     scheduler=None)  # fmt: skip
     data = CIFAR10DataModule(source="cifar10-mini", batch_size=args.batch_size)
     root.mkdir()
     pl.Trainer(
@@ -102,8 +108,9 @@ def run(args) -> dict:
     for row in rows:
         row["speedup_vs_" + ref["strategy"]] = row["images_per_s"] / ref["images_per_s"]
         row["acc_points_vs_" + ref["strategy"]] = 100 * (row["test_acc"] - ref["test_acc"])
-    setup = {k: getattr(args, k) for k in ("epochs", "slowdown", "width", "num_blocks",
-                                            "batch_size", "lr", "seed")}  # fmt: skip
+    keys = ("epochs", "slowdown", "width", "num_blocks", "batch_size", "lr", "async_lr_scale",
+            "async_momentum", "seed")  # fmt: skip
+    setup = {k: getattr(args, k) for k in keys}
     return {"workers": 2, "straggler_rank": 1, "data": "cifar10-mini", **setup, "rows": rows}
 
 
@@ -112,7 +119,8 @@ def report(result: dict) -> str:
     lines = [
         f"CifarCNN(width={result['width']}, num_blocks={result['num_blocks']}), cifar10-mini, "
         f"2 CPU workers, worker 1 {result['slowdown']:g}x slower (Straggler), "
-        f"{result['epochs']} epochs, batch {result['batch_size']}, lr {result['lr']:g}",
+        f"{result['epochs']} epochs, batch {result['batch_size']}, lr {result['lr']:g} "
+        f"(async_sgd: x{result['async_lr_scale']:g}, momentum {result['async_momentum']:g})",
         "",
         f"| strategy | images/s | vs {ref} | train s | images (w0, w1) | test acc | acc vs {ref} |",
         "|---|---|---|---|---|---|---|",
@@ -136,6 +144,10 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--num-blocks", type=int, default=2)
     parser.add_argument("--batch-size", type=int, default=32, help="per worker and step")
     parser.add_argument("--lr", type=float, default=0.05)
+    parser.add_argument("--async-lr-scale", type=float, default=0.5,
+                        help="async_sgd's lr is --lr times this (1/W by default)")  # fmt: skip
+    parser.add_argument("--async-momentum", type=float, default=0.9,
+                        help="async_sgd's momentum (the others: 0.9)")  # fmt: skip
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument(
         "--limit-batches", type=int, default=None, help="train/test batches per epoch (smoke test)"
