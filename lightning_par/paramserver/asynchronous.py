@@ -2,7 +2,7 @@
 
 The synchronous server (:func:`~lightning_par.paramserver.server.synchronous_step`) waits for
 every worker's push before it updates. Here a server takes the workers' messages in the
-order they arrive (a receive *from any rank*) and, for each push, at once runs the user's
+order they arrive (one reader thread per worker) and, for each push, at once runs the user's
 optimiser on that one worker's gradient (:meth:`ShardOptimizer.apply`) and sends that
 worker the new weights; other workers are never waited for (Dean et al., "Large Scale
 Distributed Deep Networks", NIPS 2012: Downpour SGD).
@@ -21,6 +21,11 @@ one may be ahead, so the server keeps each round's pushes until all have arrived
 applies their mean once, exactly :func:`synchronous_step` (the same sum in worker order).
 ``s=None`` never holds anyone back.
 
+**Lost workers.** A receive from one worker fails as soon as that worker's process dies
+(its connection closes); the servers then drop it, print which one, count the slowest
+clock over the others only, and server 0 hands its untrained batches to the others
+(:class:`~lightning_par.paramserver.work.WorkQueue`). Losing worker 0 ends the job.
+
 Workers push their whole gradient in one message after backward (one gradient bucket): a
 server reads one worker's message at a time, and a push spread over a backward would hold
 the server, and every other worker, for that backward.
@@ -28,14 +33,14 @@ the server, and every other worker, for that backward.
 
 from __future__ import annotations
 
-from typing import Any
+import queue
+import sys
+import threading
 
 import torch
 import torch.distributed as dist
-from torch import nn
 
-from lightning_par.comm import CommError, Communicator, Event, wait_all
-from lightning_par.comm.buckets import Bucket
+from lightning_par.comm import CommError, Communicator, wait_all
 from lightning_par.paramserver.messages import (
     GET_STATE,
     IDLE_TIMEOUT,
@@ -47,23 +52,18 @@ from lightning_par.paramserver.messages import (
     send_object,
 )
 from lightning_par.paramserver.server import ShardOptimizer
-from lightning_par.paramserver.worker import ParameterClient
+from lightning_par.paramserver.work import NEXT, WorkQueue
 
 #: A bucket size larger than any model: the whole gradient in one push.
 ONE_BUCKET_MB = 1e6
 #: Header command: send me the current weights (not a step; used for checkpoints, the end).
 PULL = 4
 INFO = 3  # staleness of the update just applied, lead over the slowest at reply, version
-
-
-def recv_any(comm: Communicator, buf: torch.Tensor) -> int:
-    """Receive ``buf`` from whichever rank sends first; return that rank (in ``comm``)."""
-    work = dist.irecv(buf, src=None, group=comm.group)
-    try:
-        work.wait(IDLE_TIMEOUT)
-    except RuntimeError as err:
-        raise CommError(f"rank {comm.rank}: receive from any worker failed: {err}") from err
-    return int(work._source_rank())  # the group's rank; torch has no public accessor
+#: Numbers after the hyperparameters in every header: the (epoch, batch) the worker last
+#: trained (acknowledges shared work; NONE without it).
+ACK = 2
+#: The gloo tag of a worker's next batch number (every other message uses tag 0).
+WORK_TAG = 7
 
 
 class AsyncServer:
@@ -80,38 +80,99 @@ class AsyncServer:
         self.waiting: dict[int, int] = {}  # worker -> staleness of its last update, unanswered
         self.held: dict[int, tuple[list[torch.Tensor], torch.Tensor]] = {}  # s=0: this round
         self.history: list[tuple[int, int, int]] = []  # (worker, staleness, lead at reply)
+        self.work = WorkQueue()  # used on server 0 when the workers share batches
+        self.dropped: list[int] = []  # workers lost during the run
 
     def run(self) -> None:
-        spec = self.shard.spec
-        header = torch.zeros(2 + sum(len(x) for x in spec.schemas), dtype=torch.float64)
+        # One reader thread per worker takes that worker's whole messages (header, then a
+        # push or a state): a receive from one worker fails at once when its process dies,
+        # where a receive from any rank would not notice.
+        self.inbox: queue.Queue = queue.Queue()
+        for w in range(self.shard.spec.num_workers):
+            threading.Thread(target=self._read, args=(w,), daemon=True).start()
         while self.running:
-            w = recv_any(self.comm, header)
+            w, header, payload = self.inbox.get()
+            if header is None:
+                self._drop(w, payload)
+                continue
             command, step = int(header[0]), int(header[1])
-            if command == STEP:
-                self._push(w, step, header[2:].clone())
-            elif command == GET_STATE:
-                send_object(self.comm, self.shard.state_slices(), w)
-            elif command == SET_STATE:
-                self.shard.load_full(recv_object(self.comm, w))
-            elif command == PULL:
-                self._send_weights([w])
-            elif command == STOP:
-                self.running.discard(w)
-                self.stopped.append(w)
-                self._release()
-                if not self.running:  # the final weights, to every worker
-                    self._send_weights(self.stopped)
-            else:
-                raise RuntimeError(f"unknown command {command} from worker {w}")
+            try:
+                self._handle(w, command, step, header, payload)
+            except (CommError, RuntimeError) as err:
+                if command not in (STEP, NEXT, PULL):
+                    raise
+                self._drop(w, err)  # it died before taking our answer
 
-    def _push(self, w: int, step: int, hyper: torch.Tensor) -> None:
+    def _read(self, w: int) -> None:
+        spec, shard = self.shard.spec, self.shard
+        size = 2 + sum(len(x) for x in spec.schemas) + ACK
+        try:
+            while True:
+                header = torch.zeros(size, dtype=torch.float64)
+                self.comm.irecv(header, w, tag="control").wait(IDLE_TIMEOUT)
+                command, payload = int(header[0]), None
+                if command == STEP:
+                    payload = [
+                        torch.empty(shard.flat[b].numel() + len(shard.layout[b]), dtype=spec.dtype)
+                        for b in shard.active
+                    ]
+                    wait_all([self.comm.irecv(buf, w, step=int(header[1]), chunk=b, tag="push")
+                              for b, buf in zip(shard.active, payload)])  # fmt: skip
+                elif command == SET_STATE:
+                    payload = recv_object(self.comm, w)
+                self.inbox.put((w, header, payload))
+                if command == STOP:
+                    return
+        except (CommError, RuntimeError) as err:
+            self.inbox.put((w, None, err))
+
+    def _handle(self, w: int, command: int, step: int, header: torch.Tensor, payload) -> None:
+        if command == STEP:
+            self.work.trained(w, int(header[-2]), int(header[-1]))
+            self._push(w, payload, header[2:-ACK].clone())
+        elif command == NEXT:  # step: the epoch; the last number: its number of batches
+            reply = torch.tensor(self.work.take(w, step, int(header[-1])), dtype=torch.int64)
+            dist.send(reply, self.comm._global[w], tag=WORK_TAG)
+        elif command == GET_STATE:
+            send_object(self.comm, self.shard.state_slices(), w)
+        elif command == SET_STATE:
+            self.shard.load_full(payload)
+        elif command == PULL:
+            self._send_weights([w])
+        elif command == STOP:
+            self.running.discard(w)
+            self.stopped.append(w)
+            self._release()
+            self._finish()
+        else:
+            raise RuntimeError(f"unknown command {command} from worker {w}")
+
+    def _finish(self) -> None:
+        if not self.running:  # the final weights, to every worker that stopped
+            self._send_weights(self.stopped)
+
+    def _drop(self, w: int, err: BaseException) -> None:
+        """Worker ``w`` is gone: go on without it; its untrained batches go to the others."""
+        if w not in self.running:
+            return
+        if w == 0:
+            raise CommError(f"worker 0 (rank 0: logging, checkpoints) was lost: {err}")
+        self.running.discard(w)
+        self.waiting.pop(w, None)
+        self.held.pop(w, None)
+        lost = self.work.drop(w)
+        print(
+            f"lightning_par: asynchronous parameter server {self.shard.server} "
+            f"(rank {self.comm.rank}) dropped worker {w} (rank {w}): {str(err).splitlines()[0]}"
+            + (f"; its batches {lost} (epoch, batch) go to the other workers" if lost else ""),
+            file=sys.stderr, flush=True,
+        )  # fmt: skip
+        self.dropped.append(w)
+        self._release()
+        self._finish()
+
+    def _push(self, w: int, bufs: list[torch.Tensor], hyper: torch.Tensor) -> None:
         shard = self.shard
-        bufs = [
-            torch.empty(shard.flat[b].numel() + len(shard.layout[b]), dtype=shard.spec.dtype)
-            for b in shard.active
-        ]
-        wait_all([self.comm.irecv(buf, w, step=step, chunk=b, tag="push")
-                  for b, buf in zip(shard.active, bufs)])  # fmt: skip
         if self.staleness == 0:
             self.held[w] = (bufs, hyper)
             self._release()
@@ -130,6 +191,8 @@ class AsyncServer:
             self._apply_round()
             return
         for w in sorted(self.waiting):
+            if w not in self.waiting:  # answered while another worker was dropped
+                continue
             lead = self.clock[w] - min((self.clock[v] for v in self.running), default=0)
             if self.staleness is None or lead <= self.staleness:
                 self._reply(w, self.waiting.pop(w), lead)
@@ -162,7 +225,11 @@ class AsyncServer:
         sends = [self.comm.isend(self.shard.flat[b], w, chunk=b, tag="pull")
                  for b in self.shard.active]  # fmt: skip
         sends.append(self.comm.isend(info, w, tag="staleness"))
-        wait_all(sends)  # before the next update changes the slices
+        try:
+            wait_all(sends)  # before the next update changes the slices
+        except CommError as err:
+            self._drop(w, err)
+            return
         self.pulled[w] = self.version
         self.history.append((w, staleness, lead))
 
@@ -186,108 +253,7 @@ def serve_async(comm: Communicator, server: int, staleness: int | None) -> Async
         raise CommError(f"{role}: {err} (ranks 0..W-1 are the workers, W.. the servers)") from err
 
 
-class AsyncParameterClient(ParameterClient):
-    """A worker of asynchronous SGD: pushes its gradient after backward, takes back the
-    weights and the staleness of its update from each server; talks to the servers alone.
+# the worker side, re-exported here (it imports the constants above)
+from lightning_par.paramserver.async_client import AsyncParameterClient  # noqa: E402
 
-    With a trace, each applied update is an :class:`~lightning_par.comm.Event` named
-    ``staleness`` whose ``micro_batch`` field holds the staleness.
-
-    Attributes:
-        updates: ``(step, staleness, lead)`` per applied update of this worker, the
-            largest over the servers (each server counts its own updates).
-    """
-
-    def __init__(self, module: nn.Module, optimizer: torch.optim.Optimizer, *args: Any,
-                 **kwargs: Any) -> None:  # fmt: skip
-        kwargs.setdefault("bucket_cap_mb", ONE_BUCKET_MB)  # one push after backward
-        self.updates: list[tuple[int, int, int]] = []
-        self._info: list[tuple[int, Any]] = []
-        self._info_step = 0
-        self._trace = kwargs.get("trace")
-        super().__init__(module, optimizer, *args, **kwargs)
-
-    def _headers(self, command: int) -> list[Any]:
-        """Post a header to every server without waiting: servers take workers in any order,
-        and a worker blocked on one server's header while another server waits for its
-        push would deadlock the two servers against two workers."""
-        header = torch.tensor([float(command), float(self.step), *self.lrs()], dtype=torch.float64)
-        return [self.comm.isend(header, server, tag="control") for server in self.servers]
-
-    def _push(self, bucket: Bucket) -> None:
-        b = bucket.index
-        sends = self._headers(STEP) if b == 0 else []
-        pulls = []
-        for s, sl in enumerate(self.layout[b]):
-            if not sl:
-                continue
-            grads = [bucket.views[i].flatten()[pc.start : pc.stop] for i, pc in sl]
-            flags = torch.stack([bucket.flags[i] for i, _ in sl])
-            server = self.servers[s]
-            message = torch.cat([*grads, flags])
-            sends.append(self.comm.isend(message, server, step=self.step, chunk=b, tag="push"))
-            pulls.append(
-                (s, self.comm.irecv(self.pull[b][s], server, step=self.step, chunk=b, tag="pull"))
-            )
-        self.pending[b] = pulls
-        if b == len(self.buckets.buckets) - 1:  # buckets go in index order
-            self._info_step = self.step
-            self._info = [
-                (s, self.comm.irecv(torch.zeros(INFO), server, step=self.step, tag="staleness"))
-                for s, server in enumerate(self.servers)
-            ]
-        wait_all(sends)
-
-    def wait_bucket(self, b: int) -> None:
-        super().wait_bucket(b)
-        if not self.pending and self._info:
-            values = [handle.wait() for _, handle in self._info]
-            self._info = []
-            staleness = max(int(v[0]) for v in values)
-            self.updates.append((self._info_step, staleness, max(int(v[1]) for v in values)))
-            if self._trace is not None:  # the staleness rides in the event's number field
-                now = self._trace.now()
-                self._trace.events.append(Event(self.rank, "staleness", now, now, staleness))
-
-    def refresh(self) -> None:
-        """Take the servers' current weights (the latest of all workers' updates)."""
-        self.settle()
-        sends = self._headers(PULL)
-        self._post_pulls()  # before waiting on the headers (see _headers)
-        wait_all(sends)
-        self.settle()
-
-    def _post_pulls(self) -> None:
-        for b, per_server in enumerate(self.layout):
-            self.pending[b] = [
-                (s, self.comm.irecv(self.pull[b][s], self.servers[s], chunk=b, tag="pull"))
-                for s, sl in enumerate(per_server)
-                if sl
-            ]
-
-    def close(self) -> None:
-        """Stop; the servers answer with their final weights once every worker has stopped,
-        so every worker ends with the same model (every worker calls this)."""
-        self.settle()
-        sends = self._headers(STOP)
-        self._post_pulls()
-        wait_all(sends)
-        self.settle()
-        for hook in self._hooks:
-            hook.remove()
-        self.buckets.close()
-
-    def gather_state(self) -> dict[str, Any]:
-        """Worker 0 gathers the full optimiser state; others return their own (no state)."""
-        if self.rank != 0:
-            self.settle()
-            return self.optimizer.state_dict()
-        return super().gather_state()
-
-    def load_state(self, state_dict: dict[str, Any]) -> None:
-        """Worker 0 sends the state to the servers; the others take the hyperparameters."""
-        if self.rank != 0:
-            self.settle()
-            self.optimizer.load_state_dict({**state_dict, "state": {}})
-            return
-        super().load_state(state_dict)
+__all__ = ["AsyncParameterClient", "AsyncServer", "serve_async"]

@@ -48,6 +48,7 @@ from lightning_par.comm.launch import (
 )
 from lightning_par.comm.run import die_with_parent, stop_process_groups
 from lightning_par.comm.trace import trace_from_dict, trace_to_dict
+from lightning_par.strategies._lost_workers import tolerate_lost_workers
 
 
 class ExistingRanksLauncher(_SubprocessScriptLauncher):
@@ -121,7 +122,9 @@ class PolicyLauncher(_MultiProcessingLauncher):
                     import multiprocessing as mp
 
                     mp.get_context("forkserver").set_forkserver_preload(FORKSERVER_PRELOAD)
-                return super().launch(function, *args, trainer=trainer, **kw)
+                # async_sgd goes on without a lost worker (see _lost_workers)
+                with tolerate_lost_workers(getattr(strategy, "survives_lost_workers", False)):
+                    return super().launch(function, *args, trainer=trainer, **kw)
         except BaseException as error:
             self._stop_ranks(trainer, error, started)
             raise

@@ -11,8 +11,13 @@ processes, checkpoints and refusals are those of
   fully asynchronous;
 * **no collective among the workers during an epoch**: Lightning broadcasts a SIGTERM flag
   from rank 0 before every training batch, which would keep the workers in lock-step; here
-  each worker checks only its own flag. Log per-step values without ``sync_dist`` for the
-  same reason (Lightning's epoch-end reductions are fine);
+  each worker checks only its own flag. While fitting, Lightning's other collectives
+  (the barrier after a checkpoint, ``sync_dist`` reductions, torchmetrics' gather at
+  ``compute``, checkpoint decisions) are local to each worker: the workers reach an epoch's
+  end up to a batch apart, and one may be gone. ``trainer.test``/``validate`` reduce as usual;
+* **work is shared** (``share_work``, on unless ``staleness=0``): server 0 hands out each
+  epoch's batches on demand (:mod:`lightning_par.paramserver.work`), so a fast worker takes
+  more of them and a straggler holds no epoch back;
 * every applied update's staleness (server updates since that worker's last pull) is
   logged as ``staleness`` (``on_step`` and the epoch mean, this worker's own) and, with
   ``trace=True``, recorded in the trace: :func:`staleness_histogram`;
@@ -25,15 +30,19 @@ acts on one worker's batch (the synchronous server applies the mean of ``W``).
 
 from __future__ import annotations
 
-from collections import Counter
+from collections import Counter, deque
 from typing import Any
 
 import lightning.pytorch as pl
-from lightning.pytorch.trainer.states import TrainerFn
+from lightning.pytorch.trainer.states import RunningStage, TrainerFn
+from lightning.pytorch.utilities import rank_zero_warn
 from lightning.pytorch.utilities.exceptions import SIGTERMException
+from torch.utils.data import DataLoader, DistributedSampler
+from torchmetrics import Metric
 
 from lightning_par.comm import CommTrace
 from lightning_par.paramserver.asynchronous import ONE_BUCKET_MB, AsyncParameterClient
+from lightning_par.paramserver.work import NONE, SharedBatchSampler
 from lightning_par.strategies.parameter_server import ParameterServerStrategy
 
 
@@ -71,12 +80,18 @@ class AsyncSGDStrategy(ParameterServerStrategy):
         staleness: ``None`` (never wait), or ``s >= 0``: a worker more than ``s`` steps
             ahead of the slowest waits for its weights (``0``: synchronous).
         split_mb: tensors larger than this (MiB) are split over all servers.
+        share_work: the workers share each epoch's batches, handed out by server 0 on
+            demand (:mod:`lightning_par.paramserver.work`); needs Lightning's distributed
+            sampler (``use_distributed_sampler=True``, the default), whose loader reads the
+            whole dataset. ``None``: on unless ``staleness=0``.
         **kwargs: ``trace``, ``trace_dir``, ``start_method``, ``timeout``. With ``trace``
             each applied update is an event ``staleness`` whose ``micro_batch`` field holds
             the staleness (read it with :func:`staleness_histogram`).
     """
 
     strategy_name = "async_sgd"
+    #: a fork launch goes on when a worker other than rank 0 dies (the servers drop it)
+    survives_lost_workers = True
     client_cls = AsyncParameterClient
 
     def __init__(
@@ -84,9 +99,16 @@ class AsyncSGDStrategy(ParameterServerStrategy):
         num_servers: int = 1,
         staleness: int | None = None,
         split_mb: float = 1.0,
+        share_work: bool | None = None,
         **kwargs: Any,
     ) -> None:
         self.staleness = check_staleness(staleness)
+        if share_work is not None and not isinstance(share_work, bool):
+            raise TypeError(f"share_work must be True, False or None, got {share_work!r}")
+        # staleness=0 is the synchronous server, with its fixed shards, by default
+        self.share_work = share_work if share_work is not None else self.staleness != 0
+        self.sampler: SharedBatchSampler | None = None
+        self._taken: deque[tuple[int, int]] = deque()
         if "bucket_cap_mb" in kwargs:
             raise TypeError(
                 "async_sgd pushes the whole gradient in one message after backward; "
@@ -99,9 +121,12 @@ class AsyncSGDStrategy(ParameterServerStrategy):
         return {"asynchronous": True, "staleness": self.staleness}
 
     def setup(self, trainer: pl.Trainer) -> None:
+        if trainer.state.fn == TrainerFn.FITTING:
+            self._count_shared_batches(trainer)
         super().setup(trainer)
         if trainer.state.fn == TrainerFn.FITTING:
             trainer.fit_loop.epoch_loop._broadcast_sigterm_tensor = self._own_sigterm
+        self._local_metrics(trainer.state.fn == TrainerFn.FITTING)
         self._logged = 0
 
     def _own_sigterm(self) -> None:
@@ -114,7 +139,96 @@ class AsyncSGDStrategy(ParameterServerStrategy):
         """``(step, staleness, lead)`` of this worker's applied updates so far."""
         return list(self.client.updates) if isinstance(self.client, AsyncParameterClient) else []
 
+    # ---- dynamic work sharing ---------------------------------------------------------------
+    def process_dataloader(self, dataloader: object) -> object:
+        trainer = self.lightning_module.trainer
+        if not (self.share_work and trainer.state.stage == RunningStage.TRAINING):
+            return super().process_dataloader(dataloader)
+        if not isinstance(dataloader, DataLoader) or not isinstance(
+            dataloader.sampler, DistributedSampler
+        ):
+            rank_zero_warn(
+                "async_sgd shares batches only over Lightning's distributed sampler "
+                "(use_distributed_sampler=True and a DataLoader with batch_size); this "
+                "train_dataloader keeps its own fixed shards"
+            )
+            return super().process_dataloader(dataloader)
+        old = dataloader.sampler
+        self.sampler = SharedBatchSampler(
+            len(old.dataset), dataloader.batch_size or 1, dataloader.drop_last, old.shuffle,
+            old.seed, self._next_batch,
+        )  # fmt: skip
+        self._taken.clear()
+        return DataLoader(
+            dataloader.dataset, batch_sampler=self.sampler, num_workers=dataloader.num_workers,
+            collate_fn=dataloader.collate_fn, pin_memory=dataloader.pin_memory,
+            worker_init_fn=dataloader.worker_init_fn,
+            persistent_workers=dataloader.persistent_workers,
+        )  # fmt: skip
+
+    def _count_shared_batches(self, trainer: pl.Trainer) -> None:
+        """A shared sampler has no length (so that Lightning fetches one batch ahead and sees
+        the epoch's last); for ``estimated_stepping_batches`` (schedulers) count each worker
+        as up to the whole epoch, the most it can take."""
+        loop = trainer.fit_loop
+        original = loop.setup_data
+
+        def setup_data() -> None:
+            original()
+            if self.sampler is not None and loop.max_batches == float("inf"):
+                limit = trainer.limit_train_batches
+                total = self.sampler.num_batches
+                loop.max_batches = min(total, limit) if isinstance(limit, int) else total
+            if self.sampler is not None and self.client is None:
+                # set up early (a scheduler asked for the step count): Lightning already
+                # began epoch 0's iterator, which found no servers; build it again later
+                loop._combined_loader = None
+
+        loop.setup_data = setup_data
+
+    def _next_batch(self, epoch: int, num_batches: int) -> tuple[int, int]:
+        if not isinstance(self.client, AsyncParameterClient):
+            return epoch, NONE  # iterated before the servers are up (see above)
+        epoch = self.lightning_module.trainer.current_epoch  # whether or not set_epoch was called
+        item = self.client.next_batch(epoch, num_batches)
+        if item[1] != NONE:
+            self._taken.append(item)
+        return item
+
+    # ---- no lock-step at epoch ends ----------------------------------------------------------
+    def _apart(self) -> bool:
+        """Training or validating inside fit: the workers are not in step (one may be a
+        batch behind, or gone), so Lightning's collectives become local."""
+        trainer = getattr(self.lightning_module, "_trainer", None)
+        return (
+            trainer is not None
+            and trainer.state.fn == TrainerFn.FITTING
+            and trainer.state.stage in (RunningStage.TRAINING, RunningStage.VALIDATING)
+        )
+
+    def barrier(self, *args: Any, **kwargs: Any) -> None:
+        if not self._apart():  # after a checkpoint only worker 0 writes: no one need wait
+            super().barrier(*args, **kwargs)
+
+    def reduce(self, tensor: Any, group: Any | None = None, reduce_op: Any | None = "mean") -> Any:
+        """While fitting, this worker's own value (``sync_dist=True`` logs it unreduced)."""
+        if self._apart():
+            return tensor
+        return super().reduce(tensor, group=group, reduce_op=reduce_op)
+
+    def reduce_boolean_decision(self, decision: bool, all: bool = True) -> bool:
+        return decision if self._apart() else super().reduce_boolean_decision(decision, all)
+
+    def _local_metrics(self, local: bool) -> None:
+        """torchmetrics gather their states at ``compute`` (epoch end): not while fitting."""
+        assert self.model is not None
+        for sub in self.model.modules():
+            if isinstance(sub, Metric):
+                sub.sync_on_compute = not local
+
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
+        if self._taken and isinstance(self.client, AsyncParameterClient):
+            self.client.trained = self._taken.popleft()  # batches train in the order taken
         output = super().training_step(*args, **kwargs)
         updates = self.updates  # the forward above took back the last step's answer
         if len(updates) > self._logged:
