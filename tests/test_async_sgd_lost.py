@@ -10,11 +10,11 @@ import time
 from datetime import timedelta
 
 import lightning.pytorch as pl
-import psutil
 import pytest
 import torch
 from test_async_sgd_work import BATCH, EPOCHS, SAMPLES, Numbered
 
+from lightning_par.comm.run import _descendants
 from lightning_par.strategies.async_sgd import AsyncSGDStrategy
 
 
@@ -53,10 +53,25 @@ def run(tmp_path, dying: int) -> None:
     trainer.fit(Numbered(width=8, num_blocks=2, scheduler=None, lr=0.01))
 
 
+def _running(pid: int) -> bool:
+    try:  # a zombie (exited, not yet reaped) is no running process
+        return open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
 def no_children_left(deadline_s: float = 10.0) -> bool:
-    me, end = psutil.Process(), time.monotonic() + deadline_s
+    # (a forkserver an earlier test started, and multiprocessing's resource tracker, live
+    # for the whole session: not ours)
+    from multiprocessing import forkserver, resource_tracker
+
+    helpers = {
+        getattr(forkserver._forkserver, "_forkserver_pid", None),
+        getattr(resource_tracker._resource_tracker, "_pid", None),
+    }
+    end = time.monotonic() + deadline_s
     while time.monotonic() < end:
-        if not [p for p in me.children(recursive=True) if p.status() != psutil.STATUS_ZOMBIE]:
+        if not [p for p in _descendants(os.getpid()) if p not in helpers and _running(p)]:
             return True
         time.sleep(0.2)
     return False
