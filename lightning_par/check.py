@@ -1,9 +1,12 @@
 """``python -m lightning_par.check``: every example under every strategy, a few steps each.
 
 Runs on the best available accelerator (and on CPU), one row per (strategy, model,
-accelerator), each in its own subprocess with a timeout so one broken or hung row cannot
-stop the others or initialise CUDA in a parent that later forks. Prints a Markdown table:
-strategy, model, device, processes, ok/failed, images/s.
+accelerator). The rows of one accelerator run one after the other in one subprocess, so
+its start-up (imports, CUDA) is paid once; their ranks start through a forkserver, clean of
+whatever earlier rows initialised; each row has a timeout after which its ranks are stopped,
+and a row the subprocess could not report (it crashed or hung) runs again in a subprocess
+of its own. This process never initialises CUDA. Prints a Markdown table: strategy, model,
+device, processes, ok/failed, images/s, seconds.
 """
 
 from __future__ import annotations
@@ -14,7 +17,7 @@ import os
 import sys
 import time
 
-from lightning_par.comm.run import run_bounded
+from lightning_par.comm.run import run_bounded, time_limit
 
 RESULT_TAG = "CHECK_RESULT "
 MODELS = ("CifarCNN", "CifarRNN")
@@ -75,6 +78,61 @@ def plan(strategies: list[str], models: list[str], accelerators: list[str]) -> l
     return rows
 
 
+def run_rows(rows: list[list], steps: int, timeout: float) -> int:
+    """Run rows one after the other in this process (one accelerator's rows share its start-up:
+    imports, CUDA). Ranks start through a forkserver, clean whatever earlier rows left
+    here (CUDA, autograd threads, OpenMP); each row has ``timeout`` seconds, after which its
+    ranks are stopped and the next row runs."""
+    os.environ.setdefault("LIGHTNING_PAR_START_METHOD", "forkserver")
+    for index, (strategy, model, accel, devices) in enumerate(rows):
+        start = time.perf_counter()
+        try:
+            message = f"timed out after {timeout:.0f} s; every process of the row was killed"
+            with time_limit(timeout, message):
+                result = run_row(strategy, model, accel, int(devices), steps)
+        except Exception as err:  # this row failed; the others still run
+            result = {"error": f"{type(err).__name__}: {err}".splitlines()[0][:200]}
+        result.update(index=index, seconds=round(time.perf_counter() - start, 1))
+        print(RESULT_TAG + json.dumps(result), flush=True)
+    return 0
+
+
+def check_group(rows: list[tuple], steps: int, timeout: float) -> list[dict]:
+    """Every row of one accelerator in one subprocess; rows it could not report (it crashed
+    or ran out of time) run again, each in a subprocess of its own."""
+    cmd = [sys.executable, "-m", "lightning_par.check", "--steps", str(steps),
+           "--timeout", str(timeout), "--run-rows", json.dumps(rows)]  # fmt: skip
+    proc = run_bounded(cmd, timeout * len(rows) + 120)
+    reported = {}
+    for line in proc.stdout.splitlines():
+        if line.startswith(RESULT_TAG):
+            found = json.loads(line[len(RESULT_TAG) :])
+            reported[found.pop("index")] = found
+    out = []
+    for index, (strategy, model, accel, devices) in enumerate(rows):
+        row = {"strategy": strategy, "model": model, "device": accel, "processes": devices}
+        found = reported.get(index) or _own_subprocess(row, steps, timeout)
+        status = "failed" if "error" in found else "ok"
+        out.append({**row, "status": status, **found})
+    return out
+
+
+def _own_subprocess(row: dict, steps: int, timeout: float) -> dict:
+    cmd = [sys.executable, "-m", "lightning_par.check", "--steps", str(steps), "--run-row",
+           row["strategy"], row["model"], row["device"], str(row["processes"])]  # fmt: skip
+    start = time.perf_counter()
+    proc = run_bounded(cmd, timeout)
+    found = [ln for ln in proc.stdout.splitlines() if ln.startswith(RESULT_TAG)]
+    seconds = round(time.perf_counter() - start, 1)
+    if proc.returncode == 0 and found:
+        return {**json.loads(found[-1][len(RESULT_TAG) :]), "seconds": seconds}
+    if proc.timed_out:
+        error = f"timed out after {timeout:.0f} s; every process of the row was killed"
+    else:
+        error = ((proc.stderr or proc.stdout).strip().splitlines()[-1:] or ["no output"])[0]
+    return {"error": error[:200], "seconds": seconds}
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--strategies", nargs="*", help="default: every registered strategy")
@@ -84,6 +142,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--timeout", type=float, default=300, help="seconds per row")
     parser.add_argument("--json", action="store_true", help="print rows as JSON")
     parser.add_argument("--run-row", nargs=4, metavar=("STRATEGY", "MODEL", "ACCEL", "DEVICES"))
+    parser.add_argument("--run-rows", metavar="JSON", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     from lightning_par.quiet import quiet_lightning
 
@@ -94,30 +153,20 @@ def main(argv: list[str] | None = None) -> int:
         if os.environ.get("LOCAL_RANK", "0") == "0":
             print(RESULT_TAG + json.dumps(result), flush=True)
         return 0
+    if args.run_rows:
+        return run_rows(json.loads(args.run_rows), args.steps, args.timeout)
 
     strategies = args.strategies or registered_strategies()
     results = []
     if not args.json:
         print(_header(), flush=True)
-    for strategy, model, accel, devices in plan(strategies, args.models, args.accelerators):
-        cmd = [sys.executable, "-m", "lightning_par.check", "--steps", str(args.steps)]
-        cmd += ["--run-row", strategy, model, accel, str(devices)]
-        start = time.perf_counter()
-        row = {"strategy": strategy, "model": model, "device": accel, "processes": devices}
-        proc = run_bounded(cmd, args.timeout)
-        found = [ln for ln in proc.stdout.splitlines() if ln.startswith(RESULT_TAG)]
-        if proc.returncode == 0 and found:
-            row.update(status="ok", **json.loads(found[-1][len(RESULT_TAG) :]))
-        elif proc.timed_out:
-            row.update(status="failed", error=f"timed out after {args.timeout:.0f} s; "
-                       "every process of the row was killed")  # fmt: skip
-        else:
-            tail = (proc.stderr or proc.stdout).strip().splitlines()[-1:] or ["no output"]
-            row.update(status="failed", error=tail[0][:200])
-        row["seconds"] = round(time.perf_counter() - start, 1)
-        results.append(row)
-        if not args.json:
-            print(_format_row(row), flush=True)
+    rows = plan(strategies, args.models, args.accelerators)
+    for accel in dict.fromkeys(r[2] for r in rows):
+        group = [r for r in rows if r[2] == accel]
+        for row in check_group(group, args.steps, args.timeout):
+            results.append(row)
+            if not args.json:
+                print(_format_row(row), flush=True)
     if args.json:
         print(json.dumps(results, indent=1))
     failed = [r for r in results if r["status"] != "ok"]

@@ -4,6 +4,7 @@ import json
 import re
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -108,3 +109,17 @@ def test_check_reports_a_failing_row_without_stopping(capsys):
     assert code == 1
     assert [r["status"] for r in rows] == ["ok", "failed"]
     assert "no_such_strategy" in rows[1]["error"]
+
+
+def test_check_stops_a_row_past_its_timeout_and_goes_on(capsys):
+    # one subprocess runs the accelerator's rows; a row past --timeout is stopped with its
+    # ranks, reported, and the check ends instead of hanging
+    start = time.monotonic()
+    code = check.main(["--strategies", "ring_allreduce", "--models", "CifarCNN",
+                       "--accelerators", "cpu", "--steps", "400", "--timeout", "3",
+                       "--json"])  # fmt: skip
+    out = capsys.readouterr().out
+    rows = json.loads(out[: out.rindex("]") + 1])
+    assert code == 1 and time.monotonic() - start < 120
+    assert [r["strategy"] for r in rows] == ["single", "ring_allreduce"]
+    assert all("timed out after 3 s" in r["error"] for r in rows)

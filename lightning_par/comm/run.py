@@ -16,9 +16,11 @@ import shutil
 import signal
 import sys
 import tempfile
+import threading
 import time
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from datetime import timedelta
 from typing import Any
 
@@ -254,3 +256,29 @@ def _kill_group(pgid: int) -> None:
         os.killpg(pgid, signal.SIGKILL)
     except OSError:
         pass
+
+
+class TimeLimitExceeded(RuntimeError):
+    """A block ran past the wall-clock limit :func:`time_limit` gave it."""
+
+
+@contextmanager
+def time_limit(seconds: float, message: str) -> Iterator[None]:
+    """Raise :class:`TimeLimitExceeded` (``message``) in the main thread after ``seconds``.
+
+    Whatever started ranks inside the block stops them on the way out (the strategies'
+    launcher and :func:`run_on_ranks` kill their ranks on any exception)."""
+    if seconds <= 0 or threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def expired(signum, frame):
+        raise TimeLimitExceeded(message)
+
+    previous = signal.signal(signal.SIGALRM, expired)
+    signal.setitimer(signal.ITIMER_REAL, seconds)
+    try:
+        yield
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
