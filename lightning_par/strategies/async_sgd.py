@@ -40,6 +40,7 @@ from lightning.pytorch.utilities.exceptions import SIGTERMException
 from torch.utils.data import DataLoader, DistributedSampler
 from torchmetrics import Metric
 
+from lightning_par import _compat
 from lightning_par.comm import CommTrace
 from lightning_par.paramserver.asynchronous import ONE_BUCKET_MB, AsyncParameterClient
 from lightning_par.paramserver.work import NONE, SharedBatchSampler
@@ -125,7 +126,7 @@ class AsyncSGDStrategy(ParameterServerStrategy):
             self._count_shared_batches(trainer)
         super().setup(trainer)
         if trainer.state.fn == TrainerFn.FITTING:
-            trainer.fit_loop.epoch_loop._broadcast_sigterm_tensor = self._own_sigterm
+            _compat.replace_sigterm_broadcast(trainer, self._own_sigterm)
         self._local_metrics(trainer.state.fn == TrainerFn.FITTING)
         self._logged = 0
 
@@ -182,7 +183,7 @@ class AsyncSGDStrategy(ParameterServerStrategy):
             if self.sampler is not None and self.client is None:
                 # set up early (a scheduler asked for the step count): Lightning already
                 # began epoch 0's iterator, which found no servers; build it again later
-                loop._combined_loader = None
+                _compat.reset_combined_loader(loop)
 
         loop.setup_data = setup_data
 
