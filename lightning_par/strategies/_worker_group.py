@@ -20,7 +20,7 @@ from torchmetrics import Metric
 from lightning_par import _compat
 from lightning_par.comm import CommError
 from lightning_par.paramserver.faults import explain
-from lightning_par.paramserver.messages import IDLE_TIMEOUT
+from lightning_par.paramserver.protocol import IDLE_TIMEOUT
 
 
 def check_positive(name: str, value: Any, kind: type = float) -> None:

@@ -42,8 +42,9 @@ from torchmetrics import Metric
 
 from lightning_par import _compat
 from lightning_par.comm import CommTrace
-from lightning_par.paramserver.asynchronous import ONE_BUCKET_MB, AsyncParameterClient
-from lightning_par.paramserver.work import NONE, SharedBatchSampler
+from lightning_par.paramserver.async_client import ONE_BUCKET_MB, AsyncParameterClient
+from lightning_par.paramserver.protocol import NONE
+from lightning_par.paramserver.work import SharedBatchSampler
 from lightning_par.strategies.parameter_server import ParameterServerStrategy
 
 

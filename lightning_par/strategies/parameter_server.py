@@ -40,8 +40,9 @@ from lightning.pytorch.trainer.states import TrainerFn, TrainerStatus
 from lightning_par import _compat
 from lightning_par.comm import Event
 from lightning_par.paramserver.faults import explain
-from lightning_par.paramserver.messages import send_object, server_rank
+from lightning_par.paramserver.messages import send_object
 from lightning_par.paramserver.process import start_servers, stop_servers
+from lightning_par.paramserver.protocol import server_rank
 from lightning_par.paramserver.worker import ParameterClient
 from lightning_par.strategies._base import ParStrategy
 from lightning_par.strategies._launchers import log_startup
