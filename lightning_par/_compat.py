@@ -104,15 +104,26 @@ def mark_optimizer_stepped(optimizer: Any) -> None:
 
 # ---- lightning -------------------------------------------------------------------------------
 def replace_sigterm_broadcast(trainer: Any, broadcast: Callable[[], None]) -> None:
-    """Lightning broadcasts a SIGTERM flag from rank 0 on the default group before every
-    training batch (``_TrainingEpochLoop._broadcast_sigterm_tensor``); run ``broadcast``
-    instead (the servers are in the default group but not in the loop)."""
+    """Lightning (>= 2.5.1) broadcasts a SIGTERM flag from rank 0 on the default group
+    before every training batch (``_TrainingEpochLoop._broadcast_sigterm_tensor``); run
+    ``broadcast`` instead (the servers are in the default group but not in the loop).
+    Lightning 2.5.0 broadcasts nothing there: nothing to replace."""
     loop = trainer.fit_loop.epoch_loop
-    _require(
-        loop, "_broadcast_sigterm_tensor", "_TrainingEpochLoop._broadcast_sigterm_tensor",
-        "the per-step SIGTERM broadcast among the workers only (parameter_server, async_sgd)",
-    )  # fmt: skip
+    if not hasattr(loop, "_broadcast_sigterm_tensor"):
+        if epoch_loop_broadcasts(type(loop)):  # it broadcasts, under a name we do not know
+            raise _moved(
+                "_TrainingEpochLoop._broadcast_sigterm_tensor",
+                "the per-step SIGTERM broadcast among the workers only (parameter_server)",
+            )
+        return
     loop._broadcast_sigterm_tensor = broadcast
+
+
+def epoch_loop_broadcasts(loop_cls: type) -> bool:
+    """Whether Lightning's training epoch loop makes a collective of its own."""
+    import inspect
+
+    return "broadcast(" in inspect.getsource(loop_cls)
 
 
 def num_ready_batches_reached(trainer: Any) -> bool:

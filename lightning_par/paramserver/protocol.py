@@ -139,9 +139,10 @@ class Header:
                 "a message of another kind was taken for a header"
             )
         if len(values) != header_size(num_hyper) or values[3] != num_hyper:
+            carried = int(values[3]) if len(values) > 3 else "?"
             raise ProtocolError(
-                f"the header from {sender} has {len(values)} numbers carrying "
-                f"{int(values[3]) if len(values) > 3 else '?'} hyperparameters; this server expects "
+                f"the header from {sender} has {len(values)} numbers carrying {carried} "
+                f"hyperparameters; this server expects "
                 f"{header_size(num_hyper)} carrying {num_hyper}: its sender uses another header "
                 "layout, or its optimiser's param groups differ from worker 0's"
             )
