@@ -98,11 +98,23 @@ def _require_context_attr(attr: str, needed_by: str) -> None:
 def mark_optimizer_stepped(optimizer: Any) -> None:
     """Tell torch's LR schedulers the optimiser has stepped (the servers stepped it), so
     they do not warn "lr_scheduler.step() before optimizer.step()"."""
-    inner = getattr(optimizer, "_optimizer", optimizer)  # through a LightningOptimizer
+    from lightning.pytorch.core.optimizer import LightningOptimizer
+
+    if isinstance(optimizer, LightningOptimizer):
+        _require(optimizer, "_optimizer", "LightningOptimizer._optimizer", "the servers' step")
+    inner = getattr(optimizer, "_optimizer", optimizer)
     inner._opt_called = True  # read by torch.optim.lr_scheduler (checked in test_compat)
 
 
 # ---- lightning -------------------------------------------------------------------------------
+def attached_trainer(module: Any) -> Any:
+    """The trainer ``module`` is attached to, or None (``module.trainer`` raises then)."""
+    if module is None:
+        return None
+    _require(module, "_trainer", "LightningModule._trainer", "strategies' teardown and setup")
+    return module._trainer
+
+
 def replace_sigterm_broadcast(trainer: Any, broadcast: Callable[[], None]) -> None:
     """Lightning (>= 2.5.1) broadcasts a SIGTERM flag from rank 0 on the default group
     before every training batch (``_TrainingEpochLoop._broadcast_sigterm_tensor``); run

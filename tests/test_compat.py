@@ -84,11 +84,13 @@ def _noop(i: int) -> None:
 
 
 def test_mark_optimizer_stepped_silences_the_scheduler_warning() -> None:
+    from lightning.pytorch.core.optimizer import LightningOptimizer
+
     def scheduler_warnings(mark: bool) -> list[str]:
         opt = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=0.1)
         sched = torch.optim.lr_scheduler.StepLR(opt, 1)
-        if mark:
-            _compat.mark_optimizer_stepped(opt)
+        if mark:  # through Lightning's wrapper, as the strategy gets it
+            _compat.mark_optimizer_stepped(LightningOptimizer(opt))
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
             sched.step()
@@ -175,6 +177,15 @@ def test_lightning_helpers_exist() -> None:
     trainer = _trainer()
     _compat.set_use_distributed_sampler(trainer, False)
     assert trainer._accelerator_connector.use_distributed_sampler is False
+
+
+def test_attached_trainer() -> None:
+    module = pl.LightningModule()
+    assert _compat.attached_trainer(module) is None and _compat.attached_trainer(None) is None
+    trainer = _trainer()
+    trainer.strategy.connect(module)
+    module.trainer = trainer
+    assert _compat.attached_trainer(module) is trainer
 
 
 def test_model_summary_names() -> None:

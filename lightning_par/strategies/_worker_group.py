@@ -55,7 +55,7 @@ class WorkerGroupMixin:
     def prepare_data_among_workers(self) -> None:
         """Lightning brackets ``prepare_data`` with a barrier in a new group of every rank,
         servers included, which never join it (a hang): here the barrier is the workers'."""
-        trainer = getattr(self.lightning_module, "_trainer", None)
+        trainer = _compat.attached_trainer(self.lightning_module)
         if trainer is None:
             return
         group = self.worker_group

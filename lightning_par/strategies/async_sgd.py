@@ -201,7 +201,7 @@ class AsyncSGDStrategy(ParameterServerStrategy):
     def _apart(self) -> bool:
         """Training or validating inside fit: the workers are not in step (one may be a
         batch behind, or gone), so Lightning's collectives become local."""
-        trainer = getattr(self.lightning_module, "_trainer", None)
+        trainer = _compat.attached_trainer(self.lightning_module)
         return (
             trainer is not None
             and trainer.state.fn == TrainerFn.FITTING

@@ -253,7 +253,7 @@ class ParameterServerStrategy(WorkerGroupMixin, ParStrategy):
             exception.args = (explain(exception.args[0]), *exception.args[1:])
 
     def teardown(self) -> None:
-        trainer = getattr(self.lightning_module, "_trainer", None)  # None once detached
+        trainer = _compat.attached_trainer(self.lightning_module)  # None once detached
         interrupted = trainer is not None and trainer.state.status == TrainerStatus.INTERRUPTED
         clean = not (interrupted or self._failed) and dist.is_initialized()
         if self.client is not None:
