@@ -129,3 +129,46 @@ def test_client_plan_is_a_pure_function_of_sizes_and_servers():
     with pytest.raises(ValueError, match="exactly once"):
         plan_client([1, 2], [4, 4], [[0]], 1)
     assert MAGIC == float(int(MAGIC))  # exact in float64 and float32
+
+
+def _bad_header_to_a_server(rank, world_size, asynchronous):
+    """Workers 0 and 1, server rank 2; worker 1 sends a header of the old synchronous
+    layout (no magic number), zero-padded to the new length."""
+    import time
+
+    from torch import nn
+
+    from lightning_par.paramserver import AsyncParameterClient, ParameterClient, serve, serve_async
+    from lightning_par.paramserver.protocol import header_size
+
+    comm = Communicator()
+    if rank == 2:
+        if asynchronous:
+            serve_async(comm, 0, None)
+        else:
+            serve(comm, 0)
+        return "served without error"
+    torch.manual_seed(0)
+    model = nn.Linear(4, 2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    cls = AsyncParameterClient if asynchronous else ParameterClient
+    client = cls(model, opt, comm, 2, 1)
+    if rank == 1:
+        old = torch.zeros(header_size(len(client.lrs())), dtype=torch.float64)
+        old[:2] = torch.tensor([1.0, 0.0])  # [STEP, step 0, ...]
+        comm.send(old, 2, tag=Kind.HEADER)
+    else:  # a good header (the synchronous server reads worker 0's first)
+        send_headers(comm, [2], client.header(Command.STEP))
+    time.sleep(60)  # stopped when the server fails
+
+
+@pytest.mark.parametrize("asynchronous", [False, True])
+def test_a_server_refuses_a_header_of_another_layout(asynchronous):
+    from lightning_par.comm import RankFailed
+
+    with pytest.raises(RankFailed) as err:
+        run_on_ranks(_bad_header_to_a_server, 3, asynchronous, timeout=20)
+    message = str(err.value)
+    assert "rank 2 of 3 raised" in message and "ProtocolError" in message, message
+    assert "from worker 1 (rank 1) is not a parameter-server header" in message, message
+    assert "dropped worker" not in message  # a bug is not taken for a lost worker
