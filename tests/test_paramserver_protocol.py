@@ -65,6 +65,16 @@ def test_a_header_of_another_layout_is_refused():
         Header.decode(Header(Command.STOP).encode().float(), 0)
 
 
+def test_communicator_tags():
+    from lightning_par.comm.p2p import tag_label, transport_tag
+
+    assert (tag_label(Kind.PUSH), transport_tag(Kind.PUSH)) == ("push", int(Kind.PUSH))
+    assert (tag_label("act"), transport_tag("act")) == ("act", 0)  # a label only
+    assert (tag_label(9), transport_tag(9)) == ("9", 9)
+    with pytest.raises(ValueError, match=">= 0"):
+        transport_tag(-1)
+
+
 def test_payload_layouts():
     message = push_message([torch.arange(3.0), torch.arange(2.0)], [torch.tensor(1.0)] * 2)
     grad, used = split_push(message, 5)

@@ -23,20 +23,19 @@ another layout is a :class:`ProtocolError`, never silently mis-read.
 Every kind of message travels on its own gloo tag (:class:`Kind`, passed through
 :class:`~lightning_par.comm.Communicator`), so a receive matches the next message *of its
 kind* from that peer, whatever else was posted in between (a request for work from the
-main thread, a push from the communication thread). What follows a header, by command:
+main thread, a push from the communication thread); a gloo send completes once the peer
+has posted the receive of its kind, not before. What follows a header, by command:
 
-========== ===================================================================================
-``STEP``   per gradient bucket one ``PUSH`` (gradient slices, then one "has a gradient" flag
-           per slice) from the worker and one ``PULL`` (the updated slices) back; the
-           asynchronous server adds one ``INFO`` (:data:`INFO_SIZE` floats: staleness, lead
-           over the slowest worker, server version) after the last bucket
-``PULL``   (asynchronous) the server's current slices, one ``PULL`` per bucket
-``NEXT``   (asynchronous, server 0) one ``WORK`` reply: int64 ``[epoch, batch]``
-``GET_STATE`` each server sends worker 0 its optimiser state slices (``OBJECT``)
-``SET_STATE`` worker 0 sends each server the full optimiser state (``OBJECT``)
-``STOP``   the server ends (asynchronous: once every worker stopped, each gets the final
-           slices, one ``PULL`` per bucket)
-========== ===================================================================================
+* ``STEP``: per gradient bucket one ``PUSH`` (gradient slices, then one "has a gradient"
+  flag per slice) from the worker and one ``PULL`` (the updated slices) back; the
+  asynchronous server adds one ``INFO`` (:data:`INFO_SIZE` floats: staleness, lead over
+  the slowest worker, server version) after the last bucket;
+* ``PULL`` (asynchronous): the server's current slices, one ``PULL`` per bucket;
+* ``NEXT`` (asynchronous, server 0): one ``WORK`` reply, int64 ``[epoch, batch]``;
+* ``GET_STATE``: each server sends worker 0 its optimiser state slices (``OBJECT``);
+* ``SET_STATE``: worker 0 sends each server the full optimiser state (``OBJECT``);
+* ``STOP``: the server ends (asynchronous: once every worker stopped, each gets the final
+  slices, one ``PULL`` per bucket).
 
 Before the first header, worker 0 sends each server its
 :class:`~lightning_par.paramserver.spec.ServerSpec` (``OBJECT``, ``None`` when nothing is
