@@ -1,0 +1,178 @@
+"""The compare's report: one Markdown page with its PNG figures, and the machine it ran on."""
+
+from __future__ import annotations
+
+import os
+import platform
+import sys
+from pathlib import Path
+from typing import Any
+
+COLUMNS = [
+    ("strategy", "the registered name (`Trainer(strategy=...)`)."),
+    ("procs", "processes it ran: workers (devices), plus parameter servers where it has them."),
+    ("images/s", "global batch divided by step time: training throughput of the whole job."),
+    ("step ms", "wall time of one step (its start to the next step's start), mean over ranks."),
+    ("compute", "part of the step a rank was computing (forward, backward, optimiser, loading "
+                "the batch), with communication running behind it counted here."),
+    ("comm", "part of the step a rank was blocked while its messages moved (or in a "
+             "collective's own work such as the reduction)."),
+    ("wait", "part of the step a rank was blocked on a peer that had not posted the other "
+             "end of the message yet: stragglers, pipeline bubbles."),
+    ("hidden", "communication that ran while the rank computed (overlap; not in the step)."),
+    ("sent/step", "bytes the busiest rank sent per step, counted in the trace."),
+    ("model", "the same, predicted by the plugin's cost model (see the notes below)."),
+    ("state", "bytes of parameters, gradients and optimiser state on the fullest rank."),
+    ("peak mem", "peak resident memory of the fullest rank (CPU: max RSS, interpreter and "
+                 "torch included; CUDA: torch.cuda.max_memory_allocated)."),
+    ("loss", "training loss of the last step, averaged over ranks (= over the global batch)."),
+]  # fmt: skip
+
+
+def machine_info(accelerator: str) -> dict[str, Any]:
+    """CPU, cores, GPU, load and software versions."""
+    import lightning
+    import torch
+
+    cpu = platform.processor() or ""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    gpu = None
+    if accelerator == "cuda" and torch.cuda.is_available():
+        gpu = f"{torch.cuda.device_count()} x {torch.cuda.get_device_name(0)}"
+    return {
+        "cpu": cpu or "unknown",
+        "cores": os.cpu_count(),
+        "gpu": gpu,
+        "load_1m_start": round(os.getloadavg()[0], 2),
+        "python": sys.version.split()[0],
+        "torch": torch.__version__,
+        "lightning": lightning.__version__,
+        "platform": platform.platform(),
+    }
+
+
+def _mb(n: float | None) -> str:
+    return "-" if n is None else f"{n / 2**20:.2f} MB" if n >= 2**20 else f"{n / 1024:.1f} kB"
+
+
+def _ms(s: float | None) -> str:
+    return "-" if s is None else f"{s * 1e3:.1f}"
+
+
+def table(rows: list[dict]) -> str:
+    head = "| " + " | ".join(name for name, _ in COLUMNS) + " |"
+    lines = [head, "|" + "---|" * len(COLUMNS)]
+    for r in rows:
+        if r["status"] != "ok":
+            lines.append(f"| {r['strategy']} | {r['processes']} | failed: {r['error']} |"
+                         + " |" * (len(COLUMNS) - 3))  # fmt: skip
+            continue
+        model = r["model_bytes_per_step"]
+        ratio = f" ({r['bytes_ratio']:.3f}x)" if r.get("bytes_ratio") else ""
+        peak = r["peak_device_bytes_max"] or r["peak_rss_bytes_max"]
+        lines.append(
+            f"| {r['strategy']} | {r['processes']} | {r['images_per_s']:.0f} | {_ms(r['step_s'])} "
+            f"| {_ms(r['compute_s'])} | {_ms(r['communication_s'])} | {_ms(r['waiting_s'])} "
+            f"| {_ms(r['overlapped_s']) if r['traced'] else 'untraced'} "
+            f"| {_mb(r['bytes_sent_per_step'])}{ratio} | {_mb(model) if model else 'no model'} "
+            f"| {_mb(r['state_bytes_max'])} | {_mb(peak)} | {r['final_loss']:.3f} |"
+        )
+    return "\n".join(lines)
+
+
+def figures(rows: list[dict], out: Path) -> list[str]:
+    """PNG figures of the ok rows; returns their file names."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    ok = [r for r in rows if r["status"] == "ok"]
+    if not ok:
+        return []
+    names = [r["strategy"] for r in ok]
+    y = range(len(ok))
+    files = []
+
+    fig, ax = plt.subplots(figsize=(8, 0.45 * len(ok) + 1.5))
+    left = [0.0] * len(ok)
+    for key, label, colour in (("compute_s", "compute", "tab:blue"),
+                               ("communication_s", "communication", "tab:orange"),
+                               ("waiting_s", "waiting", "tab:red")):  # fmt: skip
+        ms = [r[key] * 1e3 for r in ok]
+        ax.barh(y, ms, left=left, label=label, color=colour)
+        left = [a + b for a, b in zip(left, ms)]
+    ax.set(yticks=list(y), yticklabels=names, xlabel="ms per step", title="Where a step goes")
+    ax.invert_yaxis()
+    ax.legend(loc="lower right")
+    files.append(_save(fig, out / "step_split.png"))
+
+    fig, axes = plt.subplots(1, 3, figsize=(13, 0.45 * len(ok) + 1.5), sharey=True)
+    axes[0].barh(y, [r["images_per_s"] for r in ok], color="tab:green")
+    axes[0].set(yticks=list(y), yticklabels=names, xlabel="images/s", title="Throughput")
+    sent = [(r["bytes_sent_per_step"] or 0) / 2**20 for r in ok]
+    model = [(r["model_bytes_per_step"] or 0) / 2**20 for r in ok]
+    axes[1].barh([i - 0.2 for i in y], sent, height=0.4, label="measured")
+    axes[1].barh([i + 0.2 for i in y], model, height=0.4, label="cost model")
+    axes[1].set(xlabel="MB sent per step (busiest rank)", title="Bytes")
+    axes[1].legend(loc="lower right")
+    axes[2].barh(y, [r["state_bytes_max"] / 2**20 for r in ok], color="tab:purple")
+    axes[2].set(xlabel="MB of params + grads + optimiser state", title="Memory (fullest rank)")
+    axes[0].invert_yaxis()
+    files.append(_save(fig, out / "throughput_bytes_memory.png"))
+
+    fig, ax = plt.subplots(figsize=(8, 4))
+    for r in ok:
+        ax.plot(r["loss_curve"], label=r["strategy"], lw=1)
+    ax.set(xlabel="step", ylabel="training loss", title="Loss per step (mean over ranks)")
+    ax.legend(fontsize=7, ncol=2)
+    files.append(_save(fig, out / "loss.png"))
+    return files
+
+
+def _save(fig, path: Path) -> str:
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    import matplotlib.pyplot as plt
+
+    plt.close(fig)
+    return path.name
+
+
+def markdown(doc: dict, pictures: list[str]) -> str:
+    m, s = doc["machine"], doc["settings"]
+    gpu = f", GPU {m['gpu']}" if m["gpu"] else ""
+    lines = [
+        f"# Every plugin on one model: {s['model']}, {s['steps']} steps",
+        "",
+        f"Command: `{doc['command']}`",
+        "",
+        f"Ran on {m['cpu']} ({m['cores']} cores{gpu}), {s['accelerator']}; Python "
+        f"{m['python']}, torch {m['torch']}, Lightning {m['lightning']}; load average "
+        f"{m['load_1m_start']} before, {m.get('load_1m_end', '-')} after (uptime). Data: "
+        f"{s['data']}; global batch {s['global_batch']} per step for every strategy; times "
+        f"are means over steps {s['warmup']}..{s['steps'] - 1} (the first {s['warmup']} "
+        "warm up). Times on a shared machine are noisy: compare columns, not digits.",
+        "",
+        table(doc["rows"]),
+        "",
+        "## The columns",
+        "",
+        *[f"- **{name}**: {text}" for name, text in COLUMNS],
+        "",
+        "compute + comm + wait = step ms. The split comes from the traces every plugin "
+        "records (`trace_dir=`): see `lightning_par/compare/breakdown.py` for the rules.",
+        "",
+        "## Cost models",
+        "",
+        *[f"- **{r['strategy']}**: {r['model_note']}" for r in doc["rows"] if "model_note" in r],
+        "",
+    ]
+    lines += [f"![{p}]({p})\n" for p in pictures]
+    return "\n".join(lines)
