@@ -32,8 +32,9 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="python -m lightning_par.compare", description=__doc__)
     parser.add_argument("--strategies", nargs="+", help="default: every registered strategy")
     parser.add_argument("--model", default="CifarCNN", choices=MODELS)
-    parser.add_argument("--steps", type=int, default=24)
+    parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--warmup", type=int, default=4, help="first steps left out of times")
+    parser.add_argument("--rounds", type=int, default=2, help="interleaved runs per strategy")
     parser.add_argument("--devices", type=int, default=2, help="workers per strategy")
     parser.add_argument("--batch-size", type=int, default=64, help="global batch per step")
     parser.add_argument("--accelerator", default="cpu", choices=("cpu", "cuda"))
@@ -53,8 +54,8 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
         parser.error(f"unknown strategies {unknown}; registered: {', '.join(known)}")
     if args.steps <= args.warmup:
         parser.error(f"--steps ({args.steps}) must be larger than --warmup ({args.warmup})")
-    if args.devices < 1 or args.batch_size < 1:
-        parser.error("--devices and --batch-size must be >= 1")
+    if min(args.devices, args.batch_size, args.rounds) < 1:
+        parser.error("--devices, --batch-size and --rounds must be >= 1")
     if args.batch_size % args.devices:
         parser.error(f"--batch-size {args.batch_size} must split evenly over {args.devices} "
                      "workers (each data-parallel rank reads an equal share)")  # fmt: skip
@@ -77,48 +78,16 @@ def plan(args: argparse.Namespace, work: Path) -> list[dict]:
     from lightning_par.strategies.registry import strategy_specs
 
     specs = [s for s in strategy_specs() if not args.strategies or s.name in args.strategies]
-    return [
-        {"index": i, "strategy": s.name, "model": args.model, "accelerator": args.accelerator,
-         "devices": devices_for(s.name, s.load(), args.devices), "steps": args.steps,
-         "global_batch": args.batch_size, "source": args.data, "folder": str(work / s.name)}
-        for i, s in enumerate(specs)
-    ]  # fmt: skip
-
-
-def build_row(row: dict, result: dict, args: argparse.Namespace) -> dict:
-    from lightning_par.compare.analyse import analyse
-    from lightning_par.compare.costs import predicted_bytes
-    from lightning_par.compare.run import make_model
-    from lightning_par.strategies.registry import spec
-
-    s = spec(row["strategy"])
-    out = {"strategy": s.name, "kind": s.kind, "model": row["model"],
-           "accelerator": row["accelerator"], "workers": row["devices"],
-           "servers": result.get("servers", 0), "global_batch": row["global_batch"],
-           "run_s": result.get("seconds")}  # fmt: skip
-    out["processes"] = out["workers"] + out["servers"]
-    if "error" in result:
-        return {**out, "status": "failed", "error": result["error"]}
-    try:
-        found = analyse(Path(row["folder"]), args.warmup, row["global_batch"])
-    except (RuntimeError, OSError, ValueError) as err:
-        return {**out, "status": "failed", "error": f"no measurements: {err}"}
-    model, note = predicted_bytes(s.name, s.options, s.load(), make_model(row["model"]),
-                                  row["devices"], row["global_batch"])  # fmt: skip
-    sent = [b for b in found.pop("bytes_sent_per_rank") if b is not None]
-    busiest = max(sent) if found["traced"] and sent else None
-    modelled = max(model) if model else None
-    return {
-        **out, "status": "ok", "per_rank_batch": row["global_batch"] // result["data_replicas"],
-        "start_method": result.get("start_method"), "data": result.get("data"), **found,
-        "bytes_sent_per_step": busiest, "bytes_sent_per_step_per_rank": sent or None,
-        "model_bytes_per_step": modelled, "model_bytes_per_step_per_rank": model,
-        "model_note": note,
-        "bytes_ratio": busiest / modelled if busiest and modelled else None,
-        "state_bytes_max": max(found["state_bytes_per_rank"]),
-        "peak_rss_bytes_max": max(found["peak_rss_bytes_per_rank"]),
-        "peak_device_bytes_max": max(found["peak_device_bytes_per_rank"] or [0]) or None,
-    }  # fmt: skip
+    rows = []
+    for round_ in range(args.rounds):  # interleaved: every strategy once per round
+        for s in specs:
+            rows.append({
+                "index": len(rows), "round": round_, "strategy": s.name, "model": args.model,
+                "accelerator": args.accelerator, "steps": args.steps, "source": args.data,
+                "devices": devices_for(s.name, s.load(), args.devices),
+                "global_batch": args.batch_size, "folder": str(work / f"{round_}-{s.name}"),
+            })  # fmt: skip
+    return rows
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -131,6 +100,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.run_rows:
         return run.run_rows(json.loads(args.run_rows), args.timeout)
     from lightning_par.compare import report
+    from lightning_par.compare.rows import build_row, combine
 
     machine = report.machine_info(args.accelerator)
     out = Path(args.out)
@@ -138,13 +108,13 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory(prefix="lightning_par-compare-") as tmp:
         rows = plan(args, Path(tmp))
         if not args.json:
-            print(f"comparing {len(rows)} strategies on {args.model}, {args.steps} steps ...",
-                  flush=True)  # fmt: skip
+            print(f"comparing {len(rows) // args.rounds} strategies on {args.model}, "
+                  f"{args.steps} steps, {args.rounds} rounds ...", flush=True)  # fmt: skip
         results = run.run_all(rows, args.timeout)
-        built = [build_row(r, results[r["index"]], args) for r in rows]
+        built = combine([build_row(r, results[r["index"]], args.warmup) for r in rows])
     machine["load_1m_end"] = round(os.getloadavg()[0], 2)
     settings = {"model": args.model, "steps": args.steps, "warmup": args.warmup,
-                "devices": args.devices, "global_batch": args.batch_size,
+                "devices": args.devices, "global_batch": args.batch_size, "rounds": args.rounds,
                 "accelerator": args.accelerator, "data": args.data}  # fmt: skip
     command = "python -m lightning_par.compare " + shlex.join(argv if argv is not None
                                                               else sys.argv[1:])  # fmt: skip

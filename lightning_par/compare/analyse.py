@@ -39,12 +39,14 @@ def analyse(folder: Path, warmup: int, global_batch: int) -> dict[str, Any]:
     if timed < 1:
         raise RuntimeError(f"only {warmup} steps or fewer ran: nothing left to time")
     windows = {r: w[:timed] for r, w in windows.items()}
+    if not any(t.messages for t in traces.values()):
+        traces = {}  # e.g. torch DDP: its allreduce bypasses the traced communicator
     parts = split_steps(traces, windows)
     ranks = sorted(probes)
     step_s = statistics.fmean(sum(b - a for a, b in windows[r]) / timed for r in ranks)
 
-    def mean(key: str) -> float:
-        return statistics.fmean(parts[r][key] for r in ranks)
+    def mean(key: str) -> float | None:
+        return statistics.fmean(parts[r][key] for r in ranks) if traces else None
 
     sent = [bytes_sent_in(traces.get(r), windows[r]) for r in ranks]
     last_losses = [probes[r]["losses"][-1] for r in ranks if probes[r]["losses"]]

@@ -13,13 +13,16 @@ COLUMNS = [
     ("procs", "processes it ran: workers (devices), plus parameter servers where it has them."),
     ("images/s", "global batch divided by step time: training throughput of the whole job."),
     ("step ms", "wall time of one step (its start to the next step's start), mean over ranks."),
+    ("vs DDP", "step time over torch DDP's (`lightning_ddp`) in the same round, median over "
+               "rounds: below 1 is faster than the reference."),
     ("compute", "part of the step a rank was computing (forward, backward, optimiser, loading "
                 "the batch), with communication running behind it counted here."),
     ("comm", "part of the step a rank was blocked while its messages moved (or in a "
              "collective's own work such as the reduction)."),
     ("wait", "part of the step a rank was blocked on a peer that had not posted the other "
              "end of the message yet: stragglers, pipeline bubbles."),
-    ("hidden", "communication that ran while the rank computed (overlap; not in the step)."),
+    ("hidden", "time a background thread was blocked on messages while the rank computed: "
+               "communication overlapped with backward, so not part of the step."),
     ("sent/step", "bytes the busiest rank sent per step, counted in the trace."),
     ("model", "the same, predicted by the plugin's cost model (see the notes below)."),
     ("state", "bytes of parameters, gradients and optimiser state on the fullest rank."),
@@ -76,13 +79,18 @@ def table(rows: list[dict]) -> str:
         model = r["model_bytes_per_step"]
         ratio = f" ({r['bytes_ratio']:.3f}x)" if r.get("bytes_ratio") else ""
         peak = r["peak_device_bytes_max"] or r["peak_rss_bytes_max"]
-        lines.append(
-            f"| {r['strategy']} | {r['processes']} | {r['images_per_s']:.0f} | {_ms(r['step_s'])} "
-            f"| {_ms(r['compute_s'])} | {_ms(r['communication_s'])} | {_ms(r['waiting_s'])} "
-            f"| {_ms(r['overlapped_s']) if r['traced'] else 'untraced'} "
-            f"| {_mb(r['bytes_sent_per_step'])}{ratio} | {_mb(model) if model else 'no model'} "
-            f"| {_mb(r['state_bytes_max'])} | {_mb(peak)} | {r['final_loss']:.3f} |"
-        )
+        vs = "-" if r.get("vs_ddp") is None else f"{r['vs_ddp']:.2f}"
+        if r["traced"]:
+            split = [
+                _ms(r[k]) for k in ("compute_s", "communication_s", "waiting_s", "overlapped_s")
+            ]
+            sent = f"{_mb(r['bytes_sent_per_step'])}{ratio}"
+        else:
+            split, sent = ["untraced"] * 4, "untraced"
+        cells = [r["strategy"], r["processes"], f"{r['images_per_s']:.0f}", _ms(r["step_s"]), vs,
+                 *split, sent, _mb(model) if model is not None else "no model",
+                 _mb(r["state_bytes_max"]), _mb(peak), f"{r['final_loss']:.4f}"]  # fmt: skip
+        lines.append("| " + " | ".join(str(c) for c in cells) + " |")
     return "\n".join(lines)
 
 
@@ -105,9 +113,12 @@ def figures(rows: list[dict], out: Path) -> list[str]:
     for key, label, colour in (("compute_s", "compute", "tab:blue"),
                                ("communication_s", "communication", "tab:orange"),
                                ("waiting_s", "waiting", "tab:red")):  # fmt: skip
-        ms = [r[key] * 1e3 for r in ok]
+        ms = [r[key] * 1e3 if r["traced"] else 0.0 for r in ok]
         ax.barh(y, ms, left=left, label=label, color=colour)
         left = [a + b for a, b in zip(left, ms)]
+    untraced = [r["step_s"] * 1e3 if not r["traced"] else 0.0 for r in ok]
+    if any(untraced):
+        ax.barh(y, untraced, label="not traced", color="lightgrey")
     ax.set(yticks=list(y), yticklabels=names, xlabel="ms per step", title="Where a step goes")
     ax.invert_yaxis()
     ax.legend(loc="lower right")
@@ -173,6 +184,37 @@ def markdown(doc: dict, pictures: list[str]) -> str:
         "",
         *[f"- **{r['strategy']}**: {r['model_note']}" for r in doc["rows"] if "model_note" in r],
         "",
+        "## Reading it",
+        "",
+        *notes(doc["rows"]),
+        "",
     ]
     lines += [f"![{p}]({p})\n" for p in pictures]
     return "\n".join(lines)
+
+
+def notes(rows: list[dict]) -> list[str]:
+    """Caveats that apply to the rows of this report."""
+    out = [
+        "- Every strategy reads the same samples at each step (file order, no shuffling; a "
+        "data-parallel rank r of R reads samples r, r+R, ...), so the synchronous strategies "
+        "compute the same updates as one process and their losses agree to float rounding. "
+        "`async_sgd` (stale gradients) and `local_sgd` (averaging every few steps) differ "
+        "by design.",
+        "- The busiest rank is the one that sends the most; for pipelines it is the last "
+        "stage, which also sends the output to every other stage.",
+    ]
+    if any(r.get("servers") for r in rows):
+        out.append(
+            "- Parameter servers run in processes of their own without a trace: a worker "
+            "blocked on a pull counts as communication, whatever its server was doing, and "
+            "the servers' memory (parameters and optimiser state) is not in *state*."
+        )
+    if any(r["status"] == "ok" and not r["traced"] for r in rows):
+        out.append(
+            "- *untraced*: torch's DDP allreduces inside its C++ reducer, which lightning_par's "
+            "communicator does not see; its step time is measured, its split is not."
+        )
+    failed = [r for r in rows if r["status"] != "ok"]
+    out += [f"- **{r['strategy']} failed**: {r['error']}" for r in failed]
+    return out

@@ -24,6 +24,7 @@ from typing import Any
 
 import lightning.pytorch as pl
 import torch
+from torch.utils.data import DataLoader, DistributedSampler
 
 from lightning_par.comm.run import run_bounded, time_limit
 
@@ -88,6 +89,26 @@ def data_replicas(strategy: Any) -> int:
     return int(kwargs.get("num_replicas", 1))
 
 
+class InOrder(pl.LightningDataModule):
+    """The training set in file order, unshuffled, each data-parallel rank ``r`` of ``R``
+    reading samples ``r, r + R, ...``: every strategy's step ``k`` sees the same global batch
+    as one process would (Lightning's own sampler would shuffle), so the synchronous
+    strategies must end with the same loss."""
+
+    def __init__(self, dataset: Any, batch_size: int) -> None:
+        super().__init__()
+        self.dataset, self.batch_size = dataset, batch_size
+
+    def train_dataloader(self) -> DataLoader:
+        strategy = self.trainer.strategy
+        sampler = None
+        if data_replicas(strategy) > 1:
+            sampler = DistributedSampler(
+                self.dataset, shuffle=False, **strategy.distributed_sampler_kwargs
+            )
+        return DataLoader(self.dataset, batch_size=self.batch_size, sampler=sampler)
+
+
 def run_row(row: dict, folder: str) -> dict:
     """Train ``row['model']`` under ``row['strategy']`` for ``row['steps']`` steps at global
     batch ``row['global_batch']``; probes and traces go to ``folder``."""
@@ -104,6 +125,7 @@ def run_row(row: dict, folder: str) -> dict:
     trainer = pl.Trainer(
         strategy=strategy, accelerator=row["accelerator"], devices=row["devices"],
         max_steps=row["steps"], limit_val_batches=0, num_sanity_val_steps=0,
+        use_distributed_sampler=False,  # InOrder shards the data itself
         callbacks=[Probe(folder_path / "probe")], logger=False, enable_checkpointing=False,
         enable_progress_bar=False, enable_model_summary=False,
     )  # fmt: skip
@@ -115,16 +137,14 @@ def run_row(row: dict, folder: str) -> dict:
         )
     per_rank = row["global_batch"] // replicas
     size = row["global_batch"] * (row["steps"] + 1)
-    data = CIFAR10DataModule(
-        source=row["source"], batch_size=per_rank, val_size=0, synthetic_size=size,
-        augment=False,
-    )  # fmt: skip
-    trainer.fit(make_model(row["model"]), datamodule=data)
+    data = CIFAR10DataModule(source=row["source"], val_size=0, synthetic_size=size, augment=False)
+    data.setup("fit")
+    trainer.fit(make_model(row["model"]), datamodule=InOrder(data.train_set, per_rank))
     return {
         "data_replicas": replicas,
         "servers": int(getattr(trainer.strategy, "num_servers", 0) or 0),
         "start_method": getattr(getattr(trainer.strategy, "launch_plan", None), "method", None),
-        "data": data.source_used or row["source"],
+        "data": data.source_used,
     }
 
 
