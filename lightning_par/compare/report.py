@@ -13,8 +13,8 @@ COLUMNS = [
     ("procs", "processes it ran: workers (devices), plus parameter servers where it has them."),
     ("images/s", "global batch divided by step time: training throughput of the whole job."),
     ("step ms", "wall time of one step (its start to the next step's start), mean over ranks."),
-    ("vs DDP", "step time over torch DDP's (`lightning_ddp`) in the same round, median over "
-               "rounds: below 1 is faster than the reference."),
+    ("vs DDP", "step time over torch DDP's (`lightning_ddp`), fastest round of each: below 1 "
+               "is faster than the reference (each round's ratio is in the JSON)."),
     ("compute", "part of the step a rank was computing (forward, backward, optimiser, loading "
                 "the batch), with communication running behind it counted here."),
     ("comm", "part of the step a rank was blocked while its messages moved (or in a "
