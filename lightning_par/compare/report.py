@@ -121,7 +121,7 @@ def figures(rows: list[dict], out: Path) -> list[str]:
         ax.barh(y, untraced, label="not traced", color="lightgrey")
     ax.set(yticks=list(y), yticklabels=names, xlabel="ms per step", title="Where a step goes")
     ax.invert_yaxis()
-    ax.legend(loc="lower right")
+    ax.legend(loc="upper center", bbox_to_anchor=(0.5, -0.12), ncol=4)
     files.append(_save(fig, out / "step_split.png"))
 
     fig, axes = plt.subplots(1, 3, figsize=(13, 0.45 * len(ok) + 1.5), sharey=True)
@@ -162,6 +162,11 @@ def markdown(doc: dict, pictures: list[str]) -> str:
     lines = [
         f"# Every plugin on one model: {s['model']}, {s['steps']} steps",
         "",
+        "Each registered strategy trains the same model from the same weights on the same "
+        "samples; the table says how fast, where each step's time goes, how many bytes "
+        "each process sends (measured and predicted) and how much each device holds. "
+        "Regenerate it with the command below (`--json` for the numbers).",
+        "",
         f"Command: `{doc['command']}`",
         "",
         f"Ran on {m['cpu']} ({m['cores']} cores{gpu}), {s['accelerator']}; Python "
@@ -169,9 +174,14 @@ def markdown(doc: dict, pictures: list[str]) -> str:
         f"{m['load_1m_start']} before, {m.get('load_1m_end', '-')} after (uptime). Data: "
         f"{s['data']}; global batch {s['global_batch']} per step for every strategy; times "
         f"are means over steps {s['warmup']}..{s['steps'] - 1} (the first {s['warmup']} "
-        "warm up). Times on a shared machine are noisy: compare columns, not digits.",
+        "warm up). Times in milliseconds per step. Times on a shared machine are noisy: "
+        "compare columns, not digits.",
         "",
         table(doc["rows"]),
+        "",
+        "## What this run says",
+        "",
+        *takeaways(doc["rows"]),
         "",
         "## The columns",
         "",
@@ -217,4 +227,45 @@ def notes(rows: list[dict]) -> list[str]:
         )
     failed = [r for r in rows if r["status"] != "ok"]
     out += [f"- **{r['strategy']} failed**: {r['error']}" for r in failed]
+    return out
+
+
+def takeaways(rows: list[dict]) -> list[str]:
+    """A few sentences read off the rows: fastest, most bytes, least memory, most waiting."""
+    ok = [r for r in rows if r["status"] == "ok"]
+    if not ok:
+        return ["- Nothing ran."]
+    fast = sorted(ok, key=lambda r: r["step_s"])
+    out = [f"- Fastest: **{fast[0]['strategy']}** ({fast[0]['images_per_s']:.0f} images/s); "
+           f"slowest: **{fast[-1]['strategy']}** ({fast[-1]['images_per_s']:.0f})."]  # fmt: skip
+    sent = [r for r in ok if r.get("bytes_sent_per_step")]
+    if sent:
+        most = max(sent, key=lambda r: r["bytes_sent_per_step"])
+        least = min(sent, key=lambda r: r["bytes_sent_per_step"])
+        out.append(
+            f"- Most bytes per step: **{most['strategy']}** ({_mb(most['bytes_sent_per_step'])}); "
+            f"fewest: **{least['strategy']}** ({_mb(least['bytes_sent_per_step'])}). Data "
+            "parallelism moves gradients (the model's size), pipelines move activations "
+            "(batch x features at each cut), so which is cheaper depends on the model and batch."
+        )
+    small = min(ok, key=lambda r: r["state_bytes_max"])
+    big = max(ok, key=lambda r: r["state_bytes_max"])
+    out.append(
+        f"- Least model state on one device: **{small['strategy']}** "
+        f"({_mb(small['state_bytes_max'])}, against {_mb(big['state_bytes_max'])} for "
+        f"{big['strategy']}): a split model or servers holding the optimiser state."
+    )
+    traced = [r for r in ok if r["traced"]]
+    if traced:
+        idle = max(traced, key=lambda r: r["waiting_s"] / r["step_s"])
+        out.append(
+            f"- Most time waiting for a peer: **{idle['strategy']}** "
+            f"({100 * idle['waiting_s'] / idle['step_s']:.0f} % of its step)."
+        )
+    checked = [r for r in ok if r.get("bytes_ratio")]
+    exact = [r["strategy"] for r in checked if abs(r["bytes_ratio"] - 1) < 1e-9]
+    if checked:
+        out.append(f"- Bytes equal to the cost model exactly: {len(exact)} of {len(checked)} "
+                   "modelled strategies (the others: see the notes on what the model leaves "
+                   "out).")  # fmt: skip
     return out
