@@ -2,11 +2,14 @@
 so without a copy every rank's optimiser stepped the same pages: each update applied
 world-size times, found by ``python -m lightning_par.compare``)."""
 
+import time
+
 import lightning.pytorch as pl
 import pytest
 import torch
 from torch.utils.data import DataLoader, TensorDataset
 
+from lightning_par.comm.run import run_on_ranks
 from lightning_par.models import CifarCNN
 from lightning_par.strategies.allreduce import AllReduceStrategy
 from lightning_par.strategies.reference import LightningDDPStrategy
@@ -50,3 +53,22 @@ def test_forkserver_ranks_step_their_own_weights_like_one_process(make):
     assert trainer.strategy.launch_plan.method == "forkserver"
     for got, want in zip(model.parameters(), _one_process()):
         torch.testing.assert_close(got.detach(), want, rtol=1e-4, atol=1e-5)
+
+
+def _add_rank(rank: int, world_size: int, tensor: torch.Tensor, module: torch.nn.Module):
+    time.sleep(0.3 * rank)  # rank 1 reads after rank 0 wrote: shared pages would show it
+    tensor.add_(rank + 1)
+    with torch.no_grad():
+        module.weight.add_(rank + 1)
+    time.sleep(0.3)
+    return tensor.clone(), module.weight.detach().clone()
+
+
+def test_run_on_ranks_under_a_forkserver_gives_each_rank_its_own_arguments(monkeypatch):
+    monkeypatch.setenv("LIGHTNING_PAR_START_METHOD", "forkserver")
+    linear = torch.nn.Linear(2, 1, bias=False)
+    torch.nn.init.zeros_(linear.weight)
+    results = run_on_ranks(_add_rank, 2, torch.zeros(3), linear, timeout=60)
+    for rank, (tensor, weight) in enumerate(results):
+        assert torch.equal(tensor, torch.full((3,), rank + 1.0))
+        assert torch.equal(weight, torch.full((1, 2), rank + 1.0))
