@@ -113,7 +113,8 @@ def main(argv: list[str] | None = None) -> int:
         results = run.run_all(rows, args.timeout)
         built = combine([build_row(r, results[r["index"]], args.warmup) for r in rows])
     machine["load_1m_end"] = round(os.getloadavg()[0], 2)
-    settings = {"model": args.model, "steps": args.steps, "warmup": args.warmup,
+    settings = {"model": args.model, "model_spec": run.describe_model(args.model),
+                "steps": args.steps, "warmup": args.warmup,
                 "devices": args.devices, "global_batch": args.batch_size, "rounds": args.rounds,
                 "accelerator": args.accelerator, "data": args.data}  # fmt: skip
     command = "python -m lightning_par.compare " + shlex.join(argv if argv is not None

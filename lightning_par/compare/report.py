@@ -160,7 +160,7 @@ def markdown(doc: dict, pictures: list[str]) -> str:
     m, s = doc["machine"], doc["settings"]
     gpu = f", GPU {m['gpu']}" if m["gpu"] else ""
     lines = [
-        f"# Every plugin on one model: {s['model']}, {s['steps']} steps",
+        f"# Every plugin on one model: {s.get('model_spec', s['model'])}, {s['steps']} steps",
         "",
         "Each registered strategy trains the same model from the same weights on the same "
         "samples; the table says how fast, where each step's time goes, how many bytes "
@@ -177,6 +177,7 @@ def markdown(doc: dict, pictures: list[str]) -> str:
         "warm up). Times in milliseconds per step. Times on a shared machine are noisy: "
         "compare columns, not digits.",
         "",
+        *_load_warning(m),
         table(doc["rows"]),
         "",
         "## What this run says",
@@ -269,3 +270,15 @@ def takeaways(rows: list[dict]) -> list[str]:
                    "modelled strategies (the others: see the notes on what the model leaves "
                    "out).")  # fmt: skip
     return out
+
+
+def _load_warning(machine: dict) -> list[str]:
+    load = max(machine["load_1m_start"], machine.get("load_1m_end") or 0)
+    if not machine["cores"] or load <= machine["cores"]:
+        return []
+    return [
+        f"**The machine was oversubscribed (load {load} on {machine['cores']} cores, other "
+        "jobs running): the time columns mostly say which run got the CPU. Bytes, state, "
+        "and losses are exact whatever the load.**",
+        "",
+    ]

@@ -81,6 +81,13 @@ def make_model(name: str) -> pl.LightningModule:
     raise ValueError(f"unknown model {name!r}; choose one of {MODELS}")
 
 
+def describe_model(name: str) -> str:
+    """``CifarCNN(width=16, num_blocks=2), 23,210 parameters`` (for the report's title)."""
+    model = make_model(name)
+    args = {"CifarCNN": "width=16, num_blocks=2", "CifarRNN": "hidden_size=64"}[name]
+    return f"{name}({args}), {sum(p.numel() for p in model.parameters()):,} parameters"
+
+
 def data_replicas(strategy: Any) -> int:
     """How many ranks read different samples: the data-parallel degree."""
     if not getattr(strategy, "shards_data", True):
