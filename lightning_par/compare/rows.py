@@ -65,7 +65,7 @@ def combine(runs: list[dict]) -> list[dict]:
             rows.append({**rounds[0], "failed_rounds": len(rounds)})
             continue
         best = dict(min(ok, key=lambda r: r["step_s"]))
-        best["step_s_rounds"] = [r["step_s"] for r in ok]
+        best["round_step_s"] = [r["step_s"] for r in ok]
         best["failed_rounds"] = len(rounds) - len(ok)
         ratios = [r["step_s"] / reference[r["round"]] for r in ok if r["round"] in reference]
         best["vs_ddp_rounds"] = ratios
