@@ -139,9 +139,11 @@ def figures(rows: list[dict], out: Path) -> list[str]:
     files.append(_save(fig, out / "throughput_bytes_memory.png"))
 
     fig, ax = plt.subplots(figsize=(8, 4))
-    for r in ok:
-        ax.plot(r["loss_curve"], label=r["strategy"], lw=1)
-    ax.set(xlabel="step", ylabel="training loss", title="Loss per step (mean over ranks)")
+    colours = plt.get_cmap("tab20").colors
+    for i, r in enumerate(ok):
+        ax.plot(r["loss_curve"], label=r["strategy"], lw=1, color=colours[i % len(colours)])
+    ax.set(xlabel="step", ylabel="training loss",
+           title="Loss per step (mean over ranks; synchronous strategies overlap)")  # fmt: skip
     ax.legend(fontsize=7, ncol=2)
     files.append(_save(fig, out / "loss.png"))
     return files
