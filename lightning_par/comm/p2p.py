@@ -76,6 +76,8 @@ class Handle:
         if self._done:
             return self._tensor
         self._done = True
+        trace = self._comm.trace
+        waited = trace.now() if trace is not None else None
         if self._work is not None:
             try:
                 if timeout is None:
@@ -91,7 +93,6 @@ class Handle:
                 ) from err
         if self._staged is not None and self.op == "recv":
             self._tensor.copy_(self._staged, non_blocking=False)
-        trace = self._comm.trace
         if trace is not None:
             trace.record(
                 Message(
@@ -104,6 +105,7 @@ class Handle:
                     step=self._step,
                     chunk=self._chunk,
                     tag=self._tag,
+                    wait_start=waited,
                 )
             )
         return self._tensor

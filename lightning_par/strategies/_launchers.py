@@ -31,6 +31,7 @@ from pathlib import Path
 from typing import Any
 
 import lightning.pytorch as pl
+from lightning.fabric.strategies.launchers.multiprocessing import _disable_module_memory_sharing
 from lightning.pytorch.strategies.launchers.multiprocessing import (
     _MultiProcessingLauncher,
     _WorkerOutput,
@@ -157,6 +158,11 @@ class PolicyLauncher(_MultiProcessingLauncher):
         die_with_parent()
         if self._start_method == "fork":
             limit_threads_after_fork(self.plan.threads_per_rank if self.plan else 1)
+        if self._start_method == "forkserver":
+            # torch pickles tensors for a forkserver child into shared memory, the same pages
+            # in every rank: each rank's optimiser would step the others' weights too (every
+            # update applied world-size times, racily). Lightning copies them for "spawn" only.
+            args, kwargs = _disable_module_memory_sharing((args, kwargs))
         return super()._wrapping_function(process_idx, trainer, function, args, kwargs, queue,
                                           *rest)  # fmt: skip
 
