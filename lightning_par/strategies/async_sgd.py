@@ -43,6 +43,7 @@ from torchmetrics import Metric
 from lightning_par.comm import CommTrace
 from lightning_par.paramserver.asynchronous import ONE_BUCKET_MB, AsyncParameterClient
 from lightning_par.paramserver.work import NONE, SharedBatchSampler
+from lightning_par.strategies._async_progress import show_own_progress
 from lightning_par.strategies.parameter_server import ParameterServerStrategy
 
 
@@ -126,6 +127,8 @@ class AsyncSGDStrategy(ParameterServerStrategy):
         super().setup(trainer)
         if trainer.state.fn == TrainerFn.FITTING:
             trainer.fit_loop.epoch_loop._broadcast_sigterm_tensor = self._own_sigterm
+            if self.share_work:
+                show_own_progress(trainer)  # this worker's batches, no false total
         self._local_metrics(trainer.state.fn == TrainerFn.FITTING)
         self._logged = 0
 
@@ -236,7 +239,7 @@ class AsyncSGDStrategy(ParameterServerStrategy):
             self._logged = len(updates)
             self.lightning_module.log(
                 "staleness", float(new[-1][1]), on_step=True, on_epoch=True,
-                sync_dist=False, batch_size=1,
+                sync_dist=True, batch_size=1,  # local while fitting (reduce): no warning
             )  # fmt: skip
         return output
 
