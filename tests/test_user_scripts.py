@@ -142,3 +142,21 @@ def test_training_batches_are_full_for_model_split_and_server_plugins(strategy, 
     data = CIFAR10DataModule(source="synthetic", synthetic_size=330, batch_size=32)
     trainer.fit(CifarCNN(width=8, num_blocks=1), datamodule=data)
     assert float(trainer.callback_metrics["smallest_batch"]) == 32
+
+
+def test_async_sgd_without_a_progress_bar_prints_no_epoch_lines(tmp_path, capfd):
+    # benchmarks and the check turn the bar off: their output stays the report
+    import lightning.pytorch as pl
+
+    from lightning_par.data import CIFAR10DataModule
+    from lightning_par.models import CifarCNN
+
+    trainer = pl.Trainer(
+        strategy="async_sgd", accelerator="cpu", devices=2, max_epochs=1, logger=False,
+        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+        limit_val_batches=0, default_root_dir=tmp_path,
+    )  # fmt: skip
+    data = CIFAR10DataModule(source="synthetic", synthetic_size=330, batch_size=32)
+    trainer.fit(CifarCNN(width=8, num_blocks=1), datamodule=data)
+    out, err = capfd.readouterr()
+    assert "async_sgd epoch" not in out + err

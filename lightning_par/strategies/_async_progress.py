@@ -4,7 +4,7 @@ The workers share each epoch's batches on demand, so no worker knows how many it
 take: Lightning's progress bar, which reads the epoch's whole batch count as its total,
 would stop at about ``1/W`` of it (``72/144 [50%]`` with two workers) when the epoch ends.
 Here the bar counts this worker's batches with no total, and at the end of each epoch every
-worker prints one line with the number of batches it trained.
+worker prints one line with the number of batches it trained (when a progress bar is on).
 """
 
 from __future__ import annotations
@@ -38,11 +38,11 @@ def _own_progress_class(cls: type) -> type:
 
 
 class SharedEpochReport(pl.Callback):
-    """At each shared epoch's end, one line: how many batches this worker trained."""
+    """At each shared epoch's end, one line: how many batches this worker trained. Printed
+    beside a progress bar only: benchmarks and the check, which turn it off, stay quiet."""
 
     def __init__(self) -> None:
         self.batches = 0
-        self.lines: list[str] = []
 
     def on_train_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self.batches = 0
@@ -52,13 +52,12 @@ class SharedEpochReport(pl.Callback):
 
     def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         strategy = trainer.strategy
-        if not _sharing(strategy):
+        if not _sharing(strategy) or trainer.progress_bar_callback is None:
             return
         line = (
             f"async_sgd epoch {trainer.current_epoch}: worker {trainer.global_rank} trained "
             f"{self.batches} of the epoch's {strategy.sampler.num_batches} shared batches"
         )
-        self.lines.append(line)
         tqdm.write(line)  # a line of its own, not glued to rank 0's progress bar
 
 
