@@ -21,6 +21,7 @@
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import tempfile
 import threading
@@ -50,6 +51,9 @@ from lightning_par.comm.launch import (
 from lightning_par.comm.run import die_with_parent, stop_process_groups
 from lightning_par.comm.trace import trace_from_dict, trace_to_dict
 from lightning_par.strategies._lost_workers import tolerate_lost_workers
+
+#: Prefix of the temporary folder that carries rank 0's weights back to the main process.
+WEIGHTS_PREFIX = "lightning_par-weights-"
 
 
 class ExistingRanksLauncher(_SubprocessScriptLauncher):
@@ -174,10 +178,16 @@ class PolicyLauncher(_MultiProcessingLauncher):
             return None
         weights_path = None
         if trainer.state.fn == TrainerFn.FITTING:
-            weights_path = os.path.join(tempfile.mkdtemp(), ".temp.ckpt")
+            # a folder of its own, removed with the weights once the main process read them
+            weights_path = os.path.join(tempfile.mkdtemp(prefix=WEIGHTS_PREFIX), ".temp.ckpt")
             self._strategy.checkpoint_io.save_checkpoint(state_dict, weights_path)
         extra = self.get_extra_results(trainer)
         return _WorkerOutput(best_model_path, weights_path, trainer.state, results, extra)
+
+    def _recover_results_in_main_process(self, worker_output: Any, trainer: pl.Trainer) -> None:
+        super()._recover_results_in_main_process(worker_output, trainer)
+        if worker_output.weights_path is not None:  # Lightning removes the file, not its folder
+            shutil.rmtree(os.path.dirname(worker_output.weights_path), ignore_errors=True)
 
     def get_extra_results(self, trainer: pl.Trainer) -> dict[str, Any]:
         extra = super().get_extra_results(trainer)

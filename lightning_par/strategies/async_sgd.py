@@ -45,6 +45,7 @@ from lightning_par.comm import CommTrace
 from lightning_par.paramserver.async_client import ONE_BUCKET_MB, AsyncParameterClient
 from lightning_par.paramserver.protocol import NONE
 from lightning_par.paramserver.work import SharedBatchSampler
+from lightning_par.strategies._async_progress import show_own_progress
 from lightning_par.strategies.parameter_server import ParameterServerStrategy
 
 
@@ -128,6 +129,8 @@ class AsyncSGDStrategy(ParameterServerStrategy):
         super().setup(trainer)
         if trainer.state.fn == TrainerFn.FITTING:
             _compat.replace_sigterm_broadcast(trainer, self._own_sigterm)
+            if self.share_work:
+                show_own_progress(trainer)  # this worker's batches, no false total
         self._local_metrics(trainer.state.fn == TrainerFn.FITTING)
         self._logged = 0
 
@@ -238,7 +241,7 @@ class AsyncSGDStrategy(ParameterServerStrategy):
             self._logged = len(updates)
             self.lightning_module.log(
                 "staleness", float(new[-1][1]), on_step=True, on_epoch=True,
-                sync_dist=False, batch_size=1,
+                sync_dist=True, batch_size=1,  # local while fitting (reduce): no warning
             )  # fmt: skip
         return output
 
