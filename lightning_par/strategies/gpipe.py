@@ -28,7 +28,9 @@ from typing import Any
 
 import lightning.pytorch as pl
 import torch
+from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
+from torch import nn
 
 from lightning_par.pipeline.partition import split_sequential
 from lightning_par.pipeline.sequential import PipelinedSequential
@@ -39,6 +41,7 @@ from lightning_par.pipeline.state import (
     stage_optimizer_state,
 )
 from lightning_par.strategies import _gpipe_checks as checks
+from lightning_par.strategies import _pipeline_features as features
 from lightning_par.strategies._base import ParStrategy
 
 
@@ -80,6 +83,7 @@ class GPipeStrategy(ParStrategy):
         self.balance, self.chunks, self.checkpoint = balance, chunks, checkpoint
         self.schedule, self.module_attr, self.loss_attr = schedule, module_attr, loss_attr
         self.balance_by = balance_by
+        self._batch_checked = False
 
     # ---- splitting the network --------------------------------------------------------------
     def prepare_model(self, trainer: pl.Trainer) -> None:
@@ -116,11 +120,39 @@ class GPipeStrategy(ParStrategy):
     def check_before_launch(self, trainer: pl.Trainer | None = None) -> None:
         """Reject a network, balance or loss this strategy cannot run, before any process
         starts (the launcher calls this in the main process)."""
+        if self._layer_sync is not None:
+            raise ValueError(
+                f"{self.strategy_name} refuses sync_batchnorm=True: it synchronises BatchNorm "
+                "over data-parallel replicas, but every stage holds different layers and sees "
+                "the same batch; remove sync_batchnorm"
+            )
+        net = getattr(self.lightning_module, self.module_attr, None)
+        if isinstance(net, nn.Module) and not isinstance(net, PipelinedSequential):
+            features.warn_batchnorm(net, self.chunks, self.strategy_name)
         checks.check_before_launch(
             self.lightning_module, trainer, module_attr=self.module_attr,
             stages=self.num_processes * self.num_nodes, balance=self.balance,
             balance_by=self.balance_by, schedule=self.schedule, loss_attr=self.loss_attr,
             devices=self.parallel_devices or [], backend=self._process_group_backend,
+        )  # fmt: skip
+
+    def setup(self, trainer: pl.Trainer) -> None:
+        super().setup(trainer)
+        self._batch_checked = False
+        if trainer.state.fn == TrainerFn.FITTING:
+            self.precision_plugin.clip_grad_by_norm = self._clip_by_whole_norm
+            scaler = getattr(self.precision_plugin, "scaler", None)
+            if scaler is not None:
+                features.agree_on_overflow(scaler)
+
+    def _clip_by_whole_norm(self, optimizer: Any, clip_val: float) -> None:
+        """Lightning's clipping by norm, by the norm of every stage's gradients together."""
+        stage_ids = {id(p) for p in self.pipelined.parameters()}
+        params = list(self.precision_plugin.main_params(optimizer))
+        features.clip_grad_norm_across_stages(
+            [p for p in params if id(p) in stage_ids], clip_val,
+            shared_params=[p for p in params if id(p) not in stage_ids],
+            count_shared=self.global_rank == 0,
         )  # fmt: skip
 
     # ---- steps ------------------------------------------------------------------------------
@@ -134,6 +166,9 @@ class GPipeStrategy(ParStrategy):
 
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
         batch = args[0] if args else kwargs.get("batch")
+        if not self._batch_checked and self.world_size > 1:
+            features.check_same_batch(batch, self.global_rank, self.world_size, self.strategy_name)
+            self._batch_checked = True
         x = batch if isinstance(batch, torch.Tensor) else batch[0]
         if x.shape[0] < self.chunks:
             if self.lightning_module.trainer.global_step == 0:
