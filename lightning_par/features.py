@@ -112,6 +112,26 @@ ROWS: dict[str, Row] = {
 }  # fmt: skip
 
 
+#: One strategy per kind for the resume-across-strategies test: a checkpoint written under
+#: any of them resumes under any other, under ``lightning_ddp`` and in one process.
+RESUME_KINDS: dict[str, str] = {
+    "allreduce": "ring_allreduce",
+    "parameter server": "parameter_server",
+    "async": "async_sgd",
+    "local SGD": "local_sgd",
+    "pipeline": "gpipe",
+    "layer-wise": "layerwise",
+}
+#: Their results are not one process's: a resume through them only has to train.
+NOT_ONE_PROCESS = ("async_sgd", "local_sgd")
+
+
+def resume_outcome(source: str, target: str) -> Outcome:
+    """2 steps under ``source``, resumed to 4 under ``target``: ``exact`` (one process's
+    weights) unless either side is not synchronous SGD, then ``runs``."""
+    return RUNS if source in NOT_ONE_PROCESS or target in NOT_ONE_PROCESS else EXACT
+
+
 def row_key(strategy: str) -> str:
     return "*_allreduce" if strategy.endswith("_allreduce") else strategy
 

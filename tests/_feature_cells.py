@@ -212,3 +212,44 @@ def cells_on_rank(rank: int, world: int, name: str, features: list[str], tmp: st
     for feature in features:
         out[feature] = run_cell(row.create, world, feature, os.path.join(tmp, feature), shards)
     return out
+
+
+def _factory(name: str) -> tuple[Any, int, bool]:
+    """(strategy factory, devices, reads a shard) for a strategy name or ``"one process"``."""
+    if name == "one process":
+        return (lambda: "auto"), 1, False
+    from lightning_par.strategies.registry import spec
+
+    row = spec(name)
+    return row.create, 2, getattr(row.load(), "shards_data", True)
+
+
+def write_checkpoint(name: str, path: str) -> None:
+    """2 steps under ``name`` (of an epoch of 4), saved as ``path``/mid.ckpt."""
+    make, devices, shards = _factory(name)
+    model = Tiny("resume_mid_epoch")
+    model.shards = shards
+    make_trainer(make(), devices, "resume_mid_epoch", path).fit(model)
+
+
+def resume(name: str, ckpt: str) -> dict[str, Any]:
+    """Resume ``ckpt`` under ``name`` to step 4: the full model's weights, or the error."""
+    make, devices, shards = _factory(name)
+    model = Tiny("resume_mid_epoch")
+    model.shards = shards
+    trainer = make_trainer(make(), devices, "resume_mid_epoch", "", max_steps=STEPS,
+                           callbacks=[], enable_checkpointing=False)  # fmt: skip
+    try:
+        trainer.fit(model, ckpt_path=ckpt)
+        return {"weights": _weights(trainer, model), "metrics": {}}
+    except Exception as err:
+        return {"error": f"{type(err).__name__}: {err}"}
+
+
+def checkpoints_on_rank(rank: int, world: int, names: list[str], tmp: str) -> None:
+    for name in names:
+        write_checkpoint(name, os.path.join(tmp, name))
+
+
+def resumes_on_rank(rank: int, world: int, pairs: list[tuple[str, str]], tmp: str) -> dict:
+    return {(src, dst): resume(dst, os.path.join(tmp, src, "mid.ckpt")) for src, dst in pairs}

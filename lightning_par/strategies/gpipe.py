@@ -28,15 +28,17 @@ from typing import Any
 
 import lightning.pytorch as pl
 import torch
+import torch.distributed as dist
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch import nn
 
+from lightning_par.pipeline.optim_state import merge_stage_states, model_order, stage_state
 from lightning_par.pipeline.partition import split_sequential
 from lightning_par.pipeline.sequential import PipelinedSequential
 from lightning_par.pipeline.state import (
     gather_full_state_dict,
-    gather_optimizer_state,
+    gather_objects,
     send_weights_from_first,
     stage_optimizer_state,
 )
@@ -207,10 +209,36 @@ class GPipeStrategy(ParStrategy):
         local = self.lightning_module.state_dict()
         return gather_full_state_dict(self.comm, local, f"{self.module_attr}.", self.root_device)
 
+    def _stage_names(self, optimizer: Any) -> tuple[list[str], list[list[str]]]:
+        """This stage's parameter names, in module order and per optimiser group."""
+        named = list(self.lightning_module.named_parameters())
+        by_id = {id(p): n for n, p in named}
+        groups = [[by_id[id(p)] for p in g["params"]] for g in optimizer.param_groups]
+        return [n for n, _ in named], groups
+
     def optimizer_state(self, optimizer) -> dict[str, Any]:
+        """On rank 0, the optimiser state of the whole model in the format of the user's
+        optimiser in one process (so it resumes under any strategy); ``{}`` elsewhere."""
         state = super().optimizer_state(optimizer)
-        return gather_optimizer_state(self.comm, state, self.root_device)
+        names, groups = self._stage_names(getattr(optimizer, "_optimizer", optimizer))
+        stages = gather_objects(self.comm, (state, names, groups), self.root_device)
+        if stages is None:
+            return {}
+        order = model_order([s[1] for s in stages], f"{self.module_attr}.")
+        return merge_stage_states([s[0] for s in stages], [s[2] for s in stages], order)
 
     def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
+        """Each stage takes its part of a whole-model optimiser state (written by any
+        strategy or one process; every rank must call this)."""
         for optimizer, state in zip(self.optimizers, checkpoint["optimizer_states"]):
-            optimizer.load_state_dict(stage_optimizer_state(state, self.global_rank))
+            if "pipeline_stages" in state:  # the per-stage format of earlier versions
+                optimizer.load_state_dict(stage_optimizer_state(state, self.global_rank))
+                continue
+            mine = self._stage_names(optimizer)
+            everyone: list[Any] = [mine]
+            if dist.is_initialized() and self.world_size > 1:
+                everyone = [None] * self.world_size
+                dist.all_gather_object(everyone, mine)
+            order = model_order([e[0] for e in everyone], f"{self.module_attr}.")
+            part = stage_state(state, self.global_rank, [e[1] for e in everyone], order)
+            optimizer.load_state_dict(part)
