@@ -8,9 +8,11 @@ import pytest
 import torch
 from _feature_cells import Tiny, make_trainer
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_par.comm import RankFailed, run_on_ranks
+from lightning_par.pipeline.batchnorm import DeferredBatchNorm
 from lightning_par.pipeline.optim_state import merge_stage_states, model_order, stage_state
 from lightning_par.strategies._pipeline_features import (
     agree_on_overflow,
@@ -122,3 +124,37 @@ def test_stage_optimiser_states_merge_into_one_process_format_and_back():
         torch.testing.assert_close(merged["state"][i], state)
     with pytest.raises(ValueError, match="saved for another model"):
         stage_state(full, 0, [[["a.weight"], []], [["net.1.weight"], []]], order)
+
+
+def test_deferred_batch_norm_tracks_the_whole_mini_batch_and_ignores_recomputation():
+    torch.manual_seed(0)
+    x = torch.randn(12, 3, 5) * 4 + 2
+    whole = nn.BatchNorm1d(3, momentum=0.3)
+    whole(x)
+    deferred = DeferredBatchNorm.from_batch_norm(nn.BatchNorm1d(3, momentum=0.3))
+    plain = nn.BatchNorm1d(3, momentum=0.3)
+    for part in x.chunk(4):
+        out = checkpoint(deferred, part.requires_grad_(), use_reentrant=False)
+        out.sum().backward()  # re-runs the forward inside backward: not counted again
+        torch.testing.assert_close(out, plain(part))  # normalised per micro-batch
+    deferred.commit()
+    torch.testing.assert_close(deferred.running_mean, whole.running_mean)
+    torch.testing.assert_close(deferred.running_var, whole.running_var)
+    assert int(deferred.num_batches_tracked) == 1
+    assert set(deferred.state_dict()) == set(whole.state_dict())  # checkpoints unchanged
+
+
+@pytest.mark.parametrize("deferred", [True, False])
+def test_gpipe_running_statistics_equal_one_process_with_deferred_batch_norm(deferred):
+    expected = Tiny("batchnorm")
+    expected.shards = False
+    make_trainer("auto", 1, "batchnorm", "", max_steps=1).fit(expected)
+    model = Tiny("batchnorm")
+    model.shards = False  # every stage reads the whole batch
+    strategy = GPipeStrategy(chunks=4, deferred_batch_norm=deferred)
+    make_trainer(strategy, 2, "batchnorm", "", max_steps=1).fit(model)
+    got, want = model.net[1], expected.net[1]  # after one step: the same inputs reached it
+    same = torch.allclose(got.running_var, want.running_var, atol=1e-6) and torch.allclose(
+        got.running_mean, want.running_mean, atol=1e-6
+    )
+    assert same == deferred

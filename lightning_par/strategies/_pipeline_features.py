@@ -13,7 +13,8 @@ mean in one process (:class:`~lightning_par.strategies.gpipe.GPipeStrategy` and
   checksum (:func:`check_same_batch`); a user's sampler or an unseeded shuffle would
   otherwise pair stage 0's inputs with another batch's labels;
 * **BatchNorm** normalises each micro-batch on its own: :func:`warn_batchnorm` says so
-  before launch.
+  before launch (``deferred_batch_norm=True`` keeps the running statistics over the whole
+  mini-batch: :mod:`lightning_par.pipeline.batchnorm`).
 """
 
 from __future__ import annotations
@@ -120,14 +121,20 @@ def _close(a: float, b: float) -> bool:
     return abs(a - b) <= 1e-9 * max(1.0, abs(a), abs(b))
 
 
-def warn_batchnorm(net: nn.Module, chunks: int, strategy: str) -> None:
+def warn_batchnorm(net: nn.Module, chunks: int, strategy: str, deferred: bool = False) -> None:
     """Warn (before launch) that micro-batches change BatchNorm's statistics."""
     bn = [m for m in net.modules() if isinstance(m, nn.modules.batchnorm._BatchNorm)]
     if not bn or chunks <= 1:
         return
+    running = (
+        "its running statistics are kept over the whole mini-batch (deferred_batch_norm=True)"
+        if deferred
+        else "and updates the running statistics on its own (deferred_batch_norm=True keeps "
+        "those over the whole mini-batch)"
+    )
     rank_zero_warn(
         f"{strategy}: the network has {len(bn)} BatchNorm layer(s) and chunks={chunks}: each "
-        "micro-batch is normalised with its own statistics and updates the running "
-        "statistics on its own, so training differs from one process on the whole batch. "
-        "Use GroupNorm/LayerNorm, or chunks=1, to train exactly as one process"
+        f"micro-batch is normalised with its own statistics, {running}, so training differs "
+        "from one process on the whole batch. Use GroupNorm/LayerNorm, or chunks=1, to "
+        "train exactly as one process"
     )

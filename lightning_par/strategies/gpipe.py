@@ -33,6 +33,7 @@ from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch import nn
 
+from lightning_par.pipeline.batchnorm import commit_batch_norm, defer_batch_norm
 from lightning_par.pipeline.optim_state import merge_stage_states, model_order, stage_state
 from lightning_par.pipeline.partition import split_sequential
 from lightning_par.pipeline.sequential import PipelinedSequential
@@ -60,6 +61,9 @@ class GPipeStrategy(ParStrategy):
         loss_attr: name of its mean-reduced loss module (used by ``"1f1b"`` only).
         balance_by: automatic balance by ``"params"`` (parameter count) or ``"time"``
             (forward + backward time per layer on ``module.example_input_array``).
+        deferred_batch_norm: BatchNorm layers keep their running statistics over the whole
+            mini-batch (torchgpipe's; :mod:`lightning_par.pipeline.batchnorm`); each
+            micro-batch is still normalised with its own statistics.
         **kwargs: ``trace``, ``trace_dir`` (per-rank traces for
             :mod:`lightning_par.pipeline.timeline`), ``start_method``,
             ``process_group_backend``, ``timeout``: see
@@ -78,10 +82,14 @@ class GPipeStrategy(ParStrategy):
         module_attr: str = "net",
         loss_attr: str = "criterion",
         balance_by: str = "params",
+        deferred_batch_norm: bool = False,
         **kwargs: Any,
     ) -> None:
         checks.check_settings(balance, chunks, checkpoint, schedule, balance_by)
+        if not isinstance(deferred_batch_norm, bool):
+            raise TypeError(f"deferred_batch_norm must be True or False: {deferred_batch_norm!r}")
         super().__init__(**kwargs)
+        self.deferred_batch_norm = deferred_batch_norm
         self.balance, self.chunks, self.checkpoint = balance, chunks, checkpoint
         self.schedule, self.module_attr, self.loss_attr = schedule, module_attr, loss_attr
         self.balance_by = balance_by
@@ -109,6 +117,8 @@ class GPipeStrategy(ParStrategy):
             module, net, stages=self.world_size, balance=self.balance, balance_by=self.balance_by,
             rank=self.global_rank, broadcast=self.broadcast,
         )  # fmt: skip
+        if self.deferred_batch_norm:
+            defer_batch_norm(net)
         stages = split_sequential(net, balance)
         piped = PipelinedSequential(
             net, balance, self.comm, chunks=self.chunks, checkpoint=self.checkpoint,
@@ -130,7 +140,7 @@ class GPipeStrategy(ParStrategy):
             )
         net = getattr(self.lightning_module, self.module_attr, None)
         if isinstance(net, nn.Module) and not isinstance(net, PipelinedSequential):
-            features.warn_batchnorm(net, self.chunks, self.strategy_name)
+            features.warn_batchnorm(net, self.chunks, self.strategy_name, self.deferred_batch_norm)
         checks.check_before_launch(
             self.lightning_module, trainer, module_attr=self.module_attr,
             stages=self.num_processes * self.num_nodes, balance=self.balance,
@@ -192,6 +202,8 @@ class GPipeStrategy(ParStrategy):
     def backward(self, closure_loss: torch.Tensor, optimizer, *args: Any, **kwargs: Any):
         closure_loss = super().backward(closure_loss, optimizer, *args, **kwargs)
         self.pipelined.backward()  # GPipe's backward half (1F1B already ran its backwards)
+        if self.deferred_batch_norm:
+            commit_batch_norm(self.pipelined)  # the mini-batch's running statistics, once
         return closure_loss
 
     def validation_step(self, *args: Any, **kwargs: Any) -> Any:
