@@ -60,7 +60,9 @@ FEATURES: dict[str, str] = {
     "evaluate_after_fit": "validate, test and predict after fit",
     "early_stopping": "EarlyStopping on the training loss",
     "fit_twice": "fit 2 steps, then fit 2 more with a new Trainer",
-    "unfreeze": "a layer frozen at setup, unfrozen at step 2 (BackboneFinetuning's pattern)",
+    "unfreeze": "a layer frozen at setup, unfrozen at step 2 (the optimiser holds it)",
+    "add_param_group": "a frozen head unfrozen and added as a new param group at step 2 "
+    "(BackboneFinetuning's pattern)",
 }
 
 #: torch's SyncBatchNorm runs on GPUs only
@@ -74,6 +76,7 @@ _PS_REFUSALS = {
     "fp16_mixed_scaler": refused("runs 32-bit precision only"),
     "sync_batchnorm": refused("refuses sync_batchnorm=True"),
     "unfreeze": Outcome("error", "needs one optimiser holding every trainable parameter"),
+    "add_param_group": Outcome("error", "became trainable after setup"),
 }
 
 
@@ -108,6 +111,7 @@ ROWS: dict[str, Row] = {
         "sync_batchnorm": Outcome("error", "SyncBatchNorm layers only work with GPU modules"),
         "unused_parameters": Outcome("error", "find_unused_parameters"),
         "unfreeze": Outcome("differs", "torch DDP's reducer fixes its parameters at setup"),
+        "add_param_group": Outcome("differs", "torch DDP's reducer fixes its parameters at setup"),
     }),
 }  # fmt: skip
 

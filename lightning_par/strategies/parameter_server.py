@@ -45,6 +45,7 @@ from lightning_par.paramserver.messages import IDLE_TIMEOUT, send_object, server
 from lightning_par.paramserver.process import start_servers, stop_servers
 from lightning_par.paramserver.worker import ParameterClient
 from lightning_par.strategies._base import ParStrategy
+from lightning_par.strategies._late_params import refuse_late_parameters
 from lightning_par.strategies._launchers import log_startup
 
 
@@ -296,6 +297,7 @@ class ParameterServerStrategy(ParStrategy):
                 "must push every step (the servers wait for all of them)"
             )
         module = model if isinstance(model, pl.LightningModule) else self.lightning_module
+        refuse_late_parameters(module, self.client.params, self.strategy_name)
         self.precision_plugin._after_closure(module, optimizer)
         inner = getattr(optimizer, "_optimizer", optimizer)
         inner._opt_called = True  # the step happened (on the servers): no scheduler warning
