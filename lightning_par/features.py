@@ -29,9 +29,15 @@ from dataclasses import dataclass, field
 class Outcome:
     kind: str  # one of KINDS
     message: str = ""  # refused/error/warns: a fragment of the message; differs: why
+    #: error: another message a run may show first (a peer's report of the failure)
+    also: str = ""
 
     def __str__(self) -> str:
-        return f"{self.kind}: {self.message}" if self.message else self.kind
+        text = f"{self.kind}: {self.message}" if self.message else self.kind
+        return f"{text} (or, from a peer first: {self.also})" if self.also else text
+
+    def matches(self, message: str) -> bool:
+        return self.message in message or bool(self.also and self.also in message)
 
 
 KINDS = ("exact", "as DDP", "runs", "warns", "differs", "refused", "error")
@@ -75,8 +81,15 @@ _PS_REFUSALS = {
     "bf16_mixed": refused("runs 32-bit precision only"),
     "fp16_mixed_scaler": refused("runs 32-bit precision only"),
     "sync_batchnorm": refused("refuses sync_batchnorm=True"),
-    "unfreeze": Outcome("error", "needs one optimiser holding every trainable parameter"),
+    "unfreeze": Outcome("error", "that are frozen (requires_grad=False) when fit starts"),
     "add_param_group": Outcome("error", "became trainable after setup"),
+}
+#: async_sgd's workers are not in step: when one stops, another may report the lost
+#: servers before the launcher shows the first worker's message
+_ASYNC_ERRORS = {
+    "add_param_group": Outcome(
+        "error", "became trainable after setup", also="Connection reset by peer"
+    ),
 }
 
 
@@ -104,7 +117,7 @@ ROWS: dict[str, Row] = {
         "sync_batchnorm": refused("layerwise refuses sync_batchnorm=True"),
     }),
     "parameter_server": Row(EXACT, {**_PS_REFUSALS, "batchnorm": AS_DDP}),
-    "async_sgd": Row(RUNS, _PS_REFUSALS),
+    "async_sgd": Row(RUNS, {**_PS_REFUSALS, **_ASYNC_ERRORS}),
     "local_sgd": Row(RUNS, {"sync_batchnorm": _SYNC_BN_CPU}),
     "lightning_ddp": Row(EXACT, {
         "batchnorm": RUNS,
@@ -159,7 +172,7 @@ def markdown_table() -> str:
         cells = [row.outcome(feature).kind for row in ROWS.values()]
         lines.append(f"| `{feature}` | " + " | ".join(cells) + " |")
     notes = [
-        f"- `{key}`, `{feature}`: {o.kind}: {o.message}"
+        f"- `{key}`, `{feature}`: {o}"
         for feature in FEATURES
         for key, row in ROWS.items()
         if (o := row.outcome(feature)).message

@@ -45,7 +45,10 @@ from lightning_par.paramserver.messages import IDLE_TIMEOUT, send_object, server
 from lightning_par.paramserver.process import start_servers, stop_servers
 from lightning_par.paramserver.worker import ParameterClient
 from lightning_par.strategies._base import ParStrategy
-from lightning_par.strategies._late_params import refuse_late_parameters
+from lightning_par.strategies._late_params import (
+    refuse_frozen_in_optimizer,
+    refuse_late_parameters,
+)
 from lightning_par.strategies._launchers import log_startup
 
 
@@ -232,6 +235,7 @@ class ParameterServerStrategy(ParStrategy):
                 f"returned {len(self.optimizers)}"
             )
         assert self.model is not None and self.comm is not None
+        refuse_frozen_in_optimizer(self.model, self.optimizers[0], self.strategy_name)
         self.client = self.client_cls(
             self.model,
             self.optimizers[0],
@@ -297,11 +301,15 @@ class ParameterServerStrategy(ParStrategy):
                 "must push every step (the servers wait for all of them)"
             )
         module = model if isinstance(model, pl.LightningModule) else self.lightning_module
-        refuse_late_parameters(module, self.client.params, self.strategy_name)
         self.precision_plugin._after_closure(module, optimizer)
         inner = getattr(optimizer, "_optimizer", optimizer)
         inner._opt_called = True  # the step happened (on the servers): no scheduler warning
         return result
+
+    def training_step(self, *args: Any, **kwargs: Any) -> Any:
+        if self.client is not None:  # before this step pushes or pulls anything
+            refuse_late_parameters(self.lightning_module, self.client.params, self.strategy_name)
+        return super().training_step(*args, **kwargs)
 
     def _settled(self, hook: str, *args: Any, **kwargs: Any) -> Any:
         if self.client is not None:
