@@ -55,8 +55,8 @@ class Tiny(pl.LightningModule):
             self.unused = nn.Linear(4, 4)
         if feature == "module_parameter":
             self.scale = nn.Parameter(torch.tensor(1.5))
-        if feature == "unfreeze":
-            self.net[2].requires_grad_(False)
+        if feature == "unfreeze":  # the first layer: a pipeline's first stage is all frozen
+            self.net[0].requires_grad_(False)
         if feature == "add_param_group":  # a head frozen, outside the optimiser, until step 2
             self.head = nn.Linear(3, 3).requires_grad_(False)
         self.automatic_optimization = feature != "manual_optimization"
@@ -82,7 +82,7 @@ class Tiny(pl.LightningModule):
 
     def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
         if self.feature == "unfreeze" and self.global_step == 2:
-            layer = dict(self.net.named_children()).get("2")  # a pipeline stage may lack it
+            layer = dict(self.net.named_children()).get("0")  # a pipeline stage may lack it
             if layer is not None:
                 layer.requires_grad_(True)
         if self.feature == "add_param_group" and self.global_step == 2:

@@ -161,6 +161,20 @@ class GPipeStrategy(ParStrategy):
             if scaler is not None:
                 features.agree_on_overflow(scaler)
 
+    def setup_optimizers(self, trainer: pl.Trainer) -> None:
+        try:
+            super().setup_optimizers(trainer)
+        except ValueError as err:
+            if "empty parameter list" not in str(err):
+                raise
+            raise ValueError(
+                f"{self.strategy_name}: stage {self.global_rank} has no trainable parameters "
+                "(all frozen) and configure_optimizers left them out, so its optimiser is "
+                "empty: give the optimiser the frozen parameters too (self.parameters()), "
+                "to unfreeze them later, or choose a balance=[...] that gives every stage a "
+                "trainable layer"
+            ) from err
+
     def _clip_by_whole_norm(self, optimizer: Any, clip_val: float) -> None:
         """Lightning's clipping by norm, by the norm of every stage's gradients together."""
         stage_ids = {id(p) for p in self.pipelined.parameters()}
