@@ -24,7 +24,6 @@ from lightning_par.strategies.registry import spec, strategy_specs
 WORLD = 2
 STRATEGIES = [s.name for s in strategy_specs()]
 _reference: dict[str, dict] = {}
-_observed: dict[str, dict[str, str]] = {}  # strategy -> feature -> what happened
 
 
 def reference(feature: str, tmp_path: Path) -> dict:
@@ -140,7 +139,8 @@ def describe(got: dict) -> str:
 @pytest.mark.parametrize("name", STRATEGIES)
 def test_every_feature_is_exact_or_refused_as_the_table_says(name, tmp_path):
     results = observe(name, tmp_path)
-    _observed[name] = {f: describe(r) for f, r in results.items()}
+    for feature, result in results.items():  # what each cell did (pytest -s shows it)
+        print(f"{name} / {feature}: {describe(result)}")
     wrong = {f: why for f in FEATURES if (why := judge(name, f, results[f], tmp_path))}
     assert not wrong, f"{name}: cells that differ from lightning_par.features.ROWS: {wrong}"
 
