@@ -133,7 +133,11 @@ def _lightning_ddp(feature: str, tmp_path: Path) -> dict:
 
 
 def describe(got: dict) -> str:
-    return got["error"].splitlines()[0] if "error" in got else "trained"
+    """'trained', or the error's message (a rank's: the last line of its traceback)."""
+    if "error" not in got:
+        return "trained"
+    lines = [line for line in got["error"].splitlines() if line.strip()]
+    return lines[-1] if lines[0].startswith("ProcessRaisedException") else lines[0]
 
 
 @pytest.mark.parametrize("name", STRATEGIES)
