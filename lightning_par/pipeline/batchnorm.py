@@ -23,10 +23,12 @@ import torch.nn.functional as F
 from torch import nn
 from torch.nn.modules.batchnorm import _BatchNorm
 
+from lightning_par import _compat
+
 
 def _in_backward() -> bool:
     """True while autograd runs a backward pass (a re-materialising forward)."""
-    return torch._C._current_graph_task_id() != -1
+    return _compat.in_backward_pass()
 
 
 class DeferredBatchNorm(_BatchNorm):

@@ -27,6 +27,8 @@ import torch.distributed as dist
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch import nn
 
+from lightning_par import _compat
+
 
 def clip_grad_norm_across_stages(
     stage_params: Iterable[torch.Tensor],
@@ -67,7 +69,7 @@ def agree_on_overflow(scaler: Any, group: Any = None) -> None:
 
     def unscale_(optimizer: torch.optim.Optimizer) -> None:
         original(optimizer)
-        found = scaler._per_optimizer_states[id(optimizer)]["found_inf_per_device"]
+        found = _compat.scaler_found_inf(scaler, optimizer)
         flags = list(found.values())
         device = flags[0].device if flags else torch.device("cpu")
         any_inf = torch.zeros(1, dtype=torch.float32, device=device)
