@@ -85,11 +85,17 @@ def assemble_state_dict(states: Sequence[Mapping[str, Any]], shards: Mapping[str
     return full
 
 
-def parameter_shards(module: torch.nn.Module) -> list[Shard | None]:
-    """The :class:`Shard` of each of ``module.parameters()`` in order (``None``: replicated),
-    which is also the order of a one-process optimiser's state indices."""
+def parameter_shards(
+    module: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None
+) -> list[Shard | None]:
+    """The :class:`Shard` (``None``: replicated) of each parameter in the order of the
+    optimiser's state indices: ``optimizer``'s parameter groups, or without one
+    ``module.parameters()`` (one group of every parameter)."""
     by_name = module_shards(module)
-    return [by_name.get(name) for name, _ in module.named_parameters()]
+    by_id = {id(p): by_name.get(name) for name, p in module.named_parameters()}
+    if optimizer is None:
+        return list(by_id.values())
+    return [by_id.get(id(p)) for group in optimizer.param_groups for p in group["params"]]
 
 
 def _map_param_states(state: Mapping[str, Any], shards: Sequence[Shard | None], fn) -> dict:
@@ -107,8 +113,8 @@ def _indices(state: Mapping[str, Any], shards: Sequence[Shard | None]) -> dict[i
     order = [i for g in state["param_groups"] for i in g["params"]]
     if len(order) != len(shards):
         raise ValueError(
-            f"tensor_parallel: the optimiser has {len(order)} parameters but the model "
-            f"{len(shards)}; it must optimise every parameter of the model, in its order"
+            f"tensor_parallel: the optimiser state has {len(order)} parameters but the "
+            f"optimiser {len(shards)}: it was saved for another model or optimiser"
         )
     return {index: shard for index, shard in zip(order, shards)}
 
