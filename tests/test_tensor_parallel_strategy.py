@@ -10,13 +10,17 @@ import re
 import lightning.pytorch as pl
 import pytest
 import torch
+from _split_models import STEPS
 from _split_models import loader as _loader
 from _split_models import trainer as _trainer
 from lightning.pytorch.callbacks import ModelCheckpoint
 from torch import nn
 
+from lightning_par.comm.trace import load_traces
 from lightning_par.models import CifarCNN, CifarRNN, ImageClassifier
 from lightning_par.strategies.tensor_parallel import TensorParallelStrategy
+from lightning_par.tensorparallel import resolve_plan
+from lightning_par.tensorparallel.cost import step_cost
 
 
 class MLPClassifier(ImageClassifier):
@@ -85,6 +89,23 @@ def test_checkpoints_are_one_process_format_both_ways(tmp_path):
     for index, values in want["state"].items():
         for name, value in values.items():
             torch.testing.assert_close(got["state"][index][name], value, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("kind, devices", [("mlp", 3), ("rnn", 2)])
+def test_bytes_per_step_equal_the_cost_model(tmp_path, kind, devices):
+    model = _model(kind)
+    example = next(iter(_loader()))[0]
+    _trainer(TensorParallelStrategy(trace_dir=tmp_path), devices).fit(model, _loader())
+    plan = resolve_plan(_model(kind), devices)
+    cost = step_cost(_model(kind), plan, example)
+    assert cost.max_bytes_sent > 0
+    traces = load_traces(tmp_path)
+    assert [t.rank for t in traces] == list(range(devices))
+    for trace in traces:
+        assert trace.bytes_sent == STEPS * cost.bytes_sent[trace.rank]
+        assert trace.messages_sent == STEPS * cost.messages_sent[trace.rank]
+        assert {m.tag.split("/")[0] for m in trace.messages} <= {"tp:f", "tp:g", "tp:gather",
+                                                                "tp:reduce_scatter"}  # fmt: skip
 
 
 def test_validation_after_fit_equals_one_process():
