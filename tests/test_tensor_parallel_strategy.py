@@ -43,6 +43,10 @@ def _model(kind: str, **kw) -> pl.LightningModule:
         return CifarCNN(width=16, num_blocks=2, scheduler=None)
     if kind == "rnn":
         return CifarRNN(hidden_size=12, num_layers=2, scheduler=None)
+    if kind == "dropout":
+        model = MLPClassifier()
+        model.net[2] = nn.Dropout(0.1)
+        return model
     return MLPClassifier(**kw)
 
 
@@ -129,6 +133,7 @@ def test_validation_after_fit_equals_one_process():
         ("mlp", TensorParallelStrategy(), 2, {"gradient_clip_val": 1.0},
          "gradient_clip_algorithm='norm'"),
         ("mlp", TensorParallelStrategy(), 2, {"sync_batchnorm": True}, "sync_batchnorm"),
+        ("dropout", TensorParallelStrategy(), 2, {}, "net.2 (Dropout, p=0.1) would draw"),
     ],
 )  # fmt: skip
 def test_refused_before_launch(kind, strategy, devices, trainer_kw, message):

@@ -13,8 +13,8 @@ Checkpoints hold the full model and the optimiser state in one process's own for
 (assembled on rank 0): they load without this strategy, and a checkpoint of any plugin
 resumes under it. Refused before launch: a plan that cannot be cut exactly, a model with
 nothing to cut, gradient-norm clipping (each rank would see only its slices' norm), a
-gradient scaler (its skip-on-inf decision would be per rank), ``sync_batchnorm``, and an
-allreduce algorithm whose ranks could sum in different orders.
+gradient scaler (its skip-on-inf decision would be per rank), ``sync_batchnorm``, dropout
+(a mask per rank), and an allreduce algorithm whose ranks could sum in different orders.
 """
 
 from __future__ import annotations
@@ -23,6 +23,7 @@ from collections.abc import Mapping
 from typing import Any
 
 import lightning.pytorch as pl
+import torch
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 
 from lightning_par.collectives import broadcast_parameters
@@ -96,6 +97,7 @@ class TensorParallelStrategy(ParStrategy):
                 f"be split over {world} devices ({why}); pass plan={{name: style}} or use "
                 "fewer devices"
             )
+        check_no_dropout(module)
         if trainer is not None:
             check_trainer(trainer, self.precision_plugin)
 
@@ -150,6 +152,17 @@ class TensorParallelStrategy(ParStrategy):
         return parameter_shards(self.lightning_module, inner)
 
 
+def check_no_dropout(module: torch.nn.Module) -> None:
+    """Reject dropout: each rank would draw its own mask (on a replicated activation the
+    ranks part ways; on a split one the masks are not one process's)."""
+    for name, layer in module.named_modules():
+        if isinstance(layer, torch.nn.modules.dropout._DropoutNd) and layer.p > 0:
+            raise ValueError(
+                f"tensor_parallel: {name} ({type(layer).__name__}, p={layer.p}) would draw a "
+                "different mask on every rank; remove dropout or set p=0"
+            )
+
+
 def check_trainer(trainer: pl.Trainer, precision_plugin: Any) -> None:
     """Reject trainer settings under which the split model would differ from one process."""
     # (Lightning leaves the algorithm None until the loop starts, and then uses "norm")
@@ -170,4 +183,4 @@ def check_trainer(trainer: pl.Trainer, precision_plugin: Any) -> None:
         )
 
 
-__all__ = ["EXACT_ALGORITHMS", "TensorParallelStrategy", "check_trainer"]
+__all__ = ["EXACT_ALGORITHMS", "TensorParallelStrategy", "check_no_dropout", "check_trainer"]
