@@ -37,12 +37,25 @@ class MLPClassifier(ImageClassifier):
         )  # fmt: skip
 
 
+class DivergentStart(MLPClassifier):
+    """Ranks other than 0 start from other weights, as popen-launched ranks that each build
+    their own model without a common seed: the strategy must cut rank 0's weights."""
+
+    def setup(self, stage: str) -> None:  # runs in each rank before the strategy's setup
+        if self.global_rank != 0:
+            with torch.no_grad():
+                for p in self.parameters():
+                    p.add_(torch.randn_like(p))
+
+
 def _model(kind: str, **kw) -> pl.LightningModule:
     torch.manual_seed(0)
     if kind == "cnn":
         return CifarCNN(width=16, num_blocks=2, scheduler=None)
     if kind == "rnn":
         return CifarRNN(hidden_size=12, num_layers=2, scheduler=None)
+    if kind == "divergent":
+        return DivergentStart()
     if kind == "dropout":
         model = MLPClassifier()
         model.net[2] = nn.Dropout(0.1)
@@ -56,10 +69,10 @@ def _assert_same(got: dict, expected: dict) -> None:
         torch.testing.assert_close(got[key], expected[key], rtol=1e-5, atol=1e-6, msg=key)
 
 
-@pytest.mark.parametrize("kind, devices", [("cnn", 2), ("rnn", 3), ("mlp", 3)])
+@pytest.mark.parametrize("kind, devices", [("cnn", 2), ("rnn", 3), ("divergent", 3)])
 def test_weights_equal_single_process(kind, devices):
     model = _model(kind)
-    reference = copy.deepcopy(model)
+    reference = copy.deepcopy(model) if kind != "divergent" else _model("mlp")
     _trainer("auto", 1).fit(reference, _loader())
     strategy = TensorParallelStrategy()
     _trainer(strategy, devices).fit(model, _loader())
