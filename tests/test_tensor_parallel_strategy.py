@@ -155,6 +155,27 @@ def test_refused_before_launch(kind, strategy, devices, trainer_kw, message):
     assert "tensor_parallel" in str(err.value)
 
 
+class RankShiftedData(torch.utils.data.Dataset):
+    """Each rank reads other images (as an unseeded shuffle under popen would give)."""
+
+    def __init__(self) -> None:
+        self.base = _loader().dataset
+
+    def __len__(self) -> int:
+        return len(self.base)
+
+    def __getitem__(self, i: int):
+        import torch.distributed as dist
+
+        return self.base[(i + dist.get_rank()) % len(self.base)]
+
+
+def test_different_batches_on_the_ranks_stop_the_run():
+    loader = torch.utils.data.DataLoader(RankShiftedData(), batch_size=10)
+    with pytest.raises(Exception, match="tensor_parallel: the ranks got different batches"):
+        _trainer(TensorParallelStrategy(), 2).fit(_model("mlp"), loader)
+
+
 def test_bad_arguments():
     with pytest.raises(ValueError, match="tensor_parallel: algorithm='butterfly'"):
         TensorParallelStrategy(algorithm="butterfly")

@@ -1,7 +1,8 @@
 """Tensor (intra-layer) parallelism as a Lightning strategy: each layer's weight cut across
 the devices (Megatron-LM, Shoeybi et al., 2019, arXiv:1909.08053).
 
-Every rank reads the same batches (no distributed sampler) and holds a slice of each split
+Every rank reads the same batches (no distributed sampler; checked every step by one small
+allreduce, so an unseeded shuffle under popen fails loudly) and holds a slice of each split
 layer: :func:`lightning_par.tensorparallel.parallelize` cuts ``module.<module_attr>`` by the
 automatic plan (column -> row pairs of consecutive Linear/Conv2d layers, LSTMs by hidden
 units) or the user's ``plan``, after every rank has taken rank 0's weights. The operators
@@ -24,6 +25,7 @@ from typing import Any
 
 import lightning.pytorch as pl
 import torch
+import torch.distributed as dist
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 
 from lightning_par.collectives import broadcast_parameters
@@ -115,6 +117,12 @@ class TensorParallelStrategy(ParStrategy):
         rank_zero_info(f"tensor_parallel plan over {self.world_size} ranks:\n  "
                        + self.tp_plan.describe().replace("\n", "\n  "))  # fmt: skip
 
+    # ---- every rank must train on the same batch --------------------------------------------
+    def training_step(self, *args: Any, **kwargs: Any) -> Any:
+        batch = args[0] if args else kwargs.get("batch")
+        check_same_batch(batch, self.root_device)
+        return super().training_step(*args, **kwargs)
+
     # ---- checkpoints: one process's format -------------------------------------------------
     def lightning_module_state_dict(self) -> dict[str, Any]:
         """The full model's state dict on rank 0 (every rank takes part)."""
@@ -150,6 +158,43 @@ class TensorParallelStrategy(ParStrategy):
     def _shards_of(self, optimizer: Any) -> list:
         inner = getattr(optimizer, "optimizer", optimizer)  # Lightning's wrapper
         return parameter_shards(self.lightning_module, inner)
+
+
+def _signature(batch: Any) -> list[torch.Tensor]:
+    """Per tensor of the batch: its size, sum, and a position-weighted sum (an order check)."""
+    if isinstance(batch, dict):
+        batch = list(batch.values())
+    items = batch if isinstance(batch, (list, tuple)) else [batch]
+    tensors = [t for t in items if isinstance(t, torch.Tensor)]
+    out = []
+    for t in tensors:
+        rows = t.detach().double().reshape(t.shape[0], -1).sum(1) if t.dim() else t.double()[None]
+        weights = torch.arange(1, rows.numel() + 1, dtype=torch.float64, device=rows.device)
+        out += [torch.tensor(float(t.numel()), dtype=torch.float64, device=rows.device),
+                rows.sum(), (rows * weights).sum()]  # fmt: skip
+    return out
+
+
+def check_same_batch(batch: Any, device: torch.device) -> None:
+    """Raise on every rank if the ranks got different batches (an unseeded shuffle or a
+    sampler per rank under popen/torchrun): each rank would compute its slices of another
+    batch and the run would end with weights no process would have. One allreduce of a few
+    numbers per step."""
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return
+    sig = _signature(batch)
+    if not sig:
+        return
+    local = torch.stack(sig).to(device)
+    both = torch.cat([local, -local])
+    dist.all_reduce(both, op=dist.ReduceOp.MAX)
+    high, low = both[: len(sig)], -both[len(sig) :]
+    if not torch.allclose(high, low, rtol=1e-9, atol=1e-6):
+        raise RuntimeError(
+            "tensor_parallel: the ranks got different batches; every rank must read the same "
+            "batches in the same order (seed the shuffle with DataLoader(generator=...) or "
+            "seed_everything, and use no sampler that depends on the rank)"
+        )
 
 
 def check_no_dropout(module: torch.nn.Module) -> None:
