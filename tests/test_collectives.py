@@ -274,7 +274,7 @@ def test_the_two_rank_ring_posts_in_nccl_order():
             pass
 
     class Recorder:
-        world_size, trace, group = 2, None, None
+        world_size, trace, group, backend = 2, None, None, "nccl"
 
         def __init__(self, rank):
             self.rank, self.posted = rank, []

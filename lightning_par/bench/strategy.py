@@ -68,7 +68,8 @@ def run_one(strategy, args, path: str) -> tuple[list[float], str]:
         callbacks=[StepTimer(path)],
     )
     trainer.fit(model, DataLoader(data, batch_size=args.batch_size))
-    return json.loads(Path(path).read_text()), trainer.strategy.launch_plan.method
+    plan = getattr(trainer.strategy, "launch_plan", None)  # (none: Lightning's single device)
+    return json.loads(Path(path).read_text()), plan.method if plan else "in-process"
 
 
 def reference_and_candidates(args) -> dict:

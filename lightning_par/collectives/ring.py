@@ -47,9 +47,15 @@ DEFAULT_SEGMENT_BYTES = 4 << 20
 #: fixed cost outweighs the addition it overlaps (about 30 us per 256K floats).
 MIN_SPLIT_BYTES = 1 << 20
 
+#: Receives posted ahead. Two (as gloo) suffice when the receiving thread always runs;
+#: with more processes than cores it often waits for a core, and a sender whose next
+#: receive has not been posted yet waits with it.
+RECEIVES_IN_FLIGHT = 8
+
 __all__ = [
     "DEFAULT_SEGMENT_BYTES",
     "MIN_SPLIT_BYTES",
+    "RECEIVES_IN_FLIGHT",
     "ring_allreduce",
     "ring_schedule",
     "segments_per_chunk",
@@ -79,6 +85,7 @@ def ring_allreduce(
     comm: Communicator | None = None,
     trace: CommTrace | None = None,
     segment_bytes: int | None = DEFAULT_SEGMENT_BYTES,
+    receives_in_flight: int = RECEIVES_IN_FLIGHT,
 ) -> torch.Tensor:
     """Sum ``tensor`` in place over the ranks of ``group`` with the pipelined ring.
 
@@ -89,7 +96,10 @@ def ring_allreduce(
         trace: record every message here (trace ``step`` = ring step, ``chunk`` = chunk).
         segment_bytes: largest message (see :func:`segments_per_chunk`); ``None`` sends
             each chunk as one message.
+        receives_in_flight: receives posted ahead (each with its own buffer); at least 2.
     """
+    if receives_in_flight < 2:
+        raise ValueError(f"receives_in_flight must be >= 2, got {receives_in_flight}")
     comm, flat = prepare(tensor, group, comm, trace)
     if flat is None:
         return tensor
@@ -103,54 +113,68 @@ def ring_allreduce(
     schedule = ring_schedule(rank, p)
     reduce_iters, total = (p - 1) * k, 2 * (p - 1) * k
     right, left = (rank + 1) % p, (rank - 1) % p
+    # p = 2 on NCCL: one peer on both sides, whose messages NCCL runs on one stream in
+    # posting order, so both ranks post (send i, receive i) pairs, the lower rank's send
+    # first (see ordered_exchange). Elsewhere receives are posted as far ahead as buffers
+    # allow, so a sender is never held up by a receiver that has not asked yet.
+    paired = p == 2 and comm.backend == "nccl"
+    depth = 2 if paired else min(receives_in_flight, total)
     slot_len = max(b - a for a, b in pieces[0])
-    slots = scratch((2, slot_len), flat.dtype, flat.device)
+    slots = scratch((depth, slot_len), flat.dtype, flat.device)
     recvs: list[tuple[Handle, int, int] | None] = [None] * total
-    sends: list[Handle | None] = [None] * total
+    sends: list[Handle | None] = []
+
+    def post_recv(i: int) -> None:
+        step, j = divmod(i, k)
+        chunk = schedule[step][1]
+        a, b = pieces[chunk][j]
+        if b > a:
+            # reduce-scatter: into a slot, added later; all-gather: straight into place (it
+            # cannot arrive before this rank's own send from there was received: the
+            # finished chunk needs it)
+            reducing = i < reduce_iters
+            target = slots[i % depth, : b - a] if reducing else flat[a:b]
+            tag = "reduce-scatter" if reducing else "all-gather"
+            recvs[i] = (comm.irecv(target, left, step=step, chunk=chunk, tag=tag), a, b)
 
     def complete(i: int) -> None:
-        """Finish receive ``i``; in the reduce-scatter add it to the local chunk."""
-        posted = recvs[i]
-        if posted is None:
-            return
-        handle, a, b = posted
-        handle.wait()
-        if i < reduce_iters:
-            flat[a:b].add_(slots[i % 2, : b - a])
+        """Wait for receive ``i``; in the reduce-scatter add it to this rank's chunk."""
+        received = recvs[i]
+        if received is not None:
+            handle, a, b = received
+            handle.wait()
+            if i < reduce_iters:
+                flat[a:b].add_(slots[i % depth, : b - a])
 
-    def post(i: int) -> None:
+    def send(i: int) -> None:
         step, j = divmod(i, k)
-        send_c, recv_c = schedule[step]
-        tag = "reduce-scatter" if i < reduce_iters else "all-gather"
-        (sa, sb), (ra, rb) = pieces[send_c][j], pieces[recv_c][j]
-        # p = 2: one peer on both sides; NCCL runs its sends and receives in posting
-        # order on one stream, so the lower rank sends first (see ordered_exchange).
-        send_first = p == 2 and rank == 0
-        if send_first and sb > sa:
-            sends[i] = comm.isend(flat[sa:sb], right, step=step, chunk=send_c, tag=tag)
-        if rb > ra:
-            # reduce-scatter: into a slot, added later; all-gather: straight into place
-            target = slots[i % 2, : rb - ra] if i < reduce_iters else flat[ra:rb]
-            handle = comm.irecv(target, left, step=step, chunk=recv_c, tag=tag)
-            recvs[i] = (handle, ra, rb)
-        if not send_first and sb > sa:
-            sends[i] = comm.isend(flat[sa:sb], right, step=step, chunk=send_c, tag=tag)
+        chunk = schedule[step][0]
+        a, b = pieces[chunk][j]
+        if b > a:
+            tag = "reduce-scatter" if i < reduce_iters else "all-gather"
+            sends.append(comm.isend(flat[a:b], right, step=step, chunk=chunk, tag=tag))
 
-    completed = 0
-    window = min(k, 2)
+    # Send i carries receive i - k, added. Waiting one receive later than that (lag 2)
+    # lets the next segment arrive while this one is added and sent on.
+    lag = min(k, 2)
+    completed = posted = 0
     for i in range(total):
-        # Segment i's send carries receive i - k (added); its slot held receive i - 2.
-        while completed <= i - window:
+        while completed <= i - lag:
             complete(completed)
             completed += 1
-        if i >= reduce_iters and sends[i - reduce_iters] is not None:
-            # the all-gather lands where the reduce-scatter sent from: that send must be out
-            sends[i - reduce_iters].wait()
-        post(i)
-    while completed < total:
-        complete(completed)
-        completed += 1
+        if paired:
+            if rank == 0:
+                send(i)
+            post_recv(i)
+            if rank == 1:
+                send(i)
+            continue
+        while posted < min(completed + depth, total):  # a free buffer for each
+            post_recv(posted)
+            posted += 1
+        send(i)
+    for i in range(completed, total):
+        complete(i)
     for handle in sends:
-        if handle is not None:
-            handle.wait()
+        handle.wait()
     return finish(tensor, flat)
