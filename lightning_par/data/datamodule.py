@@ -115,6 +115,11 @@ class CIFAR10DataModule(pl.LightningDataModule):
         seed: seed of the validation split and of synthetic data.
         download: allow torchvision to download the full set.
         augment: apply random crop and flip to training images.
+        on_device: hold the training split as one uint8 tensor on the training device and
+            make each batch there (:class:`~lightning_par.data.device.DeviceBatches`:
+            per-image crop and flip, ``randperm`` shuffle, rank shards, full batches).
+            ``None`` (default): on CUDA devices, not on CPU. ``False``: the per-sample
+            torchvision ``DataLoader`` (e.g. to change its transforms).
     """
 
     def __init__(
@@ -128,6 +133,7 @@ class CIFAR10DataModule(pl.LightningDataModule):
         seed: int = 0,
         download: bool = True,
         augment: bool = True,
+        on_device: bool | None = None,
     ) -> None:
         super().__init__()
         if source not in SOURCES:
@@ -235,8 +241,31 @@ class CIFAR10DataModule(pl.LightningDataModule):
             persistent_workers=self.hparams.num_workers > 0,
         )
 
-    def train_dataloader(self) -> DataLoader:
-        return self._loader(self.train_set, shuffle=True)
+    def train_dataloader(self):
+        device = self.training_device()
+        if device is None:
+            return self._loader(self.train_set, shuffle=True)
+        from lightning_par.data.device import DeviceBatches
+
+        trainer = self.trainer
+        rank, world = 0, 1
+        if trainer is not None and getattr(trainer.strategy, "shards_data", True):
+            if trainer._accelerator_connector.use_distributed_sampler:
+                rank, world = trainer.global_rank, trainer.world_size
+        subset = self.train_set
+        index = torch.as_tensor(subset.indices)
+        images = subset.base.images[index].to(device)
+        labels = torch.as_tensor(subset.base.labels)[index].to(device)
+        hp = self.hparams
+        return DeviceBatches(images, labels, hp.batch_size, rank, world, hp.augment, hp.seed)
+
+    def training_device(self) -> torch.device | None:
+        """Where :meth:`train_dataloader` makes its batches, or ``None`` for the per-sample
+        ``DataLoader`` (``on_device``: by default on CUDA only)."""
+        trainer = self.trainer
+        device = trainer.strategy.root_device if trainer is not None else torch.device("cpu")
+        on = self.hparams.on_device
+        return device if (device.type == "cuda" if on is None else on) else None
 
     def val_dataloader(self) -> DataLoader:
         return self._loader(self.val_set, shuffle=False)
