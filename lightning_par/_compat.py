@@ -267,6 +267,16 @@ MultiProcessingLauncher = _class(
 WorkerOutput = _class(f"{_LAUNCHERS}.multiprocessing", "_WorkerOutput", "fork launches")
 
 
+def uses_distributed_sampler(trainer: Any) -> bool:
+    """Whether Lightning will put a ``DistributedSampler`` on this trainer's loaders."""
+    connector = getattr(trainer, "_accelerator_connector", None)
+    _require(
+        connector, "use_distributed_sampler", "Trainer._accelerator_connector",
+        "sharding on-device training batches by rank",
+    )  # fmt: skip
+    return bool(connector.use_distributed_sampler)
+
+
 def set_use_distributed_sampler(trainer: Any, value: bool) -> None:
     """Whether Lightning wraps the training sampler in a ``DistributedSampler``."""
     connector = getattr(trainer, "_accelerator_connector", None)

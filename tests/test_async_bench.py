@@ -1,4 +1,6 @@
-"""Smoke test of ``python -m lightning_par.bench async``: every contender runs and reports."""
+"""``python -m lightning_par.bench async`` measures what it says: accuracy counted on the test
+images it names, and the two synchronous contenders (parameter server, ring allreduce)
+training the same weights from the same seed, so only the asynchronous ones may differ."""
 
 from __future__ import annotations
 
@@ -21,6 +23,11 @@ def test_async_bench_reports_every_contender(mini_dir):
     ]  # fmt: skip
     for row in rows.values():
         assert row["images_per_s"] > 0 and row["train_s"] > 0
-        assert 0 <= row["test_acc"] <= 1
         assert row["rank_images"] == [4 * 32, 4 * 32]  # --limit-batches caps each worker
-    assert rows["parameter_server"]["speedup_vs_parameter_server"] == 1.0
+        correct = row["test_acc"] * 4 * 32  # a count of correct images among 4 x 32 tested
+        assert abs(correct - round(correct)) < 1e-3, row
+    # synchronous SGD is one process's SGD, whichever way the gradients are summed: the
+    # same test loss and accuracy (a straggler changes the time, not the weights)
+    ps, ring = rows["parameter_server"], rows["ring_allreduce"]
+    assert ps["test_acc"] == ring["test_acc"]
+    assert abs(ps["test_loss"] - ring["test_loss"]) < 1e-4 * abs(ring["test_loss"])

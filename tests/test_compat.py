@@ -176,6 +176,7 @@ def test_lightning_helpers_exist() -> None:
     assert hasattr(_compat.MultiProcessingLauncher, "_wrapping_function")
     trainer = _trainer()
     _compat.set_use_distributed_sampler(trainer, False)
+    assert _compat.uses_distributed_sampler(trainer) is False
     assert trainer._accelerator_connector.use_distributed_sampler is False
 
 

@@ -36,9 +36,13 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from lightning_par.collectives._common import chunk_sizes, segment_elems_for, segments
+from lightning_par.collectives._common import chunk_sizes
 from lightning_par.collectives.butterfly import butterfly_shape
-from lightning_par.collectives.ring import DEFAULT_SEGMENT_BYTES, ring_schedule
+from lightning_par.collectives.ring import (
+    DEFAULT_SEGMENT_BYTES,
+    ring_schedule,
+    segments_per_chunk,
+)
 from lightning_par.collectives.tree import tree_children, tree_depth
 
 
@@ -79,12 +83,13 @@ def ring_cost(
     if p == 1 or numel == 0:
         return _zero("ring", numel, p, element_size)
     sizes = chunk_sizes(numel, p)
-    seg = segment_elems_for(segment_bytes, element_size)
+    # each chunk goes in k segments of near-equal size; a chunk of c < k elements in c
+    k = segments_per_chunk(max(sizes), element_size, segment_bytes)
     elems, messages = [], []
     for rank in range(p):
         sent = [sizes[chunk] for chunk, _ in ring_schedule(rank, p)]
         elems.append(sum(sent))
-        messages.append(sum(len(segments(0, size, seg)) for size in sent))
+        messages.append(sum(min(size, k) for size in sent))
     steps = 2 * (p - 1)
     return Cost(
         "ring",

@@ -1,20 +1,21 @@
-"""Ring allreduce: reduce-scatter then all-gather around a ring, pipelined in segments.
+"""Ring allreduce, pipelined: reduce-scatter then all-gather as one stream of segments.
 
 Baidu's ring allreduce (Gibiansky, 2017; Patarasuk & Yuan, "Bandwidth optimal all-reduce
-algorithms for clusters of workstations", 2009), the "share-reduce then share-only"
-phases of the course slides (003, slides 46-49) and the talk (002): every rank sends only
-to its right neighbour and receives only from its left one.
+algorithms for clusters of workstations", 2009), the "share-reduce then share-only" phases
+of the course slides (003, slides 46-49): every rank sends only to its right neighbour and
+receives only from its left one, ``2 (p - 1) / p * n`` elements in all. The step-by-step
+version the course draws is :mod:`.ring_textbook`; this one moves the same bytes faster.
 
-The tensor is cut into ``p`` chunks. In reduce-scatter step ``s`` rank ``r`` sends chunk
-``(r - s) mod p`` and adds the chunk ``(r - s - 1) mod p`` it receives; after ``p - 1``
-steps it holds the complete sum of chunk ``(r + 1) mod p``. All-gather passes these
-finished chunks around for another ``p - 1`` steps. Each rank sends about
-``2 (p - 1) / p * n`` elements, whatever ``p`` is (see :mod:`.cost_model` for the exact
-count with uneven chunks).
-
-The chunk a rank receives at step ``t`` is the one it sends at step ``t + 1``, so large
-chunks are cut into segments and each segment is forwarded as soon as it has been
-reduced: the link to the right neighbour never waits for a whole chunk.
+In the textbook ring the link and the adder take turns: a chunk arrives, is added, and only
+then goes on. Here every chunk is cut into ``k`` segments sized to the message (at most
+``segment_bytes``, and at least two once a chunk is worth splitting), and the ``2 (p - 1)``
+steps become one stream of ``2 (p - 1) k`` segment iterations, as in gloo's own ring
+(``gloo/allreduce.cc``): at iteration ``i`` a rank posts the receive of segment ``i`` and
+sends segment ``i``, which is segment ``i - k`` received and added earlier, while segment
+``i - 1`` is still in flight. Two receive slots alternate, so the addition of one segment
+overlaps the transfer of the next and the link never waits for a whole chunk. Chunk and
+step boundaries disappear: the first segments of the all-gather leave while the last ones
+of the reduce-scatter are still being added.
 """
 
 from __future__ import annotations
@@ -25,30 +26,56 @@ import torch.distributed as dist
 from lightning_par.collectives._common import (
     chunk_sizes,
     finish,
-    ordered_exchange,
     prepare,
     scratch,
     segment_elems_for,
-    segments,
 )
-from lightning_par.comm import CommTrace, Communicator, Handle, wait_all
+from lightning_par.collectives.ring_textbook import ring_schedule
+from lightning_par.comm import CommTrace, Communicator, Handle
+from lightning_par.split import bounds, even_sizes
 from lightning_par.split import offsets as split_offsets
 
-#: Largest message of the pipeline: a chunk is sent in segments so that adding one segment
-#: overlaps with receiving the next, but every message also costs a wake-up of sender and
-#: receiver. On the idle 2-core test machine (16M floats, 4 ranks, loopback, medians of 30)
-#: 4 MiB segments ran at 0.96-0.98x torch's speed, 2 MiB at 0.91-0.95x, 16 MiB (one message
-#: per chunk) 0.88-0.93x; gloo's own C++ ring uses 1 MiB. Tune with
-#: ``python -m lightning_par.bench allreduce --segment-bytes ...``.
+#: Largest segment. Every message also costs a wake-up of sender and receiver (on the
+#: 2-core test machine a message pair costs 80-300 us of CPU beyond its bytes), so a chunk
+#: is cut into as few segments as keep it under this size; gloo caps its own at 1 MiB,
+#: which measured 0.57-0.87x gloo's speed here against 0.63-1.16x for 4 MiB
+#: (``benchmarks/allreduce.md``). Tune with ``bench allreduce --segment-bytes``.
 DEFAULT_SEGMENT_BYTES = 4 << 20
 
+#: A chunk smaller than two of these goes in one message. Splitting a 1 MiB chunk in two
+#: (1M floats on 4 ranks) measured 0.69x gloo against 0.84x unsplit: the second message's
+#: fixed cost outweighs the addition it overlaps (about 30 us per 256K floats).
+MIN_SPLIT_BYTES = 1 << 20
 
-def ring_schedule(rank: int, world_size: int) -> list[tuple[int, int]]:
-    """``(chunk sent, chunk received)`` by rank ``rank`` at each of the ``2 (p - 1)`` steps."""
-    p = world_size
-    reduce_scatter = [((rank - s) % p, (rank - s - 1) % p) for s in range(p - 1)]
-    all_gather = [((rank + 1 - s) % p, (rank - s) % p) for s in range(p - 1)]
-    return reduce_scatter + all_gather
+#: Receives posted ahead. Two (as gloo) suffice when the receiving thread always runs;
+#: with more processes than cores it often waits for a core, and a sender whose next
+#: receive has not been posted yet waits with it.
+RECEIVES_IN_FLIGHT = 8
+
+__all__ = [
+    "DEFAULT_SEGMENT_BYTES",
+    "MIN_SPLIT_BYTES",
+    "RECEIVES_IN_FLIGHT",
+    "ring_allreduce",
+    "ring_schedule",
+    "segments_per_chunk",
+]
+
+
+def segments_per_chunk(chunk_elems: int, element_size: int, segment_bytes: int | None) -> int:
+    """How many segments ``k`` a ring chunk of ``chunk_elems`` elements is cut into.
+
+    ``segment_bytes=None``: one per chunk (the textbook ring's messages, not overlapped).
+    Otherwise enough that none exceeds ``segment_bytes``, and at least two when the chunk
+    holds ``2 * MIN_SPLIT_BYTES`` (so one segment is added while the next is in flight).
+    """
+    seg = segment_elems_for(segment_bytes, element_size)
+    if seg is None or chunk_elems <= 1:
+        return 1
+    k = -(-chunk_elems // seg)
+    if chunk_elems * element_size >= 2 * MIN_SPLIT_BYTES:
+        k = max(k, 2)
+    return min(k, chunk_elems)
 
 
 def ring_allreduce(
@@ -58,99 +85,96 @@ def ring_allreduce(
     comm: Communicator | None = None,
     trace: CommTrace | None = None,
     segment_bytes: int | None = DEFAULT_SEGMENT_BYTES,
+    receives_in_flight: int = RECEIVES_IN_FLIGHT,
 ) -> torch.Tensor:
-    """Sum ``tensor`` in place over the ranks of ``group`` with the ring algorithm.
+    """Sum ``tensor`` in place over the ranks of ``group`` with the pipelined ring.
 
     Args:
         tensor: any shape and floating dtype; CPU or CUDA.
         group: process group (``None``: default group); or pass ``comm``.
         comm: an existing :class:`~lightning_par.comm.Communicator` (carries its trace).
         trace: record every message here (trace ``step`` = ring step, ``chunk`` = chunk).
-        segment_bytes: largest message; ``None`` sends each chunk as one message.
+        segment_bytes: largest message (see :func:`segments_per_chunk`); ``None`` sends
+            each chunk as one message.
+        receives_in_flight: receives posted ahead (each with its own buffer); at least 2.
     """
+    if receives_in_flight < 2:
+        raise ValueError(f"receives_in_flight must be >= 2, got {receives_in_flight}")
     comm, flat = prepare(tensor, group, comm, trace)
     if flat is None:
         return tensor
     p, rank = comm.world_size, comm.rank
     sizes = chunk_sizes(flat.numel(), p)
-    offsets = split_offsets(sizes)
-    seg = segment_elems_for(segment_bytes, flat.element_size())
-    if p == 2:
-        return finish(tensor, _two_rank_ring(flat, comm, sizes, offsets, seg))
-    right, left = (rank + 1) % p, (rank - 1) % p
+    starts = split_offsets(sizes)
+    k = segments_per_chunk(max(sizes), flat.element_size(), segment_bytes)
+    # pieces[c][j]: (start, stop) in ``flat`` of segment j of chunk c (empty when c is small)
+    pieces = [[(starts[c] + a, starts[c] + b) for a, b in bounds(even_sizes(sizes[c], k))]
+              for c in range(p)]  # fmt: skip
     schedule = ring_schedule(rank, p)
-    n_steps = len(schedule)
-    reduce_steps = p - 1
-    # Two receive buffers, alternating by step, so step t + 1's receives can be posted
-    # while step t's segments are still being added.
-    buffers = scratch((2, max(sizes)), flat.dtype, flat.device)
+    reduce_iters, total = (p - 1) * k, 2 * (p - 1) * k
+    right, left = (rank + 1) % p, (rank - 1) % p
+    # p = 2 on NCCL: one peer on both sides, whose messages NCCL runs on one stream in
+    # posting order, so both ranks post (send i, receive i) pairs, the lower rank's send
+    # first (see ordered_exchange). Elsewhere receives are posted as far ahead as buffers
+    # allow, so a sender is never held up by a receiver that has not asked yet.
+    paired = p == 2 and comm.backend == "nccl"
+    depth = 2 if paired else min(receives_in_flight, total)
+    slot_len = max(b - a for a, b in pieces[0])
+    slots = scratch((depth, slot_len), flat.dtype, flat.device)
+    recvs: list[tuple[Handle, int, int] | None] = [None] * total
+    sends: list[Handle | None] = []
 
-    def pieces(chunk: int) -> list[tuple[int, int]]:
-        return segments(offsets[chunk], sizes[chunk], seg)
-
-    def post_receives(step: int) -> list[tuple[Handle, int, int]]:
+    def post_recv(i: int) -> None:
+        step, j = divmod(i, k)
         chunk = schedule[step][1]
-        posted = []
-        for start, stop in pieces(chunk):
-            if step < reduce_steps:
-                base = offsets[chunk]
-                target = buffers[step % 2, start - base : stop - base]
-            else:
-                target = flat[start:stop]  # all-gather: the finished chunk lands in place
-            tag = "reduce-scatter" if step < reduce_steps else "all-gather"
-            handle = comm.irecv(target, left, step=step, chunk=chunk, tag=tag)
-            posted.append((handle, start, stop))
-        return posted
+        a, b = pieces[chunk][j]
+        if b > a:
+            # reduce-scatter: into a slot, added later; all-gather: straight into place (it
+            # cannot arrive before this rank's own send from there was received: the
+            # finished chunk needs it)
+            reducing = i < reduce_iters
+            target = slots[i % depth, : b - a] if reducing else flat[a:b]
+            tag = "reduce-scatter" if reducing else "all-gather"
+            recvs[i] = (comm.irecv(target, left, step=step, chunk=chunk, tag=tag), a, b)
 
-    def send(step: int, start: int, stop: int) -> Handle:
-        tag = "reduce-scatter" if step < reduce_steps else "all-gather"
-        return comm.isend(flat[start:stop], right, step=step, chunk=schedule[step][0], tag=tag)
+    def complete(i: int) -> None:
+        """Wait for receive ``i``; in the reduce-scatter add it to this rank's chunk."""
+        received = recvs[i]
+        if received is not None:
+            handle, a, b = received
+            handle.wait()
+            if i < reduce_iters:
+                flat[a:b].add_(slots[i % depth, : b - a])
 
-    sends: list[list[Handle]] = [[send(0, a, b) for a, b in pieces(schedule[0][0])]]
-    receives = post_receives(0)
-    for step in range(n_steps):
-        nxt = step + 1
-        next_receives = []
-        if nxt < n_steps:
-            if nxt >= reduce_steps:
-                # All-gather writes into chunk schedule[nxt][1], which this rank sent at
-                # reduce-scatter step nxt - (p - 1): that send must have left the buffer.
-                for handle in sends[nxt - reduce_steps]:
-                    handle.wait()
-            next_receives = post_receives(nxt)
-            sends.append([])
-        for handle, start, stop in receives:
-            handle.wait()
-            if step < reduce_steps:
-                base = offsets[schedule[step][1]]
-                flat[start:stop].add_(buffers[step % 2, start - base : stop - base])
-            if nxt < n_steps:  # forward the segment at once (the pipeline)
-                sends[nxt].append(send(nxt, start, stop))
-        receives = next_receives
-    for step_sends in sends:
-        for handle in step_sends:
-            handle.wait()
+    def send(i: int) -> None:
+        step, j = divmod(i, k)
+        chunk = schedule[step][0]
+        a, b = pieces[chunk][j]
+        if b > a:
+            tag = "reduce-scatter" if i < reduce_iters else "all-gather"
+            sends.append(comm.isend(flat[a:b], right, step=step, chunk=chunk, tag=tag))
+
+    # Send i carries receive i - k, added. Waiting one receive later than that (lag 2)
+    # lets the next segment arrive while this one is added and sent on.
+    lag = min(k, 2)
+    completed = posted = 0
+    for i in range(total):
+        while completed <= i - lag:
+            complete(completed)
+            completed += 1
+        if paired:
+            if rank == 0:
+                send(i)
+            post_recv(i)
+            if rank == 1:
+                send(i)
+            continue
+        while posted < min(completed + depth, total):  # a free buffer for each
+            post_recv(posted)
+            posted += 1
+        send(i)
+    for i in range(completed, total):
+        complete(i)
+    for handle in sends:
+        handle.wait()
     return finish(tensor, flat)
-
-
-def _two_rank_ring(
-    flat: torch.Tensor, comm: Communicator, sizes: list[int], offsets: list[int], seg: int | None
-) -> torch.Tensor:
-    """The ring for ``p = 2``: the left and right neighbour are one rank, so each step is
-    an exchange posted in rank order (NCCL puts both directions on one stream, see
-    :func:`~lightning_par.collectives._common.ordered_exchange`)."""
-    peer = 1 - comm.rank
-    buffer = scratch((max(sizes),), flat.dtype, flat.device)
-    for step, (send_chunk, recv_chunk) in enumerate(ring_schedule(comm.rank, 2)):
-        tag = "reduce-scatter" if step == 0 else "all-gather"
-        send_kw = {"step": step, "chunk": send_chunk, "tag": tag}
-        recv_kw = {"step": step, "chunk": recv_chunk, "tag": tag}
-        base, size = offsets[recv_chunk], sizes[recv_chunk]
-        target = buffer if step == 0 else flat[base : base + size]
-        outgoing = segments(offsets[send_chunk], sizes[send_chunk], seg)
-        sends = [(flat[a:b], send_kw) for a, b in outgoing]
-        recvs = [(target[a - base : b - base], recv_kw) for a, b in segments(base, size, seg)]
-        wait_all(ordered_exchange(comm, sends, recvs, peer))
-        if step == 0:
-            flat[base : base + size].add_(buffer[:size])
-    return flat

@@ -11,6 +11,7 @@ from lightning.pytorch.utilities import rank_zero_info
 from torch.utils.data import DataLoader, Dataset, random_split
 from torchvision.transforms import v2
 
+from lightning_par import _compat
 from lightning_par.data.sources import (
     CLASSES,
     MINI_ENV,
@@ -119,6 +120,11 @@ class CIFAR10DataModule(pl.LightningDataModule):
             test keep every image): the default split of cifar10-mini has 4 577 = 143 x 32
             + 1 training images, and a one-image batch makes a noisy step (its loss is one
             image's) and trips checks that need full batches (GPipe's micro-batches).
+        on_device: hold the training split as one uint8 tensor on the training device and
+            make each batch there (:class:`~lightning_par.data.device.DeviceBatches`:
+            per-image crop and flip, ``randperm`` shuffle, rank shards, full batches).
+            ``None`` (default): on CUDA devices, not on CPU. ``False``: the per-sample
+            torchvision ``DataLoader`` (e.g. to change its transforms).
     """
 
     def __init__(
@@ -133,6 +139,7 @@ class CIFAR10DataModule(pl.LightningDataModule):
         download: bool = True,
         augment: bool = True,
         drop_last: bool = True,
+        on_device: bool | None = None,
     ) -> None:
         super().__init__()
         if source not in SOURCES:
@@ -241,10 +248,33 @@ class CIFAR10DataModule(pl.LightningDataModule):
             persistent_workers=self.hparams.num_workers > 0,
         )
 
-    def train_dataloader(self) -> DataLoader:
-        # Lightning keeps drop_last when it swaps in its DistributedSampler, so every rank's
-        # shard, and async_sgd's shared batches, end with a full batch too.
-        return self._loader(self.train_set, shuffle=True, drop_last=self.hparams.drop_last)
+    def train_dataloader(self):
+        device = self.training_device()
+        if device is None:
+            # Lightning keeps drop_last when it swaps in its DistributedSampler, so every rank's
+            # shard, and async_sgd's shared batches, end with a full batch too.
+            return self._loader(self.train_set, shuffle=True, drop_last=self.hparams.drop_last)
+        from lightning_par.data.device import DeviceBatches
+
+        trainer = self.trainer
+        rank, world = 0, 1
+        if trainer is not None and getattr(trainer.strategy, "shards_data", True):
+            if _compat.uses_distributed_sampler(trainer):
+                rank, world = trainer.global_rank, trainer.world_size
+        subset = self.train_set
+        index = torch.as_tensor(subset.indices)
+        images = subset.base.images[index].to(device)
+        labels = torch.as_tensor(subset.base.labels)[index].to(device)
+        hp = self.hparams
+        return DeviceBatches(images, labels, hp.batch_size, rank, world, hp.augment, hp.seed)
+
+    def training_device(self) -> torch.device | None:
+        """Where :meth:`train_dataloader` makes its batches, or ``None`` for the per-sample
+        ``DataLoader`` (``on_device``: by default on CUDA only)."""
+        trainer = self.trainer
+        device = trainer.strategy.root_device if trainer is not None else torch.device("cpu")
+        on = self.hparams.on_device
+        return device if (device.type == "cuda" if on is None else on) else None
 
     def val_dataloader(self) -> DataLoader:
         return self._loader(self.val_set, shuffle=False)

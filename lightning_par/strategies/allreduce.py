@@ -81,12 +81,19 @@ class AllReduceStrategy(ParStrategy):
 
     def sync_model_states(self) -> None:
         assert self.model is not None and self.comm is not None
+        if self.world_size == 1:
+            return  # one replica: nothing to agree on
         with torch.no_grad():
             for tensor in [*self.model.parameters(), *self.model.buffers()]:
                 tree_broadcast(tensor.data, comm=self.comm, root=0)
 
     def configure_sync(self) -> None:
         assert self.model is not None and self.comm is not None
+        if self.world_size == 1:
+            # One process is its own average: no buckets, hooks or communication thread,
+            # so the step costs what Lightning's single-device strategy's does.
+            self.buckets = None
+            return
         self.buckets = allreduce_buckets(
             self.model,
             self._allreduce,

@@ -105,7 +105,8 @@ class LocalSGDStrategy(ParStrategy):
     # ---- model states -------------------------------------------------------------------------
     def sync_model_states(self) -> None:
         assert self.model is not None and self.comm is not None
-        broadcast_parameters(self.model, self.comm, root=0)
+        if self.world_size > 1:  # one replica: nothing to agree on
+            broadcast_parameters(self.model, self.comm, root=0)
 
     def configure_sync(self) -> None:
         self.steps_since_average = 0
@@ -114,11 +115,12 @@ class LocalSGDStrategy(ParStrategy):
     def average(self) -> None:
         """Average the replicas now (every rank must call it)."""
         assert self.model is not None and self.comm is not None
-        span = self.trace.span("average") if self.trace is not None else nullcontext()
-        with span:
-            average_parameters(
-                self.model, self._allreduce, self.comm, buffers=self._average_buffers
-            )
+        if self.world_size > 1:  # one replica is its own average: no communication
+            span = self.trace.span("average") if self.trace is not None else nullcontext()
+            with span:
+                average_parameters(
+                    self.model, self._allreduce, self.comm, buffers=self._average_buffers
+                )
         self.steps_since_average = 0
         self.averagings += 1
 
