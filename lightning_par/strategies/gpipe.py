@@ -30,6 +30,7 @@ import lightning.pytorch as pl
 import torch
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 
+from lightning_par.comm import Communicator
 from lightning_par.pipeline.partition import split_sequential
 from lightning_par.pipeline.sequential import PipelinedSequential
 from lightning_par.pipeline.state import (
@@ -81,6 +82,18 @@ class GPipeStrategy(ParStrategy):
         self.schedule, self.module_attr, self.loss_attr = schedule, module_attr, loss_attr
         self.balance_by = balance_by
 
+    # ---- the stages' ranks ------------------------------------------------------------------
+    @property
+    def num_stages(self) -> int:
+        """Pipeline stages: one per process (the hybrid strategy: its model-parallel degree)."""
+        return self.num_processes * self.num_nodes
+
+    @property
+    def stage_comm(self) -> Communicator | None:
+        """The stages' communicator, stage = its rank (the hybrid strategy: one model-parallel
+        group of its grid); ``None`` before setup."""
+        return self.comm
+
     # ---- splitting the network --------------------------------------------------------------
     def prepare_model(self, trainer: pl.Trainer) -> None:
         checks.check_trainer(trainer, self.schedule, self.precision_plugin)
@@ -100,17 +113,17 @@ class GPipeStrategy(ParStrategy):
             return
         self.check_before_launch(self.lightning_module.trainer)
         balance = checks.resolve_balance(
-            module, net, stages=self.world_size, balance=self.balance, balance_by=self.balance_by,
+            module, net, stages=self.num_stages, balance=self.balance, balance_by=self.balance_by,
             rank=self.global_rank, broadcast=self.broadcast,
         )  # fmt: skip
         stages = split_sequential(net, balance)
         piped = PipelinedSequential(
-            net, balance, self.comm, chunks=self.chunks, checkpoint=self.checkpoint,
+            net, balance, self.stage_comm, chunks=self.chunks, checkpoint=self.checkpoint,
             schedule=self.schedule,
         )  # fmt: skip
         piped.to(self.root_device)
-        first = [s.state_dict() for s in stages] if self.global_rank == 0 else None
-        send_weights_from_first(self.comm, first, piped.state_dict(), self.root_device)
+        first = [s.state_dict() for s in stages] if self.stage_comm.rank == 0 else None
+        send_weights_from_first(self.stage_comm, first, piped.state_dict(), self.root_device)
         setattr(module, self.module_attr, piped)
 
     def check_before_launch(self, trainer: pl.Trainer | None = None) -> None:
@@ -118,7 +131,7 @@ class GPipeStrategy(ParStrategy):
         starts (the launcher calls this in the main process)."""
         checks.check_before_launch(
             self.lightning_module, trainer, module_attr=self.module_attr,
-            stages=self.num_processes * self.num_nodes, balance=self.balance,
+            stages=self.num_stages, balance=self.balance,
             balance_by=self.balance_by, schedule=self.schedule, loss_attr=self.loss_attr,
             devices=self.parallel_devices or [], backend=self._process_group_backend,
         )  # fmt: skip
@@ -170,12 +183,14 @@ class GPipeStrategy(ParStrategy):
     def lightning_module_state_dict(self) -> dict[str, Any]:
         """The full model's state dict on rank 0 (every stage's layers, original names)."""
         local = self.lightning_module.state_dict()
-        return gather_full_state_dict(self.comm, local, f"{self.module_attr}.", self.root_device)
+        return gather_full_state_dict(
+            self.stage_comm, local, f"{self.module_attr}.", self.root_device
+        )
 
     def optimizer_state(self, optimizer) -> dict[str, Any]:
         state = super().optimizer_state(optimizer)
-        return gather_optimizer_state(self.comm, state, self.root_device)
+        return gather_optimizer_state(self.stage_comm, state, self.root_device)
 
     def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
         for optimizer, state in zip(self.optimizers, checkpoint["optimizer_states"]):
-            optimizer.load_state_dict(stage_optimizer_state(state, self.global_rank))
+            optimizer.load_state_dict(stage_optimizer_state(state, self.stage_comm.rank))

@@ -59,6 +59,11 @@ OTHER_STRATEGIES = [
         "data parallel", {"period": 4, "algorithm": "ring"},
     ),
     StrategySpec(
+        "hybrid", "hybrid", "HybridStrategy",
+        "Hybrid: data parallel over replicas, each a model-parallel pipeline (dp x mp grid, "
+        "ring-allreduced gradients)", "hybrid",
+    ),
+    StrategySpec(
         "lightning_ddp", "reference", "LightningDDPStrategy",
         "Lightning's DDP (torch DistributedDataParallel) under lightning_par's launch "
         "policy: the reference the plugins are compared with", "reference",
