@@ -78,8 +78,8 @@ def test_bad_options_are_refused_when_the_strategy_is_made():
         HybridStrategy(mp_kind="ring")
     with pytest.raises(ValueError, match="dp must be an int >= 1"):
         HybridStrategy(dp=0)
-    with pytest.raises(ValueError, match="algorithm='rings'"):
-        HybridStrategy(algorithm="rings")
+    with pytest.raises(ValueError, match="dp_algorithm='rings'"):
+        HybridStrategy(dp_algorithm="rings")
     with pytest.raises(ValueError, match="bucket_cap_mb must be > 0"):
         HybridStrategy(bucket_cap_mb=0)
     with pytest.raises(TypeError, match=r"unknown option\(s\) \['bogus'\].*time_chunk"):

@@ -12,7 +12,7 @@ that adds the data-parallel dimension to an existing model-parallel strategy:
   (``"layerwise"``: the naive split, or the stacked-RNN wavefront with ``time_chunk``), run
   unchanged on the ranks of one row of the grid (its ``stage_comm``);
 * **data parallel**: each stage's gradients are averaged over its column of the grid (the
-  ranks holding the same layers) by this project's allreduce (``algorithm``, default the
+  ranks holding the same layers) by this project's allreduce (``dp_algorithm``, default the
   ring), in buckets that start while backward still runs
   (:mod:`lightning_par.comm.buckets`, as ``ring_allreduce`` does). A pipeline leaves a
   gradient complete only after the step's last micro-batch, so buckets may start from then
@@ -62,8 +62,9 @@ class HybridStrategy(ParStrategy):
         mp: model-parallel degree (pipeline stages per replica); ``None`` derives it from
             ``dp``, or is 2 when neither is given (``devices=4``: a 2 × 2 grid).
         mp_kind: ``"gpipe"`` (default) or ``"layerwise"``; a key of :func:`mp_kinds`.
-        algorithm: the allreduce that averages gradients over a replica group, a key of
-            :data:`lightning_par.collectives.ALGORITHMS` (default ``"ring"``).
+        dp_algorithm: the allreduce that averages each stage's gradients over its
+            data-parallel group, a key of :data:`lightning_par.collectives.ALGORITHMS`
+            (default ``"ring"``).
         bucket_cap_mb: gradient bucket size in MiB.
         overlap: start buckets while backward runs (``False``: all after backward).
         **kwargs: the options of the ``mp_kind`` strategy (e.g. ``chunks``, ``schedule``,
@@ -86,7 +87,7 @@ class HybridStrategy(ParStrategy):
         dp: int | None = None,
         mp: int | None = None,
         mp_kind: str = DEFAULT_KIND,
-        algorithm: str = "ring",
+        dp_algorithm: str = "ring",
         bucket_cap_mb: float = 4.0,
         overlap: bool = True,
         **kwargs: Any,
@@ -97,15 +98,17 @@ class HybridStrategy(ParStrategy):
                 f"mp_kind={mp_kind!r}: use HybridStrategy(mp_kind=...)"
             )
         check_degrees(dp, mp)
-        if algorithm not in ALGORITHMS:
-            raise ValueError(f"algorithm={algorithm!r}: choose one of {sorted(ALGORITHMS)}")
+        if dp_algorithm not in ALGORITHMS:
+            raise ValueError(
+                f"hybrid: dp_algorithm={dp_algorithm!r}: choose one of {sorted(ALGORITHMS)}"
+            )
         if isinstance(bucket_cap_mb, bool) or not isinstance(bucket_cap_mb, (int, float)):
             raise TypeError(f"bucket_cap_mb must be a number of MiB, got {bucket_cap_mb!r}")
         if not bucket_cap_mb > 0:
             raise ValueError(f"bucket_cap_mb must be > 0 MiB, got {bucket_cap_mb}")
         super().__init__(**kwargs)
-        self.dp, self.mp, self.algorithm = dp, mp, algorithm
-        self._allreduce = get_allreduce(algorithm)
+        self.dp, self.mp, self.dp_algorithm = dp, mp, dp_algorithm
+        self._allreduce = get_allreduce(dp_algorithm)
         self._bucket_cap_mb, self._overlap = float(bucket_cap_mb), overlap
         self.groups: GridGroups | None = None
         self._groups_world: object = None
