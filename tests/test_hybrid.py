@@ -9,15 +9,19 @@ import copy
 import lightning.pytorch as pl
 import pytest
 import torch
+from _split_models import STEPS
 from _split_models import trainer as _trainer
 from lightning.pytorch.callbacks import ModelCheckpoint
 from torch import nn
 from torch.utils.data import DataLoader, DistributedSampler
 
+from lightning_par.collectives.cost_model import ring_cost
+from lightning_par.comm.buckets import make_buckets
 from lightning_par.comm.trace import load_traces
 from lightning_par.data import SyntheticCIFAR10
 from lightning_par.hybrid import Grid, make_grid, talk_groups
 from lightning_par.models import CifarCNN, CifarRNN
+from lightning_par.pipeline import balance_by_params, split_sequential
 from lightning_par.strategies.hybrid import (
     HybridGPipeStrategy,
     HybridLayerwiseStrategy,
@@ -166,6 +170,16 @@ def test_cnn_gpipe_grid_trains_like_one_process_and_its_trace_draws_the_grid(tmp
     assert talk_groups(traces, exclude=RING_TAGS) == grid.mp_groups() == [[0, 1], [2, 3]]
     assert {"act", "grad"} <= {m.tag for t in traces for m in t.messages}
     assert all("bucket 0" in {e.name for e in t.events} for t in traces)
+    # each rank's ring bytes: its stage's buckets (gradients and one flag per parameter,
+    # float64), ring-allreduced over 2 replicas once per step, as the cost model says
+    stages = split_sequential(_model("cnn").net, balance_by_params(_model("cnn").net, 2))
+    for trace in traces:
+        dp_rank, stage = grid.coords(trace.rank)
+        params = list(reversed(list(stages[stage].parameters())))
+        numels = [sum(p.numel() + 1 for p in b.params) for b in make_buckets(params, 4 << 20)]
+        per_step = sum(ring_cost(n, 2, element_size=8).bytes_sent[dp_rank] for n in numels)
+        sent = sum(m.nbytes for m in trace.messages if m.op == "send" and m.tag in RING_TAGS)
+        assert sent == STEPS * per_step > 0
 
     # the checkpoint holds the full model and loads without the strategy
     loaded = CifarCNN.load_from_checkpoint(tmp_path / "hybrid.ckpt")
