@@ -45,6 +45,11 @@ OTHER_STRATEGIES = [
         "model parallel",
     ),
     StrategySpec(
+        "tensor_parallel", "tensor_parallel", "TensorParallelStrategy",
+        "Tensor (Megatron) parallelism: each layer's weight split across devices",
+        "model parallel",
+    ),
+    StrategySpec(
         "parameter_server", "parameter_server", "ParameterServerStrategy",
         "Synchronous sharded parameter servers: per-layer push and pull", "data parallel",
     ),

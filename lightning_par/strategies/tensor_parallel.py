@@ -1,0 +1,173 @@
+"""Tensor (intra-layer) parallelism as a Lightning strategy: each layer's weight cut across
+the devices (Megatron-LM, Shoeybi et al., 2019, arXiv:1909.08053).
+
+Every rank reads the same batches (no distributed sampler) and holds a slice of each split
+layer: :func:`lightning_par.tensorparallel.parallelize` cuts ``module.<module_attr>`` by the
+automatic plan (column -> row pairs of consecutive Linear/Conv2d layers, LSTMs by hidden
+units) or the user's ``plan``, after every rank has taken rank 0's weights. The operators
+``f``/``g`` keep every activation exact, and the layers left whole get the same gradient on
+every rank, so there is nothing to synchronise after backward and the weights after k steps
+are one process's.
+
+Checkpoints hold the full model and the optimiser state in one process's own format
+(assembled on rank 0): they load without this strategy, and a checkpoint of any plugin
+resumes under it. Refused before launch: a plan that cannot be cut exactly, a model with
+nothing to cut, gradient-norm clipping (each rank would see only its slices' norm), a
+gradient scaler (its skip-on-inf decision would be per rank), ``sync_batchnorm``, and an
+allreduce algorithm whose ranks could sum in different orders.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import lightning.pytorch as pl
+from lightning.pytorch.utilities.rank_zero import rank_zero_info
+
+from lightning_par.collectives import broadcast_parameters
+from lightning_par.pipeline.state import gather_objects
+from lightning_par.strategies._base import ParStrategy
+from lightning_par.tensorparallel import (
+    Plan,
+    TPGroup,
+    assemble_optimizer_state,
+    assemble_state_dict,
+    module_shards,
+    parallelize,
+    parameter_shards,
+    resolve_plan,
+    shard_optimizer_state,
+    shard_state_dict,
+)
+
+#: Allreduces that leave the very same bits on every rank (one rank sums each chunk and the
+#: result is copied), so the layers kept whole stay identical across ranks.
+EXACT_ALGORITHMS = ("ring", "tree")
+
+
+class TensorParallelStrategy(ParStrategy):
+    """Megatron-style tensor parallelism over all the devices.
+
+    Args:
+        plan: module name (as in ``module.named_modules()``) -> ``"column"``, ``"row"``,
+            ``"column_gather"`` or ``"lstm"``; ``None``: the automatic plan of
+            ``module.<module_attr>`` (see :mod:`lightning_par.tensorparallel.plan`).
+        module_attr: the attribute the automatic plan searches.
+        algorithm: the allreduce of ``f`` and ``g``, ``"ring"`` or ``"tree"``.
+        **kwargs: ``trace``, ``trace_dir``, ``start_method``, ``process_group_backend``,
+            ``timeout``: see :class:`~lightning_par.strategies._base.ParStrategy`.
+    """
+
+    strategy_name = "tensor_parallel"
+    shards_data = False
+
+    def __init__(
+        self,
+        plan: Mapping[str, str] | None = None,
+        module_attr: str = "net",
+        algorithm: str = "ring",
+        **kwargs: Any,
+    ) -> None:
+        if algorithm not in EXACT_ALGORITHMS:
+            raise ValueError(
+                f"tensor_parallel: algorithm={algorithm!r} is not supported; choose one of "
+                f"{EXACT_ALGORITHMS} (their ranks all get the same bits, which keeps the "
+                "layers left whole identical on every rank)"
+            )
+        if plan is not None and not isinstance(plan, Mapping):
+            raise TypeError(f"tensor_parallel: plan must be a dict of name -> style, got {plan!r}")
+        super().__init__(**kwargs)
+        self.plan, self.module_attr, self.algorithm = plan, module_attr, algorithm
+        self.tp_plan: Plan | None = None
+
+    # ---- before launch ---------------------------------------------------------------------
+    def check_before_launch(self, trainer: pl.Trainer | None = None) -> None:
+        """Refuse what would not train exactly as one process, before any rank starts."""
+        module = self.lightning_module
+        if module is None or module_shards(module):
+            return
+        world = self.num_processes * self.num_nodes
+        plan = resolve_plan(module, world, self.plan, self.module_attr)
+        if not plan.cuts:
+            why = "; ".join(f"{k}: {v}" for k, v in plan.replicated.items()) or "no layers"
+            raise ValueError(
+                f"tensor_parallel: nothing in `{type(module).__name__}.{self.module_attr}` can "
+                f"be split over {world} devices ({why}); pass plan={{name: style}} or use "
+                "fewer devices"
+            )
+        if trainer is not None:
+            check_trainer(trainer, self.precision_plugin)
+
+    # ---- splitting the model ---------------------------------------------------------------
+    def prepare_model(self, trainer: pl.Trainer) -> None:
+        module = self.lightning_module
+        if module_shards(module):  # already split (validate or test after fit)
+            return
+        check_trainer(trainer, self.precision_plugin)
+        assert self.comm is not None
+        # Every rank cuts its slice of rank 0's weights (popen ranks built their own).
+        broadcast_parameters(module, self.comm)
+        group = TPGroup(self.comm, self.algorithm)
+        self.tp_plan = parallelize(module, group, self.plan, root=self.module_attr)
+        rank_zero_info(f"tensor_parallel plan over {self.world_size} ranks:\n  "
+                       + self.tp_plan.describe().replace("\n", "\n  "))  # fmt: skip
+
+    # ---- checkpoints: one process's format -------------------------------------------------
+    def lightning_module_state_dict(self) -> dict[str, Any]:
+        """The full model's state dict on rank 0 (every rank takes part)."""
+        local = self.lightning_module.state_dict()
+        shards = module_shards(self.lightning_module)
+        if self.comm is None or not shards:
+            return local
+        mine = {k: v for k, v in local.items() if k in shards}
+        states = gather_objects(self.comm, mine, self.root_device)
+        if states is None:
+            return local
+        return {**local, **assemble_state_dict(states, shards)}
+
+    def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
+        shards = module_shards(self.lightning_module)
+        state = shard_state_dict(checkpoint["state_dict"], shards, self.global_rank)
+        self.lightning_module.load_state_dict(state, strict=strict)
+
+    def optimizer_state(self, optimizer: Any) -> dict[str, Any]:
+        local = super().optimizer_state(optimizer)
+        if self.comm is None or not module_shards(self.lightning_module):
+            return local
+        states = gather_objects(self.comm, local, self.root_device)
+        if states is None:
+            return {}
+        return assemble_optimizer_state(states, self._shards_of(optimizer))
+
+    def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
+        for optimizer, state in zip(self.optimizers, checkpoint["optimizer_states"]):
+            local = shard_optimizer_state(state, self._shards_of(optimizer), self.global_rank)
+            optimizer.load_state_dict(local)
+
+    def _shards_of(self, optimizer: Any) -> list:
+        inner = getattr(optimizer, "optimizer", optimizer)  # Lightning's wrapper
+        return parameter_shards(self.lightning_module, inner)
+
+
+def check_trainer(trainer: pl.Trainer, precision_plugin: Any) -> None:
+    """Reject trainer settings under which the split model would differ from one process."""
+    # (Lightning leaves the algorithm None until the loop starts, and then uses "norm")
+    if trainer.gradient_clip_val and trainer.gradient_clip_algorithm in (None, "norm"):
+        raise ValueError(
+            "tensor_parallel: gradient_clip_algorithm='norm' would clip each rank by the norm "
+            "of its own slices; use gradient_clip_algorithm='value' or no clipping"
+        )
+    if getattr(precision_plugin, "scaler", None) is not None:
+        raise ValueError(
+            "tensor_parallel: a gradient scaler (precision='16-mixed') skips a step on each "
+            "rank's own inf check, so ranks could part ways; use precision='bf16-mixed' or 32"
+        )
+    if trainer.strategy._layer_sync is not None:  # Trainer(sync_batchnorm=True)
+        raise ValueError(
+            "tensor_parallel: sync_batchnorm would average statistics over ranks that all see "
+            "the same batch (split BatchNorms are per channel already); remove sync_batchnorm"
+        )
+
+
+__all__ = ["EXACT_ALGORITHMS", "TensorParallelStrategy", "check_trainer"]

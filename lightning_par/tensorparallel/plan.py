@@ -1,0 +1,270 @@
+"""Which layers are cut how, and cutting them: :func:`resolve_plan` and :func:`parallelize`.
+
+A plan maps module names (as in ``module.named_modules()``) to a style, like torch's
+``parallelize_module``:
+
+* ``"column"``: output features/channels split; the next weight layer of the same
+  ``nn.Sequential`` (only activations and per-channel norms between) must be ``"row"``;
+  the norms between are split with it (GroupNorm by whole groups);
+* ``"row"``: input features/channels split, the partial outputs summed (``g``);
+* ``"column_gather"``: output split and all-gathered (a layer on its own);
+* ``"lstm"``: a one-layer ``nn.LSTM`` with its hidden units split (a gather per time step).
+
+Everything not in the plan is replicated: every rank computes it whole on the same
+(replicated) activations, so it gets the same gradient everywhere and needs no messages.
+
+The automatic plan (no plan given) walks ``module.<root>`` (``net``): in every
+``nn.Sequential``, two ``nn.Linear`` (or two ``nn.Conv2d``) in a row, with only activations
+and per-channel norms between, become a column -> row pair (Megatron's MLP block); every
+one-layer LSTM is split by hidden units. On :class:`~lightning_par.models.CifarCNN` that is
+the two convolutions of each residual block (the stem, the skip projections and the head
+stay replicated); on :class:`~lightning_par.models.CifarRNN` every LSTM layer.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+
+import torch.distributed as dist
+from torch import nn
+from torch.nn.modules.batchnorm import _BatchNorm
+
+from lightning_par.comm import Communicator
+from lightning_par.tensorparallel.layers import (
+    ColumnParallelConv2d,
+    ColumnParallelLinear,
+    ParallelLSTM,
+    RowParallelConv2d,
+    RowParallelLinear,
+    split_norm,
+)
+from lightning_par.tensorparallel.mappings import TPGroup
+from lightning_par.tensorparallel.shard import unit_sizes
+
+STYLES = ("column", "row", "column_gather", "lstm")
+#: Modules that act on each feature/channel alone: safe between a column and a row layer.
+ELEMENTWISE = (nn.ReLU, nn.GELU, nn.SiLU, nn.Tanh, nn.Sigmoid, nn.LeakyReLU, nn.ELU, nn.Identity)
+NORMS = (nn.GroupNorm, _BatchNorm)
+WEIGHT_LAYERS = (nn.Linear, nn.Conv2d)
+
+
+@dataclass(frozen=True)
+class Cut:
+    """One module to replace: ``style`` is a plan style or ``"norm"``; ``sizes`` the split
+    dimension's length on each rank."""
+
+    name: str
+    style: str
+    sizes: tuple[int, ...]
+
+
+@dataclass
+class Plan:
+    """A resolved plan for ``world_size`` ranks: the cuts, and why each weight layer left
+    out stays replicated."""
+
+    world_size: int
+    cuts: list[Cut] = field(default_factory=list)
+    replicated: dict[str, str] = field(default_factory=dict)
+
+    def describe(self) -> str:
+        lines = [f"{c.name}: {c.style} {list(c.sizes)}" for c in self.cuts]
+        lines += [f"{name}: replicated ({why})" for name, why in self.replicated.items()]
+        return "\n".join(lines)
+
+
+def _features(layer: nn.Module, side: str) -> int:
+    if isinstance(layer, nn.Linear):
+        return layer.out_features if side == "out" else layer.in_features
+    return layer.out_channels if side == "out" else layer.in_channels
+
+
+def _between(children: list[tuple[str, nn.Module]], i: int) -> int:
+    """Index of the first module after ``i`` that is not elementwise or a norm."""
+    j = i + 1
+    while j < len(children) and isinstance(children[j][1], ELEMENTWISE + NORMS):
+        j += 1
+    return j
+
+
+def pair_sizes(first: nn.Module, norms: list[nn.Module], second: nn.Module, p: int
+               ) -> tuple[tuple[int, ...] | None, str]:  # fmt: skip
+    """Per-rank sizes of the features a column -> row pair splits, or ``None`` and why not."""
+    for layer in (first, second):
+        if isinstance(layer, nn.Conv2d) and (layer.groups != 1 or layer.padding_mode != "zeros"):
+            return None, f"a convolution with groups={layer.groups}, {layer.padding_mode} padding"
+    features = _features(first, "out")
+    if features != _features(second, "in"):
+        return None, f"{features} outputs feed {_features(second, 'in')} inputs"
+    unit = 1
+    for norm in norms:
+        if isinstance(norm, nn.GroupNorm):
+            unit = math.lcm(unit, norm.num_channels // norm.num_groups)
+    if features // unit < p:
+        what = f"{features // unit} GroupNorm groups" if unit > 1 else f"{features} features"
+        return None, f"{what} cannot be split over {p} ranks"
+    return unit_sizes(features // unit, p, unit), ""
+
+
+def _lstm_reason(lstm: nn.LSTM, p: int) -> str:
+    if lstm.num_layers != 1 or lstm.bidirectional or lstm.proj_size:
+        return "only one-layer, one-direction LSTMs without proj_size are split"
+    if lstm.hidden_size < p:
+        return f"{lstm.hidden_size} hidden units cannot be split over {p} ranks"
+    return ""
+
+
+def _join(prefix: str, name: str) -> str:
+    return f"{prefix}.{name}" if prefix else name
+
+
+def _auto(module: nn.Module, prefix: str, p: int, plan: Plan) -> None:
+    if isinstance(module, nn.LSTM):
+        why = _lstm_reason(module, p)
+        if why:
+            plan.replicated[prefix] = why
+        else:
+            plan.cuts.append(Cut(prefix, "lstm", unit_sizes(module.hidden_size, p)))
+        return
+    children = list(module.named_children())
+    i = 0
+    while i < len(children):
+        name, child = children[i]
+        full = _join(prefix, name)
+        if not isinstance(child, WEIGHT_LAYERS):
+            _auto(child, full, p, plan)
+            i += 1
+            continue
+        j = _between(children, i)
+        if not isinstance(module, nn.Sequential):
+            plan.replicated[full] = "not in an nn.Sequential, so its consumer is unknown"
+        elif j < len(children) and type(children[j][1]) is type(child):
+            norms = [m for _, m in children[i + 1 : j] if isinstance(m, NORMS)]
+            sizes, why = pair_sizes(child, norms, children[j][1], p)
+            if sizes is not None:
+                plan.cuts.append(Cut(full, "column", sizes))
+                plan.cuts += [Cut(_join(prefix, n), "norm", sizes)
+                              for n, m in children[i + 1 : j] if isinstance(m, NORMS)]  # fmt: skip
+                plan.cuts.append(Cut(_join(prefix, children[j][0]), "row", sizes))
+                i = j + 1
+                continue
+            plan.replicated[full] = why
+        else:
+            plan.replicated[full] = "no layer of its kind right after it to pair with"
+        i += 1
+
+
+def _user(module: nn.Module, styles: Mapping[str, str], p: int) -> Plan:
+    plan = Plan(p)
+    modules = dict(module.named_modules())
+    paired_rows = set()
+    for name, style in styles.items():
+        if name not in modules:
+            raise ValueError(f"tensor_parallel plan: no module named {name!r} in the model")
+        if style not in STYLES:
+            raise ValueError(
+                f"tensor_parallel plan: {name!r}: style {style!r} is not one of {STYLES}"
+            )
+        layer = modules[name]
+        expected = nn.LSTM if style == "lstm" else WEIGHT_LAYERS
+        if not isinstance(layer, expected):
+            raise ValueError(
+                f"tensor_parallel plan: {name!r} is a {type(layer).__name__}; style {style!r} "
+                f"splits {'an nn.LSTM' if style == 'lstm' else 'an nn.Linear or nn.Conv2d'}"
+            )
+        if style == "lstm":
+            why = _lstm_reason(layer, p)
+            if why:
+                raise ValueError(f"tensor_parallel plan: {name!r}: {why}")
+            plan.cuts.append(Cut(name, style, unit_sizes(layer.hidden_size, p)))
+        elif style == "column_gather":
+            features = _features(layer, "out")
+            why = pair_sizes(layer, [], layer, p)[1] if isinstance(layer, nn.Conv2d) else ""
+            if why or features < p:
+                why = why or f"{features} features cannot be split over {p} ranks"
+                raise ValueError(f"tensor_parallel plan: {name!r}: {why}")
+            plan.cuts.append(Cut(name, style, unit_sizes(features, p)))
+        elif style == "column":
+            parent_name, _, own = name.rpartition(".")
+            parent = modules[parent_name]
+            children = list(parent.named_children()) if isinstance(parent, nn.Sequential) else []
+            index = [n for n, _ in children].index(own) if children else -1
+            j = _between(children, index) if children else 0
+            row = _join(parent_name, children[j][0]) if 0 <= index and j < len(children) else None
+            if row is None or styles.get(row) != "row":
+                raise ValueError(
+                    f"tensor_parallel plan: column layer {name!r} must be followed, in its "
+                    "nn.Sequential, by a 'row' layer (only activations and norms between)"
+                )
+            norms = [(_join(parent_name, n), m) for n, m in children[index + 1 : j]
+                     if isinstance(m, NORMS)]  # fmt: skip
+            sizes, why = pair_sizes(layer, [m for _, m in norms], children[j][1], p)
+            if sizes is None:
+                raise ValueError(f"tensor_parallel plan: {name!r} -> {row!r}: {why}")
+            plan.cuts.append(Cut(name, "column", sizes))
+            plan.cuts += [Cut(n, "norm", sizes) for n, _ in norms]
+            plan.cuts.append(Cut(row, "row", sizes))
+            paired_rows.add(row)
+    for name, style in styles.items():
+        if style == "row" and name not in paired_rows:
+            raise ValueError(
+                f"tensor_parallel plan: row layer {name!r} needs a 'column' layer right before "
+                "it in the same nn.Sequential"
+            )
+    return plan
+
+
+def resolve_plan(module: nn.Module, world_size: int, plan: Mapping[str, str] | None = None,
+                 root: str = "net") -> Plan:  # fmt: skip
+    """The cuts for ``world_size`` ranks: ``plan`` (names relative to ``module``) checked,
+    or the automatic plan of ``module.<root>`` (``module`` itself if it has no ``root``).
+    Raises ``ValueError`` naming the layer for a plan that cannot run exactly."""
+    if plan is not None:
+        return _user(module, plan, world_size)
+    resolved = Plan(world_size)
+    start = getattr(module, root, None) if root else None
+    _auto(start if isinstance(start, nn.Module) else module,
+          root if isinstance(start, nn.Module) else "", world_size, resolved)  # fmt: skip
+    return resolved
+
+
+def _build(cut: Cut, old: nn.Module, group: TPGroup) -> nn.Module:
+    conv = isinstance(old, nn.Conv2d)
+    if cut.style == "column":
+        return (ColumnParallelConv2d if conv else ColumnParallelLinear)(old, group, cut.sizes)
+    if cut.style == "column_gather":
+        return (ColumnParallelConv2d if conv else ColumnParallelLinear)(
+            old, group, cut.sizes, gather_output=True
+        )
+    if cut.style == "row":
+        return (RowParallelConv2d if conv else RowParallelLinear)(old, group, cut.sizes)
+    if cut.style == "norm":
+        return split_norm(old, group, cut.sizes)
+    return ParallelLSTM(old, group, cut.sizes)
+
+
+def as_group(group: TPGroup | Communicator | dist.ProcessGroup | None, algorithm: str = "ring"
+             ) -> TPGroup:  # fmt: skip
+    if isinstance(group, TPGroup):
+        return group
+    comm = group if isinstance(group, Communicator) else Communicator(group)
+    return TPGroup(comm, algorithm)
+
+
+def parallelize(module: nn.Module, group: TPGroup | Communicator | dist.ProcessGroup | None = None,
+                plan: Plan | Mapping[str, str] | None = None, *, root: str = "net",
+                algorithm: str = "ring") -> Plan:  # fmt: skip
+    """Replace ``module``'s layers by their tensor-parallel versions, in place, over the ranks
+    of ``group`` (a process group, a :class:`~lightning_par.comm.Communicator` or a
+    :class:`~.mappings.TPGroup`; ``None``: the default group). Every rank must call it with
+    the same full weights (each keeps its slice). Returns the resolved :class:`Plan`."""
+    tp = as_group(group, algorithm)
+    if not isinstance(plan, Plan):
+        plan = resolve_plan(module, tp.world_size, plan, root)
+    for cut in plan.cuts:
+        parent_name, _, own = cut.name.rpartition(".")
+        parent = module.get_submodule(parent_name)
+        setattr(parent, own, _build(cut, getattr(parent, own), tp))
+    return plan
