@@ -26,6 +26,7 @@ from lightning_par.strategies.hybrid import (
     HybridGPipeStrategy,
     HybridLayerwiseStrategy,
     HybridStrategy,
+    HybridTensorParallelStrategy,
 )
 
 SIZE, GLOBAL_BATCH = 24, 8
@@ -78,7 +79,10 @@ def test_talk_groups_are_connected_components():
 
 # ---- refused before launch --------------------------------------------------------------------
 def test_bad_options_are_refused_when_the_strategy_is_made():
-    with pytest.raises(ValueError, match=r"mp_kind='ring': choose one of \['gpipe', 'layerwise'"):
+    with pytest.raises(
+        ValueError,
+        match=r"mp_kind='ring': choose one of \['gpipe', 'layerwise', 'tensor_parallel'\]",
+    ):
         HybridStrategy(mp_kind="ring")
     with pytest.raises(ValueError, match="dp must be an int >= 1"):
         HybridStrategy(dp=0)
@@ -88,6 +92,8 @@ def test_bad_options_are_refused_when_the_strategy_is_made():
         HybridStrategy(bucket_cap_mb=0)
     with pytest.raises(TypeError, match=r"unknown option\(s\) \['bogus'\].*time_chunk"):
         HybridStrategy(mp_kind="layerwise", bogus=1)
+    with pytest.raises(ValueError, match="tensor_parallel: algorithm='butterfly' is not supp"):
+        HybridStrategy(mp_kind="tensor_parallel", algorithm="butterfly")  # the row's option
     with pytest.raises(ValueError, match="mp_kind='gpipe' strategy, got mp_kind='layerwise'"):
         HybridGPipeStrategy(mp_kind="layerwise")
 
@@ -120,6 +126,8 @@ def _model(kind: str) -> pl.LightningModule:
     torch.manual_seed(0)
     if kind == "cnn":
         return CifarCNN(width=8, num_blocks=2, scheduler=None)
+    if kind == "cnn-no-norm":  # tensor_parallel's split GroupNorm is made in float32 for now
+        return CifarCNN(width=8, num_blocks=2, norm="none", scheduler=None)
     return CifarRNN(hidden_size=16, num_layers=2, scheduler=None)
 
 
@@ -152,6 +160,17 @@ def _assert_same_weights(got: dict, expected: dict) -> None:
         torch.testing.assert_close(got[key], value.to(got[key].dtype), **tol, msg=key)
 
 
+def _assert_grid_traffic(trace_dir) -> list:
+    """Who talked to whom on a 2 x 2 grid: the gradient buckets' ring allreduce inside the
+    columns, everything else (activations, their gradients, tensor-parallel allreduces, the
+    checkpoint's gathering) inside the rows."""
+    traces = load_traces(trace_dir)
+    assert [t.rank for t in traces] == [0, 1, 2, 3]
+    assert talk_groups(traces, RING_TAGS) == Grid(2, 2).dp_groups() == [[0, 2], [1, 3]]
+    assert talk_groups(traces, exclude=RING_TAGS) == Grid(2, 2).mp_groups() == [[0, 1], [2, 3]]
+    return traces
+
+
 def test_cnn_gpipe_grid_trains_like_one_process_and_its_trace_draws_the_grid(tmp_path):
     model = _model("cnn")
     expected = _single_process(model, dp=2)
@@ -161,13 +180,8 @@ def test_cnn_gpipe_grid_trains_like_one_process_and_its_trace_draws_the_grid(tmp
     assert isinstance(model.net, nn.Sequential)  # the full model came back from the ranks
     _assert_same_weights(model.state_dict(), expected)
 
-    # who talked to whom: the gradient buckets' ring allreduce inside the columns, everything
-    # else (activations, their gradients, the checkpoint's gathering) inside the rows
-    traces = load_traces(tmp_path / "trace")
-    assert [t.rank for t in traces] == [0, 1, 2, 3]
+    traces = _assert_grid_traffic(tmp_path / "trace")
     grid = Grid(2, 2)
-    assert talk_groups(traces, RING_TAGS) == grid.dp_groups() == [[0, 2], [1, 3]]
-    assert talk_groups(traces, exclude=RING_TAGS) == grid.mp_groups() == [[0, 1], [2, 3]]
     assert {"act", "grad"} <= {m.tag for t in traces for m in t.messages}
     assert all("bucket 0" in {e.name for e in t.events} for t in traces)
     # each rank's ring bytes: its stage's buckets (gradients and one flag per parameter,
@@ -190,14 +204,27 @@ def test_cnn_gpipe_grid_trains_like_one_process_and_its_trace_draws_the_grid(tmp
     assert len(ckpt["optimizer_states"][0]["pipeline_stages"]) == 2
 
 
-def test_rnn_layerwise_wavefront_grid_trains_like_one_process():
-    model = _model("rnn")
+@pytest.mark.parametrize(
+    "kind, options, cls",
+    [
+        ("rnn", {"mp_kind": "layerwise", "time_chunk": 8}, HybridLayerwiseStrategy),
+        ("rnn", {"mp_kind": "tensor_parallel"}, HybridTensorParallelStrategy),  # LSTM units
+        ("cnn-no-norm", {"mp_kind": "tensor_parallel"}, HybridTensorParallelStrategy),
+    ],
+)
+def test_other_model_parallel_kinds_train_like_one_process(tmp_path, kind, options, cls):
+    model = _model(kind)
     expected = _single_process(model, dp=2)
-    strategy = HybridStrategy(mp_kind="layerwise", time_chunk=8)
-    trainer = _trainer(strategy, 4, precision=PRECISION)
+    saver = ModelCheckpoint(dirpath=tmp_path, filename="hybrid", enable_version_counter=False)
+    strategy = HybridStrategy(**options, trace_dir=str(tmp_path / "trace"))
+    trainer = _trainer(strategy, 4, callbacks=[saver], precision=PRECISION)
     trainer.fit(model, _loader(dp=2))
-    assert isinstance(trainer.strategy, HybridLayerwiseStrategy)
+    assert type(trainer.strategy) is cls
     _assert_same_weights(model.state_dict(), expected)
+    _assert_grid_traffic(tmp_path / "trace")
+    # the checkpoint holds the full model, however it was cut
+    ckpt = torch.load(tmp_path / "hybrid.ckpt", weights_only=False)
+    _assert_same_weights(ckpt["state_dict"], expected)
 
 
 def test_four_stage_rows_and_four_replica_columns_train_like_one_process():

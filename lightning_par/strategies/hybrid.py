@@ -8,16 +8,19 @@ that adds the data-parallel dimension to an existing model-parallel strategy:
 
 * **model parallel** (``mp_kind``): the pipeline of
   :class:`~lightning_par.strategies.gpipe.GPipeStrategy` (``"gpipe"``: micro-batches, GPipe
-  or 1F1B) or of :class:`~lightning_par.strategies.layerwise.LayerwiseStrategy`
-  (``"layerwise"``: the naive split, or the stacked-RNN wavefront with ``time_chunk``), run
-  unchanged on the ranks of one row of the grid (its ``stage_comm``);
+  or 1F1B), of :class:`~lightning_par.strategies.layerwise.LayerwiseStrategy`
+  (``"layerwise"``: the naive split, or the stacked-RNN wavefront with ``time_chunk``), or
+  the layers cut by :class:`~lightning_par.strategies.tensor_parallel.TensorParallelStrategy`
+  (``"tensor_parallel"``), run unchanged on the ranks of one row of the grid (their
+  ``stage_comm`` / ``tp_comm``);
 * **data parallel**: each stage's gradients are averaged over its column of the grid (the
   ranks holding the same layers) by this project's allreduce (``dp_algorithm``, default the
   ring), in buckets that start while backward still runs
   (:mod:`lightning_par.comm.buckets`, as ``ring_allreduce`` does). A pipeline leaves a
   gradient complete only after the step's last micro-batch, so buckets may start from then
   on (Megatron-LM's overlap of the data-parallel reduction with the pipeline flush;
-  Narayanan et al., 2021); under 1F1B all of them start after backward;
+  Narayanan et al., 2021); under 1F1B all of them start after backward; tensor-parallel
+  gradients are complete when autograd writes them;
 * **data**: sharded by the data-parallel rank only (the ``dp`` replicas read different
   samples; the ``mp`` ranks of a replica read the same batch, as the pipeline needs).
 
@@ -50,6 +53,7 @@ from lightning_par.pipeline.runtime import PipelineStage
 from lightning_par.strategies._base import ParStrategy
 from lightning_par.strategies.gpipe import GPipeStrategy
 from lightning_par.strategies.layerwise import LayerwiseStrategy
+from lightning_par.strategies.tensor_parallel import TensorParallelStrategy
 
 DEFAULT_KIND = "gpipe"
 
@@ -61,14 +65,16 @@ class HybridStrategy(ParStrategy):
         dp: data-parallel degree (replicas); ``None`` derives it (world size / ``mp``).
         mp: model-parallel degree (pipeline stages per replica); ``None`` derives it from
             ``dp``, or is 2 when neither is given (``devices=4``: a 2 × 2 grid).
-        mp_kind: ``"gpipe"`` (default) or ``"layerwise"``; a key of :func:`mp_kinds`.
+        mp_kind: ``"gpipe"`` (default), ``"layerwise"`` or ``"tensor_parallel"`` (see
+            :func:`mp_kinds`).
         dp_algorithm: the allreduce that averages each stage's gradients over its
             data-parallel group, a key of :data:`lightning_par.collectives.ALGORITHMS`
             (default ``"ring"``).
         bucket_cap_mb: gradient bucket size in MiB.
         overlap: start buckets while backward runs (``False``: all after backward).
         **kwargs: the options of the ``mp_kind`` strategy (e.g. ``chunks``, ``schedule``,
-            ``balance`` for gpipe; ``time_chunk`` for layerwise) and ``trace``,
+            ``balance`` for gpipe; ``time_chunk`` for layerwise; ``plan`` and ``algorithm``
+            for tensor_parallel) and ``trace``,
             ``trace_dir``, ``start_method``, ``process_group_backend``, ``timeout``.
     """
 
@@ -263,9 +269,27 @@ class HybridLayerwiseStrategy(HybridStrategy, LayerwiseStrategy):
         return self.pipelined.runtime
 
 
+class HybridTensorParallelStrategy(HybridStrategy, TensorParallelStrategy):
+    """:class:`HybridStrategy` whose replicas are Megatron-style tensor-parallel models
+    (``mp_kind="tensor_parallel"``): each layer cut over the ranks of a row, whose ``f``/``g``
+    allreduces run inside the row; gradients complete as soon as autograd writes them, so
+    buckets start all through backward."""
+
+    mp_kind = "tensor_parallel"
+
+    @property
+    def tp_size(self) -> int:
+        return self.grid.mp
+
+    @property
+    def tp_comm(self) -> Communicator | None:
+        return self.mp_comm
+
+
 _KINDS: dict[str, type[HybridStrategy]] = {
     "gpipe": HybridGPipeStrategy,
     "layerwise": HybridLayerwiseStrategy,
+    "tensor_parallel": HybridTensorParallelStrategy,
 }
 
 

@@ -65,8 +65,8 @@ OTHER_STRATEGIES = [
     ),
     StrategySpec(
         "hybrid", "hybrid", "HybridStrategy",
-        "Hybrid: data parallel over replicas, each a model-parallel pipeline (dp x mp grid, "
-        "ring-allreduced gradients)", "hybrid",
+        "Hybrid: a dp x mp grid, data parallel (ring-allreduced gradient buckets) over "
+        "replicas each split by gpipe, layerwise or tensor_parallel", "hybrid",
     ),
     StrategySpec(
         "lightning_ddp", "reference", "LightningDDPStrategy",

@@ -26,6 +26,7 @@ import lightning.pytorch as pl
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 
 from lightning_par.collectives import broadcast_parameters
+from lightning_par.comm import Communicator
 from lightning_par.pipeline.state import gather_objects
 from lightning_par.strategies._base import ParStrategy
 from lightning_par.tensorparallel import (
@@ -81,13 +82,30 @@ class TensorParallelStrategy(ParStrategy):
         self.plan, self.module_attr, self.algorithm = plan, module_attr, algorithm
         self.tp_plan: Plan | None = None
 
+    # ---- the ranks a layer is split over ----------------------------------------------------
+    @property
+    def tp_size(self) -> int:
+        """Ranks each layer is split over: every process (the hybrid strategy: its
+        model-parallel degree)."""
+        return self.num_processes * self.num_nodes
+
+    @property
+    def tp_comm(self) -> Communicator | None:
+        """Their communicator (the hybrid strategy: one model-parallel group of its grid);
+        ``None`` before setup."""
+        return self.comm
+
+    @property
+    def tp_rank(self) -> int:
+        return self.tp_comm.rank if self.tp_comm is not None else self.global_rank
+
     # ---- before launch ---------------------------------------------------------------------
     def check_before_launch(self, trainer: pl.Trainer | None = None) -> None:
         """Refuse what would not train exactly as one process, before any rank starts."""
         module = self.lightning_module
         if module is None or module_shards(module):
             return
-        world = self.num_processes * self.num_nodes
+        world = self.tp_size
         plan = resolve_plan(module, world, self.plan, self.module_attr)
         if not plan.cuts:
             why = "; ".join(f"{k}: {v}" for k, v in plan.replicated.items()) or "no layers"
@@ -105,12 +123,12 @@ class TensorParallelStrategy(ParStrategy):
         if module_shards(module):  # already split (validate or test after fit)
             return
         check_trainer(trainer, self.precision_plugin)
-        assert self.comm is not None
+        assert self.tp_comm is not None
         # Every rank cuts its slice of rank 0's weights (popen ranks built their own).
-        broadcast_parameters(module, self.comm)
-        group = TPGroup(self.comm, self.algorithm)
+        broadcast_parameters(module, self.tp_comm)
+        group = TPGroup(self.tp_comm, self.algorithm)
         self.tp_plan = parallelize(module, group, self.plan, root=self.module_attr)
-        rank_zero_info(f"tensor_parallel plan over {self.world_size} ranks:\n  "
+        rank_zero_info(f"tensor_parallel plan over {self.tp_size} ranks:\n  "
                        + self.tp_plan.describe().replace("\n", "\n  "))  # fmt: skip
 
     # ---- checkpoints: one process's format -------------------------------------------------
@@ -118,31 +136,31 @@ class TensorParallelStrategy(ParStrategy):
         """The full model's state dict on rank 0 (every rank takes part)."""
         local = self.lightning_module.state_dict()
         shards = module_shards(self.lightning_module)
-        if self.comm is None or not shards:
+        if self.tp_comm is None or not shards:
             return local
         mine = {k: v for k, v in local.items() if k in shards}
-        states = gather_objects(self.comm, mine, self.root_device)
+        states = gather_objects(self.tp_comm, mine, self.root_device)
         if states is None:
             return local
         return {**local, **assemble_state_dict(states, shards)}
 
     def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
         shards = module_shards(self.lightning_module)
-        state = shard_state_dict(checkpoint["state_dict"], shards, self.global_rank)
+        state = shard_state_dict(checkpoint["state_dict"], shards, self.tp_rank)
         self.lightning_module.load_state_dict(state, strict=strict)
 
     def optimizer_state(self, optimizer: Any) -> dict[str, Any]:
         local = super().optimizer_state(optimizer)
-        if self.comm is None or not module_shards(self.lightning_module):
+        if self.tp_comm is None or not module_shards(self.lightning_module):
             return local
-        states = gather_objects(self.comm, local, self.root_device)
+        states = gather_objects(self.tp_comm, local, self.root_device)
         if states is None:
             return {}
         return assemble_optimizer_state(states, self._shards_of(optimizer))
 
     def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
         for optimizer, state in zip(self.optimizers, checkpoint["optimizer_states"]):
-            local = shard_optimizer_state(state, self._shards_of(optimizer), self.global_rank)
+            local = shard_optimizer_state(state, self._shards_of(optimizer), self.tp_rank)
             optimizer.load_state_dict(local)
 
     def _shards_of(self, optimizer: Any) -> list:
