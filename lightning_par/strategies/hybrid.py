@@ -82,7 +82,7 @@ class HybridStrategy(ParStrategy):
     shards_data = True  # by the data-parallel rank (distributed_sampler_kwargs)
     mp_kind = ""
 
-    def __new__(cls, *args: Any, **kwargs: Any) -> HybridStrategy:
+    def __new__(cls, **kwargs: Any) -> HybridStrategy:
         target = (
             _strategy_class(kwargs.get("mp_kind", DEFAULT_KIND)) if cls is HybridStrategy else cls
         )
@@ -90,6 +90,7 @@ class HybridStrategy(ParStrategy):
 
     def __init__(
         self,
+        *,
         dp: int | None = None,
         mp: int | None = None,
         mp_kind: str = DEFAULT_KIND,
@@ -121,7 +122,6 @@ class HybridStrategy(ParStrategy):
         self.mp_comm: Communicator | None = None
         self.dp_comm: Communicator | None = None
         self.buckets: GradientBuckets | None = None
-        self._backward_start = 0.0
 
     # ---- the grid ---------------------------------------------------------------------------
     @property
@@ -134,7 +134,7 @@ class HybridStrategy(ParStrategy):
         return self.grid.dp_rank(self.global_rank)
 
     @property
-    def num_stages(self) -> int:
+    def num_stages(self) -> int:  # the pipeline kinds' stages: one row
         return self.grid.mp
 
     @property
