@@ -1,11 +1,15 @@
 """lightning_par: Lightning strategies that teach and run the classic ways to parallelise training.
 
 Importing the package registers every strategy name (``ring_allreduce``, ``gpipe``, ...)
-with Lightning's ``StrategyRegistry`` so that ``Trainer(strategy="ring_allreduce")`` works.
+with Lightning's ``StrategyRegistry`` so that ``Trainer(strategy="ring_allreduce")`` works,
+and filters Lightning's known harmless messages (:mod:`lightning_par.quiet`;
+``LIGHTNING_PAR_QUIET=0`` keeps them).
 """
 
 __version__ = "0.1.0"
 
+from lightning_par.quiet import quiet_from_environment as _quiet_from_environment
 from lightning_par.strategies import register_strategies as _register_strategies
 
+_quiet_from_environment()
 _register_strategies()

@@ -39,7 +39,7 @@ def run_row(strategy: str, model: str, accelerator: str, devices: int, steps: in
     import lightning_par  # noqa: F401
     from lightning_par.data import CIFAR10DataModule
     from lightning_par.models import CifarCNN, CifarRNN
-    from lightning_par.summary import ThroughputMonitor
+    from lightning_par.summary import ThroughputMonitor, strategy_label
 
     logging.getLogger("lightning.pytorch").setLevel(logging.ERROR)
     pl.seed_everything(0, verbose=False)
@@ -60,7 +60,12 @@ def run_row(strategy: str, model: str, accelerator: str, devices: int, steps: in
     )
     trainer.fit(net, datamodule=data)
     ips = float(trainer.callback_metrics.get("train_images_per_s", float("nan")))
-    return {"images_per_s": ips, "loss": float(trainer.callback_metrics.get("train_loss", -1))}
+    ran = strategy_label(trainer.strategy)  # the registered name, as the summary line says
+    expected = "single_device" if strategy == "single" else strategy
+    if ran != expected:
+        raise RuntimeError(f"asked for strategy {expected!r}, the Trainer ran {ran!r}")
+    return {"images_per_s": ips, "loss": float(trainer.callback_metrics.get("train_loss", -1)),
+            "ran": ran}  # fmt: skip
 
 
 def plan(strategies: list[str], models: list[str], accelerators: list[str]) -> list[tuple]:
@@ -144,9 +149,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--run-row", nargs=4, metavar=("STRATEGY", "MODEL", "ACCEL", "DEVICES"))
     parser.add_argument("--run-rows", metavar="JSON", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
-    from lightning_par.quiet import quiet_lightning
+    from lightning_par.quiet import quiet_report
 
-    quiet_lightning()  # here and in each row's subprocess, which runs main() too
+    quiet_report()  # here and in each row's subprocess, which runs main() too
     if args.run_row:
         strategy, model, accel, devices = args.run_row
         result = run_row(strategy, model, accel, int(devices), args.steps)

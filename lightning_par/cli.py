@@ -14,7 +14,9 @@ command at once with a short usage error and exit code 2, before any process sta
 
 from __future__ import annotations
 
+import re
 import sys
+from typing import Union
 
 from jsonargparse import ArgumentError
 from lightning.fabric.utilities.exceptions import MisconfigurationException
@@ -22,6 +24,7 @@ from lightning.pytorch.callbacks import ModelSummary
 from lightning.pytorch.cli import LightningCLI
 
 import lightning_par  # noqa: F401  (registers the strategy names)
+from lightning_par import _compat
 from lightning_par.cli_checks import UsageError, check_argv, check_config
 from lightning_par.data import CIFAR10DataModule, DataNotFoundError
 from lightning_par.models import CifarCNN, CifarRNN, ImageClassifier  # noqa: F401
@@ -34,6 +37,11 @@ from lightning_par.summary import (
 )
 
 SUBCOMMANDS = ("fit", "validate", "test", "predict")
+#: The options a subcommand takes at its top level (``--model``, ``--trainer.<flag>``, ...).
+TOP_LEVEL_KEYS = ("trainer", "model", "data", "optimizer", "lr_scheduler", "ckpt_path",
+                  "seed_everything", "test_after_fit", "weights_only")  # fmt: skip
+#: What ``--model`` is when not given, so that ``--print_config`` writes a config that runs.
+DEFAULT_MODEL = {"class_path": "lightning_par.models.CifarCNN"}
 
 
 class LightningParCLI(LightningCLI):
@@ -41,6 +49,8 @@ class LightningParCLI(LightningCLI):
         parser.add_argument(
             "--test_after_fit", type=bool, default=True, help="Test the model after fit."
         )
+        parser.set_defaults({"model": DEFAULT_MODEL})
+        _devices_as_numbers(parser)
 
     def parse_arguments(self, parser, args) -> None:
         check_argv(sys.argv[1:] if args is None else [str(a) for a in args])
@@ -62,7 +72,8 @@ class LightningParCLI(LightningCLI):
         callbacks = self.trainer.callbacks
         for i, callback in enumerate(callbacks):
             if type(callback) is ModelSummary:
-                callbacks[i] = WholeModelSummary(callback._max_depth, **callback._summarize_kwargs)
+                depth, options = _compat.model_summary_options(callback)
+                callbacks[i] = WholeModelSummary(depth, **options)
 
     def _data_before_launch(self) -> None:
         # Find (or download) and load the data here, in the parent, so a missing data set
@@ -105,7 +116,38 @@ def main(args: list[str] | None = None, prog: str = "lightning-par") -> None:
         _usage_exit(prog, str(err))
     except ArgumentError as err:
         # jsonargparse's own parse errors, without its 60-line usage text.
-        _usage_exit(prog, f"{err}\nSee `{prog} {_subcommand(args)}--help` for every option.")
+        _usage_exit(
+            prog,
+            f"{_as_typed(str(err))}{_missing_subcommand_hint(prog, args)}\n"
+            f"See `{prog} {_subcommand(args)}--help` for every option.",
+        )
+
+
+def _devices_as_numbers(parser) -> None:
+    """``--trainer.devices=2`` is the number 2 (Trainer's hint ``list[int] | str | int``
+    reads it as the text ``'2'``, and ``--print_config`` then writes ``devices: '2'``)."""
+    for action in parser._actions:
+        if getattr(action, "dest", None) == "trainer.devices" and hasattr(action, "_typehint"):
+            action._typehint = Union[int, list[int], str]  # noqa: UP007 (a runtime type hint)
+
+
+def _as_typed(message: str) -> str:
+    """jsonargparse names options by their keys (``fit.model``, ``Key "trainer.devices"``);
+    the user typed ``--model`` and ``--trainer.devices``."""
+    message = re.sub(rf"\b(?:{'|'.join(SUBCOMMANDS)})\.([A-Za-z_][\w.]*)", r"--\1", message)
+    top = "|".join(TOP_LEVEL_KEYS)
+    return re.sub(rf'(?:Parser )?[Kk]ey "((?:{top})(?:\.[\w.]+)?)"', r"--\1", message)
+
+
+def _missing_subcommand_hint(prog: str, args: list[str] | None) -> str:
+    """When no subcommand was typed: which one is missing, as a corrected command."""
+    argv = sys.argv[1:] if args is None else list(args)
+    if any(a in SUBCOMMANDS for a in argv):
+        return ""
+    return (
+        f"\nThe subcommand is missing: {', '.join(SUBCOMMANDS)} comes first, "
+        f"e.g. `{prog} fit {' '.join(argv)}`."
+    )
 
 
 def _subcommand(args: list[str] | None) -> str:

@@ -11,6 +11,8 @@ import lightning.pytorch as pl
 import torch
 from lightning.pytorch.callbacks import ModelSummary
 
+from lightning_par import _compat
+
 
 def data_parallel_replicas(trainer: pl.Trainer) -> int:
     """How many processes see *different* samples (1 for model-parallel strategies)."""
@@ -54,12 +56,25 @@ class ThroughputMonitor(pl.Callback):
         metrics["epochs_completed"] = torch.tensor(float(trainer.current_epoch))
 
 
+def strategy_label(strategy: object) -> str:
+    """The name a strategy is registered under (``ring_allreduce``, ``tree_allreduce``, ...;
+    one class serves several names, so the class name cannot tell them apart)."""
+    name = getattr(strategy, "strategy_name", None)  # ours, and some of Lightning's
+    if isinstance(name, str) and name:
+        return name
+    from lightning.pytorch.strategies import DDPStrategy
+
+    if type(strategy) is DDPStrategy:  # Lightning registers ddp, ddp_spawn, ddp_fork, ...
+        method = getattr(strategy, "_start_method", "popen")
+        return "ddp" if method == "popen" else f"ddp_{method}"
+    return type(strategy).__name__
+
+
 def summary_line(trainer: pl.Trainer, datamodule=None) -> str:
     """``lightning_par summary: strategy=... devices=... data=... test_acc=...``"""
     metrics = {k: float(v) for k, v in trainer.callback_metrics.items() if v.numel() == 1}
-    strategy = type(trainer.strategy).__name__
     parts = [
-        f"strategy={strategy}",
+        f"strategy={strategy_label(trainer.strategy)}",
         f"accelerator={type(trainer.accelerator).__name__.replace('Accelerator', '').lower()}",
         f"processes={trainer.world_size}",
         f"epochs={int(metrics.get('epochs_completed', trainer.current_epoch))}",
@@ -148,7 +163,9 @@ class FitTimeEstimate(pl.Callback):
         )
         val_total = self._val_batches_in_fit(trainer, total) * val_per_batch
         fit = total * per_batch + val_total
-        finish = time.strftime("%H:%M", time.localtime(time.time() + max(0.0, fit - elapsed)))
+        # to the nearest minute: 10:41:50 reads 10:42, not 10:41
+        done = time.time() + max(0.0, fit - elapsed) + 30
+        finish = time.strftime("%H:%M", time.localtime(done))
         epochs_text = f"{math.ceil(total / per_epoch)} epochs x {per_epoch} batches"
         return (
             f"{head}, so this fit ({epochs_text} + validation) should take about "
@@ -181,7 +198,7 @@ class WholeModelSummary(ModelSummary):
     def _freeze(summary) -> tuple:
         # Lightning's summary counts parameters lazily: take the numbers now.
         flops = summary.total_flops if hasattr(summary, "total_flops") else 0
-        data = summary._get_summary_data()
+        data = _compat.summary_data(summary)
         return (data, summary.total_parameters, summary.trainable_parameters,
                 summary.model_size, summary.total_training_modes, flops)  # fmt: skip
 

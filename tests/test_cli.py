@@ -31,7 +31,8 @@ def test_fit_on_two_processes_tests_and_prints_a_summary(tmp_path, capsys):
     line = [ln for ln in capsys.readouterr().out.splitlines() if "lightning_par summary" in ln]
     assert len(line) == 1, line
     summary = line[0]
-    for field in ("processes=2", "data='synthetic'", "train_images_per_s=", "test_acc="):
+    for field in ("strategy=lightning_ddp ", "processes=2", "data='synthetic'",
+                  "train_images_per_s=", "test_acc="):  # fmt: skip
         assert field in summary
     assert (tmp_path / "lightning_logs").is_dir()
 
@@ -99,6 +100,7 @@ def test_check_prints_one_ok_row_per_run(capsys):
         ("single", 1, "ok"),
         ("lightning_ddp", 2, "ok"),
     ]
+    assert [r["ran"] for r in rows] == ["single_device", "lightning_ddp"]  # as registered
 
 
 def test_check_reports_a_failing_row_without_stopping(capsys):

@@ -104,12 +104,12 @@ def _plain_argv(monkeypatch):
 
 @pytest.mark.usefixtures("_plain_argv")
 def test_a_fit_prints_exactly_one_estimate(tmp_path, capsys):
-    # 1024 synthetic images, 10 % held out: 922 / 32 -> 29 batches an epoch.
+    # 1024 synthetic images, 10 % held out: 922 = 28 x 32 + 26 -> 28 full batches an epoch.
     main([*TINY, "--data.synthetic_size=1024", "--trainer.max_epochs=2",
           "--test_after_fit=false", f"--trainer.default_root_dir={tmp_path}"])  # fmt: skip
     lines = [ln for ln in capsys.readouterr().out.splitlines() if "lightning_par estimate" in ln]
     assert len(lines) == 1, lines
-    assert "2 epochs x 29 batches + validation" in lines[0] and "should take about" in lines[0]
+    assert "2 epochs x 28 batches + validation" in lines[0] and "should take about" in lines[0]
 
 
 @pytest.mark.usefixtures("_plain_argv")

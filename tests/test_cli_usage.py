@@ -36,7 +36,7 @@ TYPOS = [
     ("--trainer.limit_val_batches=-1", ["must be a batch count >= 0 or a fraction"]),
     ("--data.batch_size=0", ["--data.batch_size=0 must be an integer >= 1"]),
     ("--data.num_workers=-2", ["Did you mean --data.num_workers=2?"]),
-    ("--trainer.max_epochs=abc", ['"trainer.max_epochs"', "abc", "fit --help"]),
+    ("--trainer.max_epochs=abc", ["error: --trainer.max_epochs:", "abc", "fit --help"]),
 ]
 
 

@@ -164,3 +164,15 @@ def test_bad_options_fail_clearly(kwargs, message):
 def test_validation_split_cannot_swallow_the_training_set():
     with pytest.raises(ValueError, match="leaves no training images"):
         CIFAR10DataModule(source="synthetic", synthetic_size=10, val_size=10).setup()
+
+
+def test_training_batches_are_full_by_default(mini_dir):
+    # the default split leaves 4 577 = 143 x 32 + 1 images: no one-image batch at the end
+    dm = CIFAR10DataModule(source="cifar10-mini", data_dir=str(mini_dir))
+    dm.setup("fit")
+    train = dm.train_dataloader()
+    assert len(dm.train_set) == 4577 and len(train) == 143 and train.drop_last
+    assert len(dm.val_dataloader()) == 16 and not dm.val_dataloader().drop_last  # 508 kept
+    keep = CIFAR10DataModule(source="cifar10-mini", data_dir=str(mini_dir), drop_last=False)
+    keep.setup("fit")
+    assert len(keep.train_dataloader()) == 144

@@ -8,12 +8,16 @@ import sys
 from lightning_par.comm.run import run_bounded
 
 
-def test_parameter_server_bench_runs():
+def test_parameter_server_bench_runs(tmp_path):
     cmd = [sys.executable, "-m", "lightning_par.bench", "parameter_server", "--rounds", "1",
            "--steps", "5", "--warmup", "2", "--width", "256", "--batch", "8", "--json"]  # fmt: skip
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path), "TMPDIR": str(tmp_path)}
     done = run_bounded(cmd, timeout=240, env=env)
     assert done.returncode == 0 and not done.timed_out, done.stderr[-3000:]
+    # the report only: at most one line per fit (8 fits), none of Lightning's start-up lines
+    assert len(done.stderr.splitlines()) <= 8, done.stderr[-3000:]
+    assert "GPU available" not in done.stderr and "val_dataloader" not in done.stderr
+    assert not [p for p in tmp_path.iterdir() if not p.name.startswith("torchinductor")]
     rows = {(r["model"], r["strategy"]): r for r in json.loads(done.stdout)["rows"]}
     for model in ("wide_mlp", "cnn"):
         for name in ("parameter_server(S=1)", "parameter_server(S=2)", "ring_allreduce",

@@ -10,6 +10,7 @@ import pytest
 import torch
 from torch import nn
 
+from lightning_par.collectives.cost_model import all_gather_cost, reduce_scatter_cost
 from lightning_par.comm import CommTrace, Communicator, run_on_ranks
 from lightning_par.models import CifarCNN, CifarRNN
 from lightning_par.tensorparallel import (
@@ -152,6 +153,8 @@ def test_all_gather_and_reduce_scatter_of_unequal_slices(sizes):
         # gather: every slice but the right neighbour's; reduce-scatter: all but its own
         others = sum(sizes) - sizes[(rank + 1) % world] + sum(sizes) - sizes[rank]
         assert nbytes == others * rest * 4
+        model = all_gather_cost(sizes, rest).bytes_sent[rank]
+        assert nbytes == model + reduce_scatter_cost(sizes, rest).bytes_sent[rank]
 
 
 def test_shard_round_trip_of_lstm_gates():

@@ -10,13 +10,17 @@ import re
 import lightning.pytorch as pl
 import pytest
 import torch
+from _split_models import STEPS
 from _split_models import loader as _loader
 from _split_models import trainer as _trainer
 from lightning.pytorch.callbacks import ModelCheckpoint
 from torch import nn
 
+from lightning_par.comm.trace import load_traces
 from lightning_par.models import CifarCNN, CifarRNN, ImageClassifier
 from lightning_par.strategies.tensor_parallel import TensorParallelStrategy
+from lightning_par.tensorparallel import resolve_plan
+from lightning_par.tensorparallel.cost import step_cost
 
 
 class MLPClassifier(ImageClassifier):
@@ -33,12 +37,29 @@ class MLPClassifier(ImageClassifier):
         )  # fmt: skip
 
 
+class DivergentStart(MLPClassifier):
+    """Ranks other than 0 start from other weights, as popen-launched ranks that each build
+    their own model without a common seed: the strategy must cut rank 0's weights."""
+
+    def setup(self, stage: str) -> None:  # runs in each rank before the strategy's setup
+        if self.global_rank != 0:
+            with torch.no_grad():
+                for p in self.parameters():
+                    p.add_(torch.randn_like(p))
+
+
 def _model(kind: str, **kw) -> pl.LightningModule:
     torch.manual_seed(0)
     if kind == "cnn":
         return CifarCNN(width=16, num_blocks=2, scheduler=None)
     if kind == "rnn":
         return CifarRNN(hidden_size=12, num_layers=2, scheduler=None)
+    if kind == "divergent":
+        return DivergentStart()
+    if kind == "dropout":
+        model = MLPClassifier()
+        model.net[2] = nn.Dropout(0.1)
+        return model
     return MLPClassifier(**kw)
 
 
@@ -48,10 +69,10 @@ def _assert_same(got: dict, expected: dict) -> None:
         torch.testing.assert_close(got[key], expected[key], rtol=1e-5, atol=1e-6, msg=key)
 
 
-@pytest.mark.parametrize("kind, devices", [("cnn", 2), ("rnn", 3), ("mlp", 3)])
+@pytest.mark.parametrize("kind, devices", [("cnn", 2), ("rnn", 3), ("divergent", 3)])
 def test_weights_equal_single_process(kind, devices):
     model = _model(kind)
-    reference = copy.deepcopy(model)
+    reference = copy.deepcopy(model) if kind != "divergent" else _model("mlp")
     _trainer("auto", 1).fit(reference, _loader())
     strategy = TensorParallelStrategy()
     _trainer(strategy, devices).fit(model, _loader())
@@ -87,6 +108,23 @@ def test_checkpoints_are_one_process_format_both_ways(tmp_path):
             torch.testing.assert_close(got["state"][index][name], value, rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.parametrize("kind, devices", [("mlp", 3), ("rnn", 2)])
+def test_bytes_per_step_equal_the_cost_model(tmp_path, kind, devices):
+    model = _model(kind)
+    example = next(iter(_loader()))[0]
+    _trainer(TensorParallelStrategy(trace_dir=tmp_path), devices).fit(model, _loader())
+    plan = resolve_plan(_model(kind), devices)
+    cost = step_cost(_model(kind), plan, example)
+    assert cost.max_bytes_sent > 0
+    traces = load_traces(tmp_path)
+    assert [t.rank for t in traces] == list(range(devices))
+    for trace in traces:
+        assert trace.bytes_sent == STEPS * cost.bytes_sent[trace.rank]
+        assert trace.messages_sent == STEPS * cost.messages_sent[trace.rank]
+        assert {m.tag.split("/")[0] for m in trace.messages} <= {"tp:f", "tp:g", "tp:gather",
+                                                                "tp:reduce_scatter"}  # fmt: skip
+
+
 def test_validation_after_fit_equals_one_process():
     evaluate = {"limit_val_batches": 1.0}
     model = _model("rnn")
@@ -108,12 +146,34 @@ def test_validation_after_fit_equals_one_process():
         ("mlp", TensorParallelStrategy(), 2, {"gradient_clip_val": 1.0},
          "gradient_clip_algorithm='norm'"),
         ("mlp", TensorParallelStrategy(), 2, {"sync_batchnorm": True}, "sync_batchnorm"),
+        ("dropout", TensorParallelStrategy(), 2, {}, "net.2 (Dropout, p=0.1) would draw"),
     ],
 )  # fmt: skip
 def test_refused_before_launch(kind, strategy, devices, trainer_kw, message):
     with pytest.raises(ValueError, match=re.escape(message)) as err:
         _trainer(strategy, devices, **trainer_kw).fit(_model(kind), _loader())
     assert "tensor_parallel" in str(err.value)
+
+
+class RankShiftedData(torch.utils.data.Dataset):
+    """Each rank reads other images (as an unseeded shuffle under popen would give)."""
+
+    def __init__(self) -> None:
+        self.base = _loader().dataset
+
+    def __len__(self) -> int:
+        return len(self.base)
+
+    def __getitem__(self, i: int):
+        import torch.distributed as dist
+
+        return self.base[(i + dist.get_rank()) % len(self.base)]
+
+
+def test_different_batches_on_the_ranks_stop_the_run():
+    loader = torch.utils.data.DataLoader(RankShiftedData(), batch_size=10)
+    with pytest.raises(Exception, match="tensor_parallel: the ranks got different batches"):
+        _trainer(TensorParallelStrategy(), 2).fit(_model("mlp"), loader)
 
 
 def test_bad_arguments():

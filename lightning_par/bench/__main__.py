@@ -14,7 +14,7 @@ import sys
 
 import lightning_par.bench as bench_pkg
 from lightning_par.comm.run import time_limit
-from lightning_par.quiet import quiet_lightning
+from lightning_par.quiet import quiet_report
 
 
 def available() -> list[str]:
@@ -28,7 +28,7 @@ def main(argv: list[str] | None = None) -> int:
         print("usage: python -m lightning_par.bench {" + ",".join(names) + "} [options]")
         print("       python -m lightning_par.bench NAME --help for a benchmark's options")
         return 0 if argv and argv[0] in ("-h", "--help") else 2
-    quiet_lightning()
+    quiet_report()
     module = importlib.import_module(f"lightning_par.bench.{argv[0]}")
     limit = float(os.environ.get("LIGHTNING_PAR_BENCH_TIMEOUT", 1800))
     with time_limit(

@@ -53,6 +53,7 @@ def _rank_main(fn, rank, world_size, backend, store, port, timeout_s, threads, a
             rank, world_size, backend=backend, rendezvous_file=store,
             timeout=timedelta(seconds=timeout_s),
         )  # fmt: skip
+        args, kwargs = own_copies((args, kwargs))
         result = fn(rank, world_size, *args, **kwargs)
         # plain pickle copies tensors' data: the queue's own pickler would share their
         # memory with the parent, which fails once this rank has exited
@@ -62,6 +63,27 @@ def _rank_main(fn, rank, world_size, backend, store, port, timeout_s, threads, a
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
+
+
+def own_copies(data: Any) -> Any:
+    """``data`` with every tensor (and module's parameters and buffers) that lives in shared
+    memory copied: torch pickles tensors for a forkserver or spawn child into shared pages,
+    the same in every rank, so one rank's in-place update would change all ranks' data."""
+    import torch
+    from lightning_utilities.core.apply_func import apply_to_collection
+
+    @torch.no_grad()
+    def own(obj: Any) -> Any:
+        if isinstance(obj, torch.nn.Module):
+            for t in [*obj.parameters(), *obj.buffers()]:
+                if t.is_shared():
+                    t.data = t.data.clone()
+            return obj
+        if obj.is_shared():
+            return obj.detach().clone().requires_grad_(obj.requires_grad)
+        return obj
+
+    return apply_to_collection(data, (torch.Tensor, torch.nn.Module), own)
 
 
 def _collect(queue, results: dict[int, Any]) -> list[tuple[int, str]]:

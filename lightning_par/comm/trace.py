@@ -29,6 +29,9 @@ class Message:
     step: int | None = None
     chunk: int | None = None
     tag: str = ""
+    #: When the poster called ``wait()`` (``None`` in traces written before this field):
+    #: ``wait_start .. end`` is the time it was blocked on this message.
+    wait_start: float | None = None
 
     @property
     def duration(self) -> float:

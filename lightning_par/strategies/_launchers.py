@@ -21,6 +21,7 @@
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import tempfile
 import threading
@@ -31,6 +32,7 @@ from pathlib import Path
 from typing import Any
 
 import lightning.pytorch as pl
+from lightning.fabric.strategies.launchers.multiprocessing import _disable_module_memory_sharing
 from lightning.pytorch.strategies.launchers.multiprocessing import (
     _MultiProcessingLauncher,
     _WorkerOutput,
@@ -49,6 +51,9 @@ from lightning_par.comm.launch import (
 from lightning_par.comm.run import die_with_parent, stop_process_groups
 from lightning_par.comm.trace import trace_from_dict, trace_to_dict
 from lightning_par.strategies._lost_workers import tolerate_lost_workers
+
+#: Prefix of the temporary folder that carries rank 0's weights back to the main process.
+WEIGHTS_PREFIX = "lightning_par-weights-"
 
 
 class ExistingRanksLauncher(_SubprocessScriptLauncher):
@@ -157,6 +162,11 @@ class PolicyLauncher(_MultiProcessingLauncher):
         die_with_parent()
         if self._start_method == "fork":
             limit_threads_after_fork(self.plan.threads_per_rank if self.plan else 1)
+        if self._start_method == "forkserver":
+            # torch pickles tensors for a forkserver child into shared memory, the same pages
+            # in every rank: each rank's optimiser would step the others' weights too (every
+            # update applied world-size times, racily). Lightning copies them for "spawn" only.
+            args, kwargs = _disable_module_memory_sharing((args, kwargs))
         return super()._wrapping_function(process_idx, trainer, function, args, kwargs, queue,
                                           *rest)  # fmt: skip
 
@@ -168,10 +178,16 @@ class PolicyLauncher(_MultiProcessingLauncher):
             return None
         weights_path = None
         if trainer.state.fn == TrainerFn.FITTING:
-            weights_path = os.path.join(tempfile.mkdtemp(), ".temp.ckpt")
+            # a folder of its own, removed with the weights once the main process read them
+            weights_path = os.path.join(tempfile.mkdtemp(prefix=WEIGHTS_PREFIX), ".temp.ckpt")
             self._strategy.checkpoint_io.save_checkpoint(state_dict, weights_path)
         extra = self.get_extra_results(trainer)
         return _WorkerOutput(best_model_path, weights_path, trainer.state, results, extra)
+
+    def _recover_results_in_main_process(self, worker_output: Any, trainer: pl.Trainer) -> None:
+        super()._recover_results_in_main_process(worker_output, trainer)
+        if worker_output.weights_path is not None:  # Lightning removes the file, not its folder
+            shutil.rmtree(os.path.dirname(worker_output.weights_path), ignore_errors=True)
 
     def get_extra_results(self, trainer: pl.Trainer) -> dict[str, Any]:
         extra = super().get_extra_results(trainer)

@@ -1,7 +1,8 @@
 """Tensor (intra-layer) parallelism as a Lightning strategy: each layer's weight cut across
 the devices (Megatron-LM, Shoeybi et al., 2019, arXiv:1909.08053).
 
-Every rank reads the same batches (no distributed sampler) and holds a slice of each split
+Every rank reads the same batches (no distributed sampler; checked every step by one small
+allreduce, so an unseeded shuffle under popen fails loudly) and holds a slice of each split
 layer: :func:`lightning_par.tensorparallel.parallelize` cuts ``module.<module_attr>`` by the
 automatic plan (column -> row pairs of consecutive Linear/Conv2d layers, LSTMs by hidden
 units) or the user's ``plan``, after every rank has taken rank 0's weights. The operators
@@ -13,8 +14,8 @@ Checkpoints hold the full model and the optimiser state in one process's own for
 (assembled on rank 0): they load without this strategy, and a checkpoint of any plugin
 resumes under it. Refused before launch: a plan that cannot be cut exactly, a model with
 nothing to cut, gradient-norm clipping (each rank would see only its slices' norm), a
-gradient scaler (its skip-on-inf decision would be per rank), ``sync_batchnorm``, and an
-allreduce algorithm whose ranks could sum in different orders.
+gradient scaler (its skip-on-inf decision would be per rank), ``sync_batchnorm``, dropout
+(a mask per rank), and an allreduce algorithm whose ranks could sum in different orders.
 """
 
 from __future__ import annotations
@@ -23,6 +24,8 @@ from collections.abc import Mapping
 from typing import Any
 
 import lightning.pytorch as pl
+import torch
+import torch.distributed as dist
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 
 from lightning_par.collectives import broadcast_parameters
@@ -114,6 +117,7 @@ class TensorParallelStrategy(ParStrategy):
                 f"be split over {world} devices ({why}); pass plan={{name: style}} or use "
                 "fewer devices"
             )
+        check_no_dropout(module)
         if trainer is not None:
             check_trainer(trainer, self.precision_plugin)
 
@@ -130,6 +134,13 @@ class TensorParallelStrategy(ParStrategy):
         self.tp_plan = parallelize(module, group, self.plan, root=self.module_attr)
         rank_zero_info(f"tensor_parallel plan over {self.tp_size} ranks:\n  "
                        + self.tp_plan.describe().replace("\n", "\n  "))  # fmt: skip
+
+    # ---- every rank must train on the same batch --------------------------------------------
+    def training_step(self, *args: Any, **kwargs: Any) -> Any:
+        batch = args[0] if args else kwargs.get("batch")
+        group = self.tp_comm.group if self.tp_comm is not None else None
+        check_same_batch(batch, self.root_device, group)
+        return super().training_step(*args, **kwargs)
 
     # ---- checkpoints: one process's format -------------------------------------------------
     def lightning_module_state_dict(self) -> dict[str, Any]:
@@ -168,6 +179,54 @@ class TensorParallelStrategy(ParStrategy):
         return parameter_shards(self.lightning_module, inner)
 
 
+def _signature(batch: Any) -> list[torch.Tensor]:
+    """Per tensor of the batch: its size, sum, and a position-weighted sum (an order check)."""
+    if isinstance(batch, dict):
+        batch = list(batch.values())
+    items = batch if isinstance(batch, (list, tuple)) else [batch]
+    tensors = [t for t in items if isinstance(t, torch.Tensor)]
+    out = []
+    for t in tensors:
+        rows = t.detach().double().reshape(t.shape[0], -1).sum(1) if t.dim() else t.double()[None]
+        weights = torch.arange(1, rows.numel() + 1, dtype=torch.float64, device=rows.device)
+        out += [torch.tensor(float(t.numel()), dtype=torch.float64, device=rows.device),
+                rows.sum(), (rows * weights).sum()]  # fmt: skip
+    return out
+
+
+def check_same_batch(batch: Any, device: torch.device, group: Any = None) -> None:
+    """Raise on every rank if the ranks got different batches (an unseeded shuffle or a
+    sampler per rank under popen/torchrun): each rank would compute its slices of another
+    batch and the run would end with weights no process would have. One allreduce of a few
+    numbers per step, over ``group`` (default: every rank)."""
+    if not dist.is_initialized() or dist.get_world_size(group) == 1:
+        return
+    sig = _signature(batch)
+    if not sig:
+        return
+    local = torch.stack(sig).to(device)
+    both = torch.cat([local, -local])
+    dist.all_reduce(both, op=dist.ReduceOp.MAX, group=group)
+    high, low = both[: len(sig)], -both[len(sig) :]
+    if not torch.allclose(high, low, rtol=1e-9, atol=1e-6):
+        raise RuntimeError(
+            "tensor_parallel: the ranks got different batches; every rank must read the same "
+            "batches in the same order (seed the shuffle with DataLoader(generator=...) or "
+            "seed_everything, and use no sampler that depends on the rank)"
+        )
+
+
+def check_no_dropout(module: torch.nn.Module) -> None:
+    """Reject dropout: each rank would draw its own mask (on a replicated activation the
+    ranks part ways; on a split one the masks are not one process's)."""
+    for name, layer in module.named_modules():
+        if isinstance(layer, torch.nn.modules.dropout._DropoutNd) and layer.p > 0:
+            raise ValueError(
+                f"tensor_parallel: {name} ({type(layer).__name__}, p={layer.p}) would draw a "
+                "different mask on every rank; remove dropout or set p=0"
+            )
+
+
 def check_trainer(trainer: pl.Trainer, precision_plugin: Any) -> None:
     """Reject trainer settings under which the split model would differ from one process."""
     # (Lightning leaves the algorithm None until the loop starts, and then uses "norm")
@@ -188,4 +247,4 @@ def check_trainer(trainer: pl.Trainer, precision_plugin: Any) -> None:
         )
 
 
-__all__ = ["EXACT_ALGORITHMS", "TensorParallelStrategy", "check_trainer"]
+__all__ = ["EXACT_ALGORITHMS", "TensorParallelStrategy", "check_no_dropout", "check_trainer"]

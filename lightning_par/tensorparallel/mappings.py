@@ -203,6 +203,7 @@ class _GatherRecurrent(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: torch.Tensor, group: TPGroup, sizes: tuple[int, ...], dim: int):
         ctx.group, ctx.sizes, ctx.dim = group, sizes, dim
+        ctx.set_materialize_grads(False)  # the last step's state feeds no step: no message
         full = all_gather(x, sizes, dim, group)
         return full, full.clone()
 
