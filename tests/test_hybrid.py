@@ -194,6 +194,13 @@ def test_cnn_gpipe_grid_trains_like_one_process_and_its_trace_draws_the_grid(tmp
         per_step = sum(ring_cost(n, 2, element_size=8).bytes_sent[dp_rank] for n in numels)
         sent = sum(m.nbytes for m in trace.messages if m.op == "send" and m.tag in RING_TAGS)
         assert sent == STEPS * per_step > 0
+    # all of a step's bytes (but the one-off shape headers and the checkpoint) as the
+    # hybrid cost model predicts them for the compare report
+    predicted = HybridStrategy.compare_bytes_per_step(_model("cnn"), 4, GLOBAL_BATCH, {})
+    once = ("header", "size", "state")
+    for trace in traces:
+        sent = sum(m.nbytes for m in trace.messages if m.op == "send" and m.tag not in once)
+        assert sent == STEPS * predicted[trace.rank] * 2  # float64: twice float32's bytes
 
     # the checkpoint holds the full model and loads without the strategy
     loaded = CifarCNN.load_from_checkpoint(tmp_path / "hybrid.ckpt")

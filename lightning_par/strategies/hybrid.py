@@ -241,6 +241,24 @@ class HybridStrategy(ParStrategy):
             return {}
         return super().optimizer_state(optimizer)
 
+    @classmethod
+    def compare_bytes_per_step(
+        cls, model: pl.LightningModule, devices: int, global_batch: int, options: dict
+    ) -> list[int]:
+        """Bytes per rank and step (:mod:`lightning_par.compare`'s hook), for the pipelined
+        kinds (:func:`lightning_par.hybrid.cost.hybrid_bytes_per_step`)."""
+        from lightning_par.hybrid.cost import hybrid_bytes_per_step
+
+        kind = options.get("mp_kind", DEFAULT_KIND)
+        if kind not in ("gpipe", "layerwise") or options.get("time_chunk") is not None:
+            raise ValueError(f"hybrid: no byte model for mp_kind={kind!r} with these options")
+        grid = make_grid(devices, options.get("dp"), options.get("mp"))
+        return hybrid_bytes_per_step(
+            getattr(model, options.get("module_attr", "net")), grid, global_batch,
+            dp_algorithm=options.get("dp_algorithm", "ring"),
+            bucket_cap_mb=options.get("bucket_cap_mb", 4.0),
+        )  # fmt: skip
+
     def teardown(self) -> None:
         if self.buckets is not None:
             self.buckets.close()
