@@ -115,6 +115,9 @@ def test_bytes_per_step_equal_the_cost_model(tmp_path, kind, devices):
     _trainer(TensorParallelStrategy(trace_dir=tmp_path), devices).fit(model, _loader())
     plan = resolve_plan(_model(kind), devices)
     cost = step_cost(_model(kind), plan, example)
+    # the compare report's hook gives the same figures
+    hook = TensorParallelStrategy.compare_bytes_per_step(_model(kind), devices, 10, {})
+    assert hook == list(cost.bytes_sent)
     assert cost.max_bytes_sent > 0
     traces = load_traces(tmp_path)
     assert [t.rank for t in traces] == list(range(devices))

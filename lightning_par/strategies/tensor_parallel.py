@@ -85,6 +85,21 @@ class TensorParallelStrategy(ParStrategy):
         self.plan, self.module_attr, self.algorithm = plan, module_attr, algorithm
         self.tp_plan: Plan | None = None
 
+    @classmethod
+    def compare_bytes_per_step(cls, model: Any, devices: int, global_batch: int,
+                               options: Mapping[str, Any]) -> list[int]:  # fmt: skip
+        """Bytes each rank sends per training step (for ``python -m lightning_par.compare``):
+        :func:`~lightning_par.tensorparallel.cost.step_cost` of the plan on a batch of
+        ``global_batch`` CIFAR images (or ``model.example_input_array``'s shape)."""
+        from lightning_par.tensorparallel.cost import step_cost
+
+        plan = resolve_plan(model, devices, options.get("plan"), options.get("module_attr", "net"))
+        sample = getattr(model, "example_input_array", None)
+        if not isinstance(sample, torch.Tensor):
+            sample = torch.zeros(global_batch, 3, 32, 32)
+        algorithm = options.get("algorithm", "ring")
+        return list(step_cost(model, plan, sample, algorithm=algorithm).bytes_sent)
+
     # ---- the ranks a layer is split over ----------------------------------------------------
     @property
     def tp_size(self) -> int:
