@@ -201,6 +201,25 @@ def sync_module_states(module: Any) -> None:
     sync(module)
 
 
+def scaler_found_inf(scaler: Any, optimizer: Any) -> dict[Any, Any]:
+    """A ``GradScaler``'s found-inf flags (device -> tensor) for ``optimizer`` after
+    ``unscale_``: the flags the pipeline stages agree on, so all skip the same steps."""
+    _require(
+        scaler, "_per_optimizer_states", "GradScaler._per_optimizer_states",
+        "one loss scale for every pipeline stage under 16-mixed",
+    )  # fmt: skip
+    return scaler._per_optimizer_states[id(optimizer)]["found_inf_per_device"]
+
+
+def in_backward_pass() -> bool:
+    """True while autograd runs a backward pass (a re-materialising forward runs in one)."""
+    current = private(
+        "torch._C", "_current_graph_task_id",
+        "deferred BatchNorm not counting recomputed forwards",
+    )  # fmt: skip
+    return current() != -1
+
+
 def default_process_group_backend(device: Any) -> str:
     """Lightning's default backend for a device (``nccl`` for CUDA, else ``gloo``)."""
     get = private(

@@ -201,3 +201,33 @@ def test_model_summary_names() -> None:
 
     rows = dict(_compat.summary_data(Summary(Module(), max_depth=1)))
     assert rows["Name"] == ["layer"] and rows["Type"] == ["Linear"]
+
+
+def test_scaler_found_inf_flags() -> None:
+    model = torch.nn.Linear(2, 1)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    scaler = torch.amp.GradScaler("cpu")
+    scaler.scale(model(torch.ones(1, 2)).sum()).backward()
+    model.weight.grad.fill_(float("inf"))
+    scaler.unscale_(optimizer)
+    flags = _compat.scaler_found_inf(scaler, optimizer)
+    assert flags and all(float(f) == 1.0 for f in flags.values())
+
+
+def test_in_backward_pass() -> None:
+    seen = []
+
+    class Probe(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x):
+            return x.clone()
+
+        @staticmethod
+        def backward(ctx, grad):
+            seen.append(_compat.in_backward_pass())
+            return grad
+
+    x = torch.ones(2, requires_grad=True)
+    assert _compat.in_backward_pass() is False
+    Probe.apply(x).sum().backward()
+    assert seen == [True]

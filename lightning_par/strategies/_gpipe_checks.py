@@ -78,9 +78,11 @@ def check_before_launch(
 
 
 def check_stages_have_parameters(net: nn.Sequential, balance: list[int]) -> None:
-    """Every stage needs a trainable parameter: its optimiser is built from its stage only."""
+    """Every stage needs a parameter: its optimiser is built from its stage only. (Frozen
+    ones count: an optimiser may hold a layer unfrozen later; one built from trainable
+    parameters only fails at setup, see ``GPipeStrategy.setup_optimizers``.)"""
     for s, stage in enumerate(split_sequential(net, balance)):
-        if not any(p.requires_grad for p in stage.parameters()):
+        if not any(True for _ in stage.parameters()):
             layers = ", ".join(type(m).__name__ for m in stage)
             raise ValueError(
                 f"stage {s} of balance {balance} ({layers}) "
@@ -116,13 +118,9 @@ def check_backend(schedule: str, backend: str) -> None:
 
 
 def check_trainer(trainer: pl.Trainer, schedule: str, precision_plugin: Any) -> None:
-    """Reject trainer settings that would differ from single-process training: per-stage
-    gradient norm clipping, and a gradient scaler under 1F1B."""
-    if trainer.gradient_clip_val and trainer.gradient_clip_algorithm == "norm":
-        raise ValueError(
-            "gradient_clip_algorithm='norm' would clip each stage by its own norm under "
-            "the gpipe strategy; use gradient_clip_algorithm='value' or no clipping"
-        )
+    """Reject trainer settings that would differ from single-process training: a gradient
+    scaler under 1F1B. (Clipping by norm uses the whole model's norm:
+    :mod:`lightning_par.strategies._pipeline_features`.)"""
     if schedule == "1f1b":
         check_1f1b_contract(precision_plugin)
 

@@ -45,6 +45,10 @@ from lightning_par.paramserver.process import start_servers, stop_servers
 from lightning_par.paramserver.protocol import server_rank
 from lightning_par.paramserver.worker import ParameterClient
 from lightning_par.strategies._base import ParStrategy
+from lightning_par.strategies._late_params import (
+    refuse_frozen_in_optimizer,
+    refuse_late_parameters,
+)
 from lightning_par.strategies._launchers import log_startup
 from lightning_par.strategies._worker_group import WorkerGroupMixin, check_positive
 
@@ -95,20 +99,26 @@ class ParameterServerStrategy(WorkerGroupMixin, ParStrategy):
 
     # ---- refusing what we cannot do exactly ---------------------------------------------------
     def check_before_launch(self, trainer: pl.Trainer | None) -> None:
-        module = self.lightning_module
+        module, name = self.lightning_module, self.strategy_name
         if module is not None and not module.automatic_optimization:
             raise ValueError(
-                "parameter_server supports automatic optimisation only "
+                f"{name} supports automatic optimisation only "
                 "(the servers step the optimiser); manual optimisation is refused"
             )
         if trainer is not None and trainer.gradient_clip_val:
             raise ValueError(
-                "parameter_server cannot clip gradients: no process sees the whole averaged "
+                f"{name} cannot clip gradients: no process sees the whole averaged "
                 "gradient (each server holds a shard); remove gradient_clip_val"
             )
         precision = str(getattr(trainer, "precision", "32-true")) if trainer else "32-true"
         if precision not in ("32-true", "32"):
-            raise ValueError(f"parameter_server runs 32-bit precision only, got {precision!r}")
+            raise ValueError(f"{name} runs 32-bit precision only, got {precision!r}")
+        if self._layer_sync is not None:  # its collectives would wait for the servers too
+            raise ValueError(
+                f"{name} refuses sync_batchnorm=True: SyncBatchNorm's collectives run on the "
+                "process group of workers and servers, and the servers never join them; "
+                "remove sync_batchnorm"
+            )
 
     # ---- processes -----------------------------------------------------------------------------
     def setup_distributed(self) -> None:
@@ -158,6 +168,7 @@ class ParameterServerStrategy(WorkerGroupMixin, ParStrategy):
                 f"returned {len(self.optimizers)}"
             )
         assert self.model is not None and self.comm is not None
+        refuse_frozen_in_optimizer(self.model, self.optimizers[0], self.strategy_name)
         self.client = self.client_cls(
             self.model,
             self.optimizers[0],
@@ -212,6 +223,11 @@ class ParameterServerStrategy(WorkerGroupMixin, ParStrategy):
         _compat.after_closure(self.precision_plugin, module, optimizer)
         _compat.mark_optimizer_stepped(optimizer)  # it did, on the servers: no scheduler warning
         return result
+
+    def training_step(self, *args: Any, **kwargs: Any) -> Any:
+        if self.client is not None:  # before this step pushes or pulls anything
+            refuse_late_parameters(self.lightning_module, self.client.params, self.strategy_name)
+        return super().training_step(*args, **kwargs)
 
     def _settled(self, hook: str, *args: Any, **kwargs: Any) -> Any:
         if self.client is not None:
