@@ -126,8 +126,6 @@ def _model(kind: str) -> pl.LightningModule:
     torch.manual_seed(0)
     if kind == "cnn":
         return CifarCNN(width=8, num_blocks=2, scheduler=None)
-    if kind == "cnn-no-norm":  # tensor_parallel's split GroupNorm is made in float32 for now
-        return CifarCNN(width=8, num_blocks=2, norm="none", scheduler=None)
     return CifarRNN(hidden_size=16, num_layers=2, scheduler=None)
 
 
@@ -217,7 +215,7 @@ def test_cnn_gpipe_grid_trains_like_one_process_and_its_trace_draws_the_grid(tmp
     [
         ("rnn", {"mp_kind": "layerwise", "time_chunk": 8}, HybridLayerwiseStrategy),
         ("rnn", {"mp_kind": "tensor_parallel"}, HybridTensorParallelStrategy),  # LSTM units
-        ("cnn-no-norm", {"mp_kind": "tensor_parallel"}, HybridTensorParallelStrategy),
+        ("cnn", {"mp_kind": "tensor_parallel"}, HybridTensorParallelStrategy),
     ],
 )
 def test_other_model_parallel_kinds_train_like_one_process(tmp_path, kind, options, cls):

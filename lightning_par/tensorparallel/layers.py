@@ -160,7 +160,9 @@ def split_norm(norm: nn.Module, group: TPGroup, sizes: Sequence[int]) -> nn.Modu
         new = type(norm)(local, norm.eps, norm.momentum, norm.affine, norm.track_running_stats)
     else:
         raise TypeError(f"cannot split {type(norm).__name__} by channels")
-    new = new.to(next(iter(norm.state_dict().values()), torch.empty(0)).device)
+    like = next((t for t in norm.state_dict().values() if t.is_floating_point()), None)
+    if like is not None:  # the original's device and dtype (float64 models stay float64)
+        new = new.to(device=like.device, dtype=like.dtype)
     shards = {}
     with torch.no_grad():
         for name, tensor in norm.state_dict().items():
