@@ -7,8 +7,10 @@ plugin needs done its own way:
 * **launching** by the project's launch policy at ``fit`` time
   (:class:`~lightning_par.strategies._launchers.PolicyLauncher`), nothing launched when
   the ranks exist already (torchrun, SLURM, ``run_on_ranks``);
-* **the process group** with this project's timeout (60 s, ``LIGHTNING_PAR_TIMEOUT``)
-  instead of Lightning's 30 minutes, announced by one line for the whole run;
+* **the process group** met in a store no other job can take
+  (:mod:`lightning_par.comm.rendezvous`), waiting up to the ``timeout`` (30 min,
+  ``LIGHTNING_PAR_TIMEOUT``) for a live peer while a dead one is reported within seconds
+  (:mod:`lightning_par.comm.liveness`), announced by one line for the whole run;
 * **one trace option**: ``trace=True`` records every message and compute span in
   :attr:`trace` (a :class:`~lightning_par.comm.CommTrace`; after a fork launch the main
   process receives rank 0's), ``trace_dir=...`` also saves each rank's trace as
@@ -44,6 +46,7 @@ from lightning.pytorch.trainer.states import TrainerFn
 
 from lightning_par.comm import CommTrace, Communicator, default_timeout
 from lightning_par.comm.launch import START_METHODS, LaunchPlan
+from lightning_par.comm.rendezvous import StoreAddress, group_store
 from lightning_par.comm.trace import save_trace
 from lightning_par.strategies._launchers import (
     ExistingRanksLauncher,
@@ -114,6 +117,8 @@ class ParStrategy(DDPStrategy):
         self.trace: CommTrace | None = None
         self.comm: Communicator | None = None
         self.launch_plan: LaunchPlan | None = None
+        #: the store this project's launcher holds for the ranks (None: the cluster's)
+        self.store_spec: str | None = None
 
     @classmethod
     def option_names(cls) -> list[str]:
@@ -158,7 +163,8 @@ class ParStrategy(DDPStrategy):
         if not dist.is_initialized():
             os.environ["MASTER_ADDR"] = env.main_address
             os.environ["MASTER_PORT"] = str(env.main_port)
-            kwargs: dict[str, Any] = {"timeout": self._timeout}
+            store, _ = self.group_store()
+            kwargs: dict[str, Any] = {"timeout": self._timeout, "store": store}
             if self.root_device.type != "cpu":
                 kwargs["device_id"] = self.root_device
             dist.init_process_group(
@@ -172,6 +178,11 @@ class ParStrategy(DDPStrategy):
         log_startup(
             self.strategy_name, self.world_size, self.launch_plan, self._process_group_backend
         )
+
+    def group_store(self) -> tuple[Any, StoreAddress]:
+        """The store the next process group meets in (see :mod:`lightning_par.comm.rendezvous`):
+        the one this project's launcher holds, else the cluster's."""
+        return group_store(self.global_rank, self._timeout, self.store_spec)
 
     def _get_process_group_backend(self) -> str:
         return self._process_group_backend or _get_default_process_group_backend_for_device(

@@ -7,6 +7,9 @@
 * runs the strategy's ``check_before_launch(trainer)`` in the main process, so a bad
   configuration fails once, with its own message, before any process starts;
 * warns when more ranks than cores (or GPUs) are asked for;
+* on one machine, binds the job's rendezvous store on a port the OS gives it before any
+  rank starts (:func:`~lightning_par.comm.rendezvous.host_job_store`), so two jobs started
+  at once never meet in one store;
 * forked ranks compute on the threads the plan allows and lead their own process group;
 * an interrupt of the main process (Ctrl-C, Jupyter's "interrupt kernel", SIGTERM from a
   scheduler) or any error there stops every rank and what it started, and says where the
@@ -27,6 +30,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -44,8 +48,10 @@ from lightning_par.comm.launch import (
     LaunchPlan,
     limit_threads_after_fork,
     plan_launch,
+    process_state,
     warn_if_oversubscribed,
 )
+from lightning_par.comm.rendezvous import STORE_ENV, host_job_store
 from lightning_par.comm.run import die_with_parent, stop_process_groups
 from lightning_par.comm.trace import trace_from_dict, trace_to_dict
 from lightning_par.strategies._lost_workers import tolerate_lost_workers
@@ -105,14 +111,23 @@ class PolicyLauncher(_MultiProcessingLauncher):
         strategy = self._strategy
         strategy.check_before_launch(trainer)
         device = strategy.root_device_type
-        self.plan = plan_launch(device, strategy.num_processes, requested=self.requested)
+        # Lightning creates these ranks (its environment said so), whatever SLURM_* or
+        # torchrun variables an interactive allocation leaves in the environment
+        state = replace(process_state(), external_ranks=False)
+        self.plan = plan_launch(
+            device, strategy.num_processes, requested=self.requested, state=state
+        )
         strategy.launch_plan = self.plan
+        if strategy.num_nodes == 1:  # a store bound now: no other job can take its port
+            strategy.store_spec = host_job_store()
         devices = None if device == "cpu" else _device_count(device)
         warn_if_oversubscribed(device, strategy.num_processes, devices)
         started = time.time()
         try:
             with _sigterm_as_interrupt():
                 if self.plan.method == "popen":
+                    if strategy.store_spec:  # the re-run scripts read it (rank 0: always)
+                        os.environ[STORE_ENV] = strategy.store_spec
                     self._script = _SubprocessScriptLauncher(
                         strategy.cluster_environment, strategy.num_processes, strategy.num_nodes
                     )

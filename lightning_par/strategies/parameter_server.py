@@ -6,10 +6,12 @@ parameters and the optimiser state and apply the updates (course material 003: "
 model parameters outside of the workers"). The algorithm is in :mod:`lightning_par.paramserver`;
 this file plugs it into Lightning:
 
-* ``setup_distributed``: worker 0 starts the servers, then all ``W + S`` ranks join one gloo
+* ``setup_distributed``: each node's local rank 0 starts its share of the servers
+  (:mod:`lightning_par.paramserver.process`), then all ``W + S`` ranks join one gloo
   process group; Lightning's ``barrier``/``broadcast``/``reduce``/``all_gather`` use a
-  group of the workers only. Under torchrun/SLURM nothing changes: launch ``W`` workers
-  as usual and worker 0 starts the servers next to itself.
+  group of the workers only. Under popen, torchrun or SLURM nothing changes: launch ``W``
+  workers as usual. ``teardown`` ends the servers and the group, so ``fit`` then
+  ``test`` starts fresh ones.
 * ``setup``: a :class:`~lightning_par.paramserver.ParameterClient` over the model and the
   user's optimiser (its class and param groups run on the servers);
 * the step: backward pushes each gradient bucket as it is filled, ``optimizer_step`` runs
@@ -42,7 +44,12 @@ from torchmetrics import Metric
 from lightning_par.comm import CommError, Event
 from lightning_par.paramserver.faults import explain
 from lightning_par.paramserver.messages import IDLE_TIMEOUT, send_object, server_rank
-from lightning_par.paramserver.process import start_servers, stop_servers
+from lightning_par.paramserver.process import (
+    servers_of_node,
+    start_servers,
+    stop_servers,
+    watch_servers,
+)
 from lightning_par.paramserver.worker import ParameterClient
 from lightning_par.strategies._base import ParStrategy
 from lightning_par.strategies._launchers import log_startup
@@ -112,6 +119,9 @@ class ParameterServerStrategy(ParStrategy):
         self.client: ParameterClient | None = None
         self.worker_group: Any = None
         self._servers: list = []
+        self._server_watch: Any = None
+        #: the servers this process started (each node's local rank 0 starts its share)
+        self.started_servers: list[int] = []
         self._failed = False
         self._backward_start = 0.0
 
@@ -142,20 +152,23 @@ class ParameterServerStrategy(ParStrategy):
                 "cannot join one that exists. Start W workers (Trainer(devices=W), torchrun "
                 "--nproc-per-node W) without initialising torch.distributed first"
             )
-        env = self.cluster_environment
-        assert env is not None
-        workers, address, port = self.world_size, env.main_address, env.main_port
-        if self.global_rank == 0:
+        workers = self.world_size
+        store, address = self.group_store()
+        if self.local_rank == 0:  # each node starts its share of the servers
+            mine = servers_of_node(self.num_servers, self.num_nodes, self.node_rank)
+            self.started_servers = mine
             self._servers = start_servers(
-                workers, self.num_servers, address, port, self._timeout, **self._server_options()
-            )
+                mine, workers, self.num_servers, address, self._timeout,
+                **self._server_options(),
+            )  # fmt: skip
         dist.init_process_group(
             "gloo",
-            init_method=f"tcp://{address}:{port}",
+            store=store,
             rank=self.global_rank,
             world_size=workers + self.num_servers,
             timeout=self._timeout,
         )
+        self._server_watch = watch_servers(self._servers, workers) if self._servers else None
         self.worker_group = dist.new_group(list(range(workers)))
         self._prepare_data_among_workers()
         log_startup(
@@ -345,7 +358,11 @@ class ParameterServerStrategy(ParStrategy):
         elif clean and self.global_rank == 0 and self.comm is not None:
             for s in range(self.num_servers):  # nothing was trained: tell the servers
                 send_object(self.comm, None, server_rank(self.world_size, s))
+        if self._server_watch is not None:
+            self._server_watch.set()  # the servers end now: no longer news
         if self._servers:
             stop_servers(self._servers, wait_s=10.0 if clean else 0.0)
             self._servers = []
+        if clean:  # the servers are gone: a later fit/test/validate builds a new group
+            dist.destroy_process_group()
         super().teardown()
