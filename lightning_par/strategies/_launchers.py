@@ -35,6 +35,7 @@ from pathlib import Path
 from typing import Any
 
 import lightning.pytorch as pl
+from lightning.fabric.strategies.launchers.multiprocessing import _disable_module_memory_sharing
 from lightning.pytorch.strategies.launchers.multiprocessing import (
     _MultiProcessingLauncher,
     _WorkerOutput,
@@ -119,15 +120,17 @@ class PolicyLauncher(_MultiProcessingLauncher):
         )
         strategy.launch_plan = self.plan
         if strategy.num_nodes == 1:  # a store bound now: no other job can take its port
-            strategy.store_spec = host_job_store()
+            if self.plan.method != "popen":
+                strategy.store_spec = host_job_store()  # new ranks each launch
+            else:  # the scripts re-run once, for the first launch; this process is rank 0
+                os.environ.setdefault(STORE_ENV, host_job_store())
+                strategy.store_spec = os.environ[STORE_ENV]
         devices = None if device == "cpu" else _device_count(device)
         warn_if_oversubscribed(device, strategy.num_processes, devices)
         started = time.time()
         try:
             with _sigterm_as_interrupt():
                 if self.plan.method == "popen":
-                    if strategy.store_spec:  # the re-run scripts read it (rank 0: always)
-                        os.environ[STORE_ENV] = strategy.store_spec
                     self._script = _SubprocessScriptLauncher(
                         strategy.cluster_environment, strategy.num_processes, strategy.num_nodes
                     )
@@ -172,6 +175,11 @@ class PolicyLauncher(_MultiProcessingLauncher):
         die_with_parent()
         if self._start_method == "fork":
             limit_threads_after_fork(self.plan.threads_per_rank if self.plan else 1)
+        elif self._start_method == "forkserver":
+            # The model arrived pickled through shared memory: every rank would step the
+            # SAME parameters (each update applied once per rank: measured 2x on 2 ranks).
+            # Lightning unshares them for "spawn" only.
+            args, kwargs = _disable_module_memory_sharing((args, kwargs))
         return super()._wrapping_function(process_idx, trainer, function, args, kwargs, queue,
                                           *rest)  # fmt: skip
 
