@@ -22,6 +22,7 @@ from lightning.pytorch.callbacks import ModelSummary
 from lightning.pytorch.cli import LightningCLI
 
 import lightning_par  # noqa: F401  (registers the strategy names)
+from lightning_par import _compat
 from lightning_par.cli_checks import UsageError, check_argv, check_config
 from lightning_par.data import CIFAR10DataModule, DataNotFoundError
 from lightning_par.models import CifarCNN, CifarRNN, ImageClassifier  # noqa: F401
@@ -62,7 +63,8 @@ class LightningParCLI(LightningCLI):
         callbacks = self.trainer.callbacks
         for i, callback in enumerate(callbacks):
             if type(callback) is ModelSummary:
-                callbacks[i] = WholeModelSummary(callback._max_depth, **callback._summarize_kwargs)
+                depth, options = _compat.model_summary_options(callback)
+                callbacks[i] = WholeModelSummary(depth, **options)
 
     def _data_before_launch(self) -> None:
         # Find (or download) and load the data here, in the parent, so a missing data set

@@ -11,6 +11,8 @@ import lightning.pytorch as pl
 import torch
 from lightning.pytorch.callbacks import ModelSummary
 
+from lightning_par import _compat
+
 
 def data_parallel_replicas(trainer: pl.Trainer) -> int:
     """How many processes see *different* samples (1 for model-parallel strategies)."""
@@ -181,7 +183,7 @@ class WholeModelSummary(ModelSummary):
     def _freeze(summary) -> tuple:
         # Lightning's summary counts parameters lazily: take the numbers now.
         flops = summary.total_flops if hasattr(summary, "total_flops") else 0
-        data = summary._get_summary_data()
+        data = _compat.summary_data(summary)
         return (data, summary.total_parameters, summary.trainable_parameters,
                 summary.model_size, summary.total_training_modes, flops)  # fmt: skip
 

@@ -11,8 +11,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from lightning_par.comm import CommTrace, Communicator, run_on_ranks
-from lightning_par.paramserver import ParameterClient, serve
-from lightning_par.paramserver.asynchronous import AsyncParameterClient, serve_async
+from lightning_par.paramserver import AsyncParameterClient, ParameterClient, serve, serve_async
 
 PER_WORKER = 4
 

@@ -7,13 +7,18 @@ All plugins (allreduce collectives, pipeline stages, parameter servers) talk thr
 * CUDA tensors work on gloo, which can only move CPU tensors, by staging through
   pinned host buffers;
 * an optional :class:`~lightning_par.comm.trace.CommTrace` records every message,
-  and failures are re-raised naming this rank, its peer and the algorithm step.
+  and failures are re-raised naming this rank, its peer and the algorithm step;
+* a ``tag`` names the message in the trace; an int tag (e.g. a member of an ``IntEnum``
+  of message kinds, as the parameter server's
+  :class:`~lightning_par.paramserver.protocol.Kind`) is also the gloo/NCCL tag, so a
+  receive matches the next message of that kind from its peer, not just the next message.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from datetime import timedelta
+from enum import Enum
 
 import torch
 import torch.distributed as dist
@@ -23,6 +28,25 @@ from lightning_par.comm.trace import CommTrace, Message
 
 class CommError(RuntimeError):
     """A message could not be delivered: a peer died, hung past the timeout, or failed."""
+
+
+Tag = str | int  # a label for the trace; an int is also the transport's tag
+
+
+def tag_label(tag: Tag) -> str:
+    """How ``tag`` reads in a trace (an enum member: its lower-case name)."""
+    if isinstance(tag, Enum):
+        return tag.name.lower()
+    return str(tag) if isinstance(tag, int) else tag
+
+
+def transport_tag(tag: Tag) -> int:
+    """The tag ``dist.isend``/``irecv`` get: an int tag itself, 0 for a label."""
+    if isinstance(tag, bool) or not isinstance(tag, int):
+        return 0
+    if tag < 0:
+        raise ValueError(f"a message tag must be >= 0, got {tag}")
+    return int(tag)
 
 
 class Handle:
@@ -39,11 +63,11 @@ class Handle:
         start: float,
         step: int | None,
         chunk: int | None,
-        tag: str,
+        tag: Tag,
     ) -> None:
         self._comm, self._work, self.op, self.peer = comm, work, op, peer
         self._tensor, self._staged = tensor, staged
-        self._start, self._step, self._chunk, self._tag = start, step, chunk, tag
+        self._start, self._step, self._chunk, self._tag = start, step, chunk, tag_label(tag)
         self._done = False
 
     def wait(self, timeout: timedelta | None = None) -> torch.Tensor:
@@ -62,7 +86,7 @@ class Handle:
                 raise CommError(
                     f"rank {self._comm.rank}: {self.op} "
                     f"{'to' if self.op == 'send' else 'from'} rank {self.peer} failed"
-                    f" (step {self._step}, chunk {self._chunk}): {err}. If rank {self.peer}"
+                    f" ({self._what()}): {err}. If rank {self.peer}"
                     " died or hangs, look at its own error above."
                 ) from err
         if self._staged is not None and self.op == "recv":
@@ -83,6 +107,10 @@ class Handle:
                 )
             )
         return self._tensor
+
+    def _what(self) -> str:
+        where = f"step {self._step}, chunk {self._chunk}"
+        return f"{self._tag} message, {where}" if self._tag else where
 
 
 class Communicator:
@@ -133,7 +161,7 @@ class Communicator:
         *,
         step: int | None = None,
         chunk: int | None = None,
-        tag: str = "",
+        tag: Tag = "",
     ) -> Handle:
         """Post a send of ``tensor`` to group rank ``dst``; the tensor must not change until
         the handle is waited on."""
@@ -144,7 +172,11 @@ class Communicator:
         if self._needs_staging(tensor):
             staged = self._host_buffer(tensor).copy_(tensor)
             payload = staged
-        work = dist.isend(payload, self._global[dst], group=self.group) if tensor.numel() else None
+        work = (
+            dist.isend(payload, self._global[dst], group=self.group, tag=transport_tag(tag))
+            if tensor.numel()
+            else None
+        )
         return Handle(self, work, "send", dst, tensor, staged, start, step, chunk, tag)
 
     def irecv(
@@ -154,7 +186,7 @@ class Communicator:
         *,
         step: int | None = None,
         chunk: int | None = None,
-        tag: str = "",
+        tag: Tag = "",
     ) -> Handle:
         """Post a receive into ``tensor`` (contiguous) from group rank ``src``."""
         self._check_peer(src)
@@ -163,7 +195,11 @@ class Communicator:
         start = self.trace.now() if self.trace is not None else 0.0
         staged = self._host_buffer(tensor) if self._needs_staging(tensor) else None
         target = staged if staged is not None else tensor
-        work = dist.irecv(target, self._global[src], group=self.group) if tensor.numel() else None
+        work = (
+            dist.irecv(target, self._global[src], group=self.group, tag=transport_tag(tag))
+            if tensor.numel()
+            else None
+        )
         return Handle(self, work, "recv", src, tensor, staged, start, step, chunk, tag)
 
     def send(self, tensor: torch.Tensor, dst: int, **kw) -> None:

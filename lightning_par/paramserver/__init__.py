@@ -1,23 +1,45 @@
-"""A synchronous, sharded parameter server, free of Lightning.
+"""Sharded parameter servers, synchronous and asynchronous, free of Lightning.
 
+* :mod:`~lightning_par.paramserver.protocol`: every command, message kind (gloo tag) and the
+  header layout, in one place;
 * :mod:`~lightning_par.paramserver.plan`: which server holds which parameter slices;
-* :mod:`~lightning_par.paramserver.messages`: what workers and servers send each other;
-* :mod:`~lightning_par.paramserver.server`: the update rule and the serve loop;
-* :mod:`~lightning_par.paramserver.worker`: push per bucket during backward, pull per layer
-  before forward.
+* :mod:`~lightning_par.paramserver.spec`: what a server knows of the model and optimiser;
+* :mod:`~lightning_par.paramserver.messages`: headers and objects over a Communicator;
+* :mod:`~lightning_par.paramserver.server`: the update rule and the synchronous serve loop;
+* :mod:`~lightning_par.paramserver.client_plan` (what a worker sends where, a pure function)
+  and :mod:`~lightning_par.paramserver.links` (the pushes and pulls that move it), shared by
+  :mod:`~lightning_par.paramserver.worker` (synchronous: push per bucket during backward,
+  pull per layer before forward) and :mod:`~lightning_par.paramserver.async_client`;
+* :mod:`~lightning_par.paramserver.asynchronous`: the asynchronous (stale synchronous)
+  server; :mod:`~lightning_par.paramserver.work`: batches handed out on demand.
 """
 
+from lightning_par.paramserver.async_client import AsyncParameterClient
+from lightning_par.paramserver.asynchronous import AsyncServer, serve_async
+from lightning_par.paramserver.client_plan import ClientPlan, plan_client
 from lightning_par.paramserver.plan import Piece, ShardPlan, plan_shards
+from lightning_par.paramserver.protocol import Command, Header, Kind, ProtocolError
 from lightning_par.paramserver.server import ShardOptimizer, serve, synchronous_step
-from lightning_par.paramserver.worker import ParameterClient, check_optimizer
+from lightning_par.paramserver.spec import ServerSpec, check_optimizer
+from lightning_par.paramserver.worker import ParameterClient
 
 __all__ = [
+    "AsyncParameterClient",
+    "AsyncServer",
+    "ClientPlan",
+    "Command",
+    "Header",
+    "Kind",
     "ParameterClient",
     "Piece",
+    "ProtocolError",
+    "ServerSpec",
     "ShardOptimizer",
     "ShardPlan",
     "check_optimizer",
+    "plan_client",
     "plan_shards",
     "serve",
+    "serve_async",
     "synchronous_step",
 ]

@@ -1,4 +1,11 @@
-"""The worker side of asynchronous SGD (see :mod:`lightning_par.paramserver.asynchronous`)."""
+"""The worker side of asynchronous SGD (the servers: :mod:`lightning_par.paramserver.asynchronous`).
+
+The pushes and pulls are the synchronous client's
+(:class:`~lightning_par.paramserver.links.ServerLinks`, one bucket for the whole gradient);
+what differs is around them: headers are posted without waiting, the servers answer each
+push with an ``INFO`` message (the update's staleness), worker 0 asks server 0 for batches
+(``NEXT``), and ``PULL`` takes the servers' newest weights.
+"""
 
 from __future__ import annotations
 
@@ -6,20 +13,21 @@ import threading
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
-from lightning_par.comm import Event, wait_all
-from lightning_par.comm.buckets import Bucket
-from lightning_par.paramserver.asynchronous import (
-    INFO,
-    ONE_BUCKET_MB,
-    PULL,
-    WORK_TAG,
+from lightning_par.comm import Event, Handle
+from lightning_par.paramserver.messages import post_headers
+from lightning_par.paramserver.protocol import (
+    IDLE_TIMEOUT,
+    Command,
+    Kind,
+    info_buffer,
+    work_buffer,
 )
-from lightning_par.paramserver.messages import IDLE_TIMEOUT, STEP, STOP
-from lightning_par.paramserver.work import NEXT, NONE
 from lightning_par.paramserver.worker import ParameterClient
+
+#: A bucket size larger than any model: the whole gradient in one push.
+ONE_BUCKET_MB = 1e6
 
 
 class AsyncParameterClient(ParameterClient):
@@ -38,72 +46,53 @@ class AsyncParameterClient(ParameterClient):
                  **kwargs: Any) -> None:  # fmt: skip
         kwargs.setdefault("bucket_cap_mb", ONE_BUCKET_MB)  # one push after backward
         self.updates: list[tuple[int, int, int]] = []
-        self._info: list[tuple[int, Any]] = []
+        self._info: list[tuple[int, Handle]] = []
         self._info_step = 0
         self._trace = kwargs.get("trace")
         self.sampler: Any = None  # a SharedBatchSampler when the workers share batches
-        self.trained: tuple[int, int] = (NONE, NONE)  # acknowledged with the next push
-        # All messages between two ranks share one gloo tag and match in the order posted:
-        # a header and its push must not be split by the main thread's request for work.
+        # The main thread (asking for work) and the communication thread (pushing) both
+        # send headers; one at a time, so each header is built and posted whole.
         self._post = threading.RLock()
         super().__init__(module, optimizer, *args, **kwargs)
 
-    def _headers(self, command: int) -> list[Any]:
-        """Post a header to every server without waiting: servers take workers in any order,
-        and a worker blocked on one server's header while another server waits for its
-        push would deadlock the two servers against two workers."""
-        header = self._header(command, self.step, self.trained)
-        return [self.comm.isend(header, server, tag="control") for server in self.servers]
-
-    def _header(self, command: int, step: int, last: tuple[int, int]) -> torch.Tensor:
-        values = [float(command), float(step), *self.lrs(), *map(float, last)]
-        return torch.tensor(values, dtype=torch.float64)
+    def _headers(self, command: Command) -> list[tuple[int, Handle]]:
+        """Post a header to every server without waiting (see
+        :func:`~lightning_par.paramserver.messages.post_headers`)."""
+        handles = post_headers(self.comm, self.servers, self.header(command))
+        return list(enumerate(handles))
 
     def next_batch(self, epoch: int, num_batches: int) -> tuple[int, int]:
         """Ask server 0 for this worker's next ``(epoch, batch)`` (batch NONE: epoch done).
 
-        One header, ``num_batches`` in its last number; the answer comes on its own tag, so
-        it cannot be taken for weights the communication thread waits for from server 0."""
-        reply = torch.zeros(2, dtype=torch.int64)
-        handle = dist.irecv(reply, self.comm._global[self.servers[0]], tag=WORK_TAG)
-        with self._post:  # not between another header and its push (see _push)
-            header = self._header(NEXT, epoch, (NONE, num_batches))
-            sent = self.comm.isend(header, self.servers[0], tag="control")
-        sent.wait()
+        The answer comes on its own tag (``WORK``), so it cannot be taken for weights the
+        communication thread waits for from server 0."""
+        reply = work_buffer()
+        handle = self.comm.irecv(reply, self.servers[0], tag=Kind.WORK)
+        with self._post:
+            header = self.header(Command.NEXT, step=epoch, count=num_batches)
+            sent = post_headers(self.comm, self.servers[:1], header)
+        sent[0].wait()
         handle.wait(IDLE_TIMEOUT)
         return int(reply[0]), int(reply[1])
 
-    def _push(self, bucket: Bucket) -> None:
-        with self._post:
-            self._post_push(bucket)
+    def _open_step(self) -> list[tuple[int, Handle]]:
+        return self._headers(Command.STEP)  # waited for with the push
 
-    def _post_push(self, bucket: Bucket) -> None:
-        b = bucket.index
-        sends = self._headers(STEP) if b == 0 else []
-        pulls = []
-        for s, sl in enumerate(self.layout[b]):
-            if not sl:
-                continue
-            grads = [bucket.views[i].flatten()[pc.start : pc.stop] for i, pc in sl]
-            flags = torch.stack([bucket.flags[i] for i, _ in sl])
-            server = self.servers[s]
-            message = torch.cat([*grads, flags])
-            sends.append(self.comm.isend(message, server, step=self.step, chunk=b, tag="push"))
-            pulls.append(
-                (s, self.comm.irecv(self.pull[b][s], server, step=self.step, chunk=b, tag="pull"))
-            )
-        self.pending[b] = pulls
-        if b == len(self.buckets.buckets) - 1:  # buckets go in index order
+    def _push(self, bucket: Any) -> None:
+        with self._post:
+            super()._push(bucket)
+
+    def _pushed(self, bucket: int) -> None:
+        if bucket == len(self.buckets.buckets) - 1:  # buckets go in index order
             self._info_step = self.step
             self._info = [
-                (s, self.comm.irecv(torch.zeros(INFO), server, step=self.step, tag="staleness"))
+                (s, self.comm.irecv(info_buffer(), server, step=self.step, tag=Kind.INFO))
                 for s, server in enumerate(self.servers)
             ]
-        wait_all(sends)
 
     def wait_bucket(self, b: int) -> None:
         super().wait_bucket(b)
-        if not self.pending and self._info:
+        if not self.links.pending and self._info:
             values = [handle.wait() for _, handle in self._info]
             self._info = []
             staleness = max(int(v[0]) for v in values)
@@ -112,33 +101,23 @@ class AsyncParameterClient(ParameterClient):
                 now = self._trace.now()
                 self._trace.events.append(Event(self.rank, "staleness", now, now, staleness))
 
-    def refresh(self) -> None:
-        """Take the servers' current weights (the latest of all workers' updates)."""
+    def _exchange(self, command: Command) -> None:
+        """Send ``command`` and take the weights the servers answer with."""
         self.settle()
-        sends = self._headers(PULL)
-        self._post_pulls()  # before waiting on the headers (see _headers)
-        wait_all(sends)
+        sends = self._headers(command)
+        self.links.post_pulls(Kind.PULL)  # before waiting on the headers (see _headers)
+        self.links.wait_sends(sends)
         self.settle()
 
-    def _post_pulls(self) -> None:
-        for b, per_server in enumerate(self.layout):
-            self.pending[b] = [
-                (s, self.comm.irecv(self.pull[b][s], self.servers[s], chunk=b, tag="pull"))
-                for s, sl in enumerate(per_server)
-                if sl
-            ]
+    def refresh(self) -> None:
+        """Take the servers' current weights (the latest of all workers' updates)."""
+        self._exchange(Command.PULL)
 
     def close(self) -> None:
         """Stop; the servers answer with their final weights once every worker has stopped,
         so every worker ends with the same model (every worker calls this)."""
-        self.settle()
-        sends = self._headers(STOP)
-        self._post_pulls()
-        wait_all(sends)
-        self.settle()
-        for hook in self._hooks:
-            hook.remove()
-        self.buckets.close()
+        self._exchange(Command.STOP)
+        self.remove_hooks()
 
     def gather_state(self) -> dict[str, Any]:
         """Worker 0 gathers the full optimiser state; others return their own (no state)."""

@@ -38,32 +38,25 @@ import sys
 import threading
 
 import torch
-import torch.distributed as dist
 
 from lightning_par.comm import CommError, Communicator, wait_all
-from lightning_par.paramserver.messages import (
-    GET_STATE,
+from lightning_par.paramserver.messages import recv_header, recv_object, send_object
+from lightning_par.paramserver.protocol import (
     IDLE_TIMEOUT,
-    SET_STATE,
-    STEP,
-    STOP,
-    ServerSpec,
-    recv_object,
-    send_object,
+    Command,
+    Header,
+    Kind,
+    ProtocolError,
+    info_message,
+    split_push,
+    work_message,
 )
 from lightning_par.paramserver.server import ShardOptimizer
-from lightning_par.paramserver.work import NEXT, WorkQueue
+from lightning_par.paramserver.spec import ServerSpec
+from lightning_par.paramserver.work import WorkQueue
 
-#: A bucket size larger than any model: the whole gradient in one push.
-ONE_BUCKET_MB = 1e6
-#: Header command: send me the current weights (not a step; used for checkpoints, the end).
-PULL = 4
-INFO = 3  # staleness of the update just applied, lead over the slowest at reply, version
-#: Numbers after the hyperparameters in every header: the (epoch, batch) the worker last
-#: trained (acknowledges shared work; NONE without it).
-ACK = 2
-#: The gloo tag of a worker's next batch number (every other message uses tag 0).
-WORK_TAG = 7
+#: Commands a worker may die during, before taking the answer: it is dropped, not fatal.
+_ANSWERED = (Command.STEP, Command.NEXT, Command.PULL)
 
 
 class AsyncServer:
@@ -78,7 +71,7 @@ class AsyncServer:
         self.pulled = [0] * workers  # the version each worker last received
         self.version = 0
         self.waiting: dict[int, int] = {}  # worker -> staleness of its last update, unanswered
-        self.held: dict[int, tuple[list[torch.Tensor], torch.Tensor]] = {}  # s=0: this round
+        self.held: dict[int, tuple[list[torch.Tensor], list[float]]] = {}  # s=0: this round
         self.history: list[tuple[int, int, int]] = []  # (worker, staleness, lead at reply)
         self.work = WorkQueue()  # used on server 0 when the workers share batches
         self.dropped: list[int] = []  # workers lost during the run
@@ -93,59 +86,54 @@ class AsyncServer:
         while self.running:
             w, header, payload = self.inbox.get()
             if header is None:
+                if isinstance(payload, ProtocolError):
+                    raise payload  # a bug, not a lost worker
                 self._drop(w, payload)
                 continue
-            command, step = int(header[0]), int(header[1])
             try:
-                self._handle(w, command, step, header, payload)
+                self._handle(w, header, payload)
             except (CommError, RuntimeError) as err:
-                if command not in (STEP, NEXT, PULL):
+                if header.command not in _ANSWERED or isinstance(err, ProtocolError):
                     raise
                 self._drop(w, err)  # it died before taking our answer
 
     def _read(self, w: int) -> None:
-        spec, shard = self.shard.spec, self.shard
-        size = 2 + sum(len(x) for x in spec.schemas) + ACK
+        shard = self.shard
         try:
             while True:
-                header = torch.zeros(size, dtype=torch.float64)
-                self.comm.irecv(header, w, tag="control").wait(IDLE_TIMEOUT)
-                command, payload = int(header[0]), None
-                if command == STEP:
-                    payload = [
-                        torch.empty(shard.flat[b].numel() + len(shard.layout[b]), dtype=spec.dtype)
-                        for b in shard.active
-                    ]
-                    wait_all([self.comm.irecv(buf, w, step=int(header[1]), chunk=b, tag="push")
+                header = recv_header(self.comm, w, shard.spec.num_hyper, IDLE_TIMEOUT)
+                payload = None
+                if header.command == Command.STEP:
+                    payload = [shard.push_buffer(b) for b in shard.active]
+                    wait_all([self.comm.irecv(buf, w, step=header.step, chunk=b, tag=Kind.PUSH)
                               for b, buf in zip(shard.active, payload)])  # fmt: skip
-                elif command == SET_STATE:
+                elif header.command == Command.SET_STATE:
                     payload = recv_object(self.comm, w)
                 self.inbox.put((w, header, payload))
-                if command == STOP:
+                if header.command == Command.STOP:
                     return
         except (CommError, RuntimeError) as err:
             self.inbox.put((w, None, err))
 
-    def _handle(self, w: int, command: int, step: int, header: torch.Tensor, payload) -> None:
-        if command == STEP:
-            self.work.trained(w, int(header[-2]), int(header[-1]))
-            self._push(w, payload, header[2:-ACK].clone())
-        elif command == NEXT:  # step: the epoch; the last number: its number of batches
-            reply = torch.tensor(self.work.take(w, step, int(header[-1])), dtype=torch.int64)
-            dist.send(reply, self.comm._global[w], tag=WORK_TAG)
-        elif command == GET_STATE:
+    def _handle(self, w: int, header: Header, payload) -> None:
+        command = header.command
+        if command == Command.STEP:
+            self.work.trained(w, *header.trained)
+            self._push(w, payload, list(header.hyper))
+        elif command == Command.NEXT:  # step: the epoch; count: its number of batches
+            reply = work_message(*self.work.take(w, header.step, header.count))
+            self.comm.send(reply, w, tag=Kind.WORK)
+        elif command == Command.GET_STATE:
             send_object(self.comm, self.shard.state_slices(), w)
-        elif command == SET_STATE:
+        elif command == Command.SET_STATE:
             self.shard.load_full(payload)
-        elif command == PULL:
+        elif command == Command.PULL:
             self._send_weights([w])
-        elif command == STOP:
+        elif command == Command.STOP:
             self.running.discard(w)
             self.stopped.append(w)
             self._release()
             self._finish()
-        else:
-            raise RuntimeError(f"unknown command {command} from worker {w}")
 
     def _finish(self) -> None:
         if not self.running:  # the final weights, to every worker that stopped
@@ -171,16 +159,15 @@ class AsyncServer:
         self._release()
         self._finish()
 
-    def _push(self, w: int, bufs: list[torch.Tensor], hyper: torch.Tensor) -> None:
+    def _push(self, w: int, bufs: list[torch.Tensor], hyper: list[float]) -> None:
         shard = self.shard
         if self.staleness == 0:
             self.held[w] = (bufs, hyper)
             self._release()
             return
-        shard.set_hyper(hyper.tolist())  # this worker's schedule
+        shard.set_hyper(hyper)  # this worker's schedule
         for b, buf in zip(shard.active, bufs):
-            n = shard.flat[b].numel()
-            shard.apply(b, buf[:n], buf[n:] > 0)
+            shard.apply(b, *split_push(buf, shard.flat[b].numel()))
         self.waiting[w] = self.version - self.pulled[w]
         self.version += 1
         self.clock[w] += 1
@@ -203,13 +190,13 @@ class AsyncServer:
             return
         order = sorted(self.held)
         shard = self.shard
-        shard.set_hyper(self.held[order[0]][1].tolist())
+        shard.set_hyper(self.held[order[0]][1])
         for i, b in enumerate(shard.active):
             total = self.held[order[0]][0][i].clone()
             for w in order[1:]:
                 total += self.held[w][0][i]  # worker order: the same sum as synchronous_step
-            n = shard.flat[b].numel()
-            shard.apply(b, total[:n].div_(len(order)), total[n:] > 0)
+            grad, used = split_push(total, shard.flat[b].numel())
+            shard.apply(b, grad.div_(len(order)), used)
         self.version += 1
         self.held.clear()
         for w in order:
@@ -217,14 +204,14 @@ class AsyncServer:
             self._reply(w, 0, 0)
 
     def _send_weights(self, workers: list[int]) -> None:
-        wait_all([self.comm.isend(self.shard.flat[b], w, chunk=b, tag="pull")
+        wait_all([self.comm.isend(self.shard.flat[b], w, chunk=b, tag=Kind.PULL)
                   for w in workers for b in self.shard.active])  # fmt: skip
 
     def _reply(self, w: int, staleness: int, lead: int) -> None:
-        info = torch.tensor([float(staleness), float(lead), float(self.version)])
-        sends = [self.comm.isend(self.shard.flat[b], w, chunk=b, tag="pull")
+        info = info_message(staleness, lead, self.version)
+        sends = [self.comm.isend(self.shard.flat[b], w, chunk=b, tag=Kind.PULL)
                  for b in self.shard.active]  # fmt: skip
-        sends.append(self.comm.isend(info, w, tag="staleness"))
+        sends.append(self.comm.isend(info, w, tag=Kind.INFO))
         try:
             wait_all(sends)  # before the next update changes the slices
         except CommError as err:
@@ -242,18 +229,9 @@ def serve_async(comm: Communicator, server: int, staleness: int | None) -> Async
         if spec is None:
             return None
         shard = ShardOptimizer(spec, server)
-        for b in shard.active:  # worker 0's initial weights, then to every worker
-            comm.recv(shard.flat[b], 0, chunk=b, tag="init")
-        wait_all([comm.isend(shard.flat[b], w, chunk=b, tag="init")
-                  for b in shard.active for w in range(spec.num_workers)])  # fmt: skip
+        shard.share_initial(comm)
         loop = AsyncServer(comm, shard, staleness)
         loop.run()
         return loop
     except CommError as err:
         raise CommError(f"{role}: {err} (ranks 0..W-1 are the workers, W.. the servers)") from err
-
-
-# the worker side, re-exported here (it imports the constants above)
-from lightning_par.paramserver.async_client import AsyncParameterClient  # noqa: E402
-
-__all__ = ["AsyncParameterClient", "AsyncServer", "serve_async"]

@@ -13,19 +13,25 @@ exit abruptly when step ``step`` begins, as a crashed server would.
 from __future__ import annotations
 
 import os
+import sys
 import time
 from typing import Any
 
-import torch.distributed as dist
+from lightning_par import _compat
 
 FAULT_KEY = "lightning_par/paramserver/fault"
 TEST_EXIT_ENV = "LIGHTNING_PAR_PS_TEST_EXIT"
 
 
 def _store() -> Any:
-    try:  # torch has no public accessor for the default group's store
-        return dist.distributed_c10d._get_default_store()
-    except Exception:
+    """The default group's store, or None (no group). Runs while another error is being
+    reported, so a moved torch name is printed rather than raised over that error."""
+    try:
+        return _compat.default_store()
+    except _compat.CompatError as err:
+        print(f"lightning_par: cannot pass a server's diagnosis on: {err}", file=sys.stderr)
+        return None
+    except Exception:  # no process group (any more)
         return None
 
 

@@ -24,18 +24,16 @@ import torch
 from torch import nn
 
 from lightning_par.comm import CommError, Communicator, wait_all
-from lightning_par.paramserver.messages import (
-    GET_STATE,
+from lightning_par.paramserver.messages import recv_headers, recv_object, send_object
+from lightning_par.paramserver.protocol import (
     IDLE_TIMEOUT,
-    SET_STATE,
-    STEP,
-    STOP,
-    ServerSpec,
-    recv_headers,
-    recv_object,
-    send_object,
-    set_hyper,
+    Command,
+    Kind,
+    ProtocolError,
+    push_size,
+    split_push,
 )
+from lightning_par.paramserver.spec import ServerSpec, set_hyper
 
 Key = tuple[int, int, int]  # (parameter, start, stop) of one slice
 
@@ -65,6 +63,18 @@ class ShardOptimizer:
         param_groups = [{**hyper, "params": ps} for hyper, ps in zip(spec.groups, groups) if ps]
         self._group_index = [g for g, ps in enumerate(groups) if ps]
         self.optimizer = spec.optimizer_cls(param_groups) if param_groups else None
+
+    def share_initial(self, comm: Communicator) -> None:
+        """Take worker 0's initial slices and send them to every worker (``INIT``)."""
+        for b in self.active:
+            comm.recv(self.flat[b], 0, chunk=b, tag=Kind.INIT)
+        wait_all([comm.isend(self.flat[b], w, chunk=b, tag=Kind.INIT)
+                  for b in self.active for w in range(self.spec.num_workers)])  # fmt: skip
+
+    def push_buffer(self, bucket: int) -> torch.Tensor:
+        """An empty ``PUSH`` of ``bucket`` from one worker, to receive into."""
+        n, slices = self.flat[bucket].numel(), len(self.layout[bucket])
+        return torch.empty(push_size(n, slices), dtype=self.spec.dtype)
 
     def set_hyper(self, values: list[float]) -> None:
         """Hyperparameters from the workers (their schedulers run there)."""
@@ -126,13 +136,9 @@ def _copy(value: Any) -> Any:
 def synchronous_step(comm: Communicator, shard: ShardOptimizer, step: int) -> None:
     """Wait for every worker's push of a bucket, average, apply, send the slices back."""
     workers = shard.spec.num_workers
-    pushes = {
-        b: [torch.empty(shard.flat[b].numel() + len(shard.layout[b]), dtype=shard.spec.dtype)
-            for _ in range(workers)]
-        for b in shard.active
-    }  # fmt: skip
+    pushes = {b: [shard.push_buffer(b) for _ in range(workers)] for b in shard.active}
     recvs = {
-        b: [comm.irecv(buf, w, step=step, chunk=b, tag="push") for w, buf in enumerate(bufs)]
+        b: [comm.irecv(buf, w, step=step, chunk=b, tag=Kind.PUSH) for w, buf in enumerate(bufs)]
         for b, bufs in pushes.items()
     }
     sends = []
@@ -140,9 +146,9 @@ def synchronous_step(comm: Communicator, shard: ShardOptimizer, step: int) -> No
         total = recvs[b][0].wait().clone()
         for handle in recvs[b][1:]:
             total += handle.wait()  # worker order: the same sum every run
-        n = shard.flat[b].numel()
-        shard.apply(b, total[:n].div_(workers), total[n:] > 0)
-        sends += [comm.isend(shard.flat[b], w, step=step, chunk=b, tag="pull")
+        grad, used = split_push(total, shard.flat[b].numel())
+        shard.apply(b, grad.div_(workers), used)
+        sends += [comm.isend(shard.flat[b], w, step=step, chunk=b, tag=Kind.PULL)
                   for w in range(workers)]  # fmt: skip
     wait_all(sends)
 
@@ -157,25 +163,22 @@ def serve(comm: Communicator, server: int, rule: StepRule = synchronous_step) ->
         spec: ServerSpec | None = recv_object(comm, 0, IDLE_TIMEOUT)
         if spec is None:  # nothing to train (validate/test/predict)
             return
-        workers = spec.num_workers
         shard = ShardOptimizer(spec, server)
-        for b in shard.active:  # worker 0's initial weights, then to every worker
-            comm.recv(shard.flat[b], 0, chunk=b, tag="init")
-        wait_all([comm.isend(shard.flat[b], w, chunk=b, tag="init")
-                  for b in shard.active for w in range(workers)])  # fmt: skip
+        shard.share_initial(comm)
         while True:
-            header = recv_headers(comm, workers, sum(len(x) for x in spec.schemas))[0]
-            command, step = int(header[0]), int(header[1])
-            if command == STOP:
+            header = recv_headers(comm, spec.num_workers, spec.num_hyper, IDLE_TIMEOUT)[0]
+            if header.command == Command.STOP:
                 return
-            if command == STEP:
-                shard.set_hyper(header[2:].tolist())
-                rule(comm, shard, step)
-            elif command == GET_STATE:
+            if header.command == Command.STEP:
+                shard.set_hyper(list(header.hyper))
+                rule(comm, shard, header.step)
+            elif header.command == Command.GET_STATE:
                 send_object(comm, shard.state_slices(), 0)
-            elif command == SET_STATE:
+            elif header.command == Command.SET_STATE:
                 shard.load_full(recv_object(comm, 0))
             else:
-                raise RuntimeError(f"unknown command {command}")
+                raise ProtocolError(
+                    f"{role}: command {header.command.name} is for the asynchronous server"
+                )
     except CommError as err:
         raise CommError(f"{role}: {err} (ranks 0..W-1 are the workers, W.. the servers)") from err

@@ -8,10 +8,12 @@ epoch, and every worker derives the same shuffled order of the samples from the 
 the seed, so a batch number means the same samples everywhere. A fast worker asks more
 often and so takes more batches.
 
-Server 0 (:class:`WorkQueue`) remembers which batches each worker holds but has not yet
-trained (the DataLoader fetches one ahead). A worker's gradient push acknowledges the
-batches it trained; if a worker is dropped, its unacknowledged batches are handed out
-again (first, before any new batch) to whoever asks next, so every batch is trained once.
+A worker asks with a ``NEXT`` header and server 0 answers with a ``WORK`` message
+(:mod:`~lightning_par.paramserver.protocol`). Server 0 (:class:`WorkQueue`) remembers
+which batches each worker holds but has not yet trained (the DataLoader fetches one
+ahead). A worker's gradient push acknowledges the batches it trained; if a worker is
+dropped, its unacknowledged batches are handed out again (first, before any new batch) to
+whoever asks next, so every batch is trained once.
 """
 
 from __future__ import annotations
@@ -21,10 +23,7 @@ from collections.abc import Callable, Iterator
 
 import torch
 
-#: Header command: give me the number of my next batch (``step`` field: the epoch).
-NEXT = 5
-#: "No batch" in an acknowledgement or a reply.
-NONE = -1
+from lightning_par.paramserver.protocol import NONE
 
 
 class WorkQueue:

@@ -54,7 +54,7 @@ def split_sequential(net: nn.Sequential, balance: Sequence[int]) -> list[nn.Sequ
     for size in balance:
         stage = nn.Sequential()
         for name in names[start : start + size]:
-            stage.add_module(name, net._modules[name])
+            stage.add_module(name, getattr(net, name))
         stages.append(stage)
         start += size
     return stages

@@ -21,6 +21,8 @@ from typing import Any
 
 import torch.multiprocessing as tmp
 
+from lightning_par import _compat
+
 
 def _join(context: Any, timeout: float | None = None, grace_period: float | None = None) -> bool:
     if not context.sentinels:
@@ -57,15 +59,10 @@ def tolerate_lost_workers(enabled: bool) -> Iterator[None]:
     if not enabled:
         yield
         return
-    original = tmp.start_processes
 
-    def start_processes(*args: Any, **kwargs: Any) -> Any:
-        context = original(*args, **kwargs)
+    def tolerant(context: Any) -> Any:
         context.join = lambda timeout=None, grace_period=None: _join(context, timeout, grace_period)
         return context
 
-    tmp.start_processes = start_processes
-    try:
+    with _compat.patched_start_processes(tolerant):
         yield
-    finally:
-        tmp.start_processes = original

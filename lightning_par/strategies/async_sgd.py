@@ -40,9 +40,11 @@ from lightning.pytorch.utilities.exceptions import SIGTERMException
 from torch.utils.data import DataLoader, DistributedSampler
 from torchmetrics import Metric
 
+from lightning_par import _compat
 from lightning_par.comm import CommTrace
-from lightning_par.paramserver.asynchronous import ONE_BUCKET_MB, AsyncParameterClient
-from lightning_par.paramserver.work import NONE, SharedBatchSampler
+from lightning_par.paramserver.async_client import ONE_BUCKET_MB, AsyncParameterClient
+from lightning_par.paramserver.protocol import NONE
+from lightning_par.paramserver.work import SharedBatchSampler
 from lightning_par.strategies.parameter_server import ParameterServerStrategy
 
 
@@ -125,7 +127,7 @@ class AsyncSGDStrategy(ParameterServerStrategy):
             self._count_shared_batches(trainer)
         super().setup(trainer)
         if trainer.state.fn == TrainerFn.FITTING:
-            trainer.fit_loop.epoch_loop._broadcast_sigterm_tensor = self._own_sigterm
+            _compat.replace_sigterm_broadcast(trainer, self._own_sigterm)
         self._local_metrics(trainer.state.fn == TrainerFn.FITTING)
         self._logged = 0
 
@@ -182,7 +184,7 @@ class AsyncSGDStrategy(ParameterServerStrategy):
             if self.sampler is not None and self.client is None:
                 # set up early (a scheduler asked for the step count): Lightning already
                 # began epoch 0's iterator, which found no servers; build it again later
-                loop._combined_loader = None
+                _compat.reset_combined_loader(loop)
 
         loop.setup_data = setup_data
 
@@ -199,7 +201,7 @@ class AsyncSGDStrategy(ParameterServerStrategy):
     def _apart(self) -> bool:
         """Training or validating inside fit: the workers are not in step (one may be a
         batch behind, or gone), so Lightning's collectives become local."""
-        trainer = getattr(self.lightning_module, "_trainer", None)
+        trainer = _compat.attached_trainer(self.lightning_module)
         return (
             trainer is not None
             and trainer.state.fn == TrainerFn.FITTING

@@ -41,6 +41,7 @@ import lightning.pytorch as pl
 import torch
 from torch.optim import Optimizer
 
+from lightning_par import _compat
 from lightning_par.collectives import ALGORITHMS, get_allreduce
 from lightning_par.collectives.averaging import average_parameters, broadcast_parameters
 from lightning_par.strategies._base import ParStrategy
@@ -156,7 +157,7 @@ class LocalSGDStrategy(ParStrategy):
             return False
         # The loop's own test (epoch length, limit_train_batches, or the data running out):
         # Lightning also uses it to step on the final batch under gradient accumulation.
-        return bool(trainer.fit_loop.epoch_loop._num_ready_batches_reached())
+        return _compat.num_ready_batches_reached(trainer)
 
     def on_train_end(self) -> None:
         # Every rank made the same number of steps, so all agree whether one is pending.

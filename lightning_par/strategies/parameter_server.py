@@ -1,7 +1,7 @@
 """Synchronous sharded parameter server as a Lightning strategy.
 
 Workers are Lightning's training processes (``devices`` x ``num_nodes``); ``num_servers``
-extra processes, started by worker 0 (:mod:`lightning_par.paramserver.process`), hold the
+extra processes, started by the workers (:mod:`lightning_par.paramserver.process`), hold the
 parameters and the optimiser state and apply the updates (course material 003: "store the
 model parameters outside of the workers"). The algorithm is in :mod:`lightning_par.paramserver`;
 this file plugs it into Lightning:
@@ -9,9 +9,9 @@ this file plugs it into Lightning:
 * ``setup_distributed``: each node's local rank 0 starts its share of the servers
   (:mod:`lightning_par.paramserver.process`), then all ``W + S`` ranks join one gloo
   process group; Lightning's ``barrier``/``broadcast``/``reduce``/``all_gather`` use a
-  group of the workers only. Under popen, torchrun or SLURM nothing changes: launch ``W``
-  workers as usual. ``teardown`` ends the servers and the group, so ``fit`` then
-  ``test`` starts fresh ones.
+  group of the workers only (:mod:`~lightning_par.strategies._worker_group`). Under
+  popen, torchrun or SLURM nothing changes: launch ``W`` workers as usual. ``teardown``
+  ends the servers and the group, so ``fit`` then ``test`` starts fresh ones.
 * ``setup``: a :class:`~lightning_par.paramserver.ParameterClient` over the model and the
   user's optimiser (its class and param groups run on the servers);
 * the step: backward pushes each gradient bucket as it is filled, ``optimizer_step`` runs
@@ -36,49 +36,26 @@ import lightning.pytorch as pl
 import torch
 import torch.distributed as dist
 from lightning.fabric.utilities.seed import reset_seed
-from lightning.pytorch.trainer.connectors import data_connector
 from lightning.pytorch.trainer.states import TrainerFn, TrainerStatus
-from lightning.pytorch.utilities.exceptions import SIGTERMException
-from torchmetrics import Metric
 
-from lightning_par.comm import CommError, Event
+from lightning_par import _compat
+from lightning_par.comm import Event
 from lightning_par.paramserver.faults import explain
-from lightning_par.paramserver.messages import IDLE_TIMEOUT, send_object, server_rank
+from lightning_par.paramserver.messages import send_object
 from lightning_par.paramserver.process import (
     servers_of_node,
     start_servers,
     stop_servers,
     watch_servers,
 )
+from lightning_par.paramserver.protocol import server_rank
 from lightning_par.paramserver.worker import ParameterClient
 from lightning_par.strategies._base import ParStrategy
 from lightning_par.strategies._launchers import log_startup
+from lightning_par.strategies._worker_group import WorkerGroupMixin, check_positive
 
 
-def _positive(name: str, value: Any, kind: type = float) -> None:
-    if isinstance(value, bool) or not isinstance(value, (int, float) if kind is float else int):
-        raise TypeError(
-            f"{name} must be {'a number' if kind is float else 'an int'}, got {value!r}"
-        )
-    if not value > 0:
-        raise ValueError(f"{name} must be > 0, got {value}")
-
-
-class _WorkersBarrier:
-    """Lightning's barrier around ``prepare_data`` (one rank may download for a long time),
-    over the workers' group and with the servers' idle timeout."""
-
-    def __init__(self, group: Any) -> None:
-        self.group = group
-
-    def __enter__(self) -> _WorkersBarrier:
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        dist.monitored_barrier(group=self.group, timeout=IDLE_TIMEOUT)
-
-
-class ParameterServerStrategy(ParStrategy):
+class ParameterServerStrategy(WorkerGroupMixin, ParStrategy):
     """Data parallelism through ``num_servers`` sharded, synchronous parameter servers.
 
     Args:
@@ -105,9 +82,9 @@ class ParameterServerStrategy(ParStrategy):
         split_mb: float = 1.0,
         **kwargs: Any,
     ) -> None:
-        _positive("num_servers", num_servers, int)
-        _positive("bucket_cap_mb", bucket_cap_mb)
-        _positive("split_mb", split_mb)
+        check_positive("num_servers", num_servers, int)
+        check_positive("bucket_cap_mb", bucket_cap_mb)
+        check_positive("split_mb", split_mb)
         backend = kwargs.pop("process_group_backend", None)
         if backend not in (None, "gloo"):
             raise ValueError(
@@ -170,58 +147,13 @@ class ParameterServerStrategy(ParStrategy):
         )
         self._server_watch = watch_servers(self._servers, workers) if self._servers else None
         self.worker_group = dist.new_group(list(range(workers)))
-        self._prepare_data_among_workers()
+        self.prepare_data_among_workers()
         log_startup(
             f"{self.strategy_name} ({self.num_servers} server(s))",
             workers,
             self.launch_plan,
             "gloo",
         )
-
-    def _prepare_data_among_workers(self) -> None:
-        """Lightning brackets ``prepare_data`` with a barrier in a new group of every rank,
-        servers included, which never join it (a hang): here the barrier is the workers'."""
-        trainer = getattr(self.lightning_module, "_trainer", None)
-        if trainer is None:
-            return
-        original, group = trainer._data_connector.prepare_data, self.worker_group
-
-        def prepare_data() -> None:
-            saved = data_connector._InfiniteBarrier
-            data_connector._InfiniteBarrier = lambda: _WorkersBarrier(group)
-            try:
-                original()
-            finally:
-                data_connector._InfiniteBarrier = saved
-
-        trainer._data_connector.prepare_data = prepare_data
-
-    # ---- Lightning's collectives: workers only -------------------------------------------------
-    def barrier(self, *args: Any, **kwargs: Any) -> None:
-        if dist.is_initialized():
-            dist.barrier(group=self.worker_group)
-
-    def broadcast(self, obj: Any, src: int = 0) -> Any:
-        if not dist.is_initialized():
-            return obj
-        box = [obj]
-        dist.broadcast_object_list(box, src, group=self.worker_group)
-        return box[0]
-
-    def reduce(self, tensor: Any, group: Any | None = None, reduce_op: Any | None = "mean") -> Any:
-        return super().reduce(tensor, group=group or self.worker_group, reduce_op=reduce_op)
-
-    def all_gather(self, tensor: torch.Tensor, group: Any | None = None, sync_grads: bool = False):
-        return super().all_gather(tensor, group=group or self.worker_group, sync_grads=sync_grads)
-
-    def sync_model_states(self) -> None:
-        assert self.model is not None
-        for sub in self.model.modules():  # torchmetrics sync on the default group otherwise
-            if isinstance(sub, Metric):
-                sub.process_group = self.worker_group
-        with torch.no_grad():
-            for tensor in [*self.model.parameters(), *self.model.buffers()]:
-                dist.broadcast(tensor.data, 0, group=self.worker_group)
 
     # ---- setting up the client -----------------------------------------------------------------
     def setup(self, trainer: pl.Trainer) -> None:
@@ -231,7 +163,7 @@ class ParameterServerStrategy(ParStrategy):
             return
         # Lightning broadcasts a SIGTERM flag on the default group every step; servers are in
         # that group but not in the loop, so the flag travels among the workers only.
-        trainer.fit_loop.epoch_loop._broadcast_sigterm_tensor = self._broadcast_sigterm
+        _compat.replace_sigterm_broadcast(trainer, self.broadcast_sigterm)
         if len(self.optimizers) != 1:
             raise ValueError(
                 f"parameter_server runs one optimiser; configure_optimizers "
@@ -248,20 +180,6 @@ class ParameterServerStrategy(ParStrategy):
             split_mb=self.split_mb,
             trace=self.trace,
         )
-
-    def _broadcast_sigterm(self) -> None:
-        trainer = self.lightning_module.trainer
-        flag = torch.tensor([int(bool(getattr(trainer, "received_sigterm", False)))])
-        try:
-            dist.broadcast(flag, 0, group=self.worker_group)
-        except RuntimeError as err:
-            raise CommError(explain(
-                f"worker {self.global_rank}: the workers' per-step broadcast (from worker 0) "
-                f"failed: a worker hangs or died ({err})"
-            )) from err  # fmt: skip
-        if flag.item() == 1:
-            dist.barrier(group=self.worker_group)
-            raise SIGTERMException()
 
     # ---- the step ------------------------------------------------------------------------------
     @contextmanager
@@ -303,9 +221,8 @@ class ParameterServerStrategy(ParStrategy):
                 "must push every step (the servers wait for all of them)"
             )
         module = model if isinstance(model, pl.LightningModule) else self.lightning_module
-        self.precision_plugin._after_closure(module, optimizer)
-        inner = getattr(optimizer, "_optimizer", optimizer)
-        inner._opt_called = True  # the step happened (on the servers): no scheduler warning
+        _compat.after_closure(self.precision_plugin, module, optimizer)
+        _compat.mark_optimizer_stepped(optimizer)  # it did, on the servers: no scheduler warning
         return result
 
     def _settled(self, hook: str, *args: Any, **kwargs: Any) -> Any:
@@ -348,7 +265,7 @@ class ParameterServerStrategy(ParStrategy):
             exception.args = (explain(exception.args[0]), *exception.args[1:])
 
     def teardown(self) -> None:
-        trainer = getattr(self.lightning_module, "_trainer", None)  # None once detached
+        trainer = _compat.attached_trainer(self.lightning_module)  # None once detached
         interrupted = trainer is not None and trainer.state.status == TrainerStatus.INTERRUPTED
         clean = not (interrupted or self._failed) and dist.is_initialized()
         if self.client is not None:

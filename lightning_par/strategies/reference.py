@@ -12,9 +12,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from lightning.pytorch.overrides.distributed import _sync_module_states
 from lightning.pytorch.strategies import DDPStrategy
 
+from lightning_par import _compat
 from lightning_par.strategies._base import ParStrategy
 
 
@@ -36,7 +36,8 @@ class LightningDDPStrategy(ParStrategy):
         self._ddp_kwargs = ddp_kwargs
 
     def sync_model_states(self) -> None:
-        _sync_module_states(self.model)  # (DistributedDataParallel also does it when fitting)
+        # (DistributedDataParallel also does it when fitting)
+        _compat.sync_module_states(self.model)
 
     def configure_sync(self) -> None:
         DDPStrategy.configure_ddp(self)

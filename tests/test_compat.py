@@ -1,0 +1,203 @@
+"""Every private Lightning/torch name in lightning_par/_compat.py still exists and still
+does what lightning_par relies on; an upgrade that moves one fails here, by name."""
+
+from __future__ import annotations
+
+import inspect
+import warnings
+
+import lightning.pytorch as pl
+import pytest
+import torch
+from lightning.pytorch.callbacks import ModelSummary
+
+from lightning_par import _compat
+
+
+def _trainer(**kwargs) -> pl.Trainer:
+    return pl.Trainer(
+        accelerator="cpu", devices=1, logger=False, enable_checkpointing=False,
+        enable_progress_bar=False, enable_model_summary=False, **kwargs,
+    )  # fmt: skip
+
+
+def test_a_moved_name_is_a_clear_error() -> None:
+    with pytest.raises(_compat.CompatError, match=r"torch\.nn\._no_such_name.*needed by me"):
+        _compat.private("torch.nn", "_no_such_name", "needed by me")
+    missing = _compat._class("torch.nn", "_NoSuchLauncher", "a launch")
+    with pytest.raises(_compat.CompatError, match="_NoSuchLauncher is missing"):
+        type("Sub", (missing,), {})()
+    with pytest.raises(_compat.CompatError, match=r"_broadcast_sigterm_tensor is missing"):
+        _compat.replace_sigterm_broadcast(_FakeTrainer(), lambda: None)
+
+
+class _LoopThatBroadcasts:
+    """A future Lightning loop that broadcasts under another name."""
+
+    def advance(self) -> None:
+        torch.distributed.broadcast(torch.zeros(1), src=0)
+
+
+class _FakeTrainer:
+    class fit_loop:  # noqa: N801
+        epoch_loop = _LoopThatBroadcasts()
+
+
+def test_default_store_and_module_sync(tmp_path) -> None:
+    init = f"file://{tmp_path / 'store'}"
+    torch.distributed.init_process_group("gloo", init_method=init, rank=0, world_size=1)
+    try:
+        store = _compat.default_store()
+        store.set("k", "v")
+        assert store.get("k") == b"v"
+        module = torch.nn.Linear(2, 2)
+        before = module.weight.detach().clone()
+        _compat.sync_module_states(module)  # one rank: its own weights
+        assert torch.equal(module.weight, before)
+    finally:
+        torch.distributed.destroy_process_group()
+
+
+def test_start_processes_patch_reaches_lightnings_launch() -> None:
+    from lightning.pytorch.strategies.launchers import multiprocessing as lmp
+
+    # Lightning's fork launch calls start_processes through the torch module, so patching
+    # the module attribute is seen there
+    assert "mp.start_processes(" in inspect.getsource(lmp._MultiProcessingLauncher.launch)
+    assert lmp.mp is torch.multiprocessing
+    seen = []
+    original = torch.multiprocessing.start_processes
+    with _compat.patched_start_processes(lambda ctx: seen.append(ctx) or ctx):
+        assert torch.multiprocessing.start_processes is not original
+        ctx = torch.multiprocessing.start_processes(_noop, nprocs=1, join=False,
+                                                    start_method="fork")  # fmt: skip
+        while not ctx.join():
+            pass
+    assert torch.multiprocessing.start_processes is original
+    assert seen == [ctx]
+    for attr in ("processes", "sentinels", "error_files"):
+        assert hasattr(ctx, attr), attr
+
+
+def _noop(i: int) -> None:
+    pass
+
+
+def test_mark_optimizer_stepped_silences_the_scheduler_warning() -> None:
+    from lightning.pytorch.core.optimizer import LightningOptimizer
+
+    def scheduler_warnings(mark: bool) -> list[str]:
+        opt = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=0.1)
+        sched = torch.optim.lr_scheduler.StepLR(opt, 1)
+        if mark:  # through Lightning's wrapper, as the strategy gets it
+            _compat.mark_optimizer_stepped(LightningOptimizer(opt))
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            sched.step()
+        return [str(w.message) for w in caught if "optimizer.step()" in str(w.message)]
+
+    assert scheduler_warnings(False), "torch no longer warns: the test cannot see the mark"
+    assert scheduler_warnings(True) == []
+
+
+def test_lightning_loop_names() -> None:
+    from lightning.pytorch.loops import training_epoch_loop
+
+    trainer = _trainer(max_steps=1)
+    # the loop's only collective is the SIGTERM broadcast we replace (lightning >= 2.5.1),
+    # or it has none (2.5.0)
+    loop_cls = training_epoch_loop._TrainingEpochLoop
+    source = inspect.getsource(loop_cls)
+    called = []
+    _compat.replace_sigterm_broadcast(trainer, lambda: called.append(1))
+    if hasattr(loop_cls, "_broadcast_sigterm_tensor"):
+        assert "self._broadcast_sigterm_tensor()" in source
+        assert source.count("broadcast(") == 1  # inside the method we replace
+        trainer.fit_loop.epoch_loop._broadcast_sigterm_tensor()
+        assert called == [1]
+    else:
+        assert not _compat.epoch_loop_broadcasts(loop_cls)
+    assert _compat.num_ready_batches_reached(trainer) in (True, False)
+    assert "self._combined_loader" in inspect.getsource(type(trainer.fit_loop))
+    _compat.reset_combined_loader(trainer.fit_loop)
+    assert trainer.fit_loop._combined_loader is None
+
+
+def test_barrier_around_prepare_data_is_used() -> None:
+    from lightning.pytorch.trainer.connectors import data_connector
+
+    entered = []
+
+    class Barrier:
+        def __enter__(self):
+            entered.append("in")
+
+        def __exit__(self, *exc):
+            entered.append("out")
+
+    class Module(pl.LightningModule):
+        def prepare_data(self) -> None:
+            entered.append("prepare")
+
+    trainer = _trainer()
+    trainer.strategy.connect(Module())
+    trainer.strategy._lightning_module._trainer = trainer
+    original = data_connector._InfiniteBarrier
+    _compat.barrier_around_prepare_data(trainer, Barrier)
+    trainer._data_connector.prepare_data()
+    assert entered == ["in", "prepare", "out"]
+    assert data_connector._InfiniteBarrier is original
+
+
+def test_precision_after_closure_runs_the_hooks() -> None:
+    seen = []
+
+    class Module(pl.LightningModule):
+        def on_before_optimizer_step(self, optimizer) -> None:
+            seen.append(optimizer)
+
+    trainer = _trainer()
+    module = Module()
+    module._trainer = trainer
+    trainer.strategy.connect(module)
+    opt = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=0.1)
+    _compat.after_closure(trainer.precision_plugin, module, opt)
+    assert seen == [opt]
+
+
+def test_lightning_helpers_exist() -> None:
+    module = torch.nn.Linear(2, 2)
+    assert _compat.default_process_group_backend(torch.device("cpu")) == "gloo"
+    opt = torch.optim.SGD(module.parameters(), lr=0.1)
+    _compat.optimizers_to_device([opt], torch.device("cpu"))
+    for cls in (_compat.SubprocessScriptLauncher, _compat.MultiProcessingLauncher,
+                _compat.WorkerOutput):  # fmt: skip
+        assert cls.__module__.startswith("lightning.pytorch.strategies.launchers"), cls
+    assert hasattr(_compat.MultiProcessingLauncher, "_wrapping_function")
+    trainer = _trainer()
+    _compat.set_use_distributed_sampler(trainer, False)
+    assert trainer._accelerator_connector.use_distributed_sampler is False
+
+
+def test_attached_trainer() -> None:
+    module = pl.LightningModule()
+    assert _compat.attached_trainer(module) is None and _compat.attached_trainer(None) is None
+    trainer = _trainer()
+    trainer.strategy.connect(module)
+    module.trainer = trainer
+    assert _compat.attached_trainer(module) is trainer
+
+
+def test_model_summary_names() -> None:
+    callback = ModelSummary(max_depth=3)
+    depth, options = _compat.model_summary_options(callback)
+    assert depth == 3 and isinstance(options, dict)
+    from lightning.pytorch.utilities.model_summary import ModelSummary as Summary
+
+    class Module(pl.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.layer = torch.nn.Linear(2, 3)
+
+    rows = dict(_compat.summary_data(Summary(Module(), max_depth=1)))
+    assert rows["Name"] == ["layer"] and rows["Type"] == ["Linear"]
