@@ -44,6 +44,10 @@ def _watch(pid: int) -> None:
             os._exit(1)
 
 
+#: Marks a server's death in the message :func:`watch_servers` leaves for the workers.
+DIED = "; the job cannot go on without its shard of the parameters"
+
+
 def servers_of_node(num_servers: int, num_nodes: int, node_rank: int) -> list[int]:
     """The servers node ``node_rank`` starts: every ``num_nodes``-th, from its own index."""
     return list(range(node_rank, num_servers, max(1, num_nodes)))
@@ -133,8 +137,7 @@ def watch_servers(procs: list[mp.process.BaseProcess], num_workers: int) -> thre
                 s = proc.server_index  # type: ignore[attr-defined]
                 record_fault(
                     f"parameter server {s} (rank {num_workers + s}, pid {proc.pid}) "
-                    f"{_how_it_ended(proc.exitcode)}; the job cannot go on without its "
-                    "shard of the parameters"
+                    f"{_how_it_ended(proc.exitcode)}{DIED}"
                 )
 
     threading.Thread(target=watch, daemon=True, name="ps-server-watch").start()

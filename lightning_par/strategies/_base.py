@@ -149,6 +149,10 @@ class ParStrategy(DDPStrategy):
         else:
             self._launcher = PolicyLauncher(self, requested=self._requested_start_method)
 
+    def describe_failure(self, error: BaseException) -> None:
+        """In the rank where ``error`` was raised: rewrite it in place to name the cause a
+        plugin knows better than the error does (override; the default changes nothing)."""
+
     def check_before_launch(self, trainer: pl.Trainer | None) -> None:
         """Reject a configuration this strategy cannot run, in the main process, before
         any rank starts (override; the default accepts everything)."""

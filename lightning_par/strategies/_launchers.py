@@ -180,8 +180,15 @@ class PolicyLauncher(_MultiProcessingLauncher):
             # SAME parameters (each update applied once per rank: measured 2x on 2 ranks).
             # Lightning unshares them for "spawn" only.
             args, kwargs = _disable_module_memory_sharing((args, kwargs))
-        return super()._wrapping_function(process_idx, trainer, function, args, kwargs, queue,
-                                          *rest)  # fmt: skip
+        try:
+            return super()._wrapping_function(process_idx, trainer, function, args, kwargs,
+                                              queue, *rest)  # fmt: skip
+        except BaseException as error:  # (Lightning's on_exception runs in the main process)
+            self._strategy.describe_failure(error)
+            # failed: the launcher's SIGTERM now just ends this rank (Lightning's handler
+            # would broadcast to peers that are gone, adding gloo's traceback to the log)
+            signal.signal(signal.SIGTERM, signal.SIG_DFL)
+            raise
 
     def _collect_rank_zero_results(self, trainer: pl.Trainer, results: Any) -> Any:
         callback = trainer.checkpoint_callback

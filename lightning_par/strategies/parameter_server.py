@@ -40,9 +40,10 @@ from lightning.pytorch.trainer.states import TrainerFn, TrainerStatus
 
 from lightning_par import _compat
 from lightning_par.comm import Event
-from lightning_par.paramserver.faults import explain
+from lightning_par.paramserver.faults import explain, reported_fault
 from lightning_par.paramserver.messages import send_object
 from lightning_par.paramserver.process import (
+    DIED,
     servers_of_node,
     start_servers,
     stop_servers,
@@ -258,11 +259,22 @@ class ParameterServerStrategy(WorkerGroupMixin, ParStrategy):
     # ---- the end -------------------------------------------------------------------------------
     def on_exception(self, exception: BaseException) -> None:
         self._failed = True  # no goodbye protocol: peers may be mid-step or gone
+        self.describe_failure(exception)
         # under torchrun Lightning calls this in the rank (a fork launch: in the main process)
         if self.client is None or not isinstance(exception, RuntimeError):
             return
         if exception.args and isinstance(exception.args[0], str):  # a server may know who
             exception.args = (explain(exception.args[0]), *exception.args[1:])
+
+    def describe_failure(self, error: BaseException) -> None:
+        """A server that died (killed outright, say by the OOM killer) is the cause: say
+        so, naming it, instead of gloo's "Connection closed by peer" chain."""
+        if not dist.is_initialized():
+            return
+        fault = reported_fault(grace_s=3.0)
+        if fault and fault.startswith("parameter server") and DIED in fault:
+            error.args = (f"worker {self.global_rank}: {fault}",)
+            error.__cause__, error.__suppress_context__ = None, True
 
     def teardown(self) -> None:
         trainer = _compat.attached_trainer(self.lightning_module)  # None once detached
