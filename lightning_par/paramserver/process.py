@@ -31,7 +31,8 @@ import traceback
 from datetime import timedelta
 
 from lightning_par.comm.launch import FORKSERVER_PRELOAD, limit_threads_after_fork, plan_launch
-from lightning_par.comm.rendezvous import StoreAddress, connect_group_store
+from lightning_par.comm.liveness import Heartbeat
+from lightning_par.comm.rendezvous import StoreAddress, connect_group_store, dead_peer_timeout
 from lightning_par.comm.run import die_with_parent
 
 
@@ -71,11 +72,15 @@ def server_main(
     rank = num_workers + server
     timeout = timedelta(seconds=timeout_s)
     try:
+        store = connect_group_store(address, timeout)
         dist.init_process_group(
-            "gloo", store=connect_group_store(address, timeout), rank=rank,
+            "gloo", store=store, rank=rank,
             world_size=num_workers + num_servers, timeout=timeout,
         )  # fmt: skip
         dist.new_group(list(range(num_workers)))  # the workers' group: every rank takes part
+        watched = [0] if asynchronous else range(num_workers + num_servers)
+        beat = Heartbeat(store, rank, watched, dead_peer_timeout(timeout), _rank_name(num_workers))
+        beat.start()
         if asynchronous:
             from lightning_par.paramserver.asynchronous import serve_async
 
@@ -89,7 +94,17 @@ def server_main(
             file=sys.stderr, flush=True,
         )  # fmt: skip
         os._exit(1)  # do not wait for peers that may be gone
+    beat.stop()
     dist.destroy_process_group()
+
+
+def _rank_name(num_workers: int):
+    def name(rank: int) -> str:
+        if rank < num_workers:
+            return f"worker {rank} (rank {rank})"
+        return f"parameter server {rank - num_workers} (rank {rank})"
+
+    return name
 
 
 def start_servers(
@@ -136,7 +151,7 @@ def watch_servers(procs: list[mp.process.BaseProcess], num_workers: int) -> thre
                     continue  # (a server that failed on its own said why already)
                 s = proc.server_index  # type: ignore[attr-defined]
                 record_fault(
-                    f"parameter server {s} (rank {num_workers + s}, pid {proc.pid}) "
+                    f"parameter server {s} (rank {num_workers + s}), process {proc.pid}, "
                     f"{_how_it_ended(proc.exitcode)}{DIED}"
                 )
 

@@ -44,7 +44,7 @@ from lightning.fabric.utilities.seed import reset_seed
 from lightning.pytorch.strategies import DDPStrategy
 from lightning.pytorch.trainer.states import TrainerFn
 
-from lightning_par.comm import CommTrace, Communicator, default_timeout
+from lightning_par.comm import CommTrace, Communicator, default_timeout, liveness
 from lightning_par.comm.launch import START_METHODS, LaunchPlan
 from lightning_par.comm.rendezvous import StoreAddress, group_store
 from lightning_par.comm.trace import save_trace
@@ -179,9 +179,23 @@ class ParStrategy(DDPStrategy):
             # alive then can abort the process ("terminate called without an active
             # exception"), as Lightning already guards against for NCCL.
             atexit.register(_destroy_process_group)
+            liveness.watch_group(
+                store, self.global_rank, self.watched_ranks(), self._timeout.total_seconds(),
+                self.rank_name,
+            )  # fmt: skip
+        elif liveness.current() is not None:
+            liveness.current().resume()  # fit, then test: the same group, watched again
         log_startup(
             self.strategy_name, self.world_size, self.launch_plan, self._process_group_backend
         )
+
+    def watched_ranks(self) -> list[int]:
+        """Ranks whose silence ends the job (:mod:`lightning_par.comm.liveness`): all."""
+        return list(range(self.world_size))
+
+    def rank_name(self, rank: int) -> str:
+        """How reports name group rank ``rank``."""
+        return f"rank {rank}"
 
     def group_store(self) -> tuple[Any, StoreAddress]:
         """The store the next process group meets in (see :mod:`lightning_par.comm.rendezvous`):
@@ -231,6 +245,8 @@ class ParStrategy(DDPStrategy):
 
     # ---- end of a run ---------------------------------------------------------------------------
     def teardown(self) -> None:
+        if liveness.current() is not None:
+            liveness.current().finish()  # done with this stage: peers stop watching
         if self.trace_dir is not None and self.trace is not None:
             save_trace(self.trace, self.trace_dir / f"rank{self.global_rank}.json")
         super().teardown()
@@ -242,5 +258,6 @@ class ParStrategy(DDPStrategy):
 
 
 def _destroy_process_group() -> None:
+    liveness.stop_watching()
     if dist.is_available() and dist.is_initialized():
         dist.destroy_process_group()

@@ -39,7 +39,7 @@ from lightning.fabric.utilities.seed import reset_seed
 from lightning.pytorch.trainer.states import TrainerFn, TrainerStatus
 
 from lightning_par import _compat
-from lightning_par.comm import Event
+from lightning_par.comm import Event, liveness
 from lightning_par.paramserver.faults import explain, reported_fault
 from lightning_par.paramserver.messages import send_object
 from lightning_par.paramserver.process import (
@@ -147,6 +147,10 @@ class ParameterServerStrategy(WorkerGroupMixin, ParStrategy):
             timeout=self._timeout,
         )
         self._server_watch = watch_servers(self._servers, workers) if self._servers else None
+        liveness.watch_group(
+            store, self.global_rank, self.watched_ranks(), self._timeout.total_seconds(),
+            self.rank_name,
+        )  # fmt: skip
         self.worker_group = dist.new_group(list(range(workers)))
         self.prepare_data_among_workers()
         log_startup(
@@ -266,6 +270,14 @@ class ParameterServerStrategy(WorkerGroupMixin, ParStrategy):
         if exception.args and isinstance(exception.args[0], str):  # a server may know who
             exception.args = (explain(exception.args[0]), *exception.args[1:])
 
+    def watched_ranks(self) -> list[int]:
+        return list(range(self.world_size + self.num_servers))
+
+    def rank_name(self, rank: int) -> str:
+        if rank < self.world_size:
+            return f"worker {rank} (rank {rank})"
+        return f"parameter server {rank - self.world_size} (rank {rank})"
+
     def describe_failure(self, error: BaseException) -> None:
         """A server that died (killed outright, say by the OOM killer) is the cause: say
         so, naming it, instead of gloo's "Connection closed by peer" chain."""
@@ -292,6 +304,7 @@ class ParameterServerStrategy(WorkerGroupMixin, ParStrategy):
         if self._servers:
             stop_servers(self._servers, wait_s=10.0 if clean else 0.0)
             self._servers = []
+        liveness.stop_watching()
         if clean:  # the servers are gone: a later fit/test/validate builds a new group
             dist.destroy_process_group()
         super().teardown()
