@@ -238,6 +238,17 @@ def optimizers_to_device(optimizers: Any, device: Any) -> None:
     move(optimizers, device)
 
 
+def disable_module_memory_sharing(data: Any) -> Any:
+    """Copies of the modules and tensors in ``data`` out of shared memory (what Lightning
+    does for ``spawn`` ranks; a forkserver rank needs it too, or every rank steps the
+    same parameters)."""
+    unshare = private(
+        "lightning.fabric.strategies.launchers.multiprocessing",
+        "_disable_module_memory_sharing", "forkserver ranks owning their weights",
+    )  # fmt: skip
+    return unshare(data)
+
+
 def _class(module: str, name: str, needed_by: str) -> type:
     """A private Lightning class to subclass; if it moved, a stand-in that raises
     :class:`CompatError` when it is used (so importing lightning_par still works)."""

@@ -232,3 +232,12 @@ def test_in_backward_pass() -> None:
     assert _compat.in_backward_pass() is False
     Probe.apply(x).sum().backward()
     assert seen == [True]
+
+
+def test_disable_module_memory_sharing_copies_shared_tensors() -> None:
+    module = torch.nn.Linear(2, 2)
+    module.share_memory()
+    assert module.weight.is_shared()
+    (copy,) = _compat.disable_module_memory_sharing((module,))
+    assert not copy.weight.is_shared()
+    assert torch.equal(copy.weight, module.weight)
