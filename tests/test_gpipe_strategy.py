@@ -88,7 +88,9 @@ def test_validate_test_predict_and_checkpoint(tmp_path):
     for key, value in model.state_dict().items():
         torch.testing.assert_close(loaded.state_dict()[key], value)
     ckpt = torch.load(path, weights_only=False)
-    assert len(ckpt["optimizer_states"][0]["pipeline_stages"]) == 2
+    # the optimiser state of the whole model, as one process's optimiser saves it
+    groups = ckpt["optimizer_states"][0]["param_groups"]
+    assert sum(len(g["params"]) for g in groups) == len(list(loaded.parameters()))
 
     reference = copy.deepcopy(loaded)
     evaluate = {"limit_val_batches": 1.0, "limit_test_batches": 1.0}

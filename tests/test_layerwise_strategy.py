@@ -89,7 +89,9 @@ def test_checkpoint_loads_without_strategy_and_evaluates(tmp_path):
     for key, value in model.state_dict().items():
         torch.testing.assert_close(loaded.state_dict()[key], value)
     ckpt = torch.load(tmp_path / "lw.ckpt", weights_only=False)
-    assert len(ckpt["optimizer_states"][0]["pipeline_stages"]) == 3
+    # the optimiser state of the whole model, as one process's optimiser saves it
+    groups = ckpt["optimizer_states"][0]["param_groups"]
+    assert sum(len(g["params"]) for g in groups) == len(list(loaded.parameters()))
     evaluate = {"limit_val_batches": 1.0}
     reference = copy.deepcopy(loaded)
     expected = _trainer("auto", 1, **evaluate).validate(reference, _loader(), verbose=False)[0]

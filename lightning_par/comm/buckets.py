@@ -147,6 +147,11 @@ class GradientBuckets:
         )
         self._hooks = [p.register_post_accumulate_grad_hook(self._grad_ready) for p in params]
 
+    def unbucketed(self, module: nn.Module) -> list[nn.Parameter]:
+        """Parameters of ``module`` with a gradient but no bucket: trainable only since the
+        buckets were made (every rank must agree on them, as on the buckets)."""
+        return [p for p in module.parameters() if p.grad is not None and id(p) not in self._where]
+
     @contextmanager
     def no_sync(self) -> Iterator[None]:
         """Accumulate gradients locally (no communication) inside this block."""

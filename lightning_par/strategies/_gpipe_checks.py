@@ -116,13 +116,9 @@ def check_backend(schedule: str, backend: str) -> None:
 
 
 def check_trainer(trainer: pl.Trainer, schedule: str, precision_plugin: Any) -> None:
-    """Reject trainer settings that would differ from single-process training: per-stage
-    gradient norm clipping, and a gradient scaler under 1F1B."""
-    if trainer.gradient_clip_val and trainer.gradient_clip_algorithm == "norm":
-        raise ValueError(
-            "gradient_clip_algorithm='norm' would clip each stage by its own norm under "
-            "the gpipe strategy; use gradient_clip_algorithm='value' or no clipping"
-        )
+    """Reject trainer settings that would differ from single-process training: a gradient
+    scaler under 1F1B. (Clipping by norm uses the whole model's norm:
+    :mod:`lightning_par.strategies._pipeline_features`.)"""
     if schedule == "1f1b":
         check_1f1b_contract(precision_plugin)
 

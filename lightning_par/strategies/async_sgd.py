@@ -45,6 +45,12 @@ from lightning_par.comm import CommTrace
 from lightning_par.paramserver.async_client import ONE_BUCKET_MB, AsyncParameterClient
 from lightning_par.paramserver.protocol import NONE
 from lightning_par.paramserver.work import SharedBatchSampler
+from lightning_par.strategies._async_loader import (
+    hold_final_lr,
+    rebuild_loader,
+    user_sampler_name,
+    worker_share,
+)
 from lightning_par.strategies.parameter_server import ParameterServerStrategy
 
 
@@ -128,6 +134,8 @@ class AsyncSGDStrategy(ParameterServerStrategy):
         super().setup(trainer)
         if trainer.state.fn == TrainerFn.FITTING:
             _compat.replace_sigterm_broadcast(trainer, self._own_sigterm)
+            for config in trainer.lr_scheduler_configs if self.share_work else []:
+                hold_final_lr(config.scheduler)  # a worker may take a few more than its share
         self._local_metrics(trainer.state.fn == TrainerFn.FITTING)
         self._logged = 0
 
@@ -146,6 +154,13 @@ class AsyncSGDStrategy(ParameterServerStrategy):
         trainer = self.lightning_module.trainer
         if not (self.share_work and trainer.state.stage == RunningStage.TRAINING):
             return super().process_dataloader(dataloader)
+        own = user_sampler_name(dataloader) if isinstance(dataloader, DataLoader) else None
+        if own is not None:
+            rank_zero_warn(
+                f"async_sgd keeps your sampler {own}: the workers read Lightning's fixed "
+                "shards of it instead of sharing batches on demand (share_work)"
+            )
+            return super().process_dataloader(dataloader)
         if not isinstance(dataloader, DataLoader) or not isinstance(
             dataloader.sampler, DistributedSampler
         ):
@@ -161,17 +176,13 @@ class AsyncSGDStrategy(ParameterServerStrategy):
             old.seed, self._next_batch,
         )  # fmt: skip
         self._taken.clear()
-        return DataLoader(
-            dataloader.dataset, batch_sampler=self.sampler, num_workers=dataloader.num_workers,
-            collate_fn=dataloader.collate_fn, pin_memory=dataloader.pin_memory,
-            worker_init_fn=dataloader.worker_init_fn,
-            persistent_workers=dataloader.persistent_workers,
-        )  # fmt: skip
+        return rebuild_loader(dataloader, self.sampler)
 
     def _count_shared_batches(self, trainer: pl.Trainer) -> None:
         """A shared sampler has no length (so that Lightning fetches one batch ahead and sees
-        the epoch's last); for ``estimated_stepping_batches`` (schedulers) count each worker
-        as up to the whole epoch, the most it can take."""
+        the epoch's last): the loop may run up to the whole epoch, while
+        ``estimated_stepping_batches`` (schedulers, read before the servers start) counts a
+        worker's share, ``1/W`` of it (:func:`worker_share`)."""
         loop = trainer.fit_loop
         original = loop.setup_data
 
@@ -181,6 +192,8 @@ class AsyncSGDStrategy(ParameterServerStrategy):
                 limit = trainer.limit_train_batches
                 total = self.sampler.num_batches
                 loop.max_batches = min(total, limit) if isinstance(limit, int) else total
+                if self.client is None:  # what a scheduler set up now should count
+                    loop.max_batches = worker_share(int(loop.max_batches), self.world_size)
             if self.sampler is not None and self.client is None:
                 # set up early (a scheduler asked for the step count): Lightning already
                 # began epoch 0's iterator, which found no servers; build it again later

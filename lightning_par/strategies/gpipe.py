@@ -28,17 +28,23 @@ from typing import Any
 
 import lightning.pytorch as pl
 import torch
+import torch.distributed as dist
+from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
+from torch import nn
 
+from lightning_par.pipeline.batchnorm import commit_batch_norm, defer_batch_norm
+from lightning_par.pipeline.optim_state import merge_stage_states, model_order, stage_state
 from lightning_par.pipeline.partition import split_sequential
 from lightning_par.pipeline.sequential import PipelinedSequential
 from lightning_par.pipeline.state import (
     gather_full_state_dict,
-    gather_optimizer_state,
+    gather_objects,
     send_weights_from_first,
     stage_optimizer_state,
 )
 from lightning_par.strategies import _gpipe_checks as checks
+from lightning_par.strategies import _pipeline_features as features
 from lightning_par.strategies._base import ParStrategy
 
 
@@ -55,6 +61,9 @@ class GPipeStrategy(ParStrategy):
         loss_attr: name of its mean-reduced loss module (used by ``"1f1b"`` only).
         balance_by: automatic balance by ``"params"`` (parameter count) or ``"time"``
             (forward + backward time per layer on ``module.example_input_array``).
+        deferred_batch_norm: BatchNorm layers keep their running statistics over the whole
+            mini-batch (torchgpipe's; :mod:`lightning_par.pipeline.batchnorm`); each
+            micro-batch is still normalised with its own statistics.
         **kwargs: ``trace``, ``trace_dir`` (per-rank traces for
             :mod:`lightning_par.pipeline.timeline`), ``start_method``,
             ``process_group_backend``, ``timeout``: see
@@ -73,13 +82,18 @@ class GPipeStrategy(ParStrategy):
         module_attr: str = "net",
         loss_attr: str = "criterion",
         balance_by: str = "params",
+        deferred_batch_norm: bool = False,
         **kwargs: Any,
     ) -> None:
         checks.check_settings(balance, chunks, checkpoint, schedule, balance_by)
+        if not isinstance(deferred_batch_norm, bool):
+            raise TypeError(f"deferred_batch_norm must be True or False: {deferred_batch_norm!r}")
         super().__init__(**kwargs)
+        self.deferred_batch_norm = deferred_batch_norm
         self.balance, self.chunks, self.checkpoint = balance, chunks, checkpoint
         self.schedule, self.module_attr, self.loss_attr = schedule, module_attr, loss_attr
         self.balance_by = balance_by
+        self._batch_checked = False
 
     # ---- splitting the network --------------------------------------------------------------
     def prepare_model(self, trainer: pl.Trainer) -> None:
@@ -103,6 +117,8 @@ class GPipeStrategy(ParStrategy):
             module, net, stages=self.world_size, balance=self.balance, balance_by=self.balance_by,
             rank=self.global_rank, broadcast=self.broadcast,
         )  # fmt: skip
+        if self.deferred_batch_norm:
+            defer_batch_norm(net)
         stages = split_sequential(net, balance)
         piped = PipelinedSequential(
             net, balance, self.comm, chunks=self.chunks, checkpoint=self.checkpoint,
@@ -116,11 +132,39 @@ class GPipeStrategy(ParStrategy):
     def check_before_launch(self, trainer: pl.Trainer | None = None) -> None:
         """Reject a network, balance or loss this strategy cannot run, before any process
         starts (the launcher calls this in the main process)."""
+        if self._layer_sync is not None:
+            raise ValueError(
+                f"{self.strategy_name} refuses sync_batchnorm=True: it synchronises BatchNorm "
+                "over data-parallel replicas, but every stage holds different layers and sees "
+                "the same batch; remove sync_batchnorm"
+            )
+        net = getattr(self.lightning_module, self.module_attr, None)
+        if isinstance(net, nn.Module) and not isinstance(net, PipelinedSequential):
+            features.warn_batchnorm(net, self.chunks, self.strategy_name, self.deferred_batch_norm)
         checks.check_before_launch(
             self.lightning_module, trainer, module_attr=self.module_attr,
             stages=self.num_processes * self.num_nodes, balance=self.balance,
             balance_by=self.balance_by, schedule=self.schedule, loss_attr=self.loss_attr,
             devices=self.parallel_devices or [], backend=self._process_group_backend,
+        )  # fmt: skip
+
+    def setup(self, trainer: pl.Trainer) -> None:
+        super().setup(trainer)
+        self._batch_checked = False
+        if trainer.state.fn == TrainerFn.FITTING:
+            self.precision_plugin.clip_grad_by_norm = self._clip_by_whole_norm
+            scaler = getattr(self.precision_plugin, "scaler", None)
+            if scaler is not None:
+                features.agree_on_overflow(scaler)
+
+    def _clip_by_whole_norm(self, optimizer: Any, clip_val: float) -> None:
+        """Lightning's clipping by norm, by the norm of every stage's gradients together."""
+        stage_ids = {id(p) for p in self.pipelined.parameters()}
+        params = list(self.precision_plugin.main_params(optimizer))
+        features.clip_grad_norm_across_stages(
+            [p for p in params if id(p) in stage_ids], clip_val,
+            shared_params=[p for p in params if id(p) not in stage_ids],
+            count_shared=self.global_rank == 0,
         )  # fmt: skip
 
     # ---- steps ------------------------------------------------------------------------------
@@ -134,6 +178,9 @@ class GPipeStrategy(ParStrategy):
 
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
         batch = args[0] if args else kwargs.get("batch")
+        if not self._batch_checked and self.world_size > 1:
+            features.check_same_batch(batch, self.global_rank, self.world_size, self.strategy_name)
+            self._batch_checked = True
         x = batch if isinstance(batch, torch.Tensor) else batch[0]
         if x.shape[0] < self.chunks:
             if self.lightning_module.trainer.global_step == 0:
@@ -155,6 +202,8 @@ class GPipeStrategy(ParStrategy):
     def backward(self, closure_loss: torch.Tensor, optimizer, *args: Any, **kwargs: Any):
         closure_loss = super().backward(closure_loss, optimizer, *args, **kwargs)
         self.pipelined.backward()  # GPipe's backward half (1F1B already ran its backwards)
+        if self.deferred_batch_norm:
+            commit_batch_norm(self.pipelined)  # the mini-batch's running statistics, once
         return closure_loss
 
     def validation_step(self, *args: Any, **kwargs: Any) -> Any:
@@ -172,10 +221,36 @@ class GPipeStrategy(ParStrategy):
         local = self.lightning_module.state_dict()
         return gather_full_state_dict(self.comm, local, f"{self.module_attr}.", self.root_device)
 
+    def _stage_names(self, optimizer: Any) -> tuple[list[str], list[list[str]]]:
+        """This stage's parameter names, in module order and per optimiser group."""
+        named = list(self.lightning_module.named_parameters())
+        by_id = {id(p): n for n, p in named}
+        groups = [[by_id[id(p)] for p in g["params"]] for g in optimizer.param_groups]
+        return [n for n, _ in named], groups
+
     def optimizer_state(self, optimizer) -> dict[str, Any]:
+        """On rank 0, the optimiser state of the whole model in the format of the user's
+        optimiser in one process (so it resumes under any strategy); ``{}`` elsewhere."""
         state = super().optimizer_state(optimizer)
-        return gather_optimizer_state(self.comm, state, self.root_device)
+        names, groups = self._stage_names(getattr(optimizer, "_optimizer", optimizer))
+        stages = gather_objects(self.comm, (state, names, groups), self.root_device)
+        if stages is None:
+            return {}
+        order = model_order([s[1] for s in stages], f"{self.module_attr}.")
+        return merge_stage_states([s[0] for s in stages], [s[2] for s in stages], order)
 
     def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
+        """Each stage takes its part of a whole-model optimiser state (written by any
+        strategy or one process; every rank must call this)."""
         for optimizer, state in zip(self.optimizers, checkpoint["optimizer_states"]):
-            optimizer.load_state_dict(stage_optimizer_state(state, self.global_rank))
+            if "pipeline_stages" in state:  # the per-stage format of earlier versions
+                optimizer.load_state_dict(stage_optimizer_state(state, self.global_rank))
+                continue
+            mine = self._stage_names(optimizer)
+            everyone: list[Any] = [mine]
+            if dist.is_initialized() and self.world_size > 1:
+                everyone = [None] * self.world_size
+                dist.all_gather_object(everyone, mine)
+            order = model_order([e[0] for e in everyone], f"{self.module_attr}.")
+            part = stage_state(state, self.global_rank, [e[1] for e in everyone], order)
+            optimizer.load_state_dict(part)

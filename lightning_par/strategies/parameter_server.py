@@ -95,20 +95,26 @@ class ParameterServerStrategy(WorkerGroupMixin, ParStrategy):
 
     # ---- refusing what we cannot do exactly ---------------------------------------------------
     def check_before_launch(self, trainer: pl.Trainer | None) -> None:
-        module = self.lightning_module
+        module, name = self.lightning_module, self.strategy_name
         if module is not None and not module.automatic_optimization:
             raise ValueError(
-                "parameter_server supports automatic optimisation only "
+                f"{name} supports automatic optimisation only "
                 "(the servers step the optimiser); manual optimisation is refused"
             )
         if trainer is not None and trainer.gradient_clip_val:
             raise ValueError(
-                "parameter_server cannot clip gradients: no process sees the whole averaged "
+                f"{name} cannot clip gradients: no process sees the whole averaged "
                 "gradient (each server holds a shard); remove gradient_clip_val"
             )
         precision = str(getattr(trainer, "precision", "32-true")) if trainer else "32-true"
         if precision not in ("32-true", "32"):
-            raise ValueError(f"parameter_server runs 32-bit precision only, got {precision!r}")
+            raise ValueError(f"{name} runs 32-bit precision only, got {precision!r}")
+        if self._layer_sync is not None:  # its collectives would wait for the servers too
+            raise ValueError(
+                f"{name} refuses sync_batchnorm=True: SyncBatchNorm's collectives run on the "
+                "process group of workers and servers, and the servers never join them; "
+                "remove sync_batchnorm"
+            )
 
     # ---- processes -----------------------------------------------------------------------------
     def setup_distributed(self) -> None:

@@ -1,0 +1,79 @@
+"""``async_sgd`` and the user's data: the loader it rebuilds and the step count schedulers see.
+
+With shared work (:mod:`lightning_par.paramserver.work`) each worker trains the batches it
+takes, about ``1/W`` of every epoch, not the whole epoch:
+
+* :func:`worker_share`: the optimiser steps per epoch a worker is expected to take, which
+  ``trainer.estimated_stepping_batches`` reports (so OneCycleLR, set up with it, anneals);
+* :func:`hold_final_lr`: a worker that takes a few more batches than its share keeps the
+  schedule's last learning rate instead of stepping past its end (OneCycleLR would raise);
+* :func:`rebuild_loader`: the user's DataLoader with the shared batch sampler, keeping every
+  other argument (workers, ``prefetch_factor``, ``generator``, ``timeout``,
+  ``multiprocessing_context``, ...);
+* :func:`user_sampler_name`: a sampler of the user's (which Lightning wraps in a
+  ``DistributedSamplerWrapper``) is honoured: that loader keeps Lightning's fixed shards.
+"""
+
+from __future__ import annotations
+
+import inspect
+import math
+from typing import Any
+
+from lightning.fabric.utilities.distributed import DistributedSamplerWrapper
+from torch.utils.data import DataLoader, Sampler
+
+#: DataLoader arguments besides the data and how it is sampled and batched.
+_KEPT = tuple(
+    name
+    for name in inspect.signature(DataLoader.__init__).parameters
+    if name
+    not in (
+        "self",
+        "dataset",
+        "batch_size",
+        "shuffle",
+        "sampler",
+        "batch_sampler",
+        "drop_last",
+    )  # fmt: skip
+)
+
+
+def worker_share(batches: int, workers: int) -> int:
+    """A worker's expected batches per epoch when ``workers`` share ``batches``."""
+    return max(1, math.ceil(batches / max(1, workers)))
+
+
+def rebuild_loader(dataloader: DataLoader, batch_sampler: Sampler) -> DataLoader:
+    """``dataloader`` with ``batch_sampler`` instead of its sampling and batching, every
+    other argument kept."""
+    kwargs = {name: getattr(dataloader, name) for name in _KEPT if hasattr(dataloader, name)}
+    return DataLoader(dataloader.dataset, batch_sampler=batch_sampler, **kwargs)
+
+
+def user_sampler_name(dataloader: DataLoader) -> str | None:
+    """The class name of the user's own sampler inside Lightning's distributed sampler, or
+    ``None`` when Lightning's plain ``DistributedSampler`` stands for a shuffle or not."""
+    sampler = dataloader.sampler
+    if isinstance(sampler, DistributedSamplerWrapper):
+        inner = getattr(sampler.dataset, "_sampler", None)
+        return type(inner).__name__ if inner is not None else "a custom sampler"
+    return None
+
+
+def hold_final_lr(scheduler: Any) -> None:
+    """Stop ``scheduler`` stepping past a fixed end (``total_steps``, OneCycleLR's): the
+    worker keeps the last learning rate of the schedule."""
+    total = getattr(scheduler, "total_steps", None)
+    if total is None or getattr(scheduler, "_lightning_par_held", False):
+        return
+    original = scheduler.step
+
+    def step(*args: Any, **kwargs: Any) -> None:
+        if scheduler.last_epoch >= total - 1:
+            return
+        original(*args, **kwargs)
+
+    scheduler.step = step
+    scheduler._lightning_par_held = True
