@@ -14,6 +14,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from lightning_par.paramserver.clipping import GradClip
 from lightning_par.paramserver.plan import ShardPlan
 
 #: Optimisers that update each element from that element's gradient and state only, so
@@ -49,6 +50,7 @@ class ServerSpec:
     schemas: list[Schema]  # the numbers of each group that travel in every header
     group_of: list[int]  # the param group of each parameter
     opt_index: list[int]  # each parameter's index in the worker optimiser's state_dict
+    clip: GradClip | None = None  # clipping of the averaged gradient, done on the servers
 
     @property
     def num_hyper(self) -> int:
@@ -82,7 +84,7 @@ def optimizer_index(optimizer: torch.optim.Optimizer, params: list[nn.Parameter]
 
 def server_spec(
     optimizer: torch.optim.Optimizer, params: list[nn.Parameter], num_workers: int,
-    buckets: list[list[int]], plan: ShardPlan,
+    buckets: list[list[int]], plan: ShardPlan, clip: GradClip | None = None,
 ) -> ServerSpec:  # fmt: skip
     """The spec worker 0 sends: the model's ``params`` as the optimiser holds them."""
     groups = optimizer.param_groups
@@ -98,6 +100,7 @@ def server_spec(
         schemas=[hyper_schema(g) for g in groups],
         group_of=[group_of[id(p)] for p in params],
         opt_index=optimizer_index(optimizer, params),
+        clip=clip,
     )
 
 
