@@ -67,11 +67,8 @@ FEATURES: dict[str, str] = {
 _SYNC_BN_CPU = Outcome("error", "SyncBatchNorm expected input tensor to be on GPU")
 
 _PS_REFUSALS = {
-    "clip_norm": refused("cannot clip gradients"),
-    "clip_value": refused("cannot clip gradients"),
     "manual_optimization": refused("supports automatic optimisation only"),
-    "bf16_mixed": refused("runs 32-bit precision only"),
-    "fp16_mixed_scaler": refused("runs 32-bit precision only"),
+    "fp16_mixed_scaler": refused("refuses precision='16-mixed' (MixedPrecision with a GradScaler)"),
     "sync_batchnorm": refused("refuses sync_batchnorm=True"),
     "unfreeze": Outcome("error", "needs one optimiser holding every trainable parameter"),
 }
