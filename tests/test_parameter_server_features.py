@@ -86,8 +86,8 @@ CLIP = {"norm": 0.5, "value": 0.05}
 
 @pytest.mark.parametrize(
     "algorithm,servers",
-    [("norm", 1), ("norm", 2), ("value", 2)],
-    ids=["norm-1", "norm-2", "value-2"],
+    [("norm", 1), ("norm", 2), ("value", 1), ("value", 2)],
+    ids=["norm-1", "norm-2", "value-1", "value-2"],
 )
 def test_clipping_equals_one_process(algorithm, servers):
     clip = {"gradient_clip_val": CLIP[algorithm], "gradient_clip_algorithm": algorithm}
@@ -122,9 +122,10 @@ def test_async_sgd_clips_each_push_by_its_own_norm():
     assert 0 < moved <= updates * c * (1 + 1e-4)
 
 
-def test_async_sgd_one_worker_clips_as_one_process():
+@pytest.mark.parametrize("algorithm", ["norm", "value"])
+def test_async_sgd_one_worker_clips_as_one_process(algorithm):
     # one worker's pushes, each clipped at the worker, are one process's clipped steps
-    clip = {"gradient_clip_val": CLIP["value"], "gradient_clip_algorithm": "value"}
+    clip = {"gradient_clip_val": CLIP[algorithm], "gradient_clip_algorithm": algorithm}
     reference = fit(Tiny(), "auto", 1, **clip)
     model = fit(Tiny(), AsyncSGDStrategy(num_servers=2, split_mb=0.0001), 1, **clip)
     torch.testing.assert_close(weights(model), weights(reference), rtol=1e-5, atol=1e-6)
