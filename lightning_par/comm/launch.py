@@ -77,9 +77,15 @@ def is_interactive() -> bool:
 
 
 def under_cluster_launcher() -> bool:
-    """True when torchrun, SLURM or an MPI launcher already started one process per rank."""
+    """True when torchrun or SLURM's ``srun`` already started one process per rank.
+
+    An interactive SLURM allocation (job name ``bash`` or ``interactive``, as Lightning's
+    ``SLURMEnvironment`` reads it) has ``SLURM_NTASKS`` but no ranks: Lightning starts
+    them, as on any machine."""
     env = os.environ
-    return ("LOCAL_RANK" in env and "WORLD_SIZE" in env) or "SLURM_NTASKS" in env
+    torchrun = "LOCAL_RANK" in env and "WORLD_SIZE" in env
+    srun = "SLURM_NTASKS" in env and env.get("SLURM_JOB_NAME") not in ("bash", "interactive")
+    return torchrun or srun
 
 
 def _thread_names() -> list[str] | None:
@@ -147,16 +153,19 @@ def plan_launch(
             honoured, but ``fork`` still gets the one-thread rule and the hazard check.
         state: the facts (default: :func:`process_state` now).
         can_exec: ``False`` for entry points whose rank function cannot be re-created in a
-            fresh interpreter by re-running a script (``run_on_ranks``): they choose
-            between ``fork`` and ``forkserver`` only.
+            fresh interpreter by re-running a script (``run_on_ranks``, the parameter
+            servers): they choose between ``fork`` and ``forkserver`` only, and start
+            their processes whoever started this one (torchrun, SLURM, ``popen``).
     """
     state = state or process_state()
     num_processes = max(1, num_processes)
     cores_per_rank = max(1, state.cores // num_processes)
     fork_threads = 1  # see the module docstring: a forked rank never uses OpenMP threads
-    if state.external_ranks:
+    if state.external_ranks and can_exec:
         return LaunchPlan("external", 0, "the ranks were started by an external launcher")
     requested = requested or os.environ.get("LIGHTNING_PAR_START_METHOD") or None
+    if requested == "popen" and not can_exec:
+        requested = None  # (asked of the Lightning launch; a function cannot be re-run so)
     if requested is not None:
         if requested not in START_METHODS:
             raise ValueError(f"start method {requested!r} is not one of {START_METHODS}")

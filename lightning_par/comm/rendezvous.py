@@ -1,20 +1,58 @@
-"""Process-group set-up: free ports on loopback and a timeout on every group."""
+"""Process-group set-up: where ranks meet, and how long a group waits for a peer.
+
+**Where ranks meet.** Every group of a strategy meets in one key-value store per job (a
+``TCPStore``), each group under its own key prefix, so that a second group in the same
+processes (``fit`` then ``test``; a parameter-server group of workers and servers) never
+reads the keys of the first:
+
+* a launch by this project (fork, forkserver, popen on one machine): the launching
+  process binds the store on a port the OS gives it (port 0) *before* any rank starts and
+  holds it for its whole life, then tells the ranks its address in
+  ``LIGHTNING_PAR_STORE``. A port found free and bound later by a rank can be taken in
+  between by another job started at the same moment; a port bound from the start cannot;
+* torchrun: the agent's store at ``MASTER_ADDR:MASTER_PORT`` (``TORCHELASTIC_USE_AGENT_STORE``);
+* SLURM and any other launcher: global rank 0 hosts the store at ``MASTER_ADDR:MASTER_PORT``
+  (Lightning's ``SLURMEnvironment`` derives the port from the job id).
+
+**How long.** :func:`default_timeout` (30 min, as torch's, or ``LIGHTNING_PAR_TIMEOUT``)
+bounds how long a collective waits for a peer that is alive but busy (a rank writing a
+checkpoint, compiling its first step). A peer that *died* is reported within seconds:
+gloo fails at once when its connection closes, and :mod:`lightning_par.comm.liveness`
+reports a peer that stopped answering (frozen, its machine gone) after
+:func:`dead_peer_timeout`.
+"""
 
 from __future__ import annotations
 
+import itertools
 import os
 import socket
+import uuid
+from dataclasses import dataclass
 from datetime import timedelta
 
 import torch.distributed as dist
 
-#: Seconds before a collective or receive gives up on a silent peer. Override with the
-#: environment variable ``LIGHTNING_PAR_TIMEOUT``.
-DEFAULT_TIMEOUT_S = 60.0
+#: Seconds a collective or receive may wait for a live peer. Override with the environment
+#: variable ``LIGHTNING_PAR_TIMEOUT`` or a strategy's ``timeout`` option.
+DEFAULT_TIMEOUT_S = 1800.0
+#: The limit of :func:`~lightning_par.comm.run_on_ranks` (tests, notebooks: short runs).
+RUN_TIMEOUT_S = 60.0
+#: Seconds without a heartbeat after which a peer is reported dead
+#: (``LIGHTNING_PAR_DEAD_PEER_S``); never more than the timeout.
+DEAD_PEER_S = 60.0
+#: The store a launch of this project holds for its ranks: ``host:port/launch-id``.
+STORE_ENV = "LIGHTNING_PAR_STORE"
 
 
-def default_timeout() -> timedelta:
-    return timedelta(seconds=float(os.environ.get("LIGHTNING_PAR_TIMEOUT", DEFAULT_TIMEOUT_S)))
+def default_timeout(default_s: float = DEFAULT_TIMEOUT_S) -> timedelta:
+    return timedelta(seconds=float(os.environ.get("LIGHTNING_PAR_TIMEOUT", default_s)))
+
+
+def dead_peer_timeout(timeout: timedelta | None = None) -> float:
+    """Seconds of silence after which a peer counts as dead (at most ``timeout``)."""
+    limit = float(os.environ.get("LIGHTNING_PAR_DEAD_PEER_S", DEAD_PEER_S))
+    return min(limit, timeout.total_seconds()) if timeout is not None else limit
 
 
 def find_free_port(host: str = "127.0.0.1") -> int:
@@ -22,6 +60,68 @@ def find_free_port(host: str = "127.0.0.1") -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
         sock.bind((host, 0))
         return sock.getsockname()[1]
+
+
+@dataclass(frozen=True)
+class StoreAddress:
+    """Where one process group meets: a job store and the key prefix of this group."""
+
+    host: str
+    port: int
+    prefix: str
+
+
+_hosted: list[dist.TCPStore] = []  # stores this process holds for the ranks it starts
+_joined: dict[tuple[int, str, int], dist.Store] = {}  # (pid, host, port) -> this process's
+_groups = itertools.count()  # groups this process has joined: the next group's prefix
+
+
+def host_job_store(host: str = "127.0.0.1") -> str:
+    """Launcher side: bind a store on a port the OS picks and hold it while this process
+    lives; returns its address for the ranks (``host:port/launch-id``; a new launch id per
+    call keeps each launch's keys apart)."""
+    store = dist.TCPStore(host, 0, is_master=True, wait_for_workers=False, use_libuv=True)
+    _hosted.append(store)
+    return f"{host}:{store.port}/{uuid.uuid4().hex[:8]}"
+
+
+def _job_store(rank: int, timeout: timedelta, spec: str | None) -> tuple[dist.Store, str, int, str]:
+    spec = spec or os.environ.get(STORE_ENV)
+    if spec:
+        where, launch = spec.rsplit("/", 1)
+        host, port_text = where.rsplit(":", 1)
+        port, master = int(port_text), False
+    else:
+        host = os.environ.get("MASTER_ADDR", "127.0.0.1")
+        port, launch = int(os.environ["MASTER_PORT"]), "job"
+        master = rank == 0 and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True"
+    key = (os.getpid(), host, port)
+    if key not in _joined:  # (a forked child must not use its parent's connection)
+        _joined[key] = dist.TCPStore(
+            host, port, is_master=master, wait_for_workers=False, timeout=timeout
+        )
+    return _joined[key], host, port, launch
+
+
+def group_store(
+    rank: int, timeout: timedelta, spec: str | None = None
+) -> tuple[dist.Store, StoreAddress]:
+    """The store of the next process group this rank joins, and its address (to give to
+    processes this rank starts for the same group, e.g. parameter servers). ``spec``: the
+    store a launcher of this project holds (default ``LIGHTNING_PAR_STORE``; else the
+    cluster's, see the module docstring). Every rank must join its groups in the same
+    order (they do: each runs the same script)."""
+    store, host, port, launch = _job_store(rank, timeout, spec)
+    address = StoreAddress(host, port, f"lightning_par/{launch}/{next(_groups)}")
+    return dist.PrefixStore(address.prefix, store), address
+
+
+def connect_group_store(address: StoreAddress, timeout: timedelta) -> dist.Store:
+    """A process started for a group (a server): the group's store, as a client."""
+    store = dist.TCPStore(
+        address.host, address.port, is_master=False, wait_for_workers=False, timeout=timeout
+    )
+    return dist.PrefixStore(address.prefix, store)
 
 
 def init_process_group(
@@ -51,5 +151,5 @@ def init_process_group(
         init_method=init,
         rank=rank,
         world_size=world_size,
-        timeout=timeout or default_timeout(),
+        timeout=timeout or default_timeout(RUN_TIMEOUT_S),
     )

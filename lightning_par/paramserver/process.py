@@ -1,20 +1,29 @@
-"""Server processes: started by worker 0, joined to the workers' process group, ended with it.
+"""Server processes: started by the workers, joined to the workers' process group, ended with it.
 
-Worker 0 (global rank 0, on the first node) starts the ``S`` servers just before it joins
-the process group of ``W + S`` ranks; the servers take ranks ``W .. W+S-1``. This works the
-same whichever way the workers were started (fork, popen, torchrun, SLURM): only worker 0
-starts processes, from its own address and port. How: :func:`~lightning_par.comm.plan_launch`
-with ``can_exec=False`` says ``fork`` where safe, else a clean ``forkserver``.
+ps-lite's server role: the ``S`` servers take ranks ``W .. W+S-1`` of one group with the
+``W`` workers, and are spread over the nodes: the worker of local rank 0 on node ``k``
+starts servers ``k, k + N, k + 2N, ...`` (``N`` nodes, :func:`servers_of_node`) next to
+itself, so the server links do not all end on node 0. This works whichever way the
+workers were started (fork, forkserver, popen, torchrun, SLURM): a worker starts its
+servers with :func:`~lightning_par.comm.plan_launch` for processes of its own
+(``can_exec=False``): ``fork`` where safe, else a clean ``forkserver``. The servers meet
+the workers in the job's store (:mod:`lightning_par.comm.rendezvous`), under the group's
+own key prefix; gloo then connects every pair directly, on ports the OS gives each process.
 
-Ending with the job: a server is a daemon child of worker 0 (killed when worker 0 exits),
-asks Linux to kill it when its parent dies, and watches worker 0's process id (a
-forkserver's child has the forkserver as parent), so no server outlives a failed run.
+Ending with the job: a server is a daemon child of the worker that started it (killed
+when that worker exits), asks Linux to kill it when its parent dies, and watches that
+worker's process id (a forkserver's child has the forkserver as parent), so no server
+outlives a failed run. The starting worker watches its servers in turn: one that dies
+(killed by the OOM killer, say) is reported within a second in the group's store, naming
+the server, so every worker's error names it (:mod:`lightning_par.paramserver.faults`).
 """
 
 from __future__ import annotations
 
 import multiprocessing as mp
+import multiprocessing.connection
 import os
+import signal
 import sys
 import threading
 import time
@@ -22,6 +31,8 @@ import traceback
 from datetime import timedelta
 
 from lightning_par.comm.launch import FORKSERVER_PRELOAD, limit_threads_after_fork, plan_launch
+from lightning_par.comm.liveness import Heartbeat
+from lightning_par.comm.rendezvous import StoreAddress, connect_group_store, dead_peer_timeout
 from lightning_par.comm.run import die_with_parent
 
 
@@ -34,8 +45,17 @@ def _watch(pid: int) -> None:
             os._exit(1)
 
 
+#: Marks a server's death in the message :func:`watch_servers` leaves for the workers.
+DIED = "; the job cannot go on without its shard of the parameters"
+
+
+def servers_of_node(num_servers: int, num_nodes: int, node_rank: int) -> list[int]:
+    """The servers node ``node_rank`` starts: every ``num_nodes``-th, from its own index."""
+    return list(range(node_rank, num_servers, max(1, num_nodes)))
+
+
 def server_main(
-    server: int, num_workers: int, num_servers: int, address: str, port: int,
+    server: int, num_workers: int, num_servers: int, address: StoreAddress,
     timeout_s: float, threads: int, owner: int, asynchronous: bool = False,
     staleness: int | None = None,
 ) -> None:  # fmt: skip
@@ -50,12 +70,17 @@ def server_main(
     threading.Thread(target=_watch, args=(owner,), daemon=True).start()
     limit_threads_after_fork(max(1, threads))
     rank = num_workers + server
+    timeout = timedelta(seconds=timeout_s)
     try:
+        store = connect_group_store(address, timeout)
         dist.init_process_group(
-            "gloo", init_method=f"tcp://{address}:{port}", rank=rank,
-            world_size=num_workers + num_servers, timeout=timedelta(seconds=timeout_s),
+            "gloo", store=store, rank=rank,
+            world_size=num_workers + num_servers, timeout=timeout,
         )  # fmt: skip
         dist.new_group(list(range(num_workers)))  # the workers' group: every rank takes part
+        watched = [0] if asynchronous else range(num_workers + num_servers)
+        beat = Heartbeat(store, rank, watched, dead_peer_timeout(timeout), _rank_name(num_workers))
+        beat.start()
         if asynchronous:
             from lightning_par.paramserver.asynchronous import serve_async
 
@@ -69,31 +94,80 @@ def server_main(
             file=sys.stderr, flush=True,
         )  # fmt: skip
         os._exit(1)  # do not wait for peers that may be gone
+    beat.stop()
     dist.destroy_process_group()
 
 
+def _rank_name(num_workers: int):
+    def name(rank: int) -> str:
+        if rank < num_workers:
+            return f"worker {rank} (rank {rank})"
+        return f"parameter server {rank - num_workers} (rank {rank})"
+
+    return name
+
+
 def start_servers(
-    num_workers: int, num_servers: int, address: str, port: int, timeout: timedelta,
-    asynchronous: bool = False, staleness: int | None = None,
+    servers: list[int], num_workers: int, num_servers: int, address: StoreAddress,
+    timeout: timedelta, asynchronous: bool = False, staleness: int | None = None,
 ) -> list[mp.process.BaseProcess]:  # fmt: skip
-    """Start the servers (call on worker 0 before it joins the process group); with
-    ``asynchronous`` they run :func:`~lightning_par.paramserver.asynchronous.serve_async`."""
-    plan = plan_launch("cpu", num_servers, can_exec=False)
+    """Start ``servers`` (indices out of ``num_servers``) from this worker, before it joins
+    the group at ``address``; with ``asynchronous`` they run
+    :func:`~lightning_par.paramserver.asynchronous.serve_async`."""
+    plan = plan_launch("cpu", max(1, len(servers)), can_exec=False)
     ctx = mp.get_context(plan.method)
     if plan.method == "forkserver":
         ctx.set_forkserver_preload(FORKSERVER_PRELOAD)
     daemonic = not mp.current_process().daemon  # a daemon may not start daemons
     procs = []
-    for s in range(num_servers):
+    for s in servers:
         # One intra-op thread: worker 0 may itself be a fork of a process whose OpenMP pool
         # had started, and libgomp hangs a grandchild's first multi-threaded region (seen
         # with Adam on a server); a server's element-wise update needs no more.
-        args = (s, num_workers, num_servers, address, port, timeout.total_seconds(), 1,
+        args = (s, num_workers, num_servers, address, timeout.total_seconds(), 1,
                 os.getpid(), asynchronous, staleness)  # fmt: skip
         proc = ctx.Process(target=server_main, args=args, daemon=daemonic, name=f"ps-server-{s}")
         proc.start()
+        proc.server_index = s  # type: ignore[attr-defined]
         procs.append(proc)
     return procs
+
+
+def watch_servers(procs: list[mp.process.BaseProcess], num_workers: int) -> threading.Event:
+    """Report a server of ``procs`` that dies before it is told to stop (set the returned
+    event first): its index, rank and how it ended go to the group's store, where every
+    worker's error message finds them. Call once this process has joined the group."""
+    from lightning_par.paramserver.faults import record_fault, reported_fault
+
+    stopping = threading.Event()
+
+    def watch() -> None:
+        left = {proc.sentinel: proc for proc in procs}
+        while left and not stopping.is_set():
+            for sentinel in mp.connection.wait(list(left), timeout=0.5):
+                proc = left.pop(sentinel)
+                proc.join()
+                if stopping.is_set() or proc.exitcode == 0 or reported_fault(grace_s=0):
+                    continue  # (a server that failed on its own said why already)
+                s = proc.server_index  # type: ignore[attr-defined]
+                record_fault(
+                    f"parameter server {s} (rank {num_workers + s}), process {proc.pid}, "
+                    f"{_how_it_ended(proc.exitcode)}{DIED}"
+                )
+
+    threading.Thread(target=watch, daemon=True, name="ps-server-watch").start()
+    return stopping
+
+
+def _how_it_ended(exitcode: int | None) -> str:
+    if exitcode is not None and exitcode < 0:
+        try:
+            name = signal.Signals(-exitcode).name
+        except ValueError:
+            name = f"signal {-exitcode}"
+        why = " (as the OOM killer does)" if name == "SIGKILL" else ""
+        return f"was killed by {name}{why}"
+    return f"exited with code {exitcode}"
 
 
 def stop_servers(procs: list[mp.process.BaseProcess], wait_s: float = 10.0) -> None:

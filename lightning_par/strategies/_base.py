@@ -7,8 +7,10 @@ plugin needs done its own way:
 * **launching** by the project's launch policy at ``fit`` time
   (:class:`~lightning_par.strategies._launchers.PolicyLauncher`), nothing launched when
   the ranks exist already (torchrun, SLURM, ``run_on_ranks``);
-* **the process group** with this project's timeout (60 s, ``LIGHTNING_PAR_TIMEOUT``)
-  instead of Lightning's 30 minutes, announced by one line for the whole run;
+* **the process group** met in a store no other job can take
+  (:mod:`lightning_par.comm.rendezvous`), waiting up to the ``timeout`` (30 min,
+  ``LIGHTNING_PAR_TIMEOUT``) for a live peer while a dead one is reported within seconds
+  (:mod:`lightning_par.comm.liveness`), announced by one line for the whole run;
 * **one trace option**: ``trace=True`` records every message and compute span in
   :attr:`trace` (a :class:`~lightning_par.comm.CommTrace`; after a fork launch the main
   process receives rank 0's), ``trace_dir=...`` also saves each rank's trace as
@@ -42,8 +44,9 @@ from lightning.fabric.utilities.seed import reset_seed
 from lightning.pytorch.strategies import DDPStrategy
 from lightning.pytorch.trainer.states import TrainerFn
 
-from lightning_par.comm import CommTrace, Communicator, default_timeout
+from lightning_par.comm import CommTrace, Communicator, default_timeout, liveness
 from lightning_par.comm.launch import START_METHODS, LaunchPlan
+from lightning_par.comm.rendezvous import StoreAddress, group_store
 from lightning_par.comm.trace import save_trace
 from lightning_par.strategies._launchers import (
     ExistingRanksLauncher,
@@ -114,6 +117,8 @@ class ParStrategy(DDPStrategy):
         self.trace: CommTrace | None = None
         self.comm: Communicator | None = None
         self.launch_plan: LaunchPlan | None = None
+        #: the store this project's launcher holds for the ranks (None: the cluster's)
+        self.store_spec: str | None = None
 
     @classmethod
     def option_names(cls) -> list[str]:
@@ -144,6 +149,10 @@ class ParStrategy(DDPStrategy):
         else:
             self._launcher = PolicyLauncher(self, requested=self._requested_start_method)
 
+    def describe_failure(self, error: BaseException) -> None:
+        """In the rank where ``error`` was raised: rewrite it in place to name the cause a
+        plugin knows better than the error does (override; the default changes nothing)."""
+
     def check_before_launch(self, trainer: pl.Trainer | None) -> None:
         """Reject a configuration this strategy cannot run, in the main process, before
         any rank starts (override; the default accepts everything)."""
@@ -158,7 +167,8 @@ class ParStrategy(DDPStrategy):
         if not dist.is_initialized():
             os.environ["MASTER_ADDR"] = env.main_address
             os.environ["MASTER_PORT"] = str(env.main_port)
-            kwargs: dict[str, Any] = {"timeout": self._timeout}
+            store, _ = self.group_store()
+            kwargs: dict[str, Any] = {"timeout": self._timeout, "store": store}
             if self.root_device.type != "cpu":
                 kwargs["device_id"] = self.root_device
             dist.init_process_group(
@@ -169,9 +179,28 @@ class ParStrategy(DDPStrategy):
             # alive then can abort the process ("terminate called without an active
             # exception"), as Lightning already guards against for NCCL.
             atexit.register(_destroy_process_group)
+            liveness.watch_group(
+                store, self.global_rank, self.watched_ranks(), self._timeout.total_seconds(),
+                self.rank_name,
+            )  # fmt: skip
+        elif liveness.current() is not None:
+            liveness.current().resume()  # fit, then test: the same group, watched again
         log_startup(
             self.strategy_name, self.world_size, self.launch_plan, self._process_group_backend
         )
+
+    def watched_ranks(self) -> list[int]:
+        """Ranks whose silence ends the job (:mod:`lightning_par.comm.liveness`): all."""
+        return list(range(self.world_size))
+
+    def rank_name(self, rank: int) -> str:
+        """How reports name group rank ``rank``."""
+        return f"rank {rank}"
+
+    def group_store(self) -> tuple[Any, StoreAddress]:
+        """The store the next process group meets in (see :mod:`lightning_par.comm.rendezvous`):
+        the one this project's launcher holds, else the cluster's."""
+        return group_store(self.global_rank, self._timeout, self.store_spec)
 
     def _get_process_group_backend(self) -> str:
         return self._process_group_backend or _get_default_process_group_backend_for_device(
@@ -216,6 +245,8 @@ class ParStrategy(DDPStrategy):
 
     # ---- end of a run ---------------------------------------------------------------------------
     def teardown(self) -> None:
+        if liveness.current() is not None:
+            liveness.current().finish()  # done with this stage: peers stop watching
         if self.trace_dir is not None and self.trace is not None:
             save_trace(self.trace, self.trace_dir / f"rank{self.global_rank}.json")
         super().teardown()
@@ -227,5 +258,6 @@ class ParStrategy(DDPStrategy):
 
 
 def _destroy_process_group() -> None:
+    liveness.stop_watching()
     if dist.is_available() and dist.is_initialized():
         dist.destroy_process_group()

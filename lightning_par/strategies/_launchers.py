@@ -7,6 +7,9 @@
 * runs the strategy's ``check_before_launch(trainer)`` in the main process, so a bad
   configuration fails once, with its own message, before any process starts;
 * warns when more ranks than cores (or GPUs) are asked for;
+* on one machine, binds the job's rendezvous store on a port the OS gives it before any
+  rank starts (:func:`~lightning_par.comm.rendezvous.host_job_store`), so two jobs started
+  at once never meet in one store;
 * forked ranks compute on the threads the plan allows and lead their own process group;
 * an interrupt of the main process (Ctrl-C, Jupyter's "interrupt kernel", SIGTERM from a
   scheduler) or any error there stops every rank and what it started, and says where the
@@ -27,10 +30,12 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 import lightning.pytorch as pl
+from lightning.fabric.strategies.launchers.multiprocessing import _disable_module_memory_sharing
 from lightning.pytorch.strategies.launchers.multiprocessing import (
     _MultiProcessingLauncher,
     _WorkerOutput,
@@ -44,8 +49,10 @@ from lightning_par.comm.launch import (
     LaunchPlan,
     limit_threads_after_fork,
     plan_launch,
+    process_state,
     warn_if_oversubscribed,
 )
+from lightning_par.comm.rendezvous import STORE_ENV, host_job_store
 from lightning_par.comm.run import die_with_parent, stop_process_groups
 from lightning_par.comm.trace import trace_from_dict, trace_to_dict
 from lightning_par.strategies._lost_workers import tolerate_lost_workers
@@ -105,8 +112,19 @@ class PolicyLauncher(_MultiProcessingLauncher):
         strategy = self._strategy
         strategy.check_before_launch(trainer)
         device = strategy.root_device_type
-        self.plan = plan_launch(device, strategy.num_processes, requested=self.requested)
+        # Lightning creates these ranks (its environment said so), whatever SLURM_* or
+        # torchrun variables an interactive allocation leaves in the environment
+        state = replace(process_state(), external_ranks=False)
+        self.plan = plan_launch(
+            device, strategy.num_processes, requested=self.requested, state=state
+        )
         strategy.launch_plan = self.plan
+        if strategy.num_nodes == 1:  # a store bound now: no other job can take its port
+            if self.plan.method != "popen":
+                strategy.store_spec = host_job_store()  # new ranks each launch
+            else:  # the scripts re-run once, for the first launch; this process is rank 0
+                os.environ.setdefault(STORE_ENV, host_job_store())
+                strategy.store_spec = os.environ[STORE_ENV]
         devices = None if device == "cpu" else _device_count(device)
         warn_if_oversubscribed(device, strategy.num_processes, devices)
         started = time.time()
@@ -157,8 +175,20 @@ class PolicyLauncher(_MultiProcessingLauncher):
         die_with_parent()
         if self._start_method == "fork":
             limit_threads_after_fork(self.plan.threads_per_rank if self.plan else 1)
-        return super()._wrapping_function(process_idx, trainer, function, args, kwargs, queue,
-                                          *rest)  # fmt: skip
+        elif self._start_method == "forkserver":
+            # The model arrived pickled through shared memory: every rank would step the
+            # SAME parameters (each update applied once per rank: measured 2x on 2 ranks).
+            # Lightning unshares them for "spawn" only.
+            args, kwargs = _disable_module_memory_sharing((args, kwargs))
+        try:
+            return super()._wrapping_function(process_idx, trainer, function, args, kwargs,
+                                              queue, *rest)  # fmt: skip
+        except BaseException as error:  # (Lightning's on_exception runs in the main process)
+            self._strategy.describe_failure(error)
+            # failed: the launcher's SIGTERM now just ends this rank (Lightning's handler
+            # would broadcast to peers that are gone, adding gloo's traceback to the log)
+            signal.signal(signal.SIGTERM, signal.SIG_DFL)
+            raise
 
     def _collect_rank_zero_results(self, trainer: pl.Trainer, results: Any) -> Any:
         callback = trainer.checkpoint_callback

@@ -8,6 +8,10 @@ left in its error file) is reported and left behind; a Python error raised in an
 stops every rank as before;
 rank 0 (logging, checkpoints, the servers' parent) ending with an error ends the job as
 before, with a message that says so.
+
+Every fork launch also joins with a short grace period (:data:`GRACE_S`): once a rank
+failed, torch waits 30 s after SIGTERM for the others by default, and a frozen rank (see
+:mod:`lightning_par.comm.liveness`) ignores SIGTERM.
 """
 
 from __future__ import annotations
@@ -53,16 +57,24 @@ def _join(context: Any, timeout: float | None = None, grace_period: float | None
     return not context.sentinels
 
 
+#: Seconds torch's join gives the other ranks to end on their own, then again after SIGTERM,
+#: once one rank failed (torch's default is 30 s after SIGTERM, which a frozen rank ignores).
+GRACE_S = 3.0
+
+
 @contextmanager
 def tolerate_lost_workers(enabled: bool) -> Iterator[None]:
-    """While a fork launch starts its ranks, join them with :func:`_join` (if ``enabled``)."""
-    if not enabled:
-        yield
-        return
+    """While a fork launch starts its ranks, join them with a short grace period, and with
+    :func:`_join` (lost workers left behind) if ``enabled``."""
 
-    def tolerant(context: Any) -> Any:
-        context.join = lambda timeout=None, grace_period=None: _join(context, timeout, grace_period)
+    def quick(context: Any) -> Any:
+        joiner = _join if enabled else type(context).join
+
+        def join(timeout: float | None = None, grace_period: float | None = None) -> bool:
+            return joiner(context, timeout, GRACE_S if grace_period is None else grace_period)
+
+        context.join = join
         return context
 
-    with _compat.patched_start_processes(tolerant):
+    with _compat.patched_start_processes(quick):
         yield

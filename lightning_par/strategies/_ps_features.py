@@ -7,7 +7,8 @@ launch, so a refusal names the strategy and the feature before any process start
   at the worker before its push (what one process on that batch does);
 * ``bf16-mixed``: the workers compute in autocast, their weights and gradients stay fp32,
   so the servers keep fp32 weights and optimiser state: nothing changes for them;
-* refused: ``16-mixed`` (a GradScaler unscales, skips steps on inf/NaN and moves its scale
+* refused: manual optimisation, ``sync_batchnorm`` (its collectives would wait for the
+  servers), ``16-mixed`` (a GradScaler unscales, skips steps on inf/NaN and moves its scale
   on the worker, while the servers step), true half precision (the servers would keep
   16-bit weights and optimiser state), a ``configure_gradient_clipping`` override (it would
   change only the worker's copy of the gradient, which the servers never see).
@@ -24,6 +25,27 @@ from lightning_par.paramserver.clipping import GradClip, from_trainer
 
 #: Precisions whose weights, gradients and optimiser state are fp32.
 SUPPORTED_PRECISION = ("32-true", "32", "bf16-mixed")
+
+
+def check_features(
+    name: str, module: pl.LightningModule | None, trainer: Any, layer_sync: Any
+) -> None:
+    """Everything strategy ``name`` refuses before launch (``layer_sync``: the strategy's
+    ``sync_batchnorm`` plugin, or ``None``)."""
+    if module is not None and not module.automatic_optimization:
+        raise ValueError(
+            f"{name} supports automatic optimisation only "
+            "(the servers step the optimiser); manual optimisation is refused"
+        )
+    check_clipping(name, module)
+    trainer_clip(trainer)  # a clear error for a bad gradient_clip_algorithm, here
+    check_precision(name, str(getattr(trainer, "precision", "32-true")) if trainer else "32-true")
+    if layer_sync is not None:  # its collectives would wait for the servers too
+        raise ValueError(
+            f"{name} refuses sync_batchnorm=True: SyncBatchNorm's collectives run on the "
+            "process group of workers and servers, and the servers never join them; "
+            "remove sync_batchnorm"
+        )
 
 
 def check_precision(name: str, precision: str) -> None:

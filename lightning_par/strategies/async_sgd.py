@@ -129,6 +129,10 @@ class AsyncSGDStrategy(ParameterServerStrategy):
         super().__init__(num_servers, bucket_cap_mb=ONE_BUCKET_MB, split_mb=split_mb, **kwargs)
         self._logged = 0
 
+    def watched_ranks(self) -> list[int]:
+        """Worker 0 and the servers: the others may be lost and the job goes on."""
+        return [0, *range(self.world_size, self.world_size + self.num_servers)]
+
     def _server_options(self) -> dict[str, Any]:
         return {"asynchronous": True, "staleness": self.staleness}
 

@@ -1,16 +1,17 @@
 """Synchronous sharded parameter server as a Lightning strategy.
 
 Workers are Lightning's training processes (``devices`` x ``num_nodes``); ``num_servers``
-extra processes, started by worker 0 (:mod:`lightning_par.paramserver.process`), hold the
+extra processes, started by the workers (:mod:`lightning_par.paramserver.process`), hold the
 parameters and the optimiser state and apply the updates (course material 003: "store the
 model parameters outside of the workers"). The algorithm is in :mod:`lightning_par.paramserver`;
 this file plugs it into Lightning:
 
-* ``setup_distributed``: worker 0 starts the servers, then all ``W + S`` ranks join one gloo
+* ``setup_distributed``: each node's local rank 0 starts its share of the servers
+  (:mod:`lightning_par.paramserver.process`), then all ``W + S`` ranks join one gloo
   process group; Lightning's ``barrier``/``broadcast``/``reduce``/``all_gather`` use a
   group of the workers only (:mod:`~lightning_par.strategies._worker_group`). Under
-  torchrun/SLURM nothing changes: launch ``W`` workers as usual and worker 0 starts the
-  servers next to itself.
+  popen, torchrun or SLURM nothing changes: launch ``W`` workers as usual. ``teardown``
+  ends the servers and the group, so ``fit`` then ``test`` starts fresh ones.
 * ``setup``: a :class:`~lightning_par.paramserver.ParameterClient` over the model and the
   user's optimiser (its class and param groups run on the servers);
 * the step: backward pushes each gradient bucket as it is filled, ``optimizer_step`` runs
@@ -40,16 +41,22 @@ from lightning.fabric.utilities.seed import reset_seed
 from lightning.pytorch.trainer.states import TrainerFn, TrainerStatus
 
 from lightning_par import _compat
-from lightning_par.comm import Event
+from lightning_par.comm import Event, liveness
 from lightning_par.paramserver.clipping import GradClip
-from lightning_par.paramserver.faults import explain
+from lightning_par.paramserver.faults import explain, reported_fault
 from lightning_par.paramserver.messages import send_object
-from lightning_par.paramserver.process import start_servers, stop_servers
+from lightning_par.paramserver.process import (
+    DIED,
+    servers_of_node,
+    start_servers,
+    stop_servers,
+    watch_servers,
+)
 from lightning_par.paramserver.protocol import server_rank
 from lightning_par.paramserver.worker import ParameterClient
 from lightning_par.strategies._base import ParStrategy
 from lightning_par.strategies._launchers import log_startup
-from lightning_par.strategies._ps_features import check_clipping, check_precision, trainer_clip
+from lightning_par.strategies._ps_features import check_features, trainer_clip
 from lightning_par.strategies._worker_group import WorkerGroupMixin, check_positive
 
 
@@ -98,27 +105,15 @@ class ParameterServerStrategy(WorkerGroupMixin, ParStrategy):
         self.client: ParameterClient | None = None
         self.worker_group: Any = None
         self._servers: list = []
+        self._server_watch: Any = None
+        #: the servers this process started (each node's local rank 0 starts its share)
+        self.started_servers: list[int] = []
         self._failed = False
         self._backward_start = 0.0
 
     # ---- refusing what we cannot do exactly ---------------------------------------------------
     def check_before_launch(self, trainer: pl.Trainer | None) -> None:
-        module, name = self.lightning_module, self.strategy_name
-        if module is not None and not module.automatic_optimization:
-            raise ValueError(
-                f"{name} supports automatic optimisation only "
-                "(the servers step the optimiser); manual optimisation is refused"
-            )
-        check_clipping(name, module)
-        trainer_clip(trainer)  # a clear error for a bad gradient_clip_algorithm, here
-        precision = str(getattr(trainer, "precision", "32-true")) if trainer else "32-true"
-        check_precision(name, precision)
-        if self._layer_sync is not None:  # its collectives would wait for the servers too
-            raise ValueError(
-                f"{name} refuses sync_batchnorm=True: SyncBatchNorm's collectives run on the "
-                "process group of workers and servers, and the servers never join them; "
-                "remove sync_batchnorm"
-            )
+        check_features(self.strategy_name, self.lightning_module, trainer, self._layer_sync)
 
     # ---- processes -----------------------------------------------------------------------------
     def setup_distributed(self) -> None:
@@ -130,20 +125,27 @@ class ParameterServerStrategy(WorkerGroupMixin, ParStrategy):
                 "cannot join one that exists. Start W workers (Trainer(devices=W), torchrun "
                 "--nproc-per-node W) without initialising torch.distributed first"
             )
-        env = self.cluster_environment
-        assert env is not None
-        workers, address, port = self.world_size, env.main_address, env.main_port
-        if self.global_rank == 0:
+        workers = self.world_size
+        store, address = self.group_store()
+        if self.local_rank == 0:  # each node starts its share of the servers
+            mine = servers_of_node(self.num_servers, self.num_nodes, self.node_rank)
+            self.started_servers = mine
             self._servers = start_servers(
-                workers, self.num_servers, address, port, self._timeout, **self._server_options()
-            )
+                mine, workers, self.num_servers, address, self._timeout,
+                **self._server_options(),
+            )  # fmt: skip
         dist.init_process_group(
             "gloo",
-            init_method=f"tcp://{address}:{port}",
+            store=store,
             rank=self.global_rank,
             world_size=workers + self.num_servers,
             timeout=self._timeout,
         )
+        self._server_watch = watch_servers(self._servers, workers) if self._servers else None
+        liveness.watch_group(
+            store, self.global_rank, self.watched_ranks(), self._timeout.total_seconds(),
+            self.rank_name,
+        )  # fmt: skip
         self.worker_group = dist.new_group(list(range(workers)))
         self.prepare_data_among_workers()
         log_startup(
@@ -257,11 +259,30 @@ class ParameterServerStrategy(WorkerGroupMixin, ParStrategy):
     # ---- the end -------------------------------------------------------------------------------
     def on_exception(self, exception: BaseException) -> None:
         self._failed = True  # no goodbye protocol: peers may be mid-step or gone
+        self.describe_failure(exception)
         # under torchrun Lightning calls this in the rank (a fork launch: in the main process)
         if self.client is None or not isinstance(exception, RuntimeError):
             return
         if exception.args and isinstance(exception.args[0], str):  # a server may know who
             exception.args = (explain(exception.args[0]), *exception.args[1:])
+
+    def watched_ranks(self) -> list[int]:
+        return list(range(self.world_size + self.num_servers))
+
+    def rank_name(self, rank: int) -> str:
+        if rank < self.world_size:
+            return f"worker {rank} (rank {rank})"
+        return f"parameter server {rank - self.world_size} (rank {rank})"
+
+    def describe_failure(self, error: BaseException) -> None:
+        """A server that died (killed outright, say by the OOM killer) is the cause: say
+        so, naming it, instead of gloo's "Connection closed by peer" chain."""
+        if not dist.is_initialized():
+            return
+        fault = reported_fault(grace_s=3.0)
+        if fault and fault.startswith("parameter server") and DIED in fault:
+            error.args = (f"worker {self.global_rank}: {fault}",)
+            error.__cause__, error.__suppress_context__ = None, True
 
     def teardown(self) -> None:
         trainer = _compat.attached_trainer(self.lightning_module)  # None once detached
@@ -274,7 +295,12 @@ class ParameterServerStrategy(WorkerGroupMixin, ParStrategy):
         elif clean and self.global_rank == 0 and self.comm is not None:
             for s in range(self.num_servers):  # nothing was trained: tell the servers
                 send_object(self.comm, None, server_rank(self.world_size, s))
+        if self._server_watch is not None:
+            self._server_watch.set()  # the servers end now: no longer news
         if self._servers:
             stop_servers(self._servers, wait_s=10.0 if clean else 0.0)
             self._servers = []
+        liveness.stop_watching()
+        if clean:  # the servers are gone: a later fit/test/validate builds a new group
+            dist.destroy_process_group()
         super().teardown()
