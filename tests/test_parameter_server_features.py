@@ -15,6 +15,8 @@ from torch.nn import functional as F
 from torch.utils.data import DataLoader, TensorDataset
 
 import lightning_par  # noqa: F401  (registers the strategy names)
+from lightning_par.comm import Communicator, run_on_ranks
+from lightning_par.paramserver import ParameterClient, serve
 from lightning_par.paramserver.clipping import GradClip, clip_flat, from_trainer, norm_factor
 from lightning_par.strategies._ps_features import check_precision
 from lightning_par.strategies.async_sgd import AsyncSGDStrategy
@@ -205,3 +207,50 @@ def test_bad_clipping_and_precision_are_clear_errors():
     check_precision("parameter_server", "bf16-mixed")  # accepted
     with pytest.raises(ValueError, match="parameter_server runs precision"):
         check_precision("parameter_server", "64-true")
+
+
+# ---- Lightning-free: a server holding nothing still takes part in the norm exchange ------
+
+
+def _linear() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Linear(5, 3)  # two tensors, three servers: one server holds no slice
+
+
+def _data():
+    g = torch.Generator().manual_seed(2)
+    n = STEPS * 8
+    return torch.randn(n, 5, generator=g) * 4, torch.randint(0, 3, (n,), generator=g)
+
+
+def _clip_rank(rank: int, world: int, workers: int, clip: GradClip):
+    comm = Communicator()
+    if rank >= workers:
+        serve(comm, rank - workers)
+        return None
+    model, (x, y) = _linear(), _data()
+    opt = torch.optim.SGD(model.parameters(), lr=0.5)
+    client = ParameterClient(model, opt, comm, workers, world - workers, clip=clip)
+    assert not client.plan.of_server(world - workers - 1)  # the last server holds nothing
+    per = 8 // workers
+    for step in range(STEPS):
+        lo = step * 8 + rank * per
+        F.cross_entropy(model(x[lo : lo + per]), y[lo : lo + per]).backward()
+        client.finish_backward()
+        opt.zero_grad()
+    client.close()
+    return weights(model).numpy()
+
+
+def test_a_server_with_no_slice_still_exchanges_its_norm():
+    clip = GradClip(0.3, "norm")
+    model, (x, y) = _linear(), _data()
+    opt = torch.optim.SGD(model.parameters(), lr=0.5)
+    for step in range(STEPS):
+        F.cross_entropy(model(x[step * 8 : step * 8 + 8]), y[step * 8 : step * 8 + 8]).backward()
+        assert torch.nn.utils.clip_grad_norm_(model.parameters(), clip.value) > clip.value
+        opt.step()
+        opt.zero_grad()
+    out = run_on_ranks(_clip_rank, 5, 2, clip, timeout=60)
+    for got in out[:2]:
+        torch.testing.assert_close(torch.from_numpy(got), weights(model), rtol=1e-5, atol=1e-6)
