@@ -254,3 +254,13 @@ def test_a_server_with_no_slice_still_exchanges_its_norm():
     out = run_on_ranks(_clip_rank, 5, 2, clip, timeout=60)
     for got in out[:2]:
         torch.testing.assert_close(torch.from_numpy(got), weights(model), rtol=1e-5, atol=1e-6)
+
+
+class WithLBFGS(Tiny):
+    def configure_optimizers(self):
+        return torch.optim.LBFGS(self.parameters())
+
+
+def test_an_optimiser_that_is_not_elementwise_is_refused_naming_the_strategy():
+    with pytest.raises(Exception, match=r"async_sgd cannot run LBFGS: its servers apply"):
+        fit(WithLBFGS(), AsyncSGDStrategy(num_servers=1), 2)

@@ -58,22 +58,25 @@ class ServerSpec:
         return sum(len(schema) for schema in self.schemas)
 
 
-def check_optimizer(optimizer: torch.optim.Optimizer, params: list[nn.Parameter]) -> None:
-    """Refuse optimisers the servers cannot reproduce exactly."""
+def check_optimizer(
+    optimizer: torch.optim.Optimizer, params: list[nn.Parameter], name: str = "the parameter server"
+) -> None:
+    """Refuse optimisers the servers cannot reproduce exactly (``name``: who refuses, the
+    strategy's name under Lightning)."""
     if not isinstance(optimizer, ELEMENTWISE):
         raise ValueError(
-            f"the parameter server cannot run {type(optimizer).__name__}: its servers apply "
+            f"{name} cannot run {type(optimizer).__name__}: its servers apply "
             "the optimiser to slices of the parameters, which is exact only for element-wise "
             f"optimisers ({', '.join(c.__name__ for c in ELEMENTWISE)})"
         )
     in_optimizer = [p for g in optimizer.param_groups for p in g["params"]]
     if {id(p) for p in in_optimizer} != {id(p) for p in params} or len(in_optimizer) != len(params):
         raise ValueError(
-            "the parameter server needs one optimiser holding every trainable parameter of "
+            f"{name} needs one optimiser holding every trainable parameter of "
             "the model exactly once (freeze parameters with requires_grad=False instead)"
         )
     if len({p.dtype for p in params}) != 1:
-        raise ValueError("the parameter server needs all trainable parameters in one dtype")
+        raise ValueError(f"{name} needs all trainable parameters in one dtype")
 
 
 def optimizer_index(optimizer: torch.optim.Optimizer, params: list[nn.Parameter]) -> list[int]:

@@ -53,6 +53,7 @@ class ParameterClient:
         trace: records ``bucket i`` events (push of that bucket) besides the messages.
         clip: clipping of the averaged gradient, done by the servers
             (:mod:`~lightning_par.paramserver.clipping`).
+        name: who refuses an optimiser it cannot run (the strategy's name).
     """
 
     def __init__(
@@ -67,9 +68,10 @@ class ParameterClient:
         split_mb: float = 1.0,
         trace: CommTrace | None = None,
         clip: GradClip | None = None,
+        name: str = "the parameter server",
     ) -> None:
         params = [p for p in module.parameters() if p.requires_grad]
-        check_optimizer(optimizer, params)
+        check_optimizer(optimizer, params, name)
         self.module, self.optimizer, self.comm, self.params = module, optimizer, comm, params
         self.rank, self.num_workers = comm.rank, num_workers
         self.servers = [server_rank(num_workers, s) for s in range(num_servers)]

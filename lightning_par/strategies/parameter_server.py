@@ -179,6 +179,7 @@ class ParameterServerStrategy(WorkerGroupMixin, ParStrategy):
             bucket_cap_mb=self.bucket_cap_mb,
             split_mb=self.split_mb,
             trace=self.trace,
+            name=self.strategy_name,
             **self._client_options(trainer_clip(trainer)),
         )
 
