@@ -40,6 +40,27 @@ def test_scripts_fork_only_with_one_core_per_rank_and_a_clean_parent():
     assert plan_launch("cpu", 2, state=state(external_ranks=True)).method == "external"
 
 
+def test_processes_of_a_rank_start_whoever_started_the_rank(monkeypatch):
+    # parameter servers under torchrun/SLURM/popen: once "external", a ValueError at start
+    ext = state(external_ranks=True)
+    assert plan_launch("cpu", 2, state=ext, can_exec=False).method == "fork"
+    assert plan_launch("cpu", 2, state=state(external_ranks=True, cuda_initialized=True),
+                       can_exec=False).method == "forkserver"  # fmt: skip
+    monkeypatch.setenv("LIGHTNING_PAR_START_METHOD", "popen")  # asked of the Lightning launch
+    assert plan_launch("cpu", 2, state=ext, can_exec=False).method == "fork"
+
+
+def test_an_interactive_slurm_allocation_has_no_ranks_yet(monkeypatch):
+    for key in [k for k in os.environ if k.startswith("SLURM_")] + ["LOCAL_RANK", "WORLD_SIZE"]:
+        monkeypatch.delenv(key, raising=False)
+    monkeypatch.setenv("SLURM_NTASKS", "2")
+    monkeypatch.setenv("SLURM_JOB_NAME", "train.sh")
+    assert launch.under_cluster_launcher()  # srun started the tasks
+    for name in ("bash", "interactive"):  # salloc, then Lightning starts the ranks
+        monkeypatch.setenv("SLURM_JOB_NAME", name)
+        assert not launch.under_cluster_launcher()
+
+
 def test_forked_ranks_always_compute_on_one_thread():
     for facts in ({"interactive": True}, {"under_pytest": True}, {"cores": 2}):
         plan = plan_launch("cpu", 2, state=state(**facts))

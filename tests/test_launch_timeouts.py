@@ -151,3 +151,36 @@ def test_two_jobs_started_at_once_never_share_a_rendezvous(tmp_path):
         rows = results([out])
         assert sorted(r["rank"] for r in rows) == [0, 1], out[-3000:]
         assert all(r["diff"] < 1e-5 for r in rows), rows
+
+
+def _beats(dead_after: float):
+    import torch.distributed as dist
+
+    from lightning_par.comm.liveness import Heartbeat
+
+    store, reports = dist.HashStore(), []
+    beats = [Heartbeat(store, r, [0, 1], dead_after, on_dead=reports.append) for r in (0, 1)]
+    return [b.start() for b in beats], reports
+
+
+def test_the_heartbeat_reports_a_silent_peer_and_not_a_finished_one():
+    (zero, one), reports = _beats(0.3)
+    time.sleep(0.6)
+    assert reports == []  # both beating
+    one.finish()
+    one._stop.set()  # finished, then gone: not reported
+    time.sleep(0.8)
+    assert reports == []
+    (zero, one), reports = _beats(0.3)
+    one._stop.set()  # frozen: no beat, not finished
+    time.sleep(1.2)
+    assert len(reports) == 1 and "rank 1 has not answered" in reports[0], reports
+    zero.stop()
+
+
+def test_each_node_starts_its_share_of_the_servers():
+    from lightning_par.paramserver.process import servers_of_node
+
+    assert [servers_of_node(5, 2, k) for k in (0, 1)] == [[0, 2, 4], [1, 3]]
+    assert servers_of_node(1, 2, 1) == []
+    assert servers_of_node(3, 1, 0) == [0, 1, 2]
