@@ -29,9 +29,15 @@ from dataclasses import dataclass, field
 class Outcome:
     kind: str  # one of KINDS
     message: str = ""  # refused/error/warns: a fragment of the message; differs: why
+    #: error: another message a run may show first (a peer's report of the failure)
+    also: str = ""
 
     def __str__(self) -> str:
-        return f"{self.kind}: {self.message}" if self.message else self.kind
+        text = f"{self.kind}: {self.message}" if self.message else self.kind
+        return f"{text} (or, from a peer first: {self.also})" if self.also else text
+
+    def matches(self, message: str) -> bool:
+        return self.message in message or bool(self.also and self.also in message)
 
 
 KINDS = ("exact", "as DDP", "runs", "warns", "differs", "refused", "error")
@@ -60,7 +66,9 @@ FEATURES: dict[str, str] = {
     "evaluate_after_fit": "validate, test and predict after fit",
     "early_stopping": "EarlyStopping on the training loss",
     "fit_twice": "fit 2 steps, then fit 2 more with a new Trainer",
-    "unfreeze": "a layer frozen at setup, unfrozen at step 2 (BackboneFinetuning's pattern)",
+    "unfreeze": "a layer frozen at setup, unfrozen at step 2 (the optimiser holds it)",
+    "add_param_group": "a frozen head unfrozen and added as a new param group at step 2 "
+    "(BackboneFinetuning's pattern)",
 }
 
 #: torch's SyncBatchNorm runs on GPUs only
@@ -70,7 +78,15 @@ _PS_REFUSALS = {
     "manual_optimization": refused("supports automatic optimisation only"),
     "fp16_mixed_scaler": refused("refuses precision='16-mixed' (MixedPrecision with a GradScaler)"),
     "sync_batchnorm": refused("refuses sync_batchnorm=True"),
-    "unfreeze": Outcome("error", "needs one optimiser holding every trainable parameter"),
+    "unfreeze": Outcome("error", "that are frozen (requires_grad=False) when fit starts"),
+    "add_param_group": Outcome("error", "became trainable after setup"),
+}
+#: async_sgd's workers are not in step: when one stops, another may report the lost
+#: servers before the launcher shows the first worker's message
+_ASYNC_ERRORS = {
+    "add_param_group": Outcome(
+        "error", "became trainable after setup", also="Connection reset by peer"
+    ),
 }
 
 
@@ -98,13 +114,14 @@ ROWS: dict[str, Row] = {
         "sync_batchnorm": refused("layerwise refuses sync_batchnorm=True"),
     }),
     "parameter_server": Row(EXACT, {**_PS_REFUSALS, "batchnorm": AS_DDP}),
-    "async_sgd": Row(RUNS, _PS_REFUSALS),
+    "async_sgd": Row(RUNS, {**_PS_REFUSALS, **_ASYNC_ERRORS}),
     "local_sgd": Row(RUNS, {"sync_batchnorm": _SYNC_BN_CPU}),
     "lightning_ddp": Row(EXACT, {
         "batchnorm": RUNS,
         "sync_batchnorm": Outcome("error", "SyncBatchNorm layers only work with GPU modules"),
         "unused_parameters": Outcome("error", "find_unused_parameters"),
         "unfreeze": Outcome("differs", "torch DDP's reducer fixes its parameters at setup"),
+        "add_param_group": Outcome("differs", "torch DDP's reducer fixes its parameters at setup"),
     }),
 }  # fmt: skip
 
@@ -152,7 +169,7 @@ def markdown_table() -> str:
         cells = [row.outcome(feature).kind for row in ROWS.values()]
         lines.append(f"| `{feature}` | " + " | ".join(cells) + " |")
     notes = [
-        f"- `{key}`, `{feature}`: {o.kind}: {o.message}"
+        f"- `{key}`, `{feature}`: {o}"
         for feature in FEATURES
         for key, row in ROWS.items()
         if (o := row.outcome(feature)).message

@@ -55,14 +55,18 @@ class Tiny(pl.LightningModule):
             self.unused = nn.Linear(4, 4)
         if feature == "module_parameter":
             self.scale = nn.Parameter(torch.tensor(1.5))
-        if feature == "unfreeze":
-            self.net[2].requires_grad_(False)
+        if feature == "unfreeze":  # the first layer: a pipeline's first stage is all frozen
+            self.net[0].requires_grad_(False)
+        if feature == "add_param_group":  # a head frozen, outside the optimiser, until step 2
+            self.head = nn.Linear(3, 3).requires_grad_(False)
         self.automatic_optimization = feature != "manual_optimization"
         self.criterion = nn.CrossEntropyLoss()
         self.shards = True  # set by the harness: does this rank read a shard?
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         out = self.net(x)
+        if self.feature == "add_param_group":
+            out = self.head(out)
         return out * self.scale if self.feature == "module_parameter" else out
 
     def train_dataloader(self) -> DataLoader:
@@ -78,9 +82,12 @@ class Tiny(pl.LightningModule):
 
     def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
         if self.feature == "unfreeze" and self.global_step == 2:
-            layer = dict(self.net.named_children()).get("2")  # a pipeline stage may lack it
+            layer = dict(self.net.named_children()).get("0")  # a pipeline stage may lack it
             if layer is not None:
                 layer.requires_grad_(True)
+        if self.feature == "add_param_group" and self.global_step == 2:
+            self.head.requires_grad_(True)
+            self.trainer.optimizers[0].add_param_group({"params": list(self.head.parameters())})
 
     def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor | None:
         x, y = batch
@@ -108,7 +115,10 @@ class Tiny(pl.LightningModule):
     def configure_optimizers(self) -> Any:
         if self.feature == "adamw":
             return torch.optim.AdamW(self.parameters(), lr=0.05, weight_decay=0.1)
-        opt = torch.optim.SGD(self.parameters(), lr=0.2, momentum=0.9)
+        params = self.parameters()  # "unfreeze": the frozen layer is in the optimiser
+        if self.feature == "add_param_group":  # ... here it joins later
+            params = [p for p in params if p.requires_grad]
+        opt = torch.optim.SGD(params, lr=0.2, momentum=0.9)
         if self.feature != "step_scheduler":
             return opt
         sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=0.5, total_steps=STEPS)

@@ -158,3 +158,24 @@ def test_gpipe_running_statistics_equal_one_process_with_deferred_batch_norm(def
         got.running_mean, want.running_mean, atol=1e-6
     )
     assert same == deferred
+
+
+class _FrozenFirstStage(Tiny):
+    """The first stage all frozen, and an optimiser of the trainable parameters only."""
+
+    def __init__(self) -> None:
+        super().__init__("none")
+        self.net[0].requires_grad_(False)
+        self.shards = False
+
+    def configure_optimizers(self):
+        return torch.optim.SGD([p for p in self.parameters() if p.requires_grad], lr=0.1)
+
+
+def _frozen_first_stage(rank: int, world: int) -> None:
+    make_trainer(GPipeStrategy(balance=[2, 3]), 2, "none", "").fit(_FrozenFirstStage())
+
+
+def test_a_stage_left_without_an_optimiser_parameter_is_named():
+    with pytest.raises(RankFailed, match="gpipe: stage 0 has no trainable parameters"):
+        run_on_ranks(_frozen_first_stage, 2, timeout=30)

@@ -86,16 +86,8 @@ def gather_full_state_dict(
     return full
 
 
-def gather_optimizer_state(comm: Communicator | None, state: Any, device: torch.device) -> Any:
-    """Every stage's optimiser state on rank 0 as ``{"pipeline_stages": [...]}`` (each stage
-    optimises different parameters), ``{}`` elsewhere; ``state`` itself without a ``comm``."""
-    if comm is None:
-        return state
-    stages = gather_objects(comm, state, device)
-    return {"pipeline_stages": stages} if stages is not None else {}
-
-
 def stage_optimizer_state(state: dict, rank: int) -> dict:
-    """This stage's part of a state saved by :func:`gather_optimizer_state` (any other state
-    is returned unchanged)."""
+    """This stage's part of a state saved as ``{"pipeline_stages": [...]}`` by earlier
+    versions (any other state is returned unchanged); checkpoints now hold the whole
+    model's state in one process's format (:mod:`lightning_par.pipeline.optim_state`)."""
     return state["pipeline_stages"][rank] if "pipeline_stages" in state else state

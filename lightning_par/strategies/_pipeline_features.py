@@ -48,7 +48,8 @@ def clip_grad_norm_across_stages(
     squares = torch.zeros((), dtype=torch.float32, device=device)
     for g in counted:
         squares += torch.linalg.vector_norm(g.detach().float(), 2) ** 2
-    dist.all_reduce(squares, group=group)
+    if dist.is_initialized():
+        dist.all_reduce(squares, group=group)
     total = squares.sqrt()
     coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)  # clip_grad_norm_'s formula
     for g in stage + shared:
@@ -72,7 +73,8 @@ def agree_on_overflow(scaler: Any, group: Any = None) -> None:
         any_inf = torch.zeros(1, dtype=torch.float32, device=device)
         for flag in flags:
             any_inf = torch.maximum(any_inf, flag.to(device).float().reshape(1))
-        dist.all_reduce(any_inf, op=dist.ReduceOp.MAX, group=group)
+        if dist.is_initialized():
+            dist.all_reduce(any_inf, op=dist.ReduceOp.MAX, group=group)
         for flag in flags:
             flag.copy_(any_inf.reshape(flag.shape).to(flag.device, flag.dtype))
         if not flags and any_inf.item() > 0:  # no gradient here: let step() see it too

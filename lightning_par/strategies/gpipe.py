@@ -8,8 +8,8 @@ this file only plugs it into Lightning's hooks.
 Contract with the LightningModule (the models in :mod:`lightning_par.models` satisfy it):
 
 * ``module.net`` (``module_attr``) is an ``nn.Sequential`` whose elements each map one
-  tensor to one tensor, with no batch-coupled layers (BatchNorm statistics would be per
-  micro-batch; use GroupNorm);
+  tensor to one tensor, best with no batch-coupled layers (BatchNorm normalises each
+  micro-batch on its own: a warning says so; use GroupNorm);
 * the loss depends on the parameters only through ``self.net(x)``, called once per step
   with the whole batch; everything after it (loss, metrics, logging) runs unchanged on
   every rank with the real output, which the last stage sends to all stages;
@@ -17,8 +17,12 @@ Contract with the LightningModule (the models in :mod:`lightning_par.models` sat
   (``loss_attr``) is a mean-reduced loss of ``(output, y)``: 1F1B needs the loss per
   micro-batch, and a mean loss is the size-weighted sum of micro-batch losses.
 
-All stages read the same batches (no distributed sampler). Checkpoints hold the full model
-gathered on rank 0 and load without this strategy (``CifarCNN.load_from_checkpoint``).
+All stages read the same batches (no distributed sampler; checked once, on the first
+batch). Checkpoints hold the full model gathered on rank 0, which loads without this
+strategy (``CifarCNN.load_from_checkpoint``), and the whole model's optimiser state in the
+format of the user's optimiser in one process (:mod:`lightning_par.pipeline.optim_state`),
+so they resume under any strategy. Clipping by norm, ``16-mixed`` and BatchNorm: see
+:mod:`lightning_par.strategies._pipeline_features`.
 """
 
 from __future__ import annotations
@@ -156,6 +160,20 @@ class GPipeStrategy(ParStrategy):
             scaler = getattr(self.precision_plugin, "scaler", None)
             if scaler is not None:
                 features.agree_on_overflow(scaler)
+
+    def setup_optimizers(self, trainer: pl.Trainer) -> None:
+        try:
+            super().setup_optimizers(trainer)
+        except ValueError as err:
+            if "empty parameter list" not in str(err):
+                raise
+            raise ValueError(
+                f"{self.strategy_name}: stage {self.global_rank} has no trainable parameters "
+                "(all frozen) and configure_optimizers left them out, so its optimiser is "
+                "empty: give the optimiser the frozen parameters too (self.parameters()), "
+                "to unfreeze them later, or choose a balance=[...] that gives every stage a "
+                "trainable layer"
+            ) from err
 
     def _clip_by_whole_norm(self, optimizer: Any, clip_val: float) -> None:
         """Lightning's clipping by norm, by the norm of every stage's gradients together."""

@@ -55,6 +55,10 @@ from lightning_par.paramserver.process import (
 from lightning_par.paramserver.protocol import server_rank
 from lightning_par.paramserver.worker import ParameterClient
 from lightning_par.strategies._base import ParStrategy
+from lightning_par.strategies._late_params import (
+    refuse_frozen_in_optimizer,
+    refuse_late_parameters,
+)
 from lightning_par.strategies._launchers import log_startup
 from lightning_par.strategies._ps_features import check_features, trainer_clip
 from lightning_par.strategies._worker_group import WorkerGroupMixin, check_positive
@@ -170,6 +174,7 @@ class ParameterServerStrategy(WorkerGroupMixin, ParStrategy):
                 f"returned {len(self.optimizers)}"
             )
         assert self.model is not None and self.comm is not None
+        refuse_frozen_in_optimizer(self.model, self.optimizers[0], self.strategy_name)
         self.client = self.client_cls(
             self.model,
             self.optimizers[0],
@@ -226,6 +231,11 @@ class ParameterServerStrategy(WorkerGroupMixin, ParStrategy):
         _compat.after_closure(self.precision_plugin, module, optimizer)
         _compat.mark_optimizer_stepped(optimizer)  # it did, on the servers: no scheduler warning
         return result
+
+    def training_step(self, *args: Any, **kwargs: Any) -> Any:
+        if self.client is not None:  # before this step pushes or pulls anything
+            refuse_late_parameters(self.lightning_module, self.client.params, self.strategy_name)
+        return super().training_step(*args, **kwargs)
 
     def _settled(self, hook: str, *args: Any, **kwargs: Any) -> Any:
         if self.client is not None:
