@@ -71,16 +71,19 @@ class StoreAddress:
     prefix: str
 
 
-_hosted: list[dist.TCPStore] = []  # stores this process holds for the ranks it starts
+_hosted: list[dist.TCPStore] = []  # stores this process holds for the ranks it started
 _joined: dict[tuple[int, str, int], dist.Store] = {}  # (pid, host, port) -> this process's
 _groups = itertools.count()  # groups this process has joined: the next group's prefix
 
 
-def host_job_store(host: str = "127.0.0.1") -> str:
-    """Launcher side: bind a store on a port the OS picks and hold it while this process
-    lives; returns its address for the ranks (``host:port/launch-id``; a new launch id per
-    call keeps each launch's keys apart)."""
+def host_job_store(host: str = "127.0.0.1", *, replace: bool = True) -> str:
+    """Launcher side: bind a store on a port the OS picks and hold it; returns its address
+    for the ranks (``host:port/launch-id``; a new launch id per call keeps each launch's
+    keys apart). ``replace``: release the stores of earlier launches from this process
+    (their ranks have ended: a fork launch returns when they do)."""
     store = dist.TCPStore(host, 0, is_master=True, wait_for_workers=False, use_libuv=True)
+    if replace:
+        _hosted.clear()
     _hosted.append(store)
     return f"{host}:{store.port}/{uuid.uuid4().hex[:8]}"
 

@@ -25,7 +25,12 @@ from datetime import timedelta
 from typing import Any
 
 from lightning_par.comm.launch import FORKSERVER_PRELOAD, limit_threads_after_fork, plan_launch
-from lightning_par.comm.rendezvous import default_timeout, find_free_port, init_process_group
+from lightning_par.comm.rendezvous import (
+    RUN_TIMEOUT_S,
+    default_timeout,
+    find_free_port,
+    init_process_group,
+)
 
 
 class RankFailed(RuntimeError):
@@ -148,7 +153,7 @@ def run_on_ranks(
 
     Each rank joins a fresh process group (meeting in a temporary file) and its return value
     is sent back; the list is ordered by rank. ``timeout`` (default:
-    :func:`~lightning_par.comm.default_timeout`) applies to every collective and receive;
+    ``LIGHTNING_PAR_TIMEOUT`` or 60 s: short runs) applies to every collective and receive;
     10 s later the parent stops ranks stuck elsewhere. If a rank raises, exits or hangs,
     every rank and what it started is killed and :class:`RankFailed` names the rank (a dead
     rank first, since its peers' errors are only the echo of its death). Forked ranks
@@ -158,7 +163,7 @@ def run_on_ranks(
     if world_size < 1:
         raise ValueError(f"world_size must be >= 1, got {world_size}")
     plan = plan_launch("cpu", world_size, can_exec=False)
-    group_timeout = default_timeout().total_seconds() if timeout is None else timeout
+    group_timeout = default_timeout(RUN_TIMEOUT_S).total_seconds() if timeout is None else timeout
     deadline_s = group_timeout + 10
     ctx = mp.get_context(plan.method)
     if plan.method == "forkserver":

@@ -29,6 +29,7 @@ import threading
 import time
 import traceback
 from datetime import timedelta
+from functools import partial
 
 from lightning_par.comm.launch import FORKSERVER_PRELOAD, limit_threads_after_fork, plan_launch
 from lightning_par.comm.liveness import Heartbeat
@@ -79,7 +80,9 @@ def server_main(
         )  # fmt: skip
         dist.new_group(list(range(num_workers)))  # the workers' group: every rank takes part
         watched = [0] if asynchronous else range(num_workers + num_servers)
-        beat = Heartbeat(store, rank, watched, dead_peer_timeout(timeout), _rank_name(num_workers))
+        beat = Heartbeat(
+            store, rank, watched, dead_peer_timeout(timeout), partial(role_name, num_workers)
+        )
         beat.start()
         if asynchronous:
             from lightning_par.paramserver.asynchronous import serve_async
@@ -98,13 +101,11 @@ def server_main(
     dist.destroy_process_group()
 
 
-def _rank_name(num_workers: int):
-    def name(rank: int) -> str:
-        if rank < num_workers:
-            return f"worker {rank} (rank {rank})"
-        return f"parameter server {rank - num_workers} (rank {rank})"
-
-    return name
+def role_name(num_workers: int, rank: int) -> str:
+    """``worker r (rank r)`` or ``parameter server s (rank W+s)``, for reports."""
+    if rank < num_workers:
+        return f"worker {rank} (rank {rank})"
+    return f"parameter server {rank - num_workers} (rank {rank})"
 
 
 def start_servers(
@@ -168,6 +169,17 @@ def _how_it_ended(exitcode: int | None) -> str:
         why = " (as the OOM killer does)" if name == "SIGKILL" else ""
         return f"was killed by {name}{why}"
     return f"exited with code {exitcode}"
+
+
+def name_dead_server(error: BaseException, rank: int) -> None:
+    """If a server died (killed outright, say by the OOM killer), make ``error`` say so,
+    naming it, instead of gloo's "Connection closed by peer" chain (in worker ``rank``)."""
+    from lightning_par.paramserver.faults import reported_fault
+
+    fault = reported_fault(grace_s=3.0)
+    if fault and fault.startswith("parameter server") and DIED in fault:
+        error.args = (f"worker {rank}: {fault}",)
+        error.__cause__, error.__suppress_context__ = None, True
 
 
 def stop_servers(procs: list[mp.process.BaseProcess], wait_s: float = 10.0) -> None:

@@ -42,16 +42,10 @@ from lightning.pytorch.trainer.states import TrainerFn, TrainerStatus
 
 from lightning_par import _compat
 from lightning_par.comm import Event, liveness
+from lightning_par.paramserver import process as servers
 from lightning_par.paramserver.clipping import GradClip
-from lightning_par.paramserver.faults import explain, reported_fault
+from lightning_par.paramserver.faults import explain
 from lightning_par.paramserver.messages import send_object
-from lightning_par.paramserver.process import (
-    DIED,
-    servers_of_node,
-    start_servers,
-    stop_servers,
-    watch_servers,
-)
 from lightning_par.paramserver.protocol import server_rank
 from lightning_par.paramserver.worker import ParameterClient
 from lightning_par.strategies._base import ParStrategy
@@ -132,9 +126,9 @@ class ParameterServerStrategy(WorkerGroupMixin, ParStrategy):
         workers = self.world_size
         store, address = self.group_store()
         if self.local_rank == 0:  # each node starts its share of the servers
-            mine = servers_of_node(self.num_servers, self.num_nodes, self.node_rank)
+            mine = servers.servers_of_node(self.num_servers, self.num_nodes, self.node_rank)
             self.started_servers = mine
-            self._servers = start_servers(
+            self._servers = servers.start_servers(
                 mine, workers, self.num_servers, address, self._timeout,
                 **self._server_options(),
             )  # fmt: skip
@@ -145,7 +139,9 @@ class ParameterServerStrategy(WorkerGroupMixin, ParStrategy):
             world_size=workers + self.num_servers,
             timeout=self._timeout,
         )
-        self._server_watch = watch_servers(self._servers, workers) if self._servers else None
+        self._server_watch = (
+            servers.watch_servers(self._servers, workers) if self._servers else None
+        )
         liveness.watch_group(
             store, self.global_rank, self.watched_ranks(), self._timeout.total_seconds(),
             self.rank_name,
@@ -281,19 +277,11 @@ class ParameterServerStrategy(WorkerGroupMixin, ParStrategy):
         return list(range(self.world_size + self.num_servers))
 
     def rank_name(self, rank: int) -> str:
-        if rank < self.world_size:
-            return f"worker {rank} (rank {rank})"
-        return f"parameter server {rank - self.world_size} (rank {rank})"
+        return servers.role_name(self.world_size, rank)
 
     def describe_failure(self, error: BaseException) -> None:
-        """A server that died (killed outright, say by the OOM killer) is the cause: say
-        so, naming it, instead of gloo's "Connection closed by peer" chain."""
-        if not dist.is_initialized():
-            return
-        fault = reported_fault(grace_s=3.0)
-        if fault and fault.startswith("parameter server") and DIED in fault:
-            error.args = (f"worker {self.global_rank}: {fault}",)
-            error.__cause__, error.__suppress_context__ = None, True
+        if dist.is_initialized():
+            servers.name_dead_server(error, self.global_rank)
 
     def teardown(self) -> None:
         trainer = _compat.attached_trainer(self.lightning_module)  # None once detached
@@ -309,7 +297,7 @@ class ParameterServerStrategy(WorkerGroupMixin, ParStrategy):
         if self._server_watch is not None:
             self._server_watch.set()  # the servers end now: no longer news
         if self._servers:
-            stop_servers(self._servers, wait_s=10.0 if clean else 0.0)
+            servers.stop_servers(self._servers, wait_s=10.0 if clean else 0.0)
             self._servers = []
         liveness.stop_watching()
         if clean:  # the servers are gone: a later fit/test/validate builds a new group
