@@ -75,11 +75,8 @@ FEATURES: dict[str, str] = {
 _SYNC_BN_CPU = Outcome("error", "SyncBatchNorm expected input tensor to be on GPU")
 
 _PS_REFUSALS = {
-    "clip_norm": refused("cannot clip gradients"),
-    "clip_value": refused("cannot clip gradients"),
     "manual_optimization": refused("supports automatic optimisation only"),
-    "bf16_mixed": refused("runs 32-bit precision only"),
-    "fp16_mixed_scaler": refused("runs 32-bit precision only"),
+    "fp16_mixed_scaler": refused("refuses precision='16-mixed' (MixedPrecision with a GradScaler)"),
     "sync_batchnorm": refused("refuses sync_batchnorm=True"),
     "unfreeze": Outcome("error", "that are frozen (requires_grad=False) when fit starts"),
     "add_param_group": Outcome("error", "became trainable after setup"),

@@ -6,6 +6,8 @@
 * :mod:`~lightning_par.paramserver.spec`: what a server knows of the model and optimiser;
 * :mod:`~lightning_par.paramserver.messages`: headers and objects over a Communicator;
 * :mod:`~lightning_par.paramserver.server`: the update rule and the synchronous serve loop;
+* :mod:`~lightning_par.paramserver.clipping`: gradient clipping over sharded gradients (by
+  norm: the servers exchange their shards' squared norms);
 * :mod:`~lightning_par.paramserver.client_plan` (what a worker sends where, a pure function)
   and :mod:`~lightning_par.paramserver.links` (the pushes and pulls that move it), shared by
   :mod:`~lightning_par.paramserver.worker` (synchronous: push per bucket during backward,
@@ -17,6 +19,7 @@
 from lightning_par.paramserver.async_client import AsyncParameterClient
 from lightning_par.paramserver.asynchronous import AsyncServer, serve_async
 from lightning_par.paramserver.client_plan import ClientPlan, plan_client
+from lightning_par.paramserver.clipping import GradClip
 from lightning_par.paramserver.plan import Piece, ShardPlan, plan_shards
 from lightning_par.paramserver.protocol import Command, Header, Kind, ProtocolError
 from lightning_par.paramserver.server import ShardOptimizer, serve, synchronous_step
@@ -28,6 +31,7 @@ __all__ = [
     "AsyncServer",
     "ClientPlan",
     "Command",
+    "GradClip",
     "Header",
     "Kind",
     "ParameterClient",

@@ -16,6 +16,7 @@ import torch
 from torch import nn
 
 from lightning_par.comm import Event, Handle
+from lightning_par.paramserver.clipping import GradClip, clip_flat
 from lightning_par.paramserver.messages import post_headers
 from lightning_par.paramserver.protocol import (
     IDLE_TIMEOUT,
@@ -37,13 +38,18 @@ class AsyncParameterClient(ParameterClient):
     With a trace, each applied update is an :class:`~lightning_par.comm.Event` named
     ``staleness`` whose ``micro_batch`` field holds the staleness.
 
+    ``local_clip`` clips each push (this worker's whole gradient) before it leaves, as one
+    process on that batch would (:func:`~lightning_par.paramserver.clipping.clip_flat`);
+    the servers then apply it as it comes.
+
     Attributes:
         updates: ``(step, staleness, lead)`` per applied update of this worker, the
             largest over the servers (each server counts its own updates).
     """
 
     def __init__(self, module: nn.Module, optimizer: torch.optim.Optimizer, *args: Any,
-                 **kwargs: Any) -> None:  # fmt: skip
+                 local_clip: GradClip | None = None, **kwargs: Any) -> None:  # fmt: skip
+        self.local_clip = local_clip
         kwargs.setdefault("bucket_cap_mb", ONE_BUCKET_MB)  # one push after backward
         self.updates: list[tuple[int, int, int]] = []
         self._info: list[tuple[int, Handle]] = []
@@ -54,6 +60,12 @@ class AsyncParameterClient(ParameterClient):
         # send headers; one at a time, so each header is built and posted whole.
         self._post = threading.RLock()
         super().__init__(module, optimizer, *args, **kwargs)
+        if local_clip is not None and len(self.buckets.buckets) != 1:
+            raise ValueError(
+                "async_sgd clips each worker's whole gradient before its one push; this model's "
+                f"gradient makes {len(self.buckets.buckets)} buckets (parameters of several "
+                "dtypes or devices)"
+            )
 
     def _headers(self, command: Command) -> list[tuple[int, Handle]]:
         """Post a header to every server without waiting (see
@@ -79,6 +91,8 @@ class AsyncParameterClient(ParameterClient):
         return self._headers(Command.STEP)  # waited for with the push
 
     def _push(self, bucket: Any) -> None:
+        if self.local_clip is not None:  # the whole gradient: one bucket
+            clip_flat(bucket.views, self.local_clip)
         with self._post:
             super()._push(bucket)
 

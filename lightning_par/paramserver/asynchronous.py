@@ -51,7 +51,7 @@ from lightning_par.paramserver.protocol import (
     split_push,
     work_message,
 )
-from lightning_par.paramserver.server import ShardOptimizer
+from lightning_par.paramserver.server import ShardOptimizer, apply_averaged
 from lightning_par.paramserver.spec import ServerSpec
 from lightning_par.paramserver.work import WorkQueue
 
@@ -166,7 +166,7 @@ class AsyncServer:
             self._release()
             return
         shard.set_hyper(hyper)  # this worker's schedule
-        for b, buf in zip(shard.active, bufs):
+        for b, buf in zip(shard.active, bufs):  # clipped by the worker, if at all
             shard.apply(b, *split_push(buf, shard.flat[b].numel()))
         self.waiting[w] = self.version - self.pulled[w]
         self.version += 1
@@ -191,12 +191,16 @@ class AsyncServer:
         order = sorted(self.held)
         shard = self.shard
         shard.set_hyper(self.held[order[0]][1])
+        grads = {}
         for i, b in enumerate(shard.active):
             total = self.held[order[0]][0][i].clone()
             for w in order[1:]:
                 total += self.held[w][0][i]  # worker order: the same sum as synchronous_step
             grad, used = split_push(total, shard.flat[b].numel())
-            shard.apply(b, grad.div_(len(order)), used)
+            grads[b] = (grad.div_(len(order)), used)
+        # clipped as synchronous_step does (by norm: over every server's shard of the mean);
+        # every server applies the same rounds in the same order
+        apply_averaged(self.comm, shard, grads, self.version)
         self.version += 1
         self.held.clear()
         for w in order:

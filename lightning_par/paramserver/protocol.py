@@ -29,7 +29,10 @@ has posted the receive of its kind, not before. What follows a header, by comman
 * ``STEP``: per gradient bucket one ``PUSH`` (gradient slices, then one "has a gradient"
   flag per slice) from the worker and one ``PULL`` (the updated slices) back; the
   asynchronous server adds one ``INFO`` (:data:`INFO_SIZE` floats: staleness, lead over
-  the slowest worker, server version) after the last bucket;
+  the slowest worker, server version) after the last bucket; with clipping by norm the
+  synchronous server waits for every bucket, then sends every other server its shard's
+  squared gradient norm (``NORM``, one float64) before it applies any
+  (:mod:`~lightning_par.paramserver.clipping`);
 * ``PULL`` (asynchronous): the server's current slices, one ``PULL`` per bucket;
 * ``NEXT`` (asynchronous, server 0): one ``WORK`` reply, int64 ``[epoch, batch]``;
 * ``GET_STATE``: each server sends worker 0 its optimiser state slices (``OBJECT``);
@@ -78,6 +81,7 @@ class Kind(IntEnum):
     PULL = 5
     INFO = 6
     WORK = 7
+    NORM = 8
 
 
 #: "No batch" in a header's trained/count fields and in a ``WORK`` reply.

@@ -17,13 +17,19 @@ Two parts, kept apart so that asynchronous SGD can reuse the first:
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
 from torch import nn
 
-from lightning_par.comm import CommError, Communicator, wait_all
+from lightning_par.comm import CommError, Communicator, Handle, wait_all
+from lightning_par.paramserver.clipping import (
+    clip_value,
+    exchange_squared_norms,
+    norm_factor,
+    squared_norm,
+)
 from lightning_par.paramserver.messages import recv_headers, recv_object, send_object
 from lightning_par.paramserver.protocol import (
     IDLE_TIMEOUT,
@@ -31,6 +37,7 @@ from lightning_par.paramserver.protocol import (
     Kind,
     ProtocolError,
     push_size,
+    server_rank,
     split_push,
 )
 from lightning_par.paramserver.spec import ServerSpec, set_hyper
@@ -43,6 +50,8 @@ class ShardOptimizer:
 
     def __init__(self, spec: ServerSpec, server: int) -> None:
         self.spec, self.server = spec, server
+        #: every server's group rank (clipping by norm: they exchange squared norms)
+        self.servers = [server_rank(spec.num_workers, s) for s in range(spec.plan.num_servers)]
         self.layout = [spec.plan.message(b, server) for b in spec.buckets]
         self.active = [b for b, pieces in enumerate(self.layout) if pieces]
         self.flat = [torch.zeros(sum(p.numel for p in m), dtype=spec.dtype) for m in self.layout]
@@ -75,6 +84,13 @@ class ShardOptimizer:
         """An empty ``PUSH`` of ``bucket`` from one worker, to receive into."""
         n, slices = self.flat[bucket].numel(), len(self.layout[bucket])
         return torch.empty(push_size(n, slices), dtype=self.spec.dtype)
+
+    def send_slices(
+        self, comm: Communicator, bucket: int, workers: Iterable[int], step: int
+    ) -> list[Handle]:
+        """Post ``bucket``'s updated slices to ``workers`` (``PULL``)."""
+        return [comm.isend(self.flat[bucket], w, step=step, chunk=bucket, tag=Kind.PULL)
+                for w in workers]  # fmt: skip
 
     def set_hyper(self, values: list[float]) -> None:
         """Hyperparameters from the workers (their schedulers run there)."""
@@ -133,23 +149,52 @@ def _copy(value: Any) -> Any:
     return value.detach().cpu().clone() if isinstance(value, torch.Tensor) else value
 
 
+def apply_averaged(
+    comm: Communicator, shard: ShardOptimizer, grads: dict[int, tuple[torch.Tensor, torch.Tensor]],
+    step: int,
+) -> None:  # fmt: skip
+    """Apply each active bucket's averaged gradient (``bucket -> (grad, used)``), clipped as
+    the spec says; by norm every server takes part, even one holding no bucket."""
+    clip = shard.spec.clip
+    if clip is not None and clip.algorithm == "norm":
+        mine = squared_norm([grad for grad, _ in grads.values()])
+        total = exchange_squared_norms(comm, shard.servers, shard.server, mine, step)
+        factor = norm_factor(total, clip.value)
+        for grad, _ in grads.values():
+            grad.mul_(factor)
+    for b, (grad, used) in grads.items():
+        if clip is not None and clip.algorithm == "value":
+            clip_value(grad, clip)
+        shard.apply(b, grad, used)
+
+
 def synchronous_step(comm: Communicator, shard: ShardOptimizer, step: int) -> None:
-    """Wait for every worker's push of a bucket, average, apply, send the slices back."""
+    """Wait for every worker's push of a bucket, average, apply, send the slices back.
+
+    Bucket by bucket, so the first buckets' weights go back while later pushes arrive;
+    clipping by norm needs the whole gradient's norm, so it waits for every bucket first."""
     workers = shard.spec.num_workers
     pushes = {b: [shard.push_buffer(b) for _ in range(workers)] for b in shard.active}
     recvs = {
         b: [comm.irecv(buf, w, step=step, chunk=b, tag=Kind.PUSH) for w, buf in enumerate(bufs)]
         for b, bufs in pushes.items()
     }
-    sends = []
+    whole = shard.spec.clip is not None and shard.spec.clip.algorithm == "norm"
+    sends, waiting = [], {}
     for b in shard.active:
         total = recvs[b][0].wait().clone()
         for handle in recvs[b][1:]:
             total += handle.wait()  # worker order: the same sum every run
         grad, used = split_push(total, shard.flat[b].numel())
-        shard.apply(b, grad.div_(workers), used)
-        sends += [comm.isend(shard.flat[b], w, step=step, chunk=b, tag=Kind.PULL)
-                  for w in range(workers)]  # fmt: skip
+        waiting[b] = (grad.div_(workers), used)
+        if whole:
+            continue
+        apply_averaged(comm, shard, waiting, step)
+        sends += shard.send_slices(comm, b, range(workers), step)
+        waiting = {}
+    if whole:
+        apply_averaged(comm, shard, waiting, step)
+        sends += [h for b in shard.active for h in shard.send_slices(comm, b, range(workers), step)]
     wait_all(sends)
 
 

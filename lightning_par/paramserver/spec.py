@@ -14,6 +14,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from lightning_par.paramserver.clipping import GradClip
 from lightning_par.paramserver.plan import ShardPlan
 
 #: Optimisers that update each element from that element's gradient and state only, so
@@ -49,6 +50,7 @@ class ServerSpec:
     schemas: list[Schema]  # the numbers of each group that travel in every header
     group_of: list[int]  # the param group of each parameter
     opt_index: list[int]  # each parameter's index in the worker optimiser's state_dict
+    clip: GradClip | None = None  # clipping of the averaged gradient, done on the servers
 
     @property
     def num_hyper(self) -> int:
@@ -56,22 +58,25 @@ class ServerSpec:
         return sum(len(schema) for schema in self.schemas)
 
 
-def check_optimizer(optimizer: torch.optim.Optimizer, params: list[nn.Parameter]) -> None:
-    """Refuse optimisers the servers cannot reproduce exactly."""
+def check_optimizer(
+    optimizer: torch.optim.Optimizer, params: list[nn.Parameter], name: str = "the parameter server"
+) -> None:
+    """Refuse optimisers the servers cannot reproduce exactly (``name``: who refuses, the
+    strategy's name under Lightning)."""
     if not isinstance(optimizer, ELEMENTWISE):
         raise ValueError(
-            f"the parameter server cannot run {type(optimizer).__name__}: its servers apply "
+            f"{name} cannot run {type(optimizer).__name__}: its servers apply "
             "the optimiser to slices of the parameters, which is exact only for element-wise "
             f"optimisers ({', '.join(c.__name__ for c in ELEMENTWISE)})"
         )
     in_optimizer = [p for g in optimizer.param_groups for p in g["params"]]
     if {id(p) for p in in_optimizer} != {id(p) for p in params} or len(in_optimizer) != len(params):
         raise ValueError(
-            "the parameter server needs one optimiser holding every trainable parameter of "
+            f"{name} needs one optimiser holding every trainable parameter of "
             "the model exactly once (freeze parameters with requires_grad=False instead)"
         )
     if len({p.dtype for p in params}) != 1:
-        raise ValueError("the parameter server needs all trainable parameters in one dtype")
+        raise ValueError(f"{name} needs all trainable parameters in one dtype")
 
 
 def optimizer_index(optimizer: torch.optim.Optimizer, params: list[nn.Parameter]) -> list[int]:
@@ -82,7 +87,7 @@ def optimizer_index(optimizer: torch.optim.Optimizer, params: list[nn.Parameter]
 
 def server_spec(
     optimizer: torch.optim.Optimizer, params: list[nn.Parameter], num_workers: int,
-    buckets: list[list[int]], plan: ShardPlan,
+    buckets: list[list[int]], plan: ShardPlan, clip: GradClip | None = None,
 ) -> ServerSpec:  # fmt: skip
     """The spec worker 0 sends: the model's ``params`` as the optimiser holds them."""
     groups = optimizer.param_groups
@@ -98,6 +103,7 @@ def server_spec(
         schemas=[hyper_schema(g) for g in groups],
         group_of=[group_of[id(p)] for p in params],
         opt_index=optimizer_index(optimizer, params),
+        clip=clip,
     )
 
 

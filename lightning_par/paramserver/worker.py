@@ -26,6 +26,7 @@ from torch import nn
 from lightning_par.comm import CommError, CommTrace, Communicator, Handle
 from lightning_par.comm.buckets import Bucket, GradientBuckets
 from lightning_par.paramserver.client_plan import plan_client
+from lightning_par.paramserver.clipping import GradClip
 from lightning_par.paramserver.faults import explain
 from lightning_par.paramserver.links import ServerLinks
 from lightning_par.paramserver.messages import recv_object, send_headers, send_object
@@ -50,6 +51,9 @@ class ParameterClient:
         bucket_cap_mb: gradient bucket size (MiB); small buckets push layer by layer.
         split_mb: tensors larger than this (MiB) are split over all servers.
         trace: records ``bucket i`` events (push of that bucket) besides the messages.
+        clip: clipping of the averaged gradient, done by the servers
+            (:mod:`~lightning_par.paramserver.clipping`).
+        name: who refuses an optimiser it cannot run (the strategy's name).
     """
 
     def __init__(
@@ -63,9 +67,11 @@ class ParameterClient:
         bucket_cap_mb: float = 1.0,
         split_mb: float = 1.0,
         trace: CommTrace | None = None,
+        clip: GradClip | None = None,
+        name: str = "the parameter server",
     ) -> None:
         params = [p for p in module.parameters() if p.requires_grad]
-        check_optimizer(optimizer, params)
+        check_optimizer(optimizer, params, name)
         self.module, self.optimizer, self.comm, self.params = module, optimizer, comm, params
         self.rank, self.num_workers = comm.rank, num_workers
         self.servers = [server_rank(num_workers, s) for s in range(num_servers)]
@@ -85,7 +91,7 @@ class ParameterClient:
         self.plan = self.layout.shards
         self.links = ServerLinks(comm, self.layout, params, self.servers)
         if self.rank == 0:
-            spec = server_spec(optimizer, params, num_workers, members, self.plan)
+            spec = server_spec(optimizer, params, num_workers, members, self.plan, clip)
             for server in self.servers:
                 send_object(comm, spec, server)
             self.links.send_initial()

@@ -25,7 +25,10 @@ processes, checkpoints and refusals are those of
   at the end every worker receives the servers' final weights once all have stopped.
 
 Each worker's gradient is applied as a full optimiser step, so per update the learning rate
-acts on one worker's batch (the synchronous server applies the mean of ``W``).
+acts on one worker's batch (the synchronous server applies the mean of ``W``); with
+``gradient_clip_val`` that worker's gradient is clipped (by its own norm, or by value)
+before its push, as one process would clip it on that batch (``staleness=0``: the mean,
+clipped on the servers).
 """
 
 from __future__ import annotations
@@ -43,6 +46,7 @@ from torchmetrics import Metric
 from lightning_par import _compat
 from lightning_par.comm import CommTrace
 from lightning_par.paramserver.async_client import ONE_BUCKET_MB, AsyncParameterClient
+from lightning_par.paramserver.clipping import GradClip
 from lightning_par.paramserver.protocol import NONE
 from lightning_par.paramserver.work import SharedBatchSampler
 from lightning_par.strategies._async_loader import (
@@ -132,6 +136,12 @@ class AsyncSGDStrategy(ParameterServerStrategy):
 
     def _server_options(self) -> dict[str, Any]:
         return {"asynchronous": True, "staleness": self.staleness}
+
+    def _client_options(self, clip: GradClip | None) -> dict[str, Any]:
+        """``staleness=0`` applies the mean of every worker's gradient, clipped on the servers
+        as the synchronous server does; otherwise each push is one worker's gradient, which
+        that worker clips before pushing (one process on that batch would do the same)."""
+        return {"clip": clip} if self.staleness == 0 else {"local_clip": clip}
 
     def setup(self, trainer: pl.Trainer) -> None:
         if trainer.state.fn == TrainerFn.FITTING:

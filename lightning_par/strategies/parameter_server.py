@@ -21,9 +21,11 @@ this file plugs it into Lightning:
   from the servers, in the format of the user's optimiser, so they load without this
   strategy; resuming sends the state back to the servers.
 
-Refused before training: manual optimisation, several optimisers, gradient clipping (the
-servers would need the global norm over all shards), precision other than 32-bit,
-optimisers that are not element-wise.
+Gradient clipping (by norm: the servers exchange their shards' squared norms) and
+``bf16-mixed`` are exact against one process (:mod:`~lightning_par.strategies._ps_features`).
+Refused before training: manual optimisation, several optimisers, ``16-mixed`` and true
+half precision, a ``configure_gradient_clipping`` override, ``sync_batchnorm``, optimisers
+that are not element-wise.
 """
 
 from __future__ import annotations
@@ -41,6 +43,7 @@ from lightning.pytorch.trainer.states import TrainerFn, TrainerStatus
 from lightning_par import _compat
 from lightning_par.comm import Event, liveness
 from lightning_par.paramserver import process as servers
+from lightning_par.paramserver.clipping import GradClip
 from lightning_par.paramserver.faults import explain
 from lightning_par.paramserver.messages import send_object
 from lightning_par.paramserver.protocol import server_rank
@@ -51,6 +54,7 @@ from lightning_par.strategies._late_params import (
     refuse_late_parameters,
 )
 from lightning_par.strategies._launchers import log_startup
+from lightning_par.strategies._ps_features import check_features, trainer_clip
 from lightning_par.strategies._worker_group import WorkerGroupMixin, check_positive
 
 
@@ -73,6 +77,10 @@ class ParameterServerStrategy(WorkerGroupMixin, ParStrategy):
     def _server_options(self) -> dict[str, Any]:
         """Keyword arguments for :func:`~lightning_par.paramserver.process.start_servers`."""
         return {}
+
+    def _client_options(self, clip: GradClip | None) -> dict[str, Any]:
+        """Keyword arguments for the client: the servers clip the averaged gradient."""
+        return {"clip": clip}
 
     def __init__(
         self,
@@ -103,26 +111,7 @@ class ParameterServerStrategy(WorkerGroupMixin, ParStrategy):
 
     # ---- refusing what we cannot do exactly ---------------------------------------------------
     def check_before_launch(self, trainer: pl.Trainer | None) -> None:
-        module, name = self.lightning_module, self.strategy_name
-        if module is not None and not module.automatic_optimization:
-            raise ValueError(
-                f"{name} supports automatic optimisation only "
-                "(the servers step the optimiser); manual optimisation is refused"
-            )
-        if trainer is not None and trainer.gradient_clip_val:
-            raise ValueError(
-                f"{name} cannot clip gradients: no process sees the whole averaged "
-                "gradient (each server holds a shard); remove gradient_clip_val"
-            )
-        precision = str(getattr(trainer, "precision", "32-true")) if trainer else "32-true"
-        if precision not in ("32-true", "32"):
-            raise ValueError(f"{name} runs 32-bit precision only, got {precision!r}")
-        if self._layer_sync is not None:  # its collectives would wait for the servers too
-            raise ValueError(
-                f"{name} refuses sync_batchnorm=True: SyncBatchNorm's collectives run on the "
-                "process group of workers and servers, and the servers never join them; "
-                "remove sync_batchnorm"
-            )
+        check_features(self.strategy_name, self.lightning_module, trainer, self._layer_sync)
 
     # ---- processes -----------------------------------------------------------------------------
     def setup_distributed(self) -> None:
@@ -130,7 +119,7 @@ class ParameterServerStrategy(WorkerGroupMixin, ParStrategy):
         self.set_world_ranks()
         if dist.is_initialized():
             raise RuntimeError(
-                "parameter_server builds its own process group of workers and servers; it "
+                f"{self.strategy_name} builds its own process group of workers and servers; it "
                 "cannot join one that exists. Start W workers (Trainer(devices=W), torchrun "
                 "--nproc-per-node W) without initialising torch.distributed first"
             )
@@ -177,7 +166,7 @@ class ParameterServerStrategy(WorkerGroupMixin, ParStrategy):
         _compat.replace_sigterm_broadcast(trainer, self.broadcast_sigterm)
         if len(self.optimizers) != 1:
             raise ValueError(
-                f"parameter_server runs one optimiser; configure_optimizers "
+                f"{self.strategy_name} runs one optimiser; configure_optimizers "
                 f"returned {len(self.optimizers)}"
             )
         assert self.model is not None and self.comm is not None
@@ -191,6 +180,8 @@ class ParameterServerStrategy(WorkerGroupMixin, ParStrategy):
             bucket_cap_mb=self.bucket_cap_mb,
             split_mb=self.split_mb,
             trace=self.trace,
+            name=self.strategy_name,
+            **self._client_options(trainer_clip(trainer)),
         )
 
     # ---- the step ------------------------------------------------------------------------------
@@ -229,7 +220,7 @@ class ParameterServerStrategy(WorkerGroupMixin, ParStrategy):
         result = closure()
         if result is None:
             raise RuntimeError(
-                "parameter_server: training_step returned None; every worker "
+                f"{self.strategy_name}: training_step returned None; every worker "
                 "must push every step (the servers wait for all of them)"
             )
         module = model if isinstance(model, pl.LightningModule) else self.lightning_module
