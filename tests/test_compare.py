@@ -128,3 +128,12 @@ def test_report_of_three_strategies(tmp_path, capsys):
     for picture in ("step_split.png", "throughput_bytes_memory.png", "loss.png"):
         assert (out / picture).read_bytes()[:4] == b"\x89PNG"
         assert f"]({picture})" in page
+
+
+def test_load_warning_counts_other_jobs_not_the_comparisons_own_workers():
+    from lightning_par.compare.report import _load_warning
+
+    machine = {"cores": 2, "load_1m_start": 0.6, "load_1m_end": 2.9}
+    assert _load_warning(machine, own=2) == []  # its own 2 workers kept 2 cores busy
+    assert "oversubscribed (load 2.9 on 2 cores" in _load_warning(machine, own=0)[0]
+    assert _load_warning({**machine, "load_1m_start": 3.5}, own=2)  # busy before it began

@@ -179,7 +179,7 @@ def markdown(doc: dict, pictures: list[str]) -> str:
         "warm up). Times in milliseconds per step. Times on a shared machine are noisy: "
         "compare columns, not digits.",
         "",
-        *_load_warning(m),
+        *_load_warning(m, s.get("devices") or 0),
         table(doc["rows"]),
         "",
         "## What this run says",
@@ -274,10 +274,14 @@ def takeaways(rows: list[dict]) -> list[str]:
     return out
 
 
-def _load_warning(machine: dict) -> list[str]:
-    load = max(machine["load_1m_start"], machine.get("load_1m_end") or 0)
-    if not machine["cores"] or load <= machine["cores"]:
+def _load_warning(machine: dict, own: int) -> list[str]:
+    """Warn when other jobs shared the cores: the load before the run, or the load after it
+    less the ``own`` worker processes the comparison itself kept busy in its last minute."""
+    before, after = machine["load_1m_start"], machine.get("load_1m_end") or 0
+    cores = machine["cores"]
+    if not cores or (before <= cores and after - own <= cores):
         return []
+    load = max(before, after)
     return [
         f"**The machine was oversubscribed (load {load} on {machine['cores']} cores, other "
         "jobs running): the time columns mostly say which run got the CPU. Bytes, state, "
