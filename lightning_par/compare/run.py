@@ -151,7 +151,8 @@ def run_row(row: dict, folder: str) -> dict:
         "data_replicas": replicas,
         "servers": int(getattr(trainer.strategy, "num_servers", 0) or 0),
         "start_method": getattr(getattr(trainer.strategy, "launch_plan", None), "method", None),
-        "data": data.source_used,
+        # which source, not where it lies on this machine (the report is shared)
+        "data": data.hparams.source,
     }
 
 
