@@ -119,6 +119,10 @@ ROWS: dict[str, Row] = {
     "parameter_server": Row(EXACT, {**_PS_REFUSALS, "batchnorm": AS_DDP}),
     "async_sgd": Row(RUNS, {**_PS_REFUSALS, **_ASYNC_ERRORS}),
     "local_sgd": Row(RUNS, {"sync_batchnorm": _SYNC_BN_CPU}),
+    "tensor_parallel": Row(EXACT, {
+        "fp16_mixed_scaler": refused("tensor_parallel: a gradient scaler"),
+        "sync_batchnorm": refused("tensor_parallel: sync_batchnorm"),
+    }),
     "lightning_ddp": Row(EXACT, {
         "batchnorm": RUNS,
         "sync_batchnorm": Outcome("error", "SyncBatchNorm layers only work with GPU modules"),
