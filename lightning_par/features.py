@@ -142,6 +142,7 @@ RESUME_KINDS: dict[str, str] = {
     "local SGD": "local_sgd",
     "pipeline": "gpipe",
     "layer-wise": "layerwise",
+    "tensor": "tensor_parallel",
 }
 #: Their results are not one process's: a resume through them only has to train.
 NOT_ONE_PROCESS = ("async_sgd", "local_sgd")
