@@ -95,10 +95,18 @@ _ASYNC_ERRORS = {
 
 @dataclass(frozen=True)
 class Row:
-    """One strategy's outcomes: ``default`` for every feature not in ``cells``."""
+    """One strategy's outcomes: ``default`` for every feature not in ``cells``, on
+    ``devices`` processes of which ``replicas`` read different samples (``None``: all)."""
 
     default: Outcome
     cells: dict[str, Outcome] = field(default_factory=dict)
+    devices: int = 2
+    replicas: int | None = None
+
+    @property
+    def data_world(self) -> int:
+        """How many shards each global batch is cut into."""
+        return self.replicas or self.devices
 
     def outcome(self, feature: str) -> Outcome:
         if feature not in FEATURES:
@@ -160,10 +168,15 @@ def row_key(strategy: str) -> str:
 
 def expected(strategy: str, feature: str) -> Outcome:
     """The table's outcome for one cell (``KeyError`` for a strategy with no row)."""
+    return row(strategy).outcome(feature)
+
+
+def row(strategy: str) -> Row:
+    """A strategy's row (``KeyError`` for a strategy with no row)."""
     key = row_key(strategy)
     if key not in ROWS:
         raise KeyError(f"strategy {strategy!r} has no row in lightning_par.features.ROWS")
-    return ROWS[key].outcome(feature)
+    return ROWS[key]
 
 
 def markdown_table() -> str:
