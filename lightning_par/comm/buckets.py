@@ -241,5 +241,5 @@ def allreduce_buckets(
         bucket_cap_mb=bucket_cap_mb,
         overlap=overlap,
         trace=trace,
-        rank=comm.rank,
+        rank=comm.global_rank,
     )

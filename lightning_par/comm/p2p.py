@@ -85,10 +85,11 @@ class Handle:
                 else:
                     self._work.wait(timeout)
             except RuntimeError as err:  # gloo/NCCL say "connection closed", "timed out", ...
+                peer = self._comm.global_rank_of(self.peer)
                 raise CommError(
-                    f"rank {self._comm.rank}: {self.op} "
-                    f"{'to' if self.op == 'send' else 'from'} rank {self.peer} failed"
-                    f" ({self._what()}): {err}. If rank {self.peer}"
+                    f"rank {self._comm.global_rank}: {self.op} "
+                    f"{'to' if self.op == 'send' else 'from'} rank {peer} failed"
+                    f" ({self._what()}): {err}. If rank {peer}"
                     " died or hangs, look at its own error above."
                 ) from err
         if self._staged is not None and self.op == "recv":
@@ -96,9 +97,9 @@ class Handle:
         if trace is not None:
             trace.record(
                 Message(
-                    rank=self._comm.rank,
+                    rank=self._comm.global_rank,
                     op=self.op,
-                    peer=self.peer,
+                    peer=self._comm.global_rank_of(self.peer),
                     nbytes=self._tensor.numel() * self._tensor.element_size(),
                     start=self._start,
                     end=trace.now(),
@@ -118,6 +119,10 @@ class Handle:
 class Communicator:
     """Point-to-point messaging within a process group, with tracing and CUDA-on-gloo staging.
 
+    Ranks given to its methods are ranks within ``group``; the trace records global ranks
+    (the same numbers on a subgroup of the whole world, e.g. hybrid parallelism's groups, so
+    one trace says who talked to whom).
+
     Args:
         group: the process group (``None``: the default group).
         trace: where to record messages; ``None`` records nothing (no overhead).
@@ -135,6 +140,11 @@ class Communicator:
         self.backend = str(dist.get_backend(group)).lower()
         self.trace = trace
         self._global = [self._to_global(r) for r in range(self.world_size)]
+        self.global_rank = self._global[self.rank]
+
+    def global_rank_of(self, rank: int) -> int:
+        """The global rank of group rank ``rank``."""
+        return self._global[rank]
 
     def _to_global(self, rank: int) -> int:
         if self.group is None or self.group is dist.group.WORLD:

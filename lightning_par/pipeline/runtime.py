@@ -62,6 +62,9 @@ class PipelineStage:
         self.step_index, self._step_start = 0, 0.0
         self.saved: SavedActivations | None = None  # set by measure_memory()
         self._known_shapes: dict[tuple, tuple[torch.Size, torch.dtype]] = {}
+        #: Called just before the step's last backward micro-batch, after which each parameter
+        #: gradient is complete (hybrid parallelism starts its data-parallel buckets then).
+        self.before_last_backward: Callable[[], None] | None = None
         self._reset()
 
     @property
@@ -81,6 +84,7 @@ class PipelineStage:
         self._grad_recvs: dict[int, Handle] = {}
         self._sends: list[Handle] = []
         self._forwarded: set[int] = set()
+        self._backwards = 0
 
     def begin(self, batch_shape: Sequence[int], chunks: int) -> list[int]:
         """Start a training or inference step on a batch of ``batch_shape`` (known to every
@@ -206,6 +210,9 @@ class PipelineStage:
             )
 
     def _backward(self, i: int, output_grad: OutputGrad | None) -> None:
+        self._backwards += 1
+        if self._backwards == self.chunks and self.before_last_backward is not None:
+            self.before_last_backward()
         out = self._outputs.pop(i)
         if self.is_last:
             if output_grad is None:

@@ -37,6 +37,7 @@ from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch import nn
 
+from lightning_par.comm import Communicator
 from lightning_par.pipeline.batchnorm import commit_batch_norm, defer_batch_norm
 from lightning_par.pipeline.optim_state import merge_stage_states, model_order, stage_state
 from lightning_par.pipeline.partition import split_sequential
@@ -99,6 +100,18 @@ class GPipeStrategy(ParStrategy):
         self.balance_by = balance_by
         self._batch_checked = False
 
+    # ---- the stages' ranks ------------------------------------------------------------------
+    @property
+    def num_stages(self) -> int:
+        """Pipeline stages: one per process (the hybrid strategy: its model-parallel degree)."""
+        return self.num_processes * self.num_nodes
+
+    @property
+    def stage_comm(self) -> Communicator | None:
+        """The stages' communicator, stage = its rank (the hybrid strategy: one model-parallel
+        group of its grid); ``None`` before setup."""
+        return self.comm
+
     # ---- splitting the network --------------------------------------------------------------
     def prepare_model(self, trainer: pl.Trainer) -> None:
         checks.check_trainer(trainer, self.schedule, self.precision_plugin)
@@ -118,19 +131,19 @@ class GPipeStrategy(ParStrategy):
             return
         self.check_before_launch(self.lightning_module.trainer)
         balance = checks.resolve_balance(
-            module, net, stages=self.world_size, balance=self.balance, balance_by=self.balance_by,
+            module, net, stages=self.num_stages, balance=self.balance, balance_by=self.balance_by,
             rank=self.global_rank, broadcast=self.broadcast,
         )  # fmt: skip
         if self.deferred_batch_norm:
             defer_batch_norm(net)
         stages = split_sequential(net, balance)
         piped = PipelinedSequential(
-            net, balance, self.comm, chunks=self.chunks, checkpoint=self.checkpoint,
+            net, balance, self.stage_comm, chunks=self.chunks, checkpoint=self.checkpoint,
             schedule=self.schedule,
         )  # fmt: skip
         piped.to(self.root_device)
-        first = [s.state_dict() for s in stages] if self.global_rank == 0 else None
-        send_weights_from_first(self.comm, first, piped.state_dict(), self.root_device)
+        first = [s.state_dict() for s in stages] if self.stage_comm.rank == 0 else None
+        send_weights_from_first(self.stage_comm, first, piped.state_dict(), self.root_device)
         setattr(module, self.module_attr, piped)
 
     def check_before_launch(self, trainer: pl.Trainer | None = None) -> None:
@@ -147,7 +160,7 @@ class GPipeStrategy(ParStrategy):
             features.warn_batchnorm(net, self.chunks, self.strategy_name, self.deferred_batch_norm)
         checks.check_before_launch(
             self.lightning_module, trainer, module_attr=self.module_attr,
-            stages=self.num_processes * self.num_nodes, balance=self.balance,
+            stages=self.num_stages, balance=self.balance,
             balance_by=self.balance_by, schedule=self.schedule, loss_attr=self.loss_attr,
             devices=self.parallel_devices or [], backend=self._process_group_backend,
         )  # fmt: skip
@@ -182,7 +195,7 @@ class GPipeStrategy(ParStrategy):
         features.clip_grad_norm_across_stages(
             [p for p in params if id(p) in stage_ids], clip_val,
             shared_params=[p for p in params if id(p) not in stage_ids],
-            count_shared=self.global_rank == 0,
+            count_shared=self.stage_comm.rank == 0, group=self.stage_comm.group,
         )  # fmt: skip
 
     # ---- steps ------------------------------------------------------------------------------
@@ -196,8 +209,11 @@ class GPipeStrategy(ParStrategy):
 
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
         batch = args[0] if args else kwargs.get("batch")
-        if not self._batch_checked and self.world_size > 1:
-            features.check_same_batch(batch, self.global_rank, self.world_size, self.strategy_name)
+        if not self._batch_checked and self.num_stages > 1:
+            stages = self.stage_comm
+            features.check_same_batch(
+                batch, stages.rank, self.num_stages, self.strategy_name, group=stages.group
+            )
             self._batch_checked = True
         x = batch if isinstance(batch, torch.Tensor) else batch[0]
         if x.shape[0] < self.chunks:
@@ -237,7 +253,9 @@ class GPipeStrategy(ParStrategy):
     def lightning_module_state_dict(self) -> dict[str, Any]:
         """The full model's state dict on rank 0 (every stage's layers, original names)."""
         local = self.lightning_module.state_dict()
-        return gather_full_state_dict(self.comm, local, f"{self.module_attr}.", self.root_device)
+        return gather_full_state_dict(
+            self.stage_comm, local, f"{self.module_attr}.", self.root_device
+        )
 
     def _stage_names(self, optimizer: Any) -> tuple[list[str], list[list[str]]]:
         """This stage's parameter names, in module order and per optimiser group."""
@@ -251,7 +269,7 @@ class GPipeStrategy(ParStrategy):
         optimiser in one process (so it resumes under any strategy); ``{}`` elsewhere."""
         state = super().optimizer_state(optimizer)
         names, groups = self._stage_names(getattr(optimizer, "_optimizer", optimizer))
-        stages = gather_objects(self.comm, (state, names, groups), self.root_device)
+        stages = gather_objects(self.stage_comm, (state, names, groups), self.root_device)
         if stages is None:
             return {}
         order = model_order([s[1] for s in stages], f"{self.module_attr}.")
@@ -262,13 +280,13 @@ class GPipeStrategy(ParStrategy):
         strategy or one process; every rank must call this)."""
         for optimizer, state in zip(self.optimizers, checkpoint["optimizer_states"]):
             if "pipeline_stages" in state:  # the per-stage format of earlier versions
-                optimizer.load_state_dict(stage_optimizer_state(state, self.global_rank))
+                optimizer.load_state_dict(stage_optimizer_state(state, self.stage_comm.rank))
                 continue
             mine = self._stage_names(optimizer)
             everyone: list[Any] = [mine]
-            if dist.is_initialized() and self.world_size > 1:
-                everyone = [None] * self.world_size
-                dist.all_gather_object(everyone, mine)
+            if dist.is_initialized() and self.num_stages > 1:
+                everyone = [None] * self.num_stages
+                dist.all_gather_object(everyone, mine, group=self.stage_comm.group)
             order = model_order([e[0] for e in everyone], f"{self.module_attr}.")
-            part = stage_state(state, self.global_rank, [e[1] for e in everyone], order)
+            part = stage_state(state, self.stage_comm.rank, [e[1] for e in everyone], order)
             optimizer.load_state_dict(part)

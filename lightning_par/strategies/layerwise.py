@@ -81,8 +81,7 @@ class LayerwiseStrategy(GPipeStrategy):
             return
         super().check_before_launch(trainer)
         if self.time_chunk is not None and isinstance(net, nn.Sequential):
-            stages = self.num_processes * self.num_nodes
-            recurrent_parts(net, self.balance or wavefront_balance(net, stages))
+            recurrent_parts(net, self.balance or wavefront_balance(net, self.num_stages))
 
     def _split_network(self) -> None:
         net = getattr(self.lightning_module, self.module_attr, None)
@@ -90,12 +89,12 @@ class LayerwiseStrategy(GPipeStrategy):
             super()._split_network()
         elif not isinstance(net, WavefrontSequential):
             self.check_before_launch(self.lightning_module.trainer)
-            balance = self.balance or wavefront_balance(net, self.world_size)
+            balance = self.balance or wavefront_balance(net, self.num_stages)
             stages = split_sequential(net, balance)
-            piped = WavefrontSequential(net, balance, self.comm, self.time_chunk)
+            piped = WavefrontSequential(net, balance, self.stage_comm, self.time_chunk)
             piped.to(self.root_device)
-            first = [s.state_dict() for s in stages] if self.global_rank == 0 else None
-            send_weights_from_first(self.comm, first, piped.state_dict(), self.root_device)
+            first = [s.state_dict() for s in stages] if self.stage_comm.rank == 0 else None
+            send_weights_from_first(self.stage_comm, first, piped.state_dict(), self.root_device)
             setattr(self.lightning_module, self.module_attr, piped)
         self.pipelined.runtime.measure_memory()
 
@@ -114,8 +113,8 @@ class LayerwiseStrategy(GPipeStrategy):
         piped = self.pipelined
         saved = piped.runtime.saved
         mine = stage_memory(piped, optimizer, saved.nbytes if saved is not None else None)
-        mine["stage"] = self.global_rank
-        stages = gather_objects(self.comm, mine, self.root_device)
+        mine["stage"] = self.stage_comm.rank
+        stages = gather_objects(self.stage_comm, mine, self.root_device)
         if stages is None:
             self.memory = []
             return None
@@ -124,7 +123,7 @@ class LayerwiseStrategy(GPipeStrategy):
                  f"{m['grad_bytes']:,} B, optimiser {m['optimizer_bytes']:,} B, activations "
                  f"{m['activation_bytes']:,} B" for m in stages]  # fmt: skip
         rank_zero_info("layerwise memory per stage:\n  " + "\n  ".join(lines))
-        if self.trace_dir is not None:
+        if self.trace_dir is not None and self.global_rank == 0:
             self.trace_dir.mkdir(parents=True, exist_ok=True)
             (self.trace_dir / "memory.json").write_text(json.dumps(stages))
         return stages

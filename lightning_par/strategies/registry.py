@@ -64,6 +64,11 @@ OTHER_STRATEGIES = [
         "data parallel", {"period": 4, "algorithm": "ring"},
     ),
     StrategySpec(
+        "hybrid", "hybrid", "HybridStrategy",
+        "Hybrid: a dp x mp grid, data parallel (ring-allreduced gradient buckets) over "
+        "replicas each split by gpipe, layerwise or tensor_parallel", "hybrid",
+    ),
+    StrategySpec(
         "lightning_ddp", "reference", "LightningDDPStrategy",
         "Lightning's DDP (torch DistributedDataParallel) under lightning_par's launch "
         "policy: the reference the plugins are compared with", "reference",

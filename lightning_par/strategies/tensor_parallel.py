@@ -30,6 +30,7 @@ from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 
 from lightning_par.collectives import broadcast_parameters
+from lightning_par.comm import Communicator
 from lightning_par.pipeline.state import gather_objects
 from lightning_par.strategies._base import ParStrategy
 from lightning_par.tensorparallel import (
@@ -101,13 +102,30 @@ class TensorParallelStrategy(ParStrategy):
         algorithm = options.get("algorithm", "ring")
         return list(step_cost(model, plan, sample, algorithm=algorithm).bytes_sent)
 
+    # ---- the ranks a layer is split over ----------------------------------------------------
+    @property
+    def tp_size(self) -> int:
+        """Ranks each layer is split over: every process (the hybrid strategy: its
+        model-parallel degree)."""
+        return self.num_processes * self.num_nodes
+
+    @property
+    def tp_comm(self) -> Communicator | None:
+        """Their communicator (the hybrid strategy: one model-parallel group of its grid);
+        ``None`` before setup."""
+        return self.comm
+
+    @property
+    def tp_rank(self) -> int:
+        return self.tp_comm.rank if self.tp_comm is not None else self.global_rank
+
     # ---- before launch ---------------------------------------------------------------------
     def check_before_launch(self, trainer: pl.Trainer | None = None) -> None:
         """Refuse what would not train exactly as one process, before any rank starts."""
         module = self.lightning_module
         if module is None or module_shards(module):
             return
-        world = self.num_processes * self.num_nodes
+        world = self.tp_size
         plan = resolve_plan(module, world, self.plan, self.module_attr)
         if not plan.cuts:
             why = "; ".join(f"{k}: {v}" for k, v in plan.replicated.items()) or "no layers"
@@ -126,12 +144,12 @@ class TensorParallelStrategy(ParStrategy):
         if module_shards(module):  # already split (validate or test after fit)
             return
         check_trainer(trainer, self.precision_plugin)
-        assert self.comm is not None
+        assert self.tp_comm is not None
         # Every rank cuts its slice of rank 0's weights (popen ranks built their own).
-        broadcast_parameters(module, self.comm)
-        group = TPGroup(self.comm, self.algorithm)
+        broadcast_parameters(module, self.tp_comm)
+        group = TPGroup(self.tp_comm, self.algorithm)
         self.tp_plan = parallelize(module, group, self.plan, root=self.module_attr)
-        rank_zero_info(f"tensor_parallel plan over {self.world_size} ranks:\n  "
+        rank_zero_info(f"tensor_parallel plan over {self.tp_size} ranks:\n  "
                        + self.tp_plan.describe().replace("\n", "\n  "))  # fmt: skip
 
     def setup(self, trainer: pl.Trainer) -> None:
@@ -153,7 +171,8 @@ class TensorParallelStrategy(ParStrategy):
     # ---- every rank must train on the same batch --------------------------------------------
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
         batch = args[0] if args else kwargs.get("batch")
-        check_same_batch(batch, self.root_device)
+        group = self.tp_comm.group if self.tp_comm is not None else None
+        check_same_batch(batch, self.root_device, group)
         return super().training_step(*args, **kwargs)
 
     # ---- checkpoints: one process's format -------------------------------------------------
@@ -161,31 +180,31 @@ class TensorParallelStrategy(ParStrategy):
         """The full model's state dict on rank 0 (every rank takes part)."""
         local = self.lightning_module.state_dict()
         shards = module_shards(self.lightning_module)
-        if self.comm is None or not shards:
+        if self.tp_comm is None or not shards:
             return local
         mine = {k: v for k, v in local.items() if k in shards}
-        states = gather_objects(self.comm, mine, self.root_device)
+        states = gather_objects(self.tp_comm, mine, self.root_device)
         if states is None:
             return local
         return {**local, **assemble_state_dict(states, shards)}
 
     def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
         shards = module_shards(self.lightning_module)
-        state = shard_state_dict(checkpoint["state_dict"], shards, self.global_rank)
+        state = shard_state_dict(checkpoint["state_dict"], shards, self.tp_rank)
         self.lightning_module.load_state_dict(state, strict=strict)
 
     def optimizer_state(self, optimizer: Any) -> dict[str, Any]:
         local = super().optimizer_state(optimizer)
-        if self.comm is None or not module_shards(self.lightning_module):
+        if self.tp_comm is None or not module_shards(self.lightning_module):
             return local
-        states = gather_objects(self.comm, local, self.root_device)
+        states = gather_objects(self.tp_comm, local, self.root_device)
         if states is None:
             return {}
         return assemble_optimizer_state(states, self._shards_of(optimizer))
 
     def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
         for optimizer, state in zip(self.optimizers, checkpoint["optimizer_states"]):
-            local = shard_optimizer_state(state, self._shards_of(optimizer), self.global_rank)
+            local = shard_optimizer_state(state, self._shards_of(optimizer), self.tp_rank)
             optimizer.load_state_dict(local)
 
     def _shards_of(self, optimizer: Any) -> list:
@@ -208,19 +227,19 @@ def _signature(batch: Any) -> list[torch.Tensor]:
     return out
 
 
-def check_same_batch(batch: Any, device: torch.device) -> None:
+def check_same_batch(batch: Any, device: torch.device, group: Any = None) -> None:
     """Raise on every rank if the ranks got different batches (an unseeded shuffle or a
     sampler per rank under popen/torchrun): each rank would compute its slices of another
     batch and the run would end with weights no process would have. One allreduce of a few
-    numbers per step."""
-    if not dist.is_initialized() or dist.get_world_size() == 1:
+    numbers per step, over ``group`` (default: every rank)."""
+    if not dist.is_initialized() or dist.get_world_size(group) == 1:
         return
     sig = _signature(batch)
     if not sig:
         return
     local = torch.stack(sig).to(device)
     both = torch.cat([local, -local])
-    dist.all_reduce(both, op=dist.ReduceOp.MAX)
+    dist.all_reduce(both, op=dist.ReduceOp.MAX, group=group)
     high, low = both[: len(sig)], -both[len(sig) :]
     if not torch.allclose(high, low, rtol=1e-9, atol=1e-6):
         raise RuntimeError(

@@ -1,0 +1,35 @@
+"""Bytes each rank of a hybrid grid sends per training step, from the cost models of its two
+parts: the pipeline's activations and gradients at the stage cuts of its row (for the
+replica's batch, the global batch / ``dp``; Huang et al., 2019), plus the data-parallel
+allreduce of its stage's gradient buckets over its column (each bucket holds its gradients
+and one flag per parameter, as :mod:`lightning_par.comm.buckets` packs them)."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from lightning_par.hybrid.grid import Grid
+from lightning_par.pipeline.partition import balance_by_params, split_sequential
+
+
+def hybrid_bytes_per_step(
+    net: nn.Sequential,
+    grid: Grid,
+    global_batch: int,
+    *,
+    dp_algorithm: str = "ring",
+    bucket_cap_mb: float = 4.0,
+    sample_shape: tuple[int, ...] = (3, 32, 32),
+) -> list[int]:
+    """Per global rank: bytes sent in one step of a pipelined (``gpipe``, or ``layerwise``
+    without ``time_chunk``) hybrid grid whose stages are balanced by parameters."""
+    from lightning_par.compare.costs import allreduce_bytes, pipeline_bytes
+
+    batch = torch.zeros(global_batch // grid.dp, *sample_shape)
+    pipeline = pipeline_bytes(net, grid.mp, batch)
+    stages = split_sequential(net, balance_by_params(net, grid.mp))
+    rings = [allreduce_bytes(stage, dp_algorithm, grid.dp, bucket_cap_mb) for stage in stages]
+    return [
+        int(pipeline[m] + rings[m][d]) for d, m in (grid.coords(r) for r in range(grid.world_size))
+    ]
