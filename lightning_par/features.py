@@ -131,6 +131,11 @@ ROWS: dict[str, Row] = {
         "fp16_mixed_scaler": refused("tensor_parallel: a gradient scaler"),
         "sync_batchnorm": refused("tensor_parallel: sync_batchnorm"),
     }),
+    # 2 replicas × 2 gpipe stages; a replica's 4 samples make micro-batches of 1
+    "hybrid": Row(EXACT, {
+        "batchnorm": Outcome("error", "Expected more than 1 value per channel when training"),
+        "sync_batchnorm": refused("hybrid refuses sync_batchnorm=True"),
+    }, devices=4, replicas=2),
     "lightning_ddp": Row(EXACT, {
         "batchnorm": RUNS,
         "sync_batchnorm": Outcome("error", "SyncBatchNorm layers only work with GPU modules"),
