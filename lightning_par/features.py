@@ -156,6 +156,7 @@ RESUME_KINDS: dict[str, str] = {
     "pipeline": "gpipe",
     "layer-wise": "layerwise",
     "tensor": "tensor_parallel",
+    "hybrid": "hybrid",
 }
 #: Their results are not one process's: a resume through them only has to train.
 NOT_ONE_PROCESS = ("async_sgd", "local_sgd")

@@ -236,10 +236,11 @@ def _factory(name: str) -> tuple[Any, int, bool]:
     """(strategy factory, devices, reads a shard) for a strategy name or ``"one process"``."""
     if name == "one process":
         return (lambda: "auto"), 1, False
+    from lightning_par.features import row as table_row
     from lightning_par.strategies.registry import spec
 
-    row = spec(name)
-    return row.create, 2, getattr(row.load(), "shards_data", True)
+    made = spec(name)
+    return made.create, table_row(name).devices, getattr(made.load(), "shards_data", True)
 
 
 def write_checkpoint(name: str, path: str) -> None:
