@@ -92,10 +92,18 @@ _ASYNC_ERRORS = {
 
 @dataclass(frozen=True)
 class Row:
-    """One strategy's outcomes: ``default`` for every feature not in ``cells``."""
+    """One strategy's outcomes: ``default`` for every feature not in ``cells``, on
+    ``devices`` processes of which ``replicas`` read different samples (``None``: all)."""
 
     default: Outcome
     cells: dict[str, Outcome] = field(default_factory=dict)
+    devices: int = 2
+    replicas: int | None = None
+
+    @property
+    def data_world(self) -> int:
+        """How many shards each global batch is cut into."""
+        return self.replicas or self.devices
 
     def outcome(self, feature: str) -> Outcome:
         if feature not in FEATURES:
@@ -116,6 +124,15 @@ ROWS: dict[str, Row] = {
     "parameter_server": Row(EXACT, {**_PS_REFUSALS, "batchnorm": AS_DDP}),
     "async_sgd": Row(RUNS, {**_PS_REFUSALS, **_ASYNC_ERRORS}),
     "local_sgd": Row(RUNS, {"sync_batchnorm": _SYNC_BN_CPU}),
+    "tensor_parallel": Row(EXACT, {
+        "fp16_mixed_scaler": refused("tensor_parallel: a gradient scaler"),
+        "sync_batchnorm": refused("tensor_parallel: sync_batchnorm"),
+    }),
+    # 2 replicas × 2 gpipe stages; a replica's 4 samples make micro-batches of 1
+    "hybrid": Row(EXACT, {
+        "batchnorm": Outcome("error", "Expected more than 1 value per channel when training"),
+        "sync_batchnorm": refused("hybrid refuses sync_batchnorm=True"),
+    }, devices=4, replicas=2),
     "lightning_ddp": Row(EXACT, {
         "batchnorm": RUNS,
         "sync_batchnorm": Outcome("error", "SyncBatchNorm layers only work with GPU modules"),
@@ -135,6 +152,8 @@ RESUME_KINDS: dict[str, str] = {
     "local SGD": "local_sgd",
     "pipeline": "gpipe",
     "layer-wise": "layerwise",
+    "tensor": "tensor_parallel",
+    "hybrid": "hybrid",
 }
 #: Their results are not one process's: a resume through them only has to train.
 NOT_ONE_PROCESS = ("async_sgd", "local_sgd")
@@ -152,10 +171,15 @@ def row_key(strategy: str) -> str:
 
 def expected(strategy: str, feature: str) -> Outcome:
     """The table's outcome for one cell (``KeyError`` for a strategy with no row)."""
+    return row(strategy).outcome(feature)
+
+
+def row(strategy: str) -> Row:
+    """A strategy's row (``KeyError`` for a strategy with no row)."""
     key = row_key(strategy)
     if key not in ROWS:
         raise KeyError(f"strategy {strategy!r} has no row in lightning_par.features.ROWS")
-    return ROWS[key].outcome(feature)
+    return ROWS[key]
 
 
 def markdown_table() -> str:

@@ -39,6 +39,15 @@ def rows(rank: int, world: int, shards: bool) -> torch.Tensor:
                       for b in range(0, n, GLOBAL_BATCH)])  # fmt: skip
 
 
+def data_shard(trainer: pl.Trainer) -> tuple[int, int]:
+    """(this rank's shard, shards per global batch): by the data-parallel rank where the
+    strategy has one (hybrid: the model-parallel ranks of a replica read the same samples)."""
+    strategy = trainer.strategy
+    if hasattr(strategy, "dp_rank"):
+        return strategy.dp_rank, strategy.grid.dp
+    return trainer.global_rank, trainer.world_size
+
+
 class Tiny(pl.LightningModule):
     """An MLP ``net`` (an ``nn.Sequential``, so the pipeline strategies can split it)."""
 
@@ -70,9 +79,8 @@ class Tiny(pl.LightningModule):
         return out * self.scale if self.feature == "module_parameter" else out
 
     def train_dataloader(self) -> DataLoader:
-        world = self.trainer.world_size
         data = dataset()
-        index = rows(self.global_rank, world, self.shards)
+        index = rows(*data_shard(self.trainer), self.shards)
         return DataLoader(TensorDataset(*data[index]), batch_size=len(index) // BATCHES)
 
     def val_dataloader(self) -> DataLoader:
@@ -228,10 +236,11 @@ def _factory(name: str) -> tuple[Any, int, bool]:
     """(strategy factory, devices, reads a shard) for a strategy name or ``"one process"``."""
     if name == "one process":
         return (lambda: "auto"), 1, False
+    from lightning_par.features import row as table_row
     from lightning_par.strategies.registry import spec
 
-    row = spec(name)
-    return row.create, 2, getattr(row.load(), "shards_data", True)
+    made = spec(name)
+    return made.create, table_row(name).devices, getattr(made.load(), "shards_data", True)
 
 
 def write_checkpoint(name: str, path: str) -> None:

@@ -1,10 +1,10 @@
 """Every registered strategy × every everyday Lightning feature, against the one table of
 expected outcomes (:mod:`lightning_par.features`), which the README shows.
 
-One launch of 2 ranks per strategy runs all its cells (``run_on_ranks``, the torchrun
-path); the parameter-server strategies, which start their own servers, run each cell with
-a fork launch. Refused cells are run from this process: they must stop before any rank
-starts, with a message naming the strategy and the feature."""
+One launch per strategy (2 ranks, or its row's ``devices``) runs all its cells
+(``run_on_ranks``, the torchrun path); the parameter-server strategies, which start their
+own servers, run each cell with a fork launch. Refused cells are run from this process:
+they must stop before any rank starts, with a message naming the strategy and the feature."""
 
 from __future__ import annotations
 
@@ -17,11 +17,10 @@ from _feature_cells import Tiny, cells_on_rank, dataset, rows, run_cell
 
 import lightning_par  # noqa: F401  (registers the strategy names)
 from lightning_par.comm import run_on_ranks
-from lightning_par.features import FEATURES, ROWS, expected, markdown_table, row_key
+from lightning_par.features import FEATURES, ROWS, expected, markdown_table, row, row_key
 from lightning_par.strategies.parameter_server import ParameterServerStrategy
 from lightning_par.strategies.registry import spec, strategy_specs
 
-WORLD = 2
 STRATEGIES = [s.name for s in strategy_specs()]
 _reference: dict[str, dict] = {}
 
@@ -40,17 +39,17 @@ def _launched_by_itself(name: str) -> bool:
 
 def observe(name: str, tmp_path: Path) -> dict[str, dict]:
     """Every cell of strategy ``name``: refused ones from here, the rest in its ranks."""
-    row = spec(name)
+    made, world = spec(name), row(name).devices
     out: dict[str, dict] = {}
     running = []
     for feature in FEATURES:
         if expected(name, feature).kind == "refused" or _launched_by_itself(name):
-            out[feature] = run_cell(row.create, WORLD, feature, str(tmp_path / feature),
-                                    getattr(row.load(), "shards_data", True))  # fmt: skip
+            out[feature] = run_cell(made.create, world, feature, str(tmp_path / feature),
+                                    getattr(made.load(), "shards_data", True))  # fmt: skip
         else:
             running.append(feature)
     if running:
-        out.update(run_on_ranks(cells_on_rank, WORLD, name, running, str(tmp_path), timeout=150)[0])
+        out.update(run_on_ranks(cells_on_rank, world, name, running, str(tmp_path), timeout=150)[0])
     return out
 
 
@@ -104,7 +103,7 @@ def judge(name: str, feature: str, got: dict, tmp_path: Path) -> str:
     if want.kind in ("runs", "warns"):
         return _trained(got, feature)
     if want.kind == "as DDP":
-        return _close(got, _lightning_ddp(feature, tmp_path))
+        return _close(got, _lightning_ddp(feature, row(name).data_world, tmp_path))
     atol = TOLERANCE.get(feature, 2e-5)
     diff = _close(got, _comparable(reference(feature, tmp_path), name), atol)
     if want.kind == "differs":
@@ -117,19 +116,20 @@ def _comparable(ref: dict, name: str) -> dict:
     preds = ref["metrics"].get("predictions")
     if preds is None or not getattr(spec(name).load(), "shards_data", True):
         return ref
-    index = rows(0, WORLD, True).numpy()
+    index = rows(0, row(name).data_world, True).numpy()
     return {**ref, "metrics": {**ref["metrics"], "predictions": preds[index]}}
 
 
-_ddp: dict[str, dict] = {}
+_ddp: dict[tuple[str, int], dict] = {}
 
 
-def _lightning_ddp(feature: str, tmp_path: Path) -> dict:
-    if feature not in _ddp:
-        (res, _) = run_on_ranks(cells_on_rank, WORLD, "lightning_ddp", [feature],
-                                str(tmp_path / "ddp"), timeout=60)  # fmt: skip
-        _ddp[feature] = res[feature]
-    return _ddp[feature]
+def _lightning_ddp(feature: str, world: int, tmp_path: Path) -> dict:
+    """Lightning's DDP on as many replicas as the strategy has (cached)."""
+    if (feature, world) not in _ddp:
+        (res, _) = run_on_ranks(cells_on_rank, world, "lightning_ddp", [feature],
+                                str(tmp_path / f"ddp{world}"), timeout=60)  # fmt: skip
+        _ddp[(feature, world)] = res[feature]
+    return _ddp[(feature, world)]
 
 
 def describe(got: dict) -> str:

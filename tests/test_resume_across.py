@@ -10,7 +10,7 @@ from _feature_cells import Tiny, checkpoints_on_rank, resume, resumes_on_rank, w
 
 import lightning_par  # noqa: F401  (registers the strategy names)
 from lightning_par.comm import run_on_ranks
-from lightning_par.features import RESUME_KINDS, resume_outcome
+from lightning_par.features import RESUME_KINDS, resume_outcome, row
 from lightning_par.strategies.parameter_server import ParameterServerStrategy
 from lightning_par.strategies.registry import spec
 
@@ -24,6 +24,10 @@ def _own_launch(name: str) -> bool:
     return name != "one process" and issubclass(spec(name).load(), ParameterServerStrategy)
 
 
+def _devices(name: str) -> int:
+    return 1 if name == "one process" else row(name).devices
+
+
 def _max_diff(a: dict, b: dict) -> float:
     return max(float(np.abs(a[k] - b[k]).max()) for k in b)
 
@@ -31,14 +35,19 @@ def _max_diff(a: dict, b: dict) -> float:
 def test_a_checkpoint_resumes_under_every_other_strategy(tmp_path):
     tmp = str(tmp_path)
     in_ranks = [s for s in PLUGINS if not _own_launch(s)]
-    run_on_ranks(checkpoints_on_rank, 2, in_ranks, tmp, timeout=120)
+    for world in sorted({_devices(s) for s in in_ranks}):  # one launch per world size
+        names = [s for s in in_ranks if _devices(s) == world]
+        run_on_ranks(checkpoints_on_rank, world, names, tmp, timeout=120)
     for source in SOURCES:
         if source not in in_ranks:
             write_checkpoint(source, str(tmp_path / source))
     expected = resume("one process", str(tmp_path / "one process" / "mid.ckpt"))["weights"]
 
     pairs = [(s, t) for s in SOURCES for t in TARGETS if t != "one process" and not _own_launch(t)]
-    got = run_on_ranks(resumes_on_rank, 2, pairs, tmp, timeout=150)[0]
+    got = {}
+    for world in sorted({_devices(t) for _, t in pairs}):
+        mine = [(s, t) for s, t in pairs if _devices(t) == world]
+        got.update(run_on_ranks(resumes_on_rank, world, mine, tmp, timeout=150)[0])
     for source in SOURCES:
         for target in TARGETS:
             if target == "one process" or _own_launch(target):

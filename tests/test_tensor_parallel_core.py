@@ -26,6 +26,7 @@ from lightning_par.tensorparallel import (
     shard_optimizer_state,
     shard_state_dict,
 )
+from lightning_par.tensorparallel.clip import clip_grad_norm_split
 
 
 def mlp() -> nn.Module:
@@ -169,3 +170,31 @@ def test_shard_round_trip_of_lstm_gates():
     # rank 1 holds units 3, 4 of each gate i, f, g, o
     rows = [g * 7 + u for g in range(4) for u in (3, 4)]
     torch.testing.assert_close(parts[1], state["weight_hh_l0"][rows])
+
+
+def _clipped_gradients(rank, world, max_norm):
+    net = model("mlp")
+    comm = Communicator()
+    parallelize(net, comm)
+    x, y = batch("mlp")
+    nn.functional.cross_entropy(net["net"](x), y).backward()
+    shards = module_shards(net)
+    params = dict(net.named_parameters())
+    total = clip_grad_norm_split([p for n, p in params.items() if n in shards],
+                                 [p for n, p in params.items() if n not in shards],
+                                 max_norm, TPGroup(comm))  # fmt: skip
+    return float(total), {n: p.grad for n, p in params.items()}, shards
+
+
+def test_clipping_by_norm_uses_the_whole_models_norm():
+    reference = model("mlp")
+    x, y = batch("mlp")
+    nn.functional.cross_entropy(reference["net"](x), y).backward()
+    want = float(nn.utils.clip_grad_norm_(reference.parameters(), 0.1))
+    results = run_on_ranks(_clipped_gradients, 3, 0.1)
+    totals, grads, shards = zip(*results)
+    assert totals == pytest.approx([want] * 3, rel=1e-5)
+    assert want > 0.1, "the test must clip"
+    full = assemble_state_dict(grads, shards[0])
+    for name, p in reference.named_parameters():
+        torch.testing.assert_close(full[name], p.grad, rtol=1e-5, atol=1e-7, msg=name)

@@ -14,6 +14,7 @@ from _split_models import STEPS
 from _split_models import loader as _loader
 from _split_models import trainer as _trainer
 from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.pytorch.plugins import MixedPrecision
 from torch import nn
 
 from lightning_par.comm.trace import load_traces
@@ -146,8 +147,8 @@ def test_validation_after_fit_equals_one_process():
         ("cnn", TensorParallelStrategy(), 9, {}, "nothing in `CifarCNN.net` can be split over 9"),
         ("mlp", TensorParallelStrategy(plan={"net.1": "column"}), 2, {},
          "column layer 'net.1' must be followed"),
-        ("mlp", TensorParallelStrategy(), 2, {"gradient_clip_val": 1.0},
-         "gradient_clip_algorithm='norm'"),
+        ("mlp", TensorParallelStrategy(), 2, {"plugins": [MixedPrecision("16-mixed", "cpu")]},
+         "a gradient scaler"),
         ("mlp", TensorParallelStrategy(), 2, {"sync_batchnorm": True}, "sync_batchnorm"),
         ("dropout", TensorParallelStrategy(), 2, {}, "net.2 (Dropout, p=0.1) would draw"),
     ],

@@ -225,10 +225,28 @@ class HybridStrategy(ParStrategy):
             return
         if self.trace is None:
             self.buckets.synchronize()
+        else:
+            self.trace.events.append(Event(self.global_rank, "backward", start, self.trace.now()))
+            with self.trace.span("wait for buckets"):
+                self.buckets.synchronize()
+        self._average_late_parameters()
+
+    def _average_late_parameters(self) -> None:
+        """Parameters trainable only since setup (an unfrozen layer, a new param group) have
+        gradients but no bucket: average them over the replicas in one message (as
+        ``ring_allreduce`` does; unaveraged, the replicas would silently drift apart)."""
+        assert self.model is not None and self.buckets is not None and self.dp_comm is not None
+        late = self.buckets.unbucketed(self.model)
+        if not late or self.dp_comm.world_size == 1:
             return
-        self.trace.events.append(Event(self.global_rank, "backward", start, self.trace.now()))
-        with self.trace.span("wait for buckets"):
-            self.buckets.synchronize()
+        flat = torch.cat([p.grad.detach().reshape(-1) for p in late])
+        self._allreduce(flat, comm=self.dp_comm)
+        flat /= self.dp_comm.world_size
+        offset = 0
+        for p in late:
+            n = p.grad.numel()
+            p.grad.detach().copy_(flat[offset : offset + n].view_as(p.grad))
+            offset += n
 
     # ---- checkpoints: replica 0 gathers the full model ------------------------------------------
     def lightning_module_state_dict(self) -> dict[str, Any]:

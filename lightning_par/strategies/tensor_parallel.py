@@ -13,7 +13,7 @@ are one process's.
 Checkpoints hold the full model and the optimiser state in one process's own format
 (assembled on rank 0): they load without this strategy, and a checkpoint of any plugin
 resumes under it. Refused before launch: a plan that cannot be cut exactly, a model with
-nothing to cut, gradient-norm clipping (each rank would see only its slices' norm), a
+nothing to cut, a
 gradient scaler (its skip-on-inf decision would be per rank), ``sync_batchnorm``, dropout
 (a mask per rank), and an allreduce algorithm whose ranks could sum in different orders.
 """
@@ -26,6 +26,7 @@ from typing import Any
 import lightning.pytorch as pl
 import torch
 import torch.distributed as dist
+from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 
 from lightning_par.collectives import broadcast_parameters
@@ -44,6 +45,7 @@ from lightning_par.tensorparallel import (
     shard_optimizer_state,
     shard_state_dict,
 )
+from lightning_par.tensorparallel.clip import clip_grad_norm_split
 
 #: Allreduces that leave the very same bits on every rank (one rank sums each chunk and the
 #: result is copied), so the layers kept whole stay identical across ranks.
@@ -150,6 +152,22 @@ class TensorParallelStrategy(ParStrategy):
         rank_zero_info(f"tensor_parallel plan over {self.tp_size} ranks:\n  "
                        + self.tp_plan.describe().replace("\n", "\n  "))  # fmt: skip
 
+    def setup(self, trainer: pl.Trainer) -> None:
+        super().setup(trainer)
+        if trainer.state.fn == TrainerFn.FITTING:  # Lightning's clipping calls this by norm
+            self.precision_plugin.clip_grad_by_norm = self._clip_by_whole_norm
+
+    def _clip_by_whole_norm(self, optimizer: Any, clip_val: float) -> None:
+        """Clip by the norm of the whole model's gradient, not of this rank's slices."""
+        assert self.comm is not None
+        module = self.lightning_module
+        shards = module_shards(module)
+        split = {id(p) for name, p in module.named_parameters() if name in shards}
+        params = list(self.precision_plugin.main_params(optimizer))
+        clip_grad_norm_split([p for p in params if id(p) in split],
+                             [p for p in params if id(p) not in split], float(clip_val),
+                             TPGroup(self.comm, self.algorithm))  # fmt: skip
+
     # ---- every rank must train on the same batch --------------------------------------------
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
         batch = args[0] if args else kwargs.get("batch")
@@ -244,12 +262,6 @@ def check_no_dropout(module: torch.nn.Module) -> None:
 
 def check_trainer(trainer: pl.Trainer, precision_plugin: Any) -> None:
     """Reject trainer settings under which the split model would differ from one process."""
-    # (Lightning leaves the algorithm None until the loop starts, and then uses "norm")
-    if trainer.gradient_clip_val and trainer.gradient_clip_algorithm in (None, "norm"):
-        raise ValueError(
-            "tensor_parallel: gradient_clip_algorithm='norm' would clip each rank by the norm "
-            "of its own slices; use gradient_clip_algorithm='value' or no clipping"
-        )
     if getattr(precision_plugin, "scaler", None) is not None:
         raise ValueError(
             "tensor_parallel: a gradient scaler (precision='16-mixed') skips a step on each "
