@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import multiprocessing.connection
+import multiprocessing.util
 import os
 import signal
 import sys
@@ -131,7 +132,20 @@ def start_servers(
         proc.start()
         proc.server_index = s  # type: ignore[attr-defined]
         procs.append(proc)
+    # Runs as this worker exits, before multiprocessing joins its non-daemon children (a
+    # fork-launched rank is a daemon, so its servers are not): a rank that fails skips
+    # teardown, and its servers would wait for the next message for the whole timeout.
+    mp.util.Finalize(None, _kill_left, args=(procs, os.getpid()), exitpriority=100)
     return procs
+
+
+def _kill_left(procs: list[mp.process.BaseProcess], owner: int) -> None:
+    if os.getpid() != owner:  # a plain os.fork of the worker inherits the finalizer
+        return
+    for proc in procs:
+        if proc.is_alive():
+            proc.kill()
+            proc.join()
 
 
 def watch_servers(procs: list[mp.process.BaseProcess], num_workers: int) -> threading.Event:

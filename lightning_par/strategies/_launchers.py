@@ -188,6 +188,9 @@ class PolicyLauncher(_compat.MultiProcessingLauncher):
             # failed: the launcher's SIGTERM now just ends this rank (Lightning's handler
             # would broadcast to peers that are gone, adding gloo's traceback to the log)
             signal.signal(signal.SIGTERM, signal.SIG_DFL)
+            if isinstance(error, KeyboardInterrupt):  # torch's rank wrapper swallows it and
+                # exits 0 with no result: the main process would wait for one forever
+                raise RuntimeError(f"rank {process_idx} was interrupted") from error
             raise
 
     def _collect_rank_zero_results(self, trainer: pl.Trainer, results: Any) -> Any:
