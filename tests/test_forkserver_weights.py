@@ -72,3 +72,23 @@ def test_run_on_ranks_under_a_forkserver_gives_each_rank_its_own_arguments(monke
     for rank, (tensor, weight) in enumerate(results):
         assert torch.equal(tensor, torch.full((3,), rank + 1.0))
         assert torch.equal(weight, torch.full((1, 2), rank + 1.0))
+
+
+def test_own_copies_reaches_into_containers_and_frozen_dataclasses():
+    import dataclasses
+
+    from lightning_par.comm.run import own_copies
+
+    @dataclasses.dataclass(frozen=True)
+    class Frozen:
+        weight: torch.Tensor
+        value: float = 1.0
+
+    shared = torch.ones(3).share_memory_()
+    data = ([shared], {"a": shared}, Frozen(shared), 7)
+    owned = own_copies(data)
+    tensors = [owned[0][0], owned[1]["a"], owned[2].weight]
+    assert all(not t.is_shared() and torch.equal(t, shared) for t in tensors)
+    assert owned[2].value == 1.0 and owned[3] == 7 and isinstance(owned[2], Frozen)
+    tensors[0].add_(1)
+    assert float(shared.sum()) == 3.0  # the caller's shared tensor is untouched

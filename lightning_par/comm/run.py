@@ -73,9 +73,12 @@ def _rank_main(fn, rank, world_size, backend, store, port, timeout_s, threads, a
 def own_copies(data: Any) -> Any:
     """``data`` with every tensor (and module's parameters and buffers) that lives in shared
     memory copied: torch pickles tensors for a forkserver or spawn child into shared pages,
-    the same in every rank, so one rank's in-place update would change all ranks' data."""
+    the same in every rank, so one rank's in-place update would change all ranks' data.
+    Lists, tuples, dicts and dataclasses (frozen ones too) are searched; other objects are
+    passed as they are."""
+    import dataclasses
+
     import torch
-    from lightning_utilities.core.apply_func import apply_to_collection
 
     @torch.no_grad()
     def own(obj: Any) -> Any:
@@ -84,11 +87,38 @@ def own_copies(data: Any) -> Any:
                 if t.is_shared():
                     t.data = t.data.clone()
             return obj
-        if obj.is_shared():
-            return obj.detach().clone().requires_grad_(obj.requires_grad)
+        if isinstance(obj, torch.Tensor):
+            if obj.is_shared():
+                return obj.detach().clone().requires_grad_(obj.requires_grad)
+            return obj
+        if isinstance(obj, (list, tuple)) and not hasattr(obj, "_fields"):
+            return type(obj)(own(x) for x in obj)
+        if isinstance(obj, tuple):  # a named tuple
+            return type(obj)(*(own(x) for x in obj))
+        if isinstance(obj, dict):
+            owned = {k: own(v) for k, v in obj.items()}
+            return owned if type(obj) is dict else _same_kind(obj, owned)
+        if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+            changes = {}
+            for f in dataclasses.fields(obj):
+                if f.init:
+                    value = getattr(obj, f.name)
+                    owned = own(value)
+                    if owned is not value:
+                        changes[f.name] = owned
+            return dataclasses.replace(obj, **changes) if changes else obj
         return obj
 
-    return apply_to_collection(data, (torch.Tensor, torch.nn.Module), own)
+    return own(data)
+
+
+def _same_kind(original: dict, items: dict) -> dict:
+    """``items`` in ``original``'s dict type where it can be rebuilt so, else as is."""
+    try:
+        return type(original)(items)
+    except TypeError:  # e.g. a defaultdict: keep its contents, updated in place
+        original.update(items)
+        return original
 
 
 def _collect(queue, results: dict[int, Any]) -> list[tuple[int, str]]:
