@@ -73,13 +73,14 @@ class Tiny(pl.LightningModule):
             time.sleep(SLOW)
 
 
-def one_process(world: int) -> dict[str, torch.Tensor]:
+def one_process(world: int, shuffled: bool = False) -> dict[str, torch.Tensor]:
     """Plain SGD on the ``world`` ranks' batches of each step together (as Lightning's
-    ``DistributedSampler`` deals them: shuffled with seed 0; ``world=1``: in order)."""
+    ``DistributedSampler`` deals them: shuffled with seed 0; ``world=1``: in order, unless
+    ``shuffled``: one data-parallel replica of hybrid's grid still gets Lightning's sampler)."""
     model = Tiny()
     x, y = data().tensors
     order = [list(DistributedSampler(data(), world, r, seed=0)) for r in range(world)]
-    if world == 1:
+    if world == 1 and not shuffled:
         order = [list(range(len(x)))]
     opt = torch.optim.SGD(model.parameters(), lr=LR)
     for step in range(STEPS):
@@ -102,7 +103,8 @@ def run(name: str, devices: int, nodes: int) -> dict:
     loader = DataLoader(data(), batch_size=BATCH, shuffle=False)
     trainer.fit(model, loader, loader)
     step = trainer.global_step
-    if dist.is_initialized() and not trainer.strategy.shards_data:
+    grid = getattr(trainer.strategy, "grid", None)  # hybrid: dp replicas, each model-split
+    if dist.is_initialized() and (grid is not None or not trainer.strategy.shards_data):
         weights = trainer.strategy.lightning_module_state_dict()  # every stage takes part
     else:
         weights = model.state_dict()  # data parallel, or rank 0's after a fork launch
@@ -111,7 +113,10 @@ def run(name: str, devices: int, nodes: int) -> dict:
     val = trainer.validate(model, loader, verbose=False)[0]["val_loss"]
     test = trainer.test(model, loader, verbose=False)[0]["test_loss"]
     world = trainer.world_size
-    reference = one_process(world if trainer.strategy.shards_data else 1)
+    if grid is not None:
+        reference = one_process(grid.dp, shuffled=True)
+    else:
+        reference = one_process(world if trainer.strategy.shards_data else 1)
     diff = moved = None
     whole = set(weights) == set(reference) and all(
         weights[k].shape == reference[k].shape for k in reference
