@@ -90,3 +90,23 @@ def test_the_rebuilt_loader_keeps_every_argument_and_a_users_sampler_is_named():
                                                                   rank=0))  # fmt: skip
     assert user_sampler_name(wrapped) == "EveryOther"
     assert user_sampler_name(user) is None
+
+
+def test_a_held_schedule_stops_at_its_end_and_its_state_dict_pickles():
+    import io
+
+    from lightning_par.strategies._async_loader import hold_final_lr
+
+    optimizer = torch.optim.SGD(torch.nn.Linear(2, 1).parameters(), lr=0.1)
+    scheduler = torch.optim.lr_scheduler.OneCycleLR(optimizer, max_lr=1.0, total_steps=4)
+    hold_final_lr(scheduler)
+    hold_final_lr(scheduler)  # idempotent
+    assert isinstance(scheduler, torch.optim.lr_scheduler.OneCycleLR)
+    for _ in range(10):  # OneCycleLR itself raises past total_steps
+        optimizer.step()
+        scheduler.step()
+    last = scheduler.get_last_lr()
+    assert scheduler.last_epoch == 3 and last == [optimizer.param_groups[0]["lr"]]
+    state = scheduler.state_dict()
+    assert "step" not in state and "_lightning_par_held" not in state
+    torch.save(state, io.BytesIO())  # a checkpoint holds it

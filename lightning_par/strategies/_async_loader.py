@@ -62,18 +62,32 @@ def user_sampler_name(dataloader: DataLoader) -> str | None:
     return None
 
 
+#: Scheduler classes whose ``step`` stops at the schedule's end, one per original class.
+_HELD_CLASSES: dict[type, type] = {}
+
+
+def _held_class(cls: type) -> type:
+    if cls not in _HELD_CLASSES:
+
+        def step(self: Any, *args: Any, **kwargs: Any) -> None:
+            if self.last_epoch >= self.total_steps - 1:
+                return  # past the schedule's end: keep its last learning rate
+            super(held, self).step(*args, **kwargs)
+
+        attrs = {"step": step, "_lightning_par_held": True, "__module__": cls.__module__}
+        held = type(cls.__name__, (cls,), attrs)
+        _HELD_CLASSES[cls] = held
+    return _HELD_CLASSES[cls]
+
+
 def hold_final_lr(scheduler: Any) -> None:
     """Stop ``scheduler`` stepping past a fixed end (``total_steps``, OneCycleLR's): the
-    worker keeps the last learning rate of the schedule."""
-    total = getattr(scheduler, "total_steps", None)
-    if total is None or getattr(scheduler, "_lightning_par_held", False):
+    worker keeps the last learning rate of the schedule.
+
+    The scheduler's class is swapped for a subclass rather than its ``step`` patched on the
+    instance: a scheduler's ``state_dict`` is its ``__dict__``, so an instance attribute
+    would land in every checkpoint (and a local function cannot be pickled)."""
+    if getattr(scheduler, "total_steps", None) is None:
         return
-    original = scheduler.step
-
-    def step(*args: Any, **kwargs: Any) -> None:
-        if scheduler.last_epoch >= total - 1:
-            return
-        original(*args, **kwargs)
-
-    scheduler.step = step
-    scheduler._lightning_par_held = True
+    if not getattr(type(scheduler), "_lightning_par_held", False):
+        scheduler.__class__ = _held_class(type(scheduler))
