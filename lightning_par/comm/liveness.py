@@ -16,6 +16,7 @@ longer watched until it joins the next stage (:meth:`Heartbeat.resume`).
 
 from __future__ import annotations
 
+import atexit
 import os
 import sys
 import threading
@@ -82,6 +83,11 @@ class Heartbeat:
     def stop(self) -> None:
         self.finish()
         self._stop.set()
+        if self._thread.is_alive() and self._thread is not threading.current_thread():
+            # wait for a store call in flight: a thread still inside the store while the
+            # interpreter exits aborts the process ("terminate called without an active
+            # exception", seen at the end of a popen job)
+            self._thread.join(timeout=self.interval_s + 2.0)
 
     def _safely(self, action: Callable[[], Any]) -> None:
         try:
@@ -139,6 +145,8 @@ def watch_group(
     global _current
     if _current is not None:
         _current.stop()
+    else:  # runs before the process group is destroyed at exit (atexit is last-in first-out)
+        atexit.register(stop_watching)
     limit = dead_peer_timeout(timedelta(seconds=timeout_s) if timeout_s else None)
     _current = Heartbeat(store, rank, watched, limit, name).start()
     return _current

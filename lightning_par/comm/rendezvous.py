@@ -24,6 +24,7 @@ reports a peer that stopped answering (frozen, its machine gone) after
 
 from __future__ import annotations
 
+import atexit
 import itertools
 import os
 import socket
@@ -74,6 +75,16 @@ class StoreAddress:
 _hosted: list[dist.TCPStore] = []  # stores this process holds for the ranks it started
 _joined: dict[tuple[int, str, int], dist.Store] = {}  # (pid, host, port) -> this process's
 _groups = itertools.count()  # groups this process has joined: the next group's prefix
+
+
+def _release_stores() -> None:
+    """Close this process's stores while the interpreter is whole (registered at import, so
+    it runs after the heartbeat and the process group have stopped at exit)."""
+    _joined.clear()
+    _hosted.clear()
+
+
+atexit.register(_release_stores)
 
 
 def host_job_store(host: str = "127.0.0.1", *, replace: bool = True) -> str:
