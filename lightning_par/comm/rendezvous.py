@@ -6,10 +6,12 @@ processes (``fit`` then ``test``; a parameter-server group of workers and server
 reads the keys of the first:
 
 * a launch by this project (fork, forkserver, popen on one machine): the launching
-  process binds the store on a port the OS gives it (port 0) *before* any rank starts and
-  holds it for its whole life, then tells the ranks its address in
-  ``LIGHTNING_PAR_STORE``. A port found free and bound later by a rank can be taken in
-  between by another job started at the same moment; a port bound from the start cannot;
+  process binds the store's socket on a port the OS gives it (port 0) *before* any rank
+  starts, has a small process of its own serve the store on it for the launcher's whole
+  life (:mod:`~lightning_par.comm.store_host`: why not a thread), then tells the ranks its
+  address in ``LIGHTNING_PAR_STORE``. A port found free and bound later by a rank can be
+  taken in between by another job started at the same moment; a port bound from the start
+  cannot;
 * torchrun: the agent's store at ``MASTER_ADDR:MASTER_PORT`` (``TORCHELASTIC_USE_AGENT_STORE``);
 * SLURM and any other launcher: global rank 0 hosts the store at ``MASTER_ADDR:MASTER_PORT``
   (Lightning's ``SLURMEnvironment`` derives the port from the job id).
@@ -72,31 +74,27 @@ class StoreAddress:
     prefix: str
 
 
-_hosted: list[dist.TCPStore] = []  # stores this process holds for the ranks it started
 _joined: dict[tuple[int, str, int], dist.Store] = {}  # (pid, host, port) -> this process's
 _groups = itertools.count()  # groups this process has joined: the next group's prefix
 
 
 def _release_stores() -> None:
-    """Close this process's stores while the interpreter is whole (registered at import, so
-    it runs after the heartbeat and the process group have stopped at exit)."""
+    """Close this process's store connections while the interpreter is whole (registered
+    at import, so it runs after the heartbeat and the process group have stopped at exit)."""
     _joined.clear()
-    _hosted.clear()
 
 
 atexit.register(_release_stores)
 
 
-def host_job_store(host: str = "127.0.0.1", *, replace: bool = True) -> str:
-    """Launcher side: bind a store on a port the OS picks and hold it; returns its address
-    for the ranks (``host:port/launch-id``; a new launch id per call keeps each launch's
-    keys apart). ``replace``: release the stores of earlier launches from this process
-    (their ranks have ended: a fork launch returns when they do)."""
-    store = dist.TCPStore(host, 0, is_master=True, wait_for_workers=False, use_libuv=True)
-    if replace:
-        _hosted.clear()
-    _hosted.append(store)
-    return f"{host}:{store.port}/{uuid.uuid4().hex[:8]}"
+def host_job_store(host: str = "127.0.0.1") -> str:
+    """Launcher side: the address of a store bound on a port the OS picked, served by a
+    process of its own (:mod:`~lightning_par.comm.store_host`), for the ranks:
+    ``host:port/launch-id`` (a new launch id per call keeps each launch's keys apart)."""
+    from lightning_par.comm.store_host import job_store_host
+
+    served = job_store_host(host)
+    return f"{host}:{served.port}/{uuid.uuid4().hex[:8]}"
 
 
 def _job_store(rank: int, timeout: timedelta, spec: str | None) -> tuple[dist.Store, str, int, str]:

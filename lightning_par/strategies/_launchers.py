@@ -123,7 +123,7 @@ class PolicyLauncher(_compat.MultiProcessingLauncher):
                 strategy.store_spec = host_job_store()  # new ranks each launch
             else:  # the scripts re-run once, for the first launch; this process is rank 0
                 if STORE_ENV not in os.environ:  # (held for the scripts' whole life)
-                    os.environ[STORE_ENV] = host_job_store(replace=False)
+                    os.environ[STORE_ENV] = host_job_store()
                 strategy.store_spec = os.environ[STORE_ENV]
         devices = None if device == "cpu" else _device_count(device)
         warn_if_oversubscribed(device, strategy.num_processes, devices)
