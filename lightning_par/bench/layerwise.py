@@ -139,7 +139,12 @@ def _breakdown(traces: list[CommTrace], steps: list[int], chunks: int) -> dict:
     best = min(steps, key=lambda s: windows[s][1] - windows[s][0])
     window = windows[best][1] - windows[best][0]
     compute = [sum(e.end - e.start for e in step_events(t, best)) for t in traces]
-    messages = [[m for m in t.messages if m.step == best and m.op == "send"] for t in traces]
+    # the stage-0 "seq_len" message goes once per input shape, before the first step's
+    # wavefront: setup, not part of a step's traffic
+    messages = [
+        [m for m in t.messages if m.step == best and m.op == "send" and m.tag != "seq_len"]
+        for t in traces
+    ]
     return {
         "window_s": window,
         "utilisation_measured": 1.0 - measured_bubble(traces, best),
