@@ -61,13 +61,16 @@ def _running(pid: int) -> bool:
 
 
 def no_children_left(deadline_s: float = 10.0) -> bool:
-    # (a forkserver an earlier test started, and multiprocessing's resource tracker, live
-    # for the whole session: not ours)
+    # (a forkserver an earlier test started, multiprocessing's resource tracker and the
+    # launches' store host live for the whole session: not ours)
     from multiprocessing import forkserver, resource_tracker
+
+    from lightning_par.comm import store_host
 
     helpers = {
         getattr(forkserver._forkserver, "_forkserver_pid", None),
         getattr(resource_tracker._resource_tracker, "_pid", None),
+        store_host._host.process.pid if store_host._host is not None else None,
     }
     end = time.monotonic() + deadline_s
     while time.monotonic() < end:

@@ -13,8 +13,9 @@ reads the keys of the first:
   taken in between by another job started at the same moment; a port bound from the start
   cannot;
 * torchrun: the agent's store at ``MASTER_ADDR:MASTER_PORT`` (``TORCHELASTIC_USE_AGENT_STORE``);
-* SLURM and any other launcher: global rank 0 hosts the store at ``MASTER_ADDR:MASTER_PORT``
-  (Lightning's ``SLURMEnvironment`` derives the port from the job id).
+* SLURM and any other launcher: global rank 0 starts the store's host process at
+  ``MASTER_ADDR:MASTER_PORT`` (Lightning's ``SLURMEnvironment`` derives the port from the
+  job id).
 
 **How long.** :func:`default_timeout` (30 min, as torch's, or ``LIGHTNING_PAR_TIMEOUT``)
 bounds how long a collective waits for a peer that is alive but busy (a rank writing a
@@ -75,6 +76,7 @@ class StoreAddress:
 
 
 _joined: dict[tuple[int, str, int], dist.Store] = {}  # (pid, host, port) -> this process's
+_served: list = []  # store hosts this rank started (global rank 0 outside our launches)
 _groups = itertools.count()  # groups this process has joined: the next group's prefix
 
 
@@ -109,8 +111,12 @@ def _job_store(rank: int, timeout: timedelta, spec: str | None) -> tuple[dist.St
         master = rank == 0 and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True"
     key = (os.getpid(), host, port)
     if key not in _joined:  # (a forked child must not use its parent's connection)
+        if master:  # served by a process of its own: this rank may fork (parameter servers)
+            from lightning_par.comm.store_host import StoreHost
+
+            _served.append(StoreHost(host, port, bind=""))
         _joined[key] = dist.TCPStore(
-            host, port, is_master=master, wait_for_workers=False, timeout=timeout
+            host, port, is_master=False, wait_for_workers=False, timeout=timeout
         )
     return _joined[key], host, port, launch
 
