@@ -139,10 +139,11 @@ def _breakdown(traces: list[CommTrace], steps: list[int], chunks: int) -> dict:
     best = min(steps, key=lambda s: windows[s][1] - windows[s][0])
     window = windows[best][1] - windows[best][0]
     compute = [sum(e.end - e.start for e in step_events(t, best)) for t in traces]
-    # the stage-0 "seq_len" message goes once per input shape, before the first step's
-    # wavefront: setup, not part of a step's traffic
+    # the stage-0 "seq_len" message and the shape headers go once per input shape, in the
+    # first step: setup, not part of a step's traffic
+    setup = ("seq_len", "header")
     messages = [
-        [m for m in t.messages if m.step == best and m.op == "send" and m.tag != "seq_len"]
+        [m for m in t.messages if m.step == best and m.op == "send" and m.tag not in setup]
         for t in traces
     ]
     return {
