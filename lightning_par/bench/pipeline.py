@@ -10,7 +10,10 @@ contender, in one run:
 * the naive split (``M = 1``: one stage works while the other waits);
 * our GPipe and 1F1B for several ``M`` (``checkpoint="never"``: no recomputation, like
   torch's schedule), with the measured bubble from the trace next to (K-1)/(M+K-1);
-* torch's ``ScheduleGPipe`` on the same stages;
+* torch's ``ScheduleGPipe`` and ``Schedule1F1B`` on the same stages, each the peer of our
+  schedule of the same name at the same ``M`` (``speedup_vs_torch_peer``);
+* each stage's CPU time per step (nearly blind to load from other processes) and, for our
+  rows, the messages and bytes each stage sent per step;
 * activation bytes each stage stores between forward and backward per re-materialisation
   mode at the largest ``M`` (counted with ``saved_tensors_hooks``).
 """
