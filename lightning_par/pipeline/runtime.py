@@ -162,9 +162,10 @@ class PipelineStage:
     def _buffer(self, kind: str, i: int, shape: torch.Size, dtype: torch.dtype) -> torch.Tensor:
         # One receive buffer per (kind, micro-batch), kept from step to step: a fresh
         # allocation per message made the C library hand the pages back to the OS and fault
-        # them in again every step (about 1700 page faults per step on the CNN's second
+        # them in again every step (up to 1700 page faults per step on the CNN's second
         # stage at M = 8; see benchmarks/pipeline.md). A buffer is only rewritten by the
-        # next step's receive, after this step's backward has released it.
+        # next step's receive, after this step's backward has released it (on CUDA, NCCL's
+        # stream and the staging copy wait for the compute stream's earlier kernels).
         buf = self._buffers.get((kind, i))
         if buf is None or buf.shape != shape or buf.dtype != dtype or buf.device != self.device:
             buf = self._buffers[(kind, i)] = torch.empty(shape, dtype=dtype, device=self.device)
