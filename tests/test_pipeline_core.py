@@ -201,7 +201,11 @@ def _grid(rank: int, world_size: int, configs) -> list[tuple]:
                 grad_err = max(
                     float((p.grad - ref_grads[k]).abs().max()) for k, p in module.named_parameters()
                 )
+                kept = {k: b.data_ptr() for k, b in stage._buffers.items()}
             opt.step()
+        # every step received into the same buffers, one per micro-batch and direction
+        assert {k: b.data_ptr() for k, b in stage._buffers.items()} == kept
+        assert len(kept) == chunks * ((not stage.is_first) + (not stage.is_last))
         weight_err = max(
             float((v - ref_weights[k]).abs().max()) for k, v in module.state_dict().items()
         )

@@ -110,6 +110,13 @@ def test_trace_shows_wavefront_per_chunk():
     acts = [m for m in traces[0].messages if m.tag == "act" and m.op == "send"]
     grads = [m for m in traces[1].messages if m.tag == "grad" and m.op == "send"]
     assert len(acts) == len(grads) == chunks * STEPS
+    # activations go forward in time order, gradients back in reverse, each carrying its
+    # chunk: 4 sequences x (3, 3, 1) steps x HIDDEN floats
+    sizes = time_chunk_sizes(SEQ, 3)
+    assert [m.chunk for m in acts] == list(range(chunks)) * STEPS
+    assert [m.chunk for m in grads] == list(reversed(range(chunks))) * STEPS
+    for m in acts + grads:
+        assert m.nbytes == 4 * sizes[m.chunk] * HIDDEN * 4, m
     # the second stage's first forward of a step starts after the first stage's first one
     first = {t.rank: min(e.start + t.origin for e in t.events if e.name == "fwd") for t in traces}
     assert first[1] > first[0]

@@ -114,15 +114,19 @@ def _ranks(rank, world, time_chunks, warmup, steps, rounds):
     for tc in time_chunks:
         variants[f"wavefront {tc}"] = _split(rank, world, tc)
     seconds: dict[str, list[float]] = {name: [] for name in variants}
+    cpu: dict[str, float] = {name: float("inf") for name in variants}
     for r in range(warmup + rounds):
         for name, (step, *_) in variants.items():
             dist.barrier()
-            start = time.perf_counter()
+            start, thread = time.perf_counter(), time.thread_time()
             for _ in range(steps if step is not None else 0):
                 step()
             if r >= warmup and step is not None:
                 seconds[name].append((time.perf_counter() - start) / steps)
-    out = {"seconds": seconds, "traces": {}, "memory": {}}
+                # this thread's CPU time: what the stage computed, nearly blind to other
+                # processes' load (which only stretches the wall clock)
+                cpu[name] = min(cpu[name], (time.thread_time() - thread) / steps)
+    out = {"seconds": seconds, "cpu": cpu, "traces": {}, "memory": {}}
     for name, (step, *rest) in variants.items():
         if rest:  # a split variant: its trace, then one more step counting activations
             piped, opt, trace = rest
@@ -139,10 +143,11 @@ def _breakdown(traces: list[CommTrace], steps: list[int], chunks: int) -> dict:
     best = min(steps, key=lambda s: windows[s][1] - windows[s][0])
     window = windows[best][1] - windows[best][0]
     compute = [sum(e.end - e.start for e in step_events(t, best)) for t in traces]
-    # the stage-0 "seq_len" message goes once per input shape, before the first step's
-    # wavefront: setup, not part of a step's traffic
+    # the stage-0 "seq_len" message and the shape headers go once per input shape, in the
+    # first step: setup, not part of a step's traffic
+    setup = ("seq_len", "header")
     messages = [
-        [m for m in t.messages if m.step == best and m.op == "send" and m.tag != "seq_len"]
+        [m for m in t.messages if m.step == best and m.op == "send" and m.tag not in setup]
         for t in traces
     ]
     return {
@@ -176,10 +181,20 @@ def run(time_chunks: list[int], warmup: int, steps: int, rounds: int) -> dict:
             "speedup_over_naive": naive / best[name],
             "speedup_over_one_process": single / best[name],
             "utilisation_theory": wavefront_utilisation(STAGES, chunks),
+            "stage_cpu_s": [r["cpu"][name] for r in results],
             "memory": [r["memory"][name] for r in results],
         }  # fmt: skip
         row.update(_breakdown([r["traces"][name] for r in results], timed, chunks))
+        # the step the schedule would take on free cores with these CPU costs: the naive
+        # split runs its stages one after the other, the wavefront (T + K - 1) slots of the
+        # slowest stage's T chunks (messages free)
+        cpu = row["stage_cpu_s"]
+        row["cpu_model_step_s"] = (
+            sum(cpu) if tc is None else (chunks + STAGES - 1) / chunks * max(cpu)
+        )
         rows.append(row)
+    for row in rows:
+        row["cpu_model_speedup_over_naive"] = rows[0]["cpu_model_step_s"] / row["cpu_model_step_s"]
     from lightning_par.models import CifarCNN, CifarRNN
 
     torch.manual_seed(0)
@@ -204,7 +219,7 @@ def report(result: dict) -> str:
              f"{result['rounds']} interleaved rounds of {result['steps_per_round']} steps",
              f"{'variant':<12}{'chunk':>6}{'T':>4}{'ms/step':>9}{'vs naive':>9}"
              f"{'util':>6}{'theory':>7}{'1-proc':>8}{'compute/chunk':>15}{'other':>11}"
-             f"{'ideal':>7}"]  # fmt: skip
+             f"{'ideal':>7}{'cpu/stage':>11}{'cpu model':>10}"]  # fmt: skip
     for r in result["rows"]:
         per_chunk = "/".join(f"{c * 1e3:.1f}" for c in r["compute_per_chunk_s"])
         other = "/".join(f"{c * 1e3:.0f}" for c in r["other_s"])
@@ -212,10 +227,13 @@ def report(result: dict) -> str:
                      f"{r['step_s'] * 1e3:>9.1f}{r['speedup_over_naive']:>8.2f}x"
                      f"{r['utilisation_measured']:>6.0%}{r['utilisation_theory']:>7.0%}"
                      f"{r['one_process_chunked_s'] * 1e3:>8.1f}{per_chunk:>15}{other:>11}"
-                     f"{r['ideal_s'] * 1e3:>7.1f}")  # fmt: skip
+                     f"{r['ideal_s'] * 1e3:>7.1f}"
+                     f"{'/'.join(f'{c * 1e3:.0f}' for c in r['stage_cpu_s']):>11}"
+                     f"{r['cpu_model_speedup_over_naive']:>9.2f}x")  # fmt: skip
     lines.append("(ms; 1-proc: one process cut into the same chunks; compute/chunk and "
                  "other: stage 0/stage 1 in the shortest step; ideal: (T+K-1) x slowest "
-                 "compute/chunk)")  # fmt: skip
+                 "compute/chunk; cpu/stage: each stage's CPU time per step; cpu model: the "
+                 "speedup over the naive split those CPU times give on free cores)")  # fmt: skip
     m = result["cifar_models_k2"]
     lines.append(f"CNN param bytes per stage {m['cnn_param_bytes']} of {m['cnn_total_bytes']}")
     lines.append(f"RNN param bytes per stage {m['rnn_param_bytes']} of {m['rnn_total_bytes']}")

@@ -10,7 +10,10 @@ contender, in one run:
 * the naive split (``M = 1``: one stage works while the other waits);
 * our GPipe and 1F1B for several ``M`` (``checkpoint="never"``: no recomputation, like
   torch's schedule), with the measured bubble from the trace next to (K-1)/(M+K-1);
-* torch's ``ScheduleGPipe`` on the same stages;
+* torch's ``ScheduleGPipe`` and ``Schedule1F1B`` on the same stages, each the peer of our
+  schedule of the same name at the same ``M`` (``speedup_vs_torch_peer``);
+* each stage's CPU time per step (nearly blind to load from other processes) and, for our
+  rows, the messages and bytes each stage sent per step;
 * activation bytes each stage stores between forward and backward per re-materialisation
   mode at the largest ``M`` (counted with ``saved_tensors_hooks``).
 """
@@ -59,11 +62,16 @@ def cnn_workload(batch: int = 64) -> tuple[nn.Sequential, torch.Tensor, torch.Te
 
 
 WORKLOADS = {"linear": linear_workload, "cnn": cnn_workload}
+#: torch.distributed.pipelining's peers of our "gpipe" and "1f1b" schedules
+TORCH_SCHEDULES = ("ScheduleGPipe", "Schedule1F1B")
+PEERS = {"gpipe": "torch ScheduleGPipe", "1f1b": "torch Schedule1F1B"}
 
 
-def _time_steps(step, optimizer, warmup: int, steps: int, rounds: int = 1) -> float:
-    """Seconds per training step: the best of ``rounds`` rounds of ``steps`` steps (the best,
-    because on a shared machine other processes only ever add time)."""
+def _time_steps(step, optimizer, warmup: int, steps: int, rounds: int = 1) -> tuple[float, float]:
+    """Seconds per training step, wall clock and this thread's CPU time: the best of ``rounds``
+    rounds of ``steps`` steps (the best, because on a shared machine other processes only
+    ever add time). CPU time barely moves with load from elsewhere, so it shows what a change
+    costs or saves when the wall clock cannot (it leaves out gloo's own threads)."""
 
     def one_step():
         optimizer.zero_grad()
@@ -72,17 +80,19 @@ def _time_steps(step, optimizer, warmup: int, steps: int, rounds: int = 1) -> fl
 
     for _ in range(warmup):
         one_step()
-    best = float("inf")
+    best, best_cpu = float("inf"), float("inf")
     for _ in range(rounds):
         if dist.is_initialized():
             dist.barrier()
-        start = time.perf_counter()
+        start, cpu = time.perf_counter(), time.thread_time()
         for _ in range(steps):
             one_step()
+        cpu = time.thread_time() - cpu
         if dist.is_initialized():
             dist.barrier()
         best = min(best, (time.perf_counter() - start) / steps)
-    return best
+        best_cpu = min(best_cpu, cpu / steps)
+    return best, best_cpu
 
 
 def _single(rank: int, world_size: int, workload: str, threads: int, warmup: int, steps: int,
@@ -90,7 +100,7 @@ def _single(rank: int, world_size: int, workload: str, threads: int, warmup: int
     torch.set_num_threads(threads)
     net, x, y, loss_fn = WORKLOADS[workload]()
     opt = torch.optim.SGD(net.parameters(), lr=1e-3)
-    return _time_steps(lambda: loss_fn(net(x), y).backward(), opt, warmup, steps, rounds)
+    return _time_steps(lambda: loss_fn(net(x), y).backward(), opt, warmup, steps, rounds)[0]
 
 
 def _stage_input(net: nn.Sequential, balance: list[int], stage: int, x: torch.Tensor):
@@ -116,14 +126,15 @@ def _pipelines(rank: int, world_size: int, workload: str, chunks: list[int], war
         opt = torch.optim.SGD(module.parameters(), lr=1e-3)
         return stage, opt, lambda: forward_backward(stage, x, y, loss_fn, m, schedule)
 
-    def theirs(m: int):
-        from torch.distributed.pipelining import PipelineStage as TorchStage
-        from torch.distributed.pipelining import ScheduleGPipe
+    def theirs(kind: str, m: int):
+        from torch.distributed import pipelining
 
         module = split_sequential(copy.deepcopy(base), balance)[rank]
         micro = _stage_input(base, balance, rank, x.tensor_split(m)[0])
-        stage = TorchStage(module, rank, world_size, torch.device("cpu"), input_args=(micro,))
-        schedule = ScheduleGPipe(stage, n_microbatches=m, loss_fn=loss_fn)
+        stage = pipelining.PipelineStage(
+            module, rank, world_size, torch.device("cpu"), input_args=(micro,)
+        )
+        schedule = getattr(pipelining, kind)(stage, n_microbatches=m, loss_fn=loss_fn)
         opt = torch.optim.SGD(module.parameters(), lr=1e-3)
         if rank == 0:
             return None, opt, lambda: schedule.step(x)
@@ -131,18 +142,24 @@ def _pipelines(rank: int, world_size: int, workload: str, chunks: list[int], war
 
     contenders = [("naive", 1, ours("gpipe", 1))]
     contenders += [(s, m, ours(s, m)) for s in ("gpipe", "1f1b") for m in chunks]
-    contenders += [("torch ScheduleGPipe", m, theirs(m)) for m in chunks]
+    contenders += [(f"torch {k}", m, theirs(k, m)) for k in TORCH_SCHEDULES for m in chunks]
     # rounds interleave the contenders, so that load from other processes hits all alike
     best = [float("inf")] * len(contenders)
+    cpu = [float("inf")] * len(contenders)
     for _ in range(rounds):
         for i, (_, _, (stage, opt, step)) in enumerate(contenders):
             if stage is not None:
                 stage.comm.trace.clear()  # keep the last round's steps for the bubble
-            best[i] = min(best[i], _time_steps(step, opt, warmup, steps))
-    for (name, m, (stage, _, _)), seconds in zip(contenders, best):
-        run = {"name": name, "chunks": m, "step_s": seconds}
+            wall, thread = _time_steps(step, opt, warmup, steps)
+            best[i], cpu[i] = min(best[i], wall), min(cpu[i], thread)
+    for (name, m, (stage, _, _)), seconds, cpu_s in zip(contenders, best, cpu):
+        run = {"name": name, "chunks": m, "step_s": seconds, "cpu_s": cpu_s}
         if stage is not None:
-            run.update(trace=stage.comm.trace, first_step=stage.step_index - steps)
+            first = stage.step_index - steps
+            sent = [msg for msg in stage.comm.trace.sent() if msg.step >= first]
+            run.update(trace=stage.comm.trace, first_step=first,
+                       messages_per_step=len(sent) / steps,
+                       bytes_per_step=sum(msg.nbytes for msg in sent) / steps)  # fmt: skip
         results["runs"].append(run)
 
     for mode in CHECKPOINT_MODES:
@@ -166,16 +183,23 @@ def run(workload: str, chunks: list[int], warmup: int, steps: int, rounds: int,
         step_s = max(r["runs"][i]["step_s"] for r in ranks)
         row = {"name": run0["name"], "chunks": run0["chunks"], "step_ms": step_s * 1e3,
                "speedup_vs_naive": naive / step_s,
+               "stage_cpu_ms": [r["runs"][i]["cpu_s"] * 1e3 for r in ranks],
                "theory_bubble": bubble_fraction(2, run0["chunks"])}  # fmt: skip
         if "trace" in run0:
+            row["messages_per_step"] = [r["runs"][i]["messages_per_step"] for r in ranks]
+            row["bytes_per_step"] = [r["runs"][i]["bytes_per_step"] for r in ranks]
             traces = [r["runs"][i]["trace"] for r in ranks]
             first = run0["first_step"]
             bubbles = [measured_bubble(traces, first + k) for k in range(steps)]
             row["measured_bubble"] = sum(bubbles) / len(bubbles)
         rows.append(row)
     best_torch = min(r["step_ms"] for r in rows if r["name"].startswith("torch"))
+    by_name = {(r["name"], r["chunks"]): r["step_ms"] for r in rows}
     for row in rows:
         row["speedup_vs_torch_best"] = best_torch / row["step_ms"]
+        peer = by_name.get((PEERS.get(row["name"]), row["chunks"]))
+        if peer is not None:  # torch's same schedule at the same chunks over ours
+            row["speedup_vs_torch_peer"] = peer / row["step_ms"]
     return {
         "workload": workload,
         "balance": ranks[0]["balance"],
@@ -196,13 +220,18 @@ def report(result: dict) -> str:
         f"{k.replace('_', ' ')} {v:.1f} ms" for k, v in result["single_process_ms"].items()
     )
     lines += [f"one process: {single}", ""]
-    lines.append("| run | M | step (ms) | vs naive | vs best torch | bubble measured | theory |")
-    lines.append("|---|---|---|---|---|---|---|")
+    lines.append(
+        "| run | M | step (ms) | vs naive | vs torch peer | vs best torch | bubble measured "
+        "| theory | CPU/stage (ms) |"
+    )
+    lines.append("|---|---|---|---|---|---|---|---|---|")
     for r in result["rows"]:
         measured = f"{r['measured_bubble']:.0%}" if "measured_bubble" in r else "-"
+        peer = f"{r['speedup_vs_torch_peer']:.2f}x" if "speedup_vs_torch_peer" in r else "-"
         lines.append(
             f"| {r['name']} | {r['chunks']} | {r['step_ms']:.1f} | {r['speedup_vs_naive']:.2f}x "
-            f"| {r['speedup_vs_torch_best']:.2f}x | {measured} | {r['theory_bubble']:.0%} |"
+            f"| {peer} | {r['speedup_vs_torch_best']:.2f}x | {measured} "
+            f"| {r['theory_bubble']:.0%} | {'/'.join(f'{c:.0f}' for c in r['stage_cpu_ms'])} |"
         )
     lines += [
         "",

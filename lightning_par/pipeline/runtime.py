@@ -62,6 +62,7 @@ class PipelineStage:
         self.step_index, self._step_start = 0, 0.0
         self.saved: SavedActivations | None = None  # set by measure_memory()
         self._known_shapes: dict[tuple, tuple[torch.Size, torch.dtype]] = {}
+        self._buffers: dict[tuple[str, int], torch.Tensor] = {}  # receive buffers, see _buffer
         #: Called just before the step's last backward micro-batch, after which each parameter
         #: gradient is complete (hybrid parallelism starts its data-parallel buckets then).
         self.before_last_backward: Callable[[], None] | None = None
@@ -155,8 +156,20 @@ class PipelineStage:
         while not self.is_last and pending and pending[0] in self._forwarded:
             i = pending.pop(0)
             out = self._outputs[i]
-            buf = torch.empty(out.shape, dtype=out.dtype, device=self.device)
+            buf = self._buffer("grad", i, out.shape, out.dtype)
             self._grad_recvs[i] = self.comm.irecv(buf, self.stage + 1, **self._meta(i, "grad"))
+
+    def _buffer(self, kind: str, i: int, shape: torch.Size, dtype: torch.dtype) -> torch.Tensor:
+        # One receive buffer per (kind, micro-batch), kept from step to step: a fresh
+        # allocation per message made the C library hand the pages back to the OS and fault
+        # them in again every step (up to 1700 page faults per step on the CNN's second
+        # stage at M = 8; see benchmarks/pipeline.md). A buffer is only rewritten by the
+        # next step's receive, after this step's backward has released it (on CUDA, NCCL's
+        # stream and the staging copy wait for the compute stream's earlier kernels).
+        buf = self._buffers.get((kind, i))
+        if buf is None or buf.shape != shape or buf.dtype != dtype or buf.device != self.device:
+            buf = self._buffers[(kind, i)] = torch.empty(shape, dtype=dtype, device=self.device)
+        return buf
 
     def _meta(self, i: int, tag: str) -> dict:
         return {"step": self.step_index, "chunk": i, "tag": tag}
@@ -167,7 +180,7 @@ class PipelineStage:
 
     def _post_act_recv(self, i: int) -> None:
         shape, dtype = self._known_shapes[self._key + (i,)]
-        buf = torch.empty(shape, dtype=dtype, device=self.device)
+        buf = self._buffer("act", i, shape, dtype)
         self._act_recvs[i] = self.comm.irecv(buf, self.stage - 1, **self._meta(i, "act"))
 
     def _forward(self, i: int, inputs: Sequence[torch.Tensor] | None) -> None:
@@ -179,7 +192,8 @@ class PipelineStage:
             if i not in self._act_recvs:
                 self._recv_header(i, self.stage - 1)
                 self._post_act_recv(i)
-            x = self._act_recvs.pop(i).wait()
+            # a new tensor on the kept buffer: its own requires_grad and .grad every step
+            x = self._act_recvs.pop(i).wait().detach()
         grad = torch.is_grad_enabled()
         if grad and x.is_floating_point() and not self.is_first:
             x.requires_grad_(True)
