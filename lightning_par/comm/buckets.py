@@ -243,3 +243,19 @@ def allreduce_buckets(
         trace=trace,
         rank=comm.global_rank,
     )
+
+
+def average_unbucketed(params: list[nn.Parameter], allreduce: AllReduceFn, comm: Communicator):
+    """Average the gradients of ``params`` (trainable only since the buckets were made: an
+    unfrozen layer, a new param group) over the ranks of ``comm``, in one message. torch
+    DDP's reducer never synchronises such parameters: its replicas silently drift apart."""
+    if not params or comm.world_size == 1:
+        return
+    flat = torch.cat([p.grad.detach().reshape(-1) for p in params])
+    allreduce(flat, comm=comm)
+    flat /= comm.world_size
+    offset = 0
+    for p in params:
+        n = p.grad.numel()
+        p.grad.detach().copy_(flat[offset : offset + n].view_as(p.grad))
+        offset += n

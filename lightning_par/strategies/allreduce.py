@@ -27,7 +27,7 @@ import torch
 
 from lightning_par.collectives import ALGORITHMS, get_allreduce, tree_broadcast
 from lightning_par.comm import Event
-from lightning_par.comm.buckets import GradientBuckets, allreduce_buckets
+from lightning_par.comm.buckets import GradientBuckets, allreduce_buckets, average_unbucketed
 from lightning_par.strategies._base import ParStrategy
 
 
@@ -130,22 +130,13 @@ class AllReduceStrategy(ParStrategy):
         self._average_late_parameters()
 
     def _average_late_parameters(self) -> None:
-        """Parameters that became trainable after setup (an unfrozen layer, a new param
-        group) have gradients but no bucket: average them now, in one message, and rebuild
-        the buckets so that later steps overlap them too. (torch DDP's reducer never
-        synchronises them: its replicas silently drift apart.)"""
+        """Parameters that became trainable after setup have gradients but no bucket:
+        average them now, then rebuild the buckets so that later steps overlap them too."""
         assert self.model is not None and self.buckets is not None and self.comm is not None
         late = self.buckets.unbucketed(self.model)
         if not late:
             return
-        flat = torch.cat([p.grad.detach().reshape(-1) for p in late])
-        self._allreduce(flat, comm=self.comm)
-        flat /= self.comm.world_size
-        offset = 0
-        for p in late:
-            n = p.grad.numel()
-            p.grad.detach().copy_(flat[offset : offset + n].view_as(p.grad))
-            offset += n
+        average_unbucketed(late, self._allreduce, self.comm)
         self.buckets.close()
         self.configure_sync()
 

@@ -47,7 +47,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info
 
 from lightning_par.collectives import ALGORITHMS, get_allreduce, tree_broadcast
 from lightning_par.comm import Communicator, Event
-from lightning_par.comm.buckets import GradientBuckets, allreduce_buckets
+from lightning_par.comm.buckets import GradientBuckets, allreduce_buckets, average_unbucketed
 from lightning_par.hybrid.grid import Grid, GridGroups, check_degrees, create_groups, make_grid
 from lightning_par.pipeline.runtime import PipelineStage
 from lightning_par.strategies._base import ParStrategy
@@ -232,21 +232,10 @@ class HybridStrategy(ParStrategy):
         self._average_late_parameters()
 
     def _average_late_parameters(self) -> None:
-        """Parameters trainable only since setup (an unfrozen layer, a new param group) have
-        gradients but no bucket: average them over the replicas in one message (as
-        ``ring_allreduce`` does; unaveraged, the replicas would silently drift apart)."""
+        """Parameters trainable only since setup have gradients but no bucket: average them
+        over the replicas (as ``ring_allreduce`` does)."""
         assert self.model is not None and self.buckets is not None and self.dp_comm is not None
-        late = self.buckets.unbucketed(self.model)
-        if not late or self.dp_comm.world_size == 1:
-            return
-        flat = torch.cat([p.grad.detach().reshape(-1) for p in late])
-        self._allreduce(flat, comm=self.dp_comm)
-        flat /= self.dp_comm.world_size
-        offset = 0
-        for p in late:
-            n = p.grad.numel()
-            p.grad.detach().copy_(flat[offset : offset + n].view_as(p.grad))
-            offset += n
+        average_unbucketed(self.buckets.unbucketed(self.model), self._allreduce, self.dp_comm)
 
     # ---- checkpoints: replica 0 gathers the full model ------------------------------------------
     def lightning_module_state_dict(self) -> dict[str, Any]:
