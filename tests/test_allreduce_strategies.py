@@ -335,6 +335,44 @@ def test_unused_parameters_count_as_zero_and_stay_none_if_unused_everywhere():
     assert r0["never"] is None and r1["never"] is None
 
 
+def _steps_in_place(rank: int, world_size: int) -> dict:
+    """Three synchronised backwards of one layer: zeroed in place, then not zeroed at all."""
+    torch.manual_seed(0)
+    layer = nn.Linear(3, 2)
+    buckets = allreduce_buckets(layer, ring_allreduce, Communicator(), bucket_cap_mb=1.0)
+    seen = []
+    for step in range(3):
+        if step == 1:
+            layer.zero_grad(set_to_none=False)  # zeroed in place: the same gradient tensors
+        x = torch.full((2, 3), float(rank + 1 + 10 * step))
+        layer(x).pow(2).sum().backward()
+        buckets.synchronize()
+        seen.append(portable(layer.weight.grad))
+    own = layer.weight.grad.data_ptr() != buckets.buckets[0].views[1].data_ptr()
+    buckets.close()
+    return {"grads": seen, "own": own}
+
+
+def test_averaged_gradients_are_scaled_once_and_accumulate_in_place():
+    results = run_on_ranks(_steps_in_place, 2)
+
+    def local(rank, step, layer):  # one rank's own gradient of that step
+        layer.zero_grad()
+        layer(torch.full((2, 3), float(rank + 1 + 10 * step))).pow(2).sum().backward()
+        return layer.weight.grad.clone()
+
+    torch.manual_seed(0)
+    layer = nn.Linear(3, 2)
+    mean = [(local(0, s, layer) + local(1, s, layer)) / 2 for s in range(3)]
+    # step 0: the average; step 1: zeroed in place first; step 2: not zeroed, so the
+    # average accumulates onto step 1's, as in one process
+    expected = [mean[0], mean[1], mean[1] + mean[2]]
+    for out in results:
+        assert out["own"], "a gradient must stay its own tensor, not a view of the bucket"
+        for got, want in zip(out["grads"], expected):
+            assert np.allclose(got, want.numpy(), rtol=1e-6), (got, want)
+
+
 def test_bad_options_fail_before_training():
     with pytest.raises(ValueError, match="bucket_cap_mb must be > 0"):
         AllReduceStrategy("ring", bucket_cap_mb=0)

@@ -293,3 +293,25 @@ def test_the_two_rank_ring_posts_in_nccl_order():
     low, high = ranks[0].posted, ranks[1].posted
     assert len(low) == len(high) == 2 * 2 * 6  # 2 steps of 6 segments, a send and a receive
     assert all({a, b} == {"send", "recv"} for a, b in zip(low, high))
+
+
+def _shared_communicator(rank: int, world_size: int) -> list[bool]:
+    from lightning_par.collectives._common import resolve_communicator
+
+    first = resolve_communicator(None, None, None)
+    trace = CommTrace(rank)
+    traced = resolve_communicator(None, None, trace)
+    subgroup = dist.new_group([0, 1])
+    on_subgroup = resolve_communicator(subgroup, None, None)
+    x = ring_allreduce(torch.full((10,), float(rank)))
+    return [
+        resolve_communicator(None, None, None) is first,  # untraced default calls share one
+        traced is not first and traced.trace is trace,  # a traced call records its messages
+        on_subgroup is not first and on_subgroup.group is subgroup,
+        bool((x == sum(range(world_size))).all()),
+    ]
+
+
+def test_untraced_calls_on_the_default_group_share_one_communicator():
+    for checks in run_on_ranks(_shared_communicator, 2):
+        assert checks == [True, True, True, True]

@@ -23,6 +23,13 @@ def test_parameter_server_bench_runs(tmp_path):
         for name in ("parameter_server(S=1)", "parameter_server(S=2)", "ring_allreduce",
                      "lightning_ddp"):  # fmt: skip
             assert rows[model, name]["step_s"] > 0
+            # CPU per step of worker 0's process, against the ring's
+            assert rows[model, name]["worker0_cpu_step_s"] > 0
+            ring_cpu = rows[model, "ring_allreduce"]["worker0_cpu_step_s"]
+            assert (
+                rows[model, name]["cpu_vs_ring"]
+                == rows[model, name]["worker0_cpu_step_s"] / ring_cpu
+            )
         one, two = rows[model, "parameter_server(S=1)"], rows[model, "parameter_server(S=2)"]
         model_2wn = one["cost_model_one_server_bytes"]
         # one server carries 2·W·n per step (plus a flag per slice and the headers)

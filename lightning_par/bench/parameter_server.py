@@ -7,10 +7,13 @@ dominates) and the CIFAR CNN under ``parameter_server`` with S = 1 and 2 servers
 ``ring_allreduce`` and ``lightning_ddp``. Each round runs every contender once per model
 (interleaved, so a change in the shared machine's load hits all of them); a contender's
 step time is the median start-to-start time of its steps after ``--warmup``, and its
-figure the best over rounds. Bytes come from every worker's trace (``trace_dir``): per
-step, the traffic in and out of the busiest process (a server, or a ring rank), against
-the cost model for one server, ``2·W·n`` (each of the W workers pushes n bytes of
-gradients to it and pulls n bytes of weights back).
+figure the best over rounds (likewise the CPU worker 0's process used per step, which a
+loaded machine disturbs far less). ``--strategies`` runs a subset (the ring always).
+Bytes come from every worker's trace (``trace_dir``, in the first round only: the later
+rounds run untraced, as Lightning's DDP does): per step, the traffic in and out
+of the busiest process (a server, or a ring rank), against the cost model for one server,
+``2·W·n`` (each of the W workers pushes n bytes of gradients to it and pulls n bytes of
+weights back).
 """
 
 from __future__ import annotations
@@ -72,27 +75,32 @@ class CNN(CifarCNN):
 
 
 class StepClock(pl.Callback):
-    """Rank 0 writes the start time of every training step to ``path``."""
+    """Rank 0 writes the start time of every training step to ``path``, and the CPU time
+    its process (all its threads) had used by then: on a shared machine the CPU a step
+    costs varies far less with the load than its wall time."""
 
     def __init__(self, path: Path) -> None:
-        self.path, self.starts = path, []
+        self.path, self.starts, self.cpu = path, [], []
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
         self.starts.append(time.perf_counter())
+        self.cpu.append(time.process_time())
 
     def on_train_end(self, trainer, pl_module) -> None:
         if trainer.is_global_zero:
-            self.path.write_text(json.dumps(self.starts))
+            self.path.write_text(json.dumps({"starts": self.starts, "cpu": self.cpu}))
 
 
-def contenders(trace_dir: Path) -> dict:
+def contenders() -> dict:
+    """Name -> strategy made from a trace directory (``None``: not traced)."""
+
     def ps(servers: int):
-        return lambda d: ParameterServerStrategy(num_servers=servers, trace_dir=str(d))
+        return lambda d: ParameterServerStrategy(num_servers=servers, trace_dir=d)
 
     return {
         "parameter_server(S=1)": ps(1),
         "parameter_server(S=2)": ps(2),
-        "ring_allreduce": lambda d: AllReduceStrategy("ring", trace_dir=str(d)),
+        "ring_allreduce": lambda d: AllReduceStrategy("ring", trace_dir=d),
         "lightning_ddp": lambda d: "lightning_ddp",
     }
 
@@ -113,41 +121,51 @@ def busiest_bytes_per_step(trace_dir: Path, steps: int) -> float:
     return max((servers or ranks).values()) / steps
 
 
-def fit_once(name: str, make, model: pl.LightningModule, root: Path, steps: int) -> dict:
+def fit_once(
+    name: str, make, model: pl.LightningModule, root: Path, steps: int, traced: bool = True
+) -> dict:
     clock = root / "steps.json"
     trace_dir = root / "trace"
     trainer = pl.Trainer(
-        strategy=make(trace_dir), accelerator="cpu", devices=WORKERS, max_steps=steps,
+        strategy=make(str(trace_dir) if traced else None), accelerator="cpu", devices=WORKERS,
+        max_steps=steps,
         logger=False, enable_checkpointing=False, enable_progress_bar=False,
         enable_model_summary=False, use_distributed_sampler=False,
         callbacks=[StepClock(clock)],
     )  # fmt: skip
     trainer.fit(model)
-    starts = json.loads(clock.read_text())
+    clocks = json.loads(clock.read_text())
     link = busiest_bytes_per_step(trace_dir, steps) if trace_dir.exists() else None
-    return {"starts": starts, "busiest_bytes_per_step": link}
+    return {**clocks, "busiest_bytes_per_step": link}
 
 
 def run(args) -> dict:
     models = {"wide_mlp": lambda: WideMLP(width=args.width, batch=args.batch, steps=args.steps),
               "cnn": lambda: CNN(batch=args.batch, steps=args.steps)}  # fmt: skip
     times: dict[tuple[str, str], list[float]] = defaultdict(list)
+    cpu: dict[tuple[str, str], list[float]] = defaultdict(list)  # worker 0's process
     links: dict[tuple[str, str], float | None] = {}
     nbytes = {}
     with tempfile.TemporaryDirectory() as tmp:
         for r in range(args.rounds):
             for model_name, make_model in models.items():
-                for name, make in contenders(Path(tmp)).items():
+                for name, make in contenders().items():
+                    if name not in args.strategies:
+                        continue
                     root = Path(tmp) / f"{r}-{model_name}-{name}"
                     root.mkdir()
                     torch.manual_seed(0)
                     model = make_model()
                     nbytes[model_name] = sum(p.numel() * p.element_size()
                                              for p in model.parameters())  # fmt: skip
-                    out = fit_once(name, make, model, root, args.steps)
-                    deltas = [b - a for a, b in zip(out["starts"], out["starts"][1:])]
-                    times[model_name, name].append(statistics.median(deltas[args.warmup :]))
-                    links[model_name, name] = out["busiest_bytes_per_step"]
+                    # Round 0 traces every message for the bytes; the later rounds run
+                    # untraced, as Lightning's DDP always does and as users run ours.
+                    out = fit_once(name, make, model, root, args.steps, traced=r == 0)
+                    for key, into in (("starts", times), ("cpu", cpu)):
+                        deltas = [b - a for a, b in zip(out[key], out[key][1:])]
+                        into[model_name, name].append(statistics.median(deltas[args.warmup :]))
+                    if r == 0:
+                        links[model_name, name] = out["busiest_bytes_per_step"]
     rows = []
     for (model_name, name), rounds in times.items():
         ring = min(times[model_name, "ring_allreduce"])
@@ -156,6 +174,8 @@ def run(args) -> dict:
         rows.append({
             "model": model_name, "strategy": name, "step_s": min(rounds),
             "rounds_step_s": rounds, "vs_ring": min(rounds) / ring, "model_bytes": n,
+            "worker0_cpu_step_s": min(cpu[model_name, name]),
+            "cpu_vs_ring": min(cpu[model_name, name]) / min(cpu[model_name, "ring_allreduce"]),
             "busiest_link_bytes_per_step": link,
             "cost_model_one_server_bytes": 2 * WORKERS * n,
         })  # fmt: skip
@@ -168,13 +188,15 @@ def report(result: dict) -> str:
         f"W = {result['workers']} CPU workers, batch {result['batch']}/worker, best of "
         f"{result['rounds']} interleaved rounds, median of steps after {result['warmup']}",
         "",
-        "| model | strategy | step ms | vs ring | busiest link MB/step | 2·W·n MB |",
-        "|---|---|---|---|---|---|",
+        "| model | strategy | step ms | vs ring | worker 0 CPU ms | vs ring "
+        "| busiest link MB/step | 2·W·n MB |",
+        "|---|---|---|---|---|---|---|---|",
     ]
     for r in result["rows"]:
         link = r["busiest_link_bytes_per_step"]
         lines.append(
             f"| {r['model']} | {r['strategy']} | {r['step_s'] * 1e3:.1f} | {r['vs_ring']:.2f}x "
+            f"| {r['worker0_cpu_step_s'] * 1e3:.1f} | {r['cpu_vs_ring']:.2f}x "
             f"| {'-' if link is None else f'{link / 1e6:.2f}'} "
             f"| {r['cost_model_one_server_bytes'] / 1e6:.2f} |"
         )
@@ -188,8 +210,15 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--warmup", type=int, default=3, help="steps not timed")
     parser.add_argument("--batch", type=int, default=32, help="per worker")
     parser.add_argument("--width", type=int, default=2048, help="the MLP's width")
+    names = list(contenders())
+    parser.add_argument(
+        "--strategies", nargs="+", default=names, choices=names, metavar="NAME",
+        help=f"contenders to run (default: all; ring_allreduce always): {', '.join(names)}",
+    )  # fmt: skip
     parser.add_argument("--json", action="store_true", help="print one JSON document")
     args = parser.parse_args(argv)
+    if "ring_allreduce" not in args.strategies:
+        args.strategies.append("ring_allreduce")  # every row's ratio is to the ring
     if args.rounds < 1 or args.steps < args.warmup + 2:
         parser.error("--rounds must be >= 1 and --steps >= --warmup + 2")
     result = run(args)
