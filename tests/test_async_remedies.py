@@ -13,6 +13,7 @@ from lightning_par.paramserver.protocol import Command, Header, push_message
 from lightning_par.paramserver.remedies import (
     Remedies,
     adaptive_lambda,
+    cap_momentum,
     compensate,
     staleness_scale,
 )
@@ -109,6 +110,25 @@ def test_server_adaptive_delay_compensation():
         ms = 0.5 * ms + 0.5 * grad * grad
     lam = 2.0 / (ms + 1e-7).sqrt()
     torch.testing.assert_close(w[3], w[2] - 0.1 * (g[2] + lam * g[2] * g[2] * (w[2] - w[0])))
+
+
+def test_momentum_is_capped_not_raised():
+    groups = [{"momentum": 0.3}, {"momentum": 0.9}, {"betas": (0.9, 0.99)}]
+    cap_momentum(groups[:2], 0.5)
+    assert [g["momentum"] for g in groups[:2]] == [0.3, 0.5]
+    cap_momentum(groups, 0.5, strict=False)  # an optimiser without momentum: left alone
+    assert groups[2] == {"betas": (0.9, 0.99)}
+    with pytest.raises(ValueError, match="'momentum' setting"):
+        cap_momentum(groups, 0.5)
+
+
+def test_default_remedy_is_the_measured_best():
+    """The benchmark's best (benchmarks/async.md): momentum at most 0.5 on the servers,
+    where the optimiser has one; none at staleness=0 (synchronous)."""
+    assert AsyncSGDStrategy().remedies == Remedies(momentum=0.5, strict=False)
+    assert AsyncSGDStrategy(staleness=4).remedies.momentum == 0.5
+    assert AsyncSGDStrategy(staleness=0).remedies == Remedies(strict=False)
+    assert AsyncSGDStrategy(momentum=None).remedies == Remedies()
 
 
 def test_server_momentum_replaces_the_models():

@@ -55,7 +55,7 @@ from lightning_par.paramserver.protocol import (
     split_push,
     work_message,
 )
-from lightning_par.paramserver.remedies import Remedies, StaleUpdate, set_momentum
+from lightning_par.paramserver.remedies import Remedies, StaleUpdate, cap_momentum
 from lightning_par.paramserver.server import ShardOptimizer, apply_averaged
 from lightning_par.paramserver.spec import ServerSpec
 from lightning_par.paramserver.work import WorkQueue
@@ -179,7 +179,7 @@ class AsyncServer:
             return
         shard.set_hyper(hyper)  # this worker's schedule
         if self.remedies.momentum is not None and shard.optimizer is not None:
-            set_momentum(shard.optimizer.param_groups, self.remedies.momentum)
+            cap_momentum(shard.optimizer.param_groups, self.remedies.momentum, self.remedies.strict)
         staleness = self.version - self.pulled[w]
         for b, buf in zip(shard.active, bufs):  # clipped by the worker, if at all
             grad, used = split_push(buf, shard.flat[b].numel())

@@ -17,7 +17,8 @@ sent that worker), so every remedy lives here, before the user's optimiser step:
   adaptive variant DC-ASGD-a, ``lambda / sqrt(MS)`` with ``MS <- m MS + (1 - m) g * g``;
 * **lower momentum** (Mitliagkas, Zhang, Hadjis & Ré, "Asynchrony begets Momentum",
   2016): asynchrony adds implicit momentum (about ``1 - 1/W`` with ``W`` workers), so the
-  explicit momentum should be lowered; ``momentum`` replaces the optimiser's on the servers.
+  explicit momentum should be lowered; ``momentum`` caps the optimiser's on the servers
+  (a param group with less keeps its own).
 """
 
 from __future__ import annotations
@@ -37,13 +38,16 @@ class Remedies:
         dc_lambda: DC-ASGD's ``lambda`` (0: no compensation).
         dc_mean_square: DC-ASGD-a's decay ``m`` of the mean square of the gradient
             (``None``: constant ``lambda``, DC-ASGD-c).
-        momentum: the momentum the servers use (``None``: the optimiser's own).
+        momentum: the most momentum the servers use (``None``: the optimiser's own).
+        strict: an optimiser without a ``momentum`` setting is an error (when the user
+            asked for the cap); otherwise it is left as it is.
     """
 
     staleness_lr: bool = False
     dc_lambda: float = 0.0
     dc_mean_square: float | None = None
     momentum: float | None = None
+    strict: bool = True
 
     def __post_init__(self) -> None:
         if not isinstance(self.staleness_lr, bool):
@@ -100,15 +104,17 @@ def adaptive_lambda(
     return lam / (mean_square + eps).sqrt()
 
 
-def set_momentum(groups: list[dict[str, Any]], momentum: float) -> None:
-    """Replace the momentum of every optimiser param group (the servers' copy)."""
+def cap_momentum(groups: list[dict[str, Any]], momentum: float, strict: bool = True) -> None:
+    """Lower every optimiser param group's momentum to at most ``momentum`` (the servers'
+    copy); a group without one is an error if ``strict``, else left alone."""
     for group in groups:
-        if "momentum" not in group:
+        if "momentum" in group:
+            group["momentum"] = min(group["momentum"], momentum)
+        elif strict:
             raise ValueError(
                 "the momentum remedy needs an optimiser with a 'momentum' setting (SGD, "
                 f"RMSprop); this one's param group has {sorted(k for k in group if k != 'params')}"
             )
-        group["momentum"] = momentum
 
 
 class StaleUpdate:

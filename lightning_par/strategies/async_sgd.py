@@ -63,6 +63,9 @@ from lightning_par.strategies._async_loader import (
 from lightning_par.strategies._async_progress import show_own_progress
 from lightning_par.strategies.parameter_server import ParameterServerStrategy
 
+#: The servers' momentum cap of ``momentum="auto"`` (Mitliagkas et al. 2016; measured best).
+AUTO_MOMENTUM = 0.5
+
 
 def check_staleness(staleness: Any) -> int | None:
     """``staleness`` if it is ``None`` or an int >= 0; otherwise a clear error."""
@@ -105,8 +108,11 @@ class AsyncSGDStrategy(ParameterServerStrategy):
         staleness_lr: apply an update ``tau`` steps stale at ``lr / max(1, tau)``.
         dc_lambda: DC-ASGD's delay compensation ``g + dc_lambda * g * g * (w - w_read)``
             (0: off); ``dc_mean_square=m``: its adaptive form, ``dc_lambda / sqrt(MS)``.
-        momentum: the momentum the servers run the (SGD) optimiser with, in place of the
-            model's (``None``: the model's own).
+        momentum: the most momentum the servers run the optimiser with (a lower one of
+            the model's stays). ``"auto"`` (default): 0.5 where the optimiser has a
+            momentum (SGD's 0.9 became 0.5: the best remedy measured by ``python -m
+            lightning_par.bench async``, see ``benchmarks/async.md``), nothing otherwise
+            and with ``staleness=0``; ``None``: the model's own.
         **kwargs: ``trace``, ``trace_dir``, ``start_method``, ``timeout``. With ``trace``
             each applied update is an event ``staleness`` whose ``micro_batch`` field holds
             the staleness (read it with :func:`staleness_histogram`).
@@ -126,12 +132,15 @@ class AsyncSGDStrategy(ParameterServerStrategy):
         staleness_lr: bool = False,
         dc_lambda: float = 0.0,
         dc_mean_square: float | None = None,
-        momentum: float | None = None,
+        momentum: float | str | None = "auto",
         **kwargs: Any,
     ) -> None:
         self.staleness = check_staleness(staleness)
-        self.remedies = Remedies(staleness_lr, dc_lambda, dc_mean_square, momentum)
-        if self.staleness == 0 and self.remedies != Remedies():
+        auto = momentum == "auto"
+        if auto:
+            momentum = None if self.staleness == 0 else AUTO_MOMENTUM
+        self.remedies = Remedies(staleness_lr, dc_lambda, dc_mean_square, momentum, not auto)
+        if self.staleness == 0 and self.remedies != Remedies(strict=not auto):
             raise ValueError(
                 f"async_sgd(staleness=0) is the synchronous parameter server: no update is "
                 f"stale, so the remedies ({self.remedies}) do not apply; use staleness >= 1 "
@@ -181,14 +190,14 @@ class AsyncSGDStrategy(ParameterServerStrategy):
         """The momentum remedy needs an optimiser that has one: checked here, before the
         servers learn the optimiser, so that they do not fail at the first push."""
         super().setup_optimizers(trainer)
-        if self.remedies.momentum is None:
+        if self.remedies.momentum is None or not self.remedies.strict:
             return
         for opt in self.optimizers:
             if any("momentum" not in group for group in opt.param_groups):
                 raise ValueError(
                     f"async_sgd(momentum={self.remedies.momentum}) sets the servers' "
                     f"momentum, but {type(opt).__name__} has none; use SGD (or RMSprop) "
-                    "or leave momentum=None"
+                    'or leave momentum="auto" (no cap without one) or None'
                 )
 
     def _own_sigterm(self) -> None:
