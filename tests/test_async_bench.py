@@ -29,7 +29,7 @@ def test_async_bench_rows_are_what_the_runs_measured(mini_dir):
     for row in rows.values():
         runs = row["seeds"]
         assert [r["seed"] for r in runs] == [0, 1]
-        for r, ref in zip(runs, ps):
+        for r in runs:
             assert r["rank_images"] == [4 * 32, 4 * 32]  # --limit-batches caps each worker
             assert r["images_per_s"] == pytest.approx(sum(r["rank_images"]) / r["train_s"])
             correct = r["test_acc"] * 4 * 32  # a count of correct images among 4 x 32 tested
