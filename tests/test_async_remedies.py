@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from lightning.fabric.plugins.environments import LightningEnvironment
 from torch import nn
 
 from lightning_par.paramserver.asynchronous import AsyncServer
@@ -129,6 +130,12 @@ def test_default_remedy_is_the_measured_best():
     assert AsyncSGDStrategy(staleness=4).remedies.momentum == 0.5
     assert AsyncSGDStrategy(staleness=0).remedies == Remedies(strict=False)
     assert AsyncSGDStrategy(momentum=None).remedies == Remedies()
+    strategy = AsyncSGDStrategy()
+    for world, momentum in ((1, None), (2, 0.5)):  # one worker: no asynchrony, no cap
+        env = LightningEnvironment()
+        env.set_world_size(world)
+        strategy.cluster_environment = env
+        assert strategy._server_options()["remedies"].momentum == momentum
 
 
 def test_server_momentum_replaces_the_models():

@@ -2,7 +2,7 @@
 
 Two 5x5 convolutions, each followed by ReLU and 2x2 max pooling, then one linear layer
 (LeCun, Bottou, Bengio & Haffner, "Gradient-based learning applied to document
-recognition", 1998). With ``width=16`` it has 22k parameters and reaches about 45 % test
+recognition", 1998). With ``width=16`` it has 22k parameters and reaches 40-46 % test
 accuracy on cifar10-mini in 8 epochs; no normalisation layers, so its state is its weights
 alone (what the parameter servers hold).
 """

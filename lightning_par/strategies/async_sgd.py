@@ -37,6 +37,7 @@ clipped on the servers).
 
 from __future__ import annotations
 
+import dataclasses
 from collections import Counter, deque
 from typing import Any
 
@@ -111,8 +112,8 @@ class AsyncSGDStrategy(ParameterServerStrategy):
         momentum: the most momentum the servers run the optimiser with (a lower one of
             the model's stays). ``"auto"`` (default): 0.5 where the optimiser has a
             momentum (SGD's 0.9 became 0.5: the best remedy measured by ``python -m
-            lightning_par.bench async``, see ``benchmarks/async.md``), nothing otherwise
-            and with ``staleness=0``; ``None``: the model's own.
+            lightning_par.bench async``, see ``benchmarks/async.md``), nothing otherwise,
+            with one worker or with ``staleness=0``; ``None``: the model's own.
         **kwargs: ``trace``, ``trace_dir``, ``start_method``, ``timeout``. With ``trace``
             each applied update is an event ``staleness`` whose ``micro_batch`` field holds
             the staleness (read it with :func:`staleness_histogram`).
@@ -165,7 +166,12 @@ class AsyncSGDStrategy(ParameterServerStrategy):
         return [0, *range(self.world_size, self.world_size + self.num_servers)]
 
     def _server_options(self) -> dict[str, Any]:
-        return {"asynchronous": True, "staleness": self.staleness, "remedies": self.remedies}
+        remedies = self.remedies
+        if not remedies.strict and self.world_size < 2:
+            # the automatic cap: one worker is one process's SGD, with no asynchrony to
+            # add momentum (Mitliagkas et al.: 1 - 1/W), so the model's momentum stays
+            remedies = dataclasses.replace(remedies, momentum=None)
+        return {"asynchronous": True, "staleness": self.staleness, "remedies": remedies}
 
     def _client_options(self, clip: GradClip | None) -> dict[str, Any]:
         """``staleness=0`` applies the mean of every worker's gradient, clipped on the servers
