@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 from lightning.pytorch.strategies import StrategyRegistry
-from test_parameter_server import fit, make, weights
+from test_parameter_server import CNN, fit, make, weights
 
 import lightning_par  # noqa: F401  (registers the strategy names)
 from lightning_par.callbacks import Straggler
@@ -67,3 +67,23 @@ def test_bad_options_are_refused():
         AsyncSGDStrategy(bucket_cap_mb=1.0)
     with pytest.raises(ValueError, match="num_servers"):
         AsyncSGDStrategy(num_servers=0)
+
+
+def test_remedies_train_under_a_straggler(tmp_path):
+    """Every remedy on at once: the servers apply them to every push and the run trains."""
+    strategy = AsyncSGDStrategy(staleness_lr=True, dc_lambda=2.0, dc_mean_square=0.9,
+                                momentum=0.5, trace_dir=tmp_path / "trace")  # fmt: skip
+    model = make("cnn", scheduler=None)
+    fit(model, strategy, 2, steps=6, callbacks=[Straggler(rank=1, slowdown=4.0)])
+    assert sum(staleness_histogram(load_traces(tmp_path / "trace")).values()) == 12
+    trained = weights(model)
+    assert torch.isfinite(trained).all() and not torch.equal(trained, weights(make("cnn")))
+
+
+def test_momentum_remedy_refuses_an_optimiser_without_momentum():
+    torch.manual_seed(0)
+    model = CNN(width=8, num_blocks=2, optimizer="adam", scheduler=None, lr=0.01)
+    model.global_batch = 8
+    # raised in every worker at setup (the optimiser is known only there), before a push
+    with pytest.raises(Exception, match=r"momentum=0.5\) sets the servers' momentum, but Adam"):
+        fit(model, AsyncSGDStrategy(momentum=0.5), 2, steps=2)

@@ -3,6 +3,7 @@
 from lightning_par.models.classifier import ImageClassifier
 from lightning_par.models.cnn import CifarCNN, ResidualBlock, build_cnn
 from lightning_par.models.rnn import CifarRNN, ImageToRows, LSTMLayer, build_rnn
+from lightning_par.models.tiny import TinyCNN, build_tiny_cnn
 
 __all__ = [
     "CifarCNN",
@@ -11,6 +12,8 @@ __all__ = [
     "ImageToRows",
     "LSTMLayer",
     "ResidualBlock",
+    "TinyCNN",
     "build_cnn",
     "build_rnn",
+    "build_tiny_cnn",
 ]

@@ -22,6 +22,7 @@ from lightning_par.paramserver.client_plan import ClientPlan, plan_client
 from lightning_par.paramserver.clipping import GradClip
 from lightning_par.paramserver.plan import Piece, ShardPlan, plan_shards
 from lightning_par.paramserver.protocol import Command, Header, Kind, ProtocolError
+from lightning_par.paramserver.remedies import Remedies
 from lightning_par.paramserver.server import ShardOptimizer, serve, synchronous_step
 from lightning_par.paramserver.spec import ServerSpec, check_optimizer
 from lightning_par.paramserver.worker import ParameterClient
@@ -37,6 +38,7 @@ __all__ = [
     "ParameterClient",
     "Piece",
     "ProtocolError",
+    "Remedies",
     "ServerSpec",
     "ShardOptimizer",
     "ShardPlan",

@@ -26,6 +26,10 @@ applies their mean once, exactly :func:`synchronous_step` (the same sum in worke
 clock over the others only, and server 0 hands its untrained batches to the others
 (:class:`~lightning_par.paramserver.work.WorkQueue`). Losing worker 0 ends the job.
 
+**Remedies** (:mod:`~lightning_par.paramserver.remedies`): before the optimiser applies a
+push, the server may scale it by its staleness, compensate its delay (DC-ASGD: it keeps the
+weights it last sent each worker) or run the optimiser at a lower momentum.
+
 Workers push their whole gradient in one message after backward (one gradient bucket): a
 server reads one worker's message at a time, and a push spread over a backward would hold
 the server, and every other worker, for that backward.
@@ -51,6 +55,7 @@ from lightning_par.paramserver.protocol import (
     split_push,
     work_message,
 )
+from lightning_par.paramserver.remedies import Remedies, StaleUpdate, cap_momentum
 from lightning_par.paramserver.server import ShardOptimizer, apply_averaged
 from lightning_par.paramserver.spec import ServerSpec
 from lightning_par.paramserver.work import WorkQueue
@@ -62,9 +67,16 @@ _ANSWERED = (Command.STEP, Command.NEXT, Command.PULL)
 class AsyncServer:
     """One server's asynchronous (or stale synchronous) update loop."""
 
-    def __init__(self, comm: Communicator, shard: ShardOptimizer, staleness: int | None) -> None:
+    def __init__(
+        self, comm: Communicator, shard: ShardOptimizer, staleness: int | None,
+        remedies: Remedies | None = None,
+    ) -> None:  # fmt: skip
         self.comm, self.shard, self.staleness = comm, shard, staleness
         workers = shard.spec.num_workers
+        self.remedies = remedies or Remedies()
+        self.stale = StaleUpdate(self.remedies, shard.flat, workers)
+        for w in range(workers):  # share_initial sent every worker the initial weights
+            self.stale.sent(w, shard.active)
         self.running = set(range(workers))
         self.stopped: list[int] = []
         self.clock = [0] * workers  # pushes applied per worker
@@ -166,9 +178,13 @@ class AsyncServer:
             self._release()
             return
         shard.set_hyper(hyper)  # this worker's schedule
+        if self.remedies.momentum is not None and shard.optimizer is not None:
+            cap_momentum(shard.optimizer.param_groups, self.remedies.momentum, self.remedies.strict)
+        staleness = self.version - self.pulled[w]
         for b, buf in zip(shard.active, bufs):  # clipped by the worker, if at all
-            shard.apply(b, *split_push(buf, shard.flat[b].numel()))
-        self.waiting[w] = self.version - self.pulled[w]
+            grad, used = split_push(buf, shard.flat[b].numel())
+            shard.apply(b, self.stale.gradient(w, b, grad, staleness), used)
+        self.waiting[w] = staleness
         self.version += 1
         self.clock[w] += 1
         self._release()
@@ -210,6 +226,9 @@ class AsyncServer:
     def _send_weights(self, workers: list[int]) -> None:
         wait_all([self.comm.isend(self.shard.flat[b], w, chunk=b, tag=Kind.PULL)
                   for w in workers for b in self.shard.active])  # fmt: skip
+        for w in workers:  # what the worker now computes on (a checkpoint's refresh)
+            self.pulled[w] = self.version
+            self.stale.sent(w, self.shard.active)
 
     def _reply(self, w: int, staleness: int, lead: int) -> None:
         info = info_message(staleness, lead, self.version)
@@ -222,10 +241,13 @@ class AsyncServer:
             self._drop(w, err)
             return
         self.pulled[w] = self.version
+        self.stale.sent(w, self.shard.active)
         self.history.append((w, staleness, lead))
 
 
-def serve_async(comm: Communicator, server: int, staleness: int | None) -> AsyncServer | None:
+def serve_async(
+    comm: Communicator, server: int, staleness: int | None, remedies: Remedies | None = None
+) -> AsyncServer | None:
     """Run server ``server`` asynchronously until every worker has sent ``STOP``."""
     role = f"asynchronous parameter server {server} (rank {comm.rank})"
     try:
@@ -234,7 +256,7 @@ def serve_async(comm: Communicator, server: int, staleness: int | None) -> Async
             return None
         shard = ShardOptimizer(spec, server)
         shard.share_initial(comm)
-        loop = AsyncServer(comm, shard, staleness)
+        loop = AsyncServer(comm, shard, staleness, remedies)
         loop.run()
         return loop
     except CommError as err:

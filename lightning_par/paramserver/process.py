@@ -31,6 +31,7 @@ import time
 import traceback
 from datetime import timedelta
 from functools import partial
+from typing import Any
 
 from lightning_par.comm.launch import FORKSERVER_PRELOAD, limit_threads_after_fork, plan_launch
 from lightning_par.comm.liveness import Heartbeat
@@ -59,7 +60,7 @@ def servers_of_node(num_servers: int, num_nodes: int, node_rank: int) -> list[in
 def server_main(
     server: int, num_workers: int, num_servers: int, address: StoreAddress,
     timeout_s: float, threads: int, owner: int, asynchronous: bool = False,
-    staleness: int | None = None,
+    staleness: int | None = None, remedies: Any = None,
 ) -> None:  # fmt: skip
     """A server process: join the group as rank ``W + server`` and serve until told to stop."""
     import torch.distributed as dist
@@ -88,7 +89,7 @@ def server_main(
         if asynchronous:
             from lightning_par.paramserver.asynchronous import serve_async
 
-            serve_async(Communicator(), server, staleness)
+            serve_async(Communicator(), server, staleness, remedies)
         else:
             serve(Communicator(), server, with_test_exit(server, synchronous_step))
     except BaseException as err:
@@ -112,10 +113,12 @@ def role_name(num_workers: int, rank: int) -> str:
 def start_servers(
     servers: list[int], num_workers: int, num_servers: int, address: StoreAddress,
     timeout: timedelta, asynchronous: bool = False, staleness: int | None = None,
+    remedies: Any = None,
 ) -> list[mp.process.BaseProcess]:  # fmt: skip
     """Start ``servers`` (indices out of ``num_servers``) from this worker, before it joins
     the group at ``address``; with ``asynchronous`` they run
-    :func:`~lightning_par.paramserver.asynchronous.serve_async`."""
+    :func:`~lightning_par.paramserver.asynchronous.serve_async` (with ``remedies``, a
+    :class:`~lightning_par.paramserver.remedies.Remedies`)."""
     plan = plan_launch("cpu", max(1, len(servers)), can_exec=False)
     ctx = mp.get_context(plan.method)
     if plan.method == "forkserver":
@@ -127,7 +130,7 @@ def start_servers(
         # had started, and libgomp hangs a grandchild's first multi-threaded region (seen
         # with Adam on a server); a server's element-wise update needs no more.
         args = (s, num_workers, num_servers, address, timeout.total_seconds(), 1,
-                os.getpid(), asynchronous, staleness)  # fmt: skip
+                os.getpid(), asynchronous, staleness, remedies)  # fmt: skip
         proc = ctx.Process(target=server_main, args=args, daemon=daemonic, name=f"ps-server-{s}")
         proc.start()
         proc.server_index = s  # type: ignore[attr-defined]

@@ -21,6 +21,10 @@ processes, checkpoints and refusals are those of
 * every applied update's staleness (server updates since that worker's last pull) is
   logged as ``staleness`` (``on_step`` and the epoch mean, this worker's own) and, with
   ``trace=True``, recorded in the trace: :func:`staleness_histogram`;
+* **remedies for stale updates** (:mod:`lightning_par.paramserver.remedies`), applied by
+  the servers to each push: ``staleness_lr`` (Zhang et al. 2016: ``eta / tau``),
+  ``dc_lambda`` / ``dc_mean_square`` (DC-ASGD, Zheng et al. 2017) and ``momentum`` (lower
+  momentum under asynchrony, Mitliagkas et al. 2016);
 * checkpoints take the servers' newest weights (:meth:`AsyncParameterClient.refresh`), and
   at the end every worker receives the servers' final weights once all have stopped.
 
@@ -33,6 +37,7 @@ clipped on the servers).
 
 from __future__ import annotations
 
+import dataclasses
 from collections import Counter, deque
 from typing import Any
 
@@ -48,6 +53,7 @@ from lightning_par.comm import CommTrace
 from lightning_par.paramserver.async_client import ONE_BUCKET_MB, AsyncParameterClient
 from lightning_par.paramserver.clipping import GradClip
 from lightning_par.paramserver.protocol import NONE
+from lightning_par.paramserver.remedies import Remedies
 from lightning_par.paramserver.work import SharedBatchSampler
 from lightning_par.strategies._async_loader import (
     hold_final_lr,
@@ -57,6 +63,9 @@ from lightning_par.strategies._async_loader import (
 )
 from lightning_par.strategies._async_progress import show_own_progress
 from lightning_par.strategies.parameter_server import ParameterServerStrategy
+
+#: The servers' momentum cap of ``momentum="auto"`` (Mitliagkas et al. 2016; measured best).
+AUTO_MOMENTUM = 0.5
 
 
 def check_staleness(staleness: Any) -> int | None:
@@ -97,6 +106,14 @@ class AsyncSGDStrategy(ParameterServerStrategy):
             demand (:mod:`lightning_par.paramserver.work`); needs Lightning's distributed
             sampler (``use_distributed_sampler=True``, the default), whose loader reads the
             whole dataset. ``None``: on unless ``staleness=0``.
+        staleness_lr: apply an update ``tau`` steps stale at ``lr / max(1, tau)``.
+        dc_lambda: DC-ASGD's delay compensation ``g + dc_lambda * g * g * (w - w_read)``
+            (0: off); ``dc_mean_square=m``: its adaptive form, ``dc_lambda / sqrt(MS)``.
+        momentum: the most momentum the servers run the optimiser with (a lower one of
+            the model's stays). ``"auto"`` (default): 0.5 where the optimiser has a
+            momentum (SGD's 0.9 became 0.5: the best remedy measured by ``python -m
+            lightning_par.bench async``, see ``benchmarks/async.md``), nothing otherwise,
+            with one worker or with ``staleness=0``; ``None``: the model's own.
         **kwargs: ``trace``, ``trace_dir``, ``start_method``, ``timeout``. With ``trace``
             each applied update is an event ``staleness`` whose ``micro_batch`` field holds
             the staleness (read it with :func:`staleness_histogram`).
@@ -113,9 +130,23 @@ class AsyncSGDStrategy(ParameterServerStrategy):
         staleness: int | None = None,
         split_mb: float = 1.0,
         share_work: bool | None = None,
+        staleness_lr: bool = False,
+        dc_lambda: float = 0.0,
+        dc_mean_square: float | None = None,
+        momentum: float | str | None = "auto",
         **kwargs: Any,
     ) -> None:
         self.staleness = check_staleness(staleness)
+        auto = momentum == "auto"
+        if auto:
+            momentum = None if self.staleness == 0 else AUTO_MOMENTUM
+        self.remedies = Remedies(staleness_lr, dc_lambda, dc_mean_square, momentum, not auto)
+        if self.staleness == 0 and self.remedies != Remedies(strict=not auto):
+            raise ValueError(
+                f"async_sgd(staleness=0) is the synchronous parameter server: no update is "
+                f"stale, so the remedies ({self.remedies}) do not apply; use staleness >= 1 "
+                "or None"
+            )
         if share_work is not None and not isinstance(share_work, bool):
             raise TypeError(f"share_work must be True, False or None, got {share_work!r}")
         # staleness=0 is the synchronous server, with its fixed shards, by default
@@ -135,7 +166,12 @@ class AsyncSGDStrategy(ParameterServerStrategy):
         return [0, *range(self.world_size, self.world_size + self.num_servers)]
 
     def _server_options(self) -> dict[str, Any]:
-        return {"asynchronous": True, "staleness": self.staleness}
+        remedies = self.remedies
+        if not remedies.strict and self.world_size < 2:
+            # the automatic cap: one worker is one process's SGD, with no asynchrony to
+            # add momentum (Mitliagkas et al.: 1 - 1/W), so the model's momentum stays
+            remedies = dataclasses.replace(remedies, momentum=None)
+        return {"asynchronous": True, "staleness": self.staleness, "remedies": remedies}
 
     def _client_options(self, clip: GradClip | None) -> dict[str, Any]:
         """``staleness=0`` applies the mean of every worker's gradient, clipped on the servers
@@ -155,6 +191,20 @@ class AsyncSGDStrategy(ParameterServerStrategy):
                 hold_final_lr(config.scheduler)  # a worker may take a few more than its share
         self._local_metrics(trainer.state.fn == TrainerFn.FITTING)
         self._logged = 0
+
+    def setup_optimizers(self, trainer: pl.Trainer) -> None:
+        """The momentum remedy needs an optimiser that has one: checked here, before the
+        servers learn the optimiser, so that they do not fail at the first push."""
+        super().setup_optimizers(trainer)
+        if self.remedies.momentum is None or not self.remedies.strict:
+            return
+        for opt in self.optimizers:
+            if any("momentum" not in group for group in opt.param_groups):
+                raise ValueError(
+                    f"async_sgd(momentum={self.remedies.momentum}) sets the servers' "
+                    f"momentum, but {type(opt).__name__} has none; use SGD (or RMSprop) "
+                    'or leave momentum="auto" (no cap without one) or None'
+                )
 
     def _own_sigterm(self) -> None:
         """No broadcast: a worker stops on its own signal only."""
