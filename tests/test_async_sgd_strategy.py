@@ -87,3 +87,19 @@ def test_momentum_remedy_refuses_an_optimiser_without_momentum():
     # raised in every worker at setup (the optimiser is known only there), before a push
     with pytest.raises(Exception, match=r"momentum=0.5\) sets the servers' momentum, but Adam"):
         fit(model, AsyncSGDStrategy(momentum=0.5), 2, steps=2)
+
+
+def test_the_automatic_momentum_cap_is_announced(tmp_path):
+    import logging
+
+    # the line comes from rank 0, a forked child: a handler added now goes with it
+    log = logging.getLogger("lightning.pytorch.utilities.rank_zero")
+    handler = logging.FileHandler(tmp_path / "log.txt")
+    log.addHandler(handler)
+    try:
+        fit(make("cnn", scheduler=None), AsyncSGDStrategy(), 2, steps=2)  # SGD, momentum 0.9
+    finally:
+        log.removeHandler(handler)
+        handler.close()
+    text = (tmp_path / "log.txt").read_text()
+    assert "servers step with momentum 0.5 instead of the optimiser's 0.9" in text

@@ -43,7 +43,7 @@ from typing import Any
 
 import lightning.pytorch as pl
 from lightning.pytorch.trainer.states import RunningStage, TrainerFn
-from lightning.pytorch.utilities import rank_zero_warn
+from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 from torch.utils.data import DataLoader, DistributedSampler
 from torchmetrics import Metric
@@ -196,7 +196,11 @@ class AsyncSGDStrategy(ParameterServerStrategy):
         """The momentum remedy needs an optimiser that has one: checked here, before the
         servers learn the optimiser, so that they do not fail at the first push."""
         super().setup_optimizers(trainer)
-        if self.remedies.momentum is None or not self.remedies.strict:
+        if self.remedies.momentum is None:
+            return
+        if not self.remedies.strict:  # the automatic cap: say so where it changes something
+            if self.world_size >= 2:
+                self._announce_momentum_cap()
             return
         for opt in self.optimizers:
             if any("momentum" not in group for group in opt.param_groups):
@@ -205,6 +209,17 @@ class AsyncSGDStrategy(ParameterServerStrategy):
                     f"momentum, but {type(opt).__name__} has none; use SGD (or RMSprop) "
                     'or leave momentum="auto" (no cap without one) or None'
                 )
+
+    def _announce_momentum_cap(self) -> None:
+        cap = self.remedies.momentum
+        above = sorted({g["momentum"] for o in self.optimizers for g in o.param_groups
+                        if g.get("momentum", 0) > cap})  # fmt: skip
+        if above:
+            rank_zero_info(
+                f"async_sgd: the servers step with momentum {cap} instead of the optimiser's "
+                f'{", ".join(map(str, above))} (momentum="auto": asynchrony adds momentum of '
+                "its own, Mitliagkas et al. 2016); pass momentum=None to keep it"
+            )
 
     def _own_sigterm(self) -> None:
         """No broadcast: a worker stops on its own signal only."""
