@@ -252,3 +252,24 @@ def test_inference_and_shared_output():
     results = run_on_ranks(_eval_and_trace, 2, timeout=60)
     assert all(err < 1e-6 for err, _ in results)
     assert results[0][1] == ["act", "header", "output"]
+
+
+def _view_only_last_stage(rank: int, world_size: int) -> float:
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(12, 12), nn.Flatten())  # stage 1 holds only a view
+    module = split_sequential(net, [1, 1])[rank]
+    stage, kept, expected = PipelineStage(module, Communicator()), [], []
+    with torch.no_grad():
+        for step in range(2):  # both steps receive into the same kept buffer
+            x, _ = _data(step)
+            stage.begin(x.shape, 1)
+            stage.run(schedule_steps("gpipe", 2, 1)[rank][:1], [x])
+            if stage.is_last:
+                kept.append(stage.outputs[0])  # as trainer.predict keeps each batch's output
+                expected.append(net(x))
+            stage.finish()
+    return max(float((k - e).abs().max()) for k, e in zip(kept, expected)) if kept else 0.0
+
+
+def test_an_output_kept_across_steps_is_not_rewritten_by_the_next_receive():
+    assert max(run_on_ranks(_view_only_last_stage, 2, timeout=60)) < 1e-6

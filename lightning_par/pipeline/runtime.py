@@ -213,6 +213,8 @@ class PipelineStage:
         if grad:
             self._inputs[i] = x
         if self.is_last:
+            if not self.is_first and _shares_storage(out, x):
+                out = out.clone()  # a view of a kept receive buffer: the next step rewrites it
             self._outputs[i] = out
             self._results[i] = out.detach()
         else:
@@ -280,3 +282,8 @@ class PipelineStage:
         shape, dtype = self._known_shapes[self._key + (-1 - self.stage,)]
         buf = torch.empty(shape, dtype=dtype, device=self.device)
         return self.comm.recv(buf, src, **self._meta(-1, "output"))
+
+
+def _shares_storage(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether ``a`` lives in ``b``'s memory (a stage made only of views, e.g. ``Flatten``)."""
+    return a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()
