@@ -78,14 +78,6 @@ def chunk_sizes(numel: int, parts: int) -> list[int]:
     return even_sizes(numel, parts)
 
 
-def segments(start: int, size: int, segment_elems: int | None) -> list[tuple[int, int]]:
-    """``(start, stop)`` pieces of at most ``segment_elems`` elements covering one chunk."""
-    if size == 0:
-        return []
-    step = size if segment_elems is None else segment_elems
-    return [(s, min(s + step, start + size)) for s in range(start, start + size, step)]
-
-
 def segment_elems_for(segment_bytes: int | None, element_size: int) -> int | None:
     if segment_bytes is None:
         return None
