@@ -10,7 +10,6 @@ import pytest
 import torch
 from torch import nn
 
-from lightning_par.collectives.cost_model import all_gather_cost, reduce_scatter_cost
 from lightning_par.comm import CommTrace, Communicator, run_on_ranks
 from lightning_par.models import CifarCNN, CifarRNN
 from lightning_par.tensorparallel import (
@@ -27,6 +26,7 @@ from lightning_par.tensorparallel import (
     shard_state_dict,
 )
 from lightning_par.tensorparallel.clip import clip_grad_norm_split
+from lightning_par.tensorparallel.cost import all_gather_cost, reduce_scatter_cost
 
 
 def mlp() -> nn.Module:

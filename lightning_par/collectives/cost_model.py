@@ -25,16 +25,13 @@ step of ``n`` elements for the folded pairs. Round-robin sends the ring's volume
 ring's number of steps (one port per rank, one message per step), but each message goes
 straight to the chunk's owner instead of along the ring.
 
-Tensor parallelism (:mod:`lightning_par.tensorparallel`) adds the ring all-gather and
-reduce-scatter of unequal slices ``s[k]`` (rank ``r`` sends ``S - s[(r+1)%p]`` and ``S - s[r]``
-elements, ``S`` the sum) and :func:`tensor_parallel_cost`, the sum of a step's operators.
+Tensor parallelism's ring all-gather and reduce-scatter of unequal slices, and the sum of a
+step's collectives, are costed beside its algorithm, in :mod:`lightning_par.tensorparallel.cost`.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from typing import Any
 
 from lightning_par.collectives._common import chunk_sizes
 from lightning_par.collectives.butterfly import butterfly_shape
@@ -69,7 +66,8 @@ class Cost:
         return max(self.bytes_sent)
 
 
-def _zero(algorithm: str, numel: int, p: int, element_size: int) -> Cost:
+def zero_cost(algorithm: str, numel: int, p: int, element_size: int) -> Cost:
+    """The cost of a collective with nothing to send (one rank, or no elements)."""
     return Cost(algorithm, p, numel, element_size, (0,) * p, (0,) * p, 0, 0.0, 0.0)
 
 
@@ -81,7 +79,7 @@ def ring_cost(
 ) -> Cost:
     p = world_size
     if p == 1 or numel == 0:
-        return _zero("ring", numel, p, element_size)
+        return zero_cost("ring", numel, p, element_size)
     sizes = chunk_sizes(numel, p)
     # each chunk goes in k segments of near-equal size; a chunk of c < k elements in c
     k = segments_per_chunk(max(sizes), element_size, segment_bytes)
@@ -107,7 +105,7 @@ def ring_cost(
 def tree_cost(numel: int, world_size: int, element_size: int = 4) -> Cost:
     p = world_size
     if p == 1 or numel == 0:
-        return _zero("tree", numel, p, element_size)
+        return zero_cost("tree", numel, p, element_size)
     messages = tuple(len(tree_children(r, p)) + (r != 0) for r in range(p))
     depth = tree_depth(p)
     fan_out = max(len(tree_children(r, p)) for r in range(p))
@@ -128,7 +126,7 @@ def tree_cost(numel: int, world_size: int, element_size: int = 4) -> Cost:
 def butterfly_cost(numel: int, world_size: int, element_size: int = 4) -> Cost:
     p = world_size
     if p == 1 or numel == 0:
-        return _zero("butterfly", numel, p, element_size)
+        return zero_cost("butterfly", numel, p, element_size)
     q, extra, rounds = butterfly_shape(p)
     messages = tuple(1 if r >= q else rounds + (r < extra) for r in range(p))
     steps = rounds + (2 if extra else 0)
@@ -149,7 +147,7 @@ def butterfly_cost(numel: int, world_size: int, element_size: int = 4) -> Cost:
 def all_to_all_cost(numel: int, world_size: int, element_size: int = 4) -> Cost:
     p = world_size
     if p == 1 or numel == 0:
-        return _zero("all_to_all", numel, p, element_size)
+        return zero_cost("all_to_all", numel, p, element_size)
     nbytes = numel * element_size
     return Cost(
         "all_to_all",
@@ -167,7 +165,7 @@ def all_to_all_cost(numel: int, world_size: int, element_size: int = 4) -> Cost:
 def master_worker_cost(numel: int, world_size: int, element_size: int = 4) -> Cost:
     p = world_size
     if p == 1 or numel == 0:
-        return _zero("master_worker", numel, p, element_size)
+        return zero_cost("master_worker", numel, p, element_size)
     nbytes = numel * element_size
     messages = (p - 1,) + (1,) * (p - 1)
     return Cost(
@@ -186,7 +184,7 @@ def master_worker_cost(numel: int, world_size: int, element_size: int = 4) -> Co
 def round_robin_cost(numel: int, world_size: int, element_size: int = 4) -> Cost:
     p = world_size
     if p == 1 or numel == 0:
-        return _zero("round_robin", numel, p, element_size)
+        return zero_cost("round_robin", numel, p, element_size)
     sizes = chunk_sizes(numel, p)
     elems, messages = [], []
     for rank in range(p):
@@ -206,70 +204,6 @@ def round_robin_cost(numel: int, world_size: int, element_size: int = 4) -> Cost
         float(steps),
         float(steps * max(sizes) * element_size),
     )
-
-
-def all_gather_cost(sizes: Sequence[int], rest: int = 1, element_size: int = 4) -> Cost:
-    """The ring all-gather of :func:`lightning_par.tensorparallel.all_gather`: rank ``r``'s
-    slice is ``sizes[r] * rest`` elements; rank ``r`` sends every slice but its right
-    neighbour's, ``p - 1`` messages (empty ones are not sent)."""
-    p, total = len(sizes), sum(sizes) * rest
-    if p == 1 or total == 0:
-        return _zero("all_gather", total, p, element_size)
-    sent = [(r - s) % p for r in range(p) for s in range(p - 1)]
-    return _ring_pass("all_gather", sizes, rest, element_size, sent)
-
-
-def reduce_scatter_cost(sizes: Sequence[int], rest: int = 1, element_size: int = 4) -> Cost:
-    """The ring reduce-scatter of :func:`lightning_par.tensorparallel.reduce_scatter`: rank
-    ``r`` ends with slice ``r`` of the sum and sends every slice but its own."""
-    p, total = len(sizes), sum(sizes) * rest
-    if p == 1 or total == 0:
-        return _zero("reduce_scatter", total, p, element_size)
-    sent = [(r - s - 1) % p for r in range(p) for s in range(p - 1)]
-    return _ring_pass("reduce_scatter", sizes, rest, element_size, sent)
-
-
-def _ring_pass(name: str, sizes: Sequence[int], rest: int, element_size: int,
-               sent: list[int]) -> Cost:  # fmt: skip
-    """``sent``: the slice each rank sends at each of the ``p - 1`` steps, rank by rank."""
-    p = len(sizes)
-    per_rank = [sent[r * (p - 1) : (r + 1) * (p - 1)] for r in range(p)]
-    nbytes = tuple(sum(sizes[k] for k in ks) * rest * element_size for ks in per_rank)
-    messages = tuple(sum(1 for k in ks if sizes[k]) for ks in per_rank)
-    steps = p - 1
-    return Cost(name, p, sum(sizes) * rest, element_size, nbytes, messages, steps, float(steps),
-                float(steps * max(sizes) * rest * element_size))  # fmt: skip
-
-
-def tensor_parallel_cost(
-    ops: Iterable[tuple[str, Any]], world_size: int, element_size: int = 4,
-    algorithm: str = "ring",
-) -> Cost:  # fmt: skip
-    """The sum of a tensor-parallel step's collectives. ``ops``: ``("allreduce", numel)`` (an
-    ``f`` or ``g`` of ``algorithm``), ``("all_gather", (sizes, rest))`` or
-    ``("reduce_scatter", (sizes, rest))``, as :func:`lightning_par.tensorparallel.cost.
-    step_ops` lists them for a model (Megatron's MLP block: one allreduce of the block's
-    output forward, one of its input gradient backward)."""
-    costs = []
-    for kind, arg in ops:
-        if kind == "allreduce":
-            costs.append(predict(algorithm, arg, world_size, element_size))
-        elif kind in ("all_gather", "reduce_scatter"):
-            sizes, rest = arg
-            if len(sizes) != world_size:
-                raise ValueError(f"{kind} of {len(sizes)} slices on {world_size} ranks")
-            fn = all_gather_cost if kind == "all_gather" else reduce_scatter_cost
-            costs.append(fn(sizes, rest, element_size))
-        else:
-            raise ValueError(f"unknown tensor-parallel op {kind!r}")
-    p = world_size
-    return Cost(
-        "tensor_parallel", p, sum(c.numel for c in costs), element_size,
-        tuple(sum(c.bytes_sent[r] for c in costs) for r in range(p)),
-        tuple(sum(c.messages_sent[r] for c in costs) for r in range(p)),
-        sum(c.steps for c in costs), sum(c.latency_terms for c in costs),
-        sum(c.bandwidth_bytes for c in costs),
-    )  # fmt: skip
 
 
 COST_MODELS = {
@@ -317,16 +251,13 @@ def crossover(first: str, second: str, world_size: int, alpha: float, beta: floa
 __all__ = [
     "COST_MODELS",
     "Cost",
-    "all_gather_cost",
     "all_to_all_cost",
     "butterfly_cost",
     "crossover",
     "fit_alpha_beta",
     "master_worker_cost",
     "predict",
-    "reduce_scatter_cost",
     "ring_cost",
     "round_robin_cost",
-    "tensor_parallel_cost",
     "tree_cost",
 ]

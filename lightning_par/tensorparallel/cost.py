@@ -1,6 +1,8 @@
-"""The collectives one training step of a tensor-parallel model runs, from its plan and the
-shapes one forward of the whole (unsplit) model sees: the input of
-:func:`lightning_par.collectives.cost_model.tensor_parallel_cost`.
+"""What one training step of a tensor-parallel model sends: the collectives it runs, from its
+plan and the shapes one forward of the whole (unsplit) model sees (:func:`step_ops`), and
+their cost in the alpha-beta model of :mod:`lightning_par.collectives.cost_model`
+(:func:`tensor_parallel_cost`). The ring all-gather and reduce-scatter of unequal slices
+``s[k]``: rank ``r`` sends ``S - s[(r+1)%p]`` and ``S - s[r]`` elements, ``S`` the sum.
 
 Per cut (Megatron-LM, Shoeybi et al., 2019, arXiv:1909.08053, figure 3):
 
@@ -15,12 +17,13 @@ Per cut (Megatron-LM, Shoeybi et al., 2019, arXiv:1909.08053, figure 3):
 from __future__ import annotations
 
 import copy
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 import torch
 from torch import nn
 
-from lightning_par.collectives.cost_model import Cost, tensor_parallel_cost
+from lightning_par.collectives.cost_model import Cost, predict, zero_cost
 from lightning_par.tensorparallel.plan import Plan
 
 
@@ -70,3 +73,67 @@ def step_cost(module: nn.Module, plan: Plan, example_input: Any, element_size: i
     """Bytes and messages per rank of one training step (see :func:`step_ops`)."""
     ops = step_ops(module, plan, example_input)
     return tensor_parallel_cost(ops, plan.world_size, element_size, algorithm)
+
+
+def all_gather_cost(sizes: Sequence[int], rest: int = 1, element_size: int = 4) -> Cost:
+    """The ring all-gather of :func:`lightning_par.tensorparallel.all_gather`: rank ``r``'s
+    slice is ``sizes[r] * rest`` elements; rank ``r`` sends every slice but its right
+    neighbour's, ``p - 1`` messages (empty ones are not sent)."""
+    p, total = len(sizes), sum(sizes) * rest
+    if p == 1 or total == 0:
+        return zero_cost("all_gather", total, p, element_size)
+    sent = [(r - s) % p for r in range(p) for s in range(p - 1)]
+    return _ring_pass("all_gather", sizes, rest, element_size, sent)
+
+
+def reduce_scatter_cost(sizes: Sequence[int], rest: int = 1, element_size: int = 4) -> Cost:
+    """The ring reduce-scatter of :func:`lightning_par.tensorparallel.reduce_scatter`: rank
+    ``r`` ends with slice ``r`` of the sum and sends every slice but its own."""
+    p, total = len(sizes), sum(sizes) * rest
+    if p == 1 or total == 0:
+        return zero_cost("reduce_scatter", total, p, element_size)
+    sent = [(r - s - 1) % p for r in range(p) for s in range(p - 1)]
+    return _ring_pass("reduce_scatter", sizes, rest, element_size, sent)
+
+
+def _ring_pass(name: str, sizes: Sequence[int], rest: int, element_size: int,
+               sent: list[int]) -> Cost:  # fmt: skip
+    """``sent``: the slice each rank sends at each of the ``p - 1`` steps, rank by rank."""
+    p = len(sizes)
+    per_rank = [sent[r * (p - 1) : (r + 1) * (p - 1)] for r in range(p)]
+    nbytes = tuple(sum(sizes[k] for k in ks) * rest * element_size for ks in per_rank)
+    messages = tuple(sum(1 for k in ks if sizes[k]) for ks in per_rank)
+    steps = p - 1
+    return Cost(name, p, sum(sizes) * rest, element_size, nbytes, messages, steps, float(steps),
+                float(steps * max(sizes) * rest * element_size))  # fmt: skip
+
+
+def tensor_parallel_cost(
+    ops: Iterable[tuple[str, Any]], world_size: int, element_size: int = 4,
+    algorithm: str = "ring",
+) -> Cost:  # fmt: skip
+    """The sum of a tensor-parallel step's collectives. ``ops``: ``("allreduce", numel)`` (an
+    ``f`` or ``g`` of ``algorithm``), ``("all_gather", (sizes, rest))`` or
+    ``("reduce_scatter", (sizes, rest))``, as :func:`step_ops` lists them for a model
+    (Megatron's MLP block: one allreduce of the block's output forward, one of its input
+    gradient backward)."""
+    costs = []
+    for kind, arg in ops:
+        if kind == "allreduce":
+            costs.append(predict(algorithm, arg, world_size, element_size))
+        elif kind in ("all_gather", "reduce_scatter"):
+            sizes, rest = arg
+            if len(sizes) != world_size:
+                raise ValueError(f"{kind} of {len(sizes)} slices on {world_size} ranks")
+            fn = all_gather_cost if kind == "all_gather" else reduce_scatter_cost
+            costs.append(fn(sizes, rest, element_size))
+        else:
+            raise ValueError(f"unknown tensor-parallel op {kind!r}")
+    p = world_size
+    return Cost(
+        "tensor_parallel", p, sum(c.numel for c in costs), element_size,
+        tuple(sum(c.bytes_sent[r] for c in costs) for r in range(p)),
+        tuple(sum(c.messages_sent[r] for c in costs) for r in range(p)),
+        sum(c.steps for c in costs), sum(c.latency_terms for c in costs),
+        sum(c.bandwidth_bytes for c in costs),
+    )  # fmt: skip
