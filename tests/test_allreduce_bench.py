@@ -7,7 +7,7 @@ import os
 import sys
 
 from lightning_par.collectives import ALGORITHMS
-from lightning_par.comm.run import run_bounded
+from lightning_par.comm.processes import run_bounded
 
 
 def run_bench(*argv: str) -> dict:

@@ -14,7 +14,7 @@ import pytest
 import torch
 from test_async_sgd_work import BATCH, EPOCHS, SAMPLES, Numbered
 
-from lightning_par.comm.run import _descendants
+from lightning_par.comm.processes import descendants
 from lightning_par.strategies.async_sgd import AsyncSGDStrategy
 
 
@@ -74,7 +74,7 @@ def no_children_left(deadline_s: float = 10.0) -> bool:
     }
     end = time.monotonic() + deadline_s
     while time.monotonic() < end:
-        if not [p for p in _descendants(os.getpid()) if p not in helpers and _running(p)]:
+        if not [p for p in descendants(os.getpid()) if p not in helpers and _running(p)]:
             return True
         time.sleep(0.2)
     return False

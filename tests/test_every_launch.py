@@ -22,8 +22,8 @@ from pathlib import Path
 
 import pytest
 
+from lightning_par.comm.processes import kill_tree
 from lightning_par.comm.rendezvous import find_free_port
-from lightning_par.comm.run import kill_tree
 from lightning_par.strategies.registry import strategy_specs
 
 SCRIPT = Path(__file__).with_name("every_launch_script.py")

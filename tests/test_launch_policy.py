@@ -14,7 +14,7 @@ import pytest
 
 from lightning_par.comm import launch, run_on_ranks
 from lightning_par.comm.launch import LaunchError, ProcessState, plan_launch
-from lightning_par.comm.run import run_bounded
+from lightning_par.comm.processes import run_bounded
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

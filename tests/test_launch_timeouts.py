@@ -19,8 +19,8 @@ from test_every_launch import SCRIPT, _env, results
 from test_parameter_server import CNN, fit
 from torch.utils.data import DataLoader
 
+from lightning_par.comm.processes import kill_tree
 from lightning_par.comm.rendezvous import find_free_port
-from lightning_par.comm.run import kill_tree
 from lightning_par.strategies.allreduce import AllReduceStrategy
 from lightning_par.strategies.parameter_server import ParameterServerStrategy
 

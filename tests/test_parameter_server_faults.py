@@ -11,7 +11,7 @@ import pytest
 import torch
 from test_parameter_server import CNN, fit
 
-from lightning_par.comm.run import _descendants
+from lightning_par.comm.processes import descendants
 from lightning_par.paramserver.faults import TEST_EXIT_ENV
 from lightning_par.strategies.parameter_server import ParameterServerStrategy
 
@@ -20,7 +20,7 @@ TIMEOUT = timedelta(seconds=6)
 
 def _live_descendants() -> set[int]:
     alive = set()
-    for pid in _descendants(os.getpid()):
+    for pid in descendants(os.getpid()):
         try:
             with open(f"/proc/{pid}/stat") as f:
                 state = f.read().rsplit(")", 1)[1].split()[0]

@@ -14,8 +14,9 @@ from lightning_par.comm.launch import (
     warn_if_oversubscribed,
 )
 from lightning_par.comm.p2p import CommError, Communicator, Handle, wait_all
+from lightning_par.comm.processes import stop_process_groups
 from lightning_par.comm.rendezvous import default_timeout, find_free_port, init_process_group
-from lightning_par.comm.run import RankFailed, run_on_ranks, stop_process_groups
+from lightning_par.comm.run import RankFailed, run_on_ranks
 from lightning_par.comm.trace import CommTrace, Event, Message
 
 __all__ = [

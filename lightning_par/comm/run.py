@@ -13,18 +13,15 @@ import multiprocessing as mp
 import os
 import pickle
 import shutil
-import signal
-import sys
 import tempfile
-import threading
 import time
 import traceback
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
 
 from lightning_par.comm.launch import FORKSERVER_PRELOAD, limit_threads_after_fork, plan_launch
+from lightning_par.comm.processes import die_with_parent, stop_process_groups
 from lightning_par.comm.rendezvous import (
     RUN_TIMEOUT_S,
     default_timeout,
@@ -143,56 +140,6 @@ def _failure_report(procs, results, failures, world_size) -> str:
     return "\n".join(dead + [f"rank {r} of {world_size} raised:\n{tb}" for r, tb in failures])
 
 
-def _descendants(pid: int) -> list[int]:
-    """Every process below ``pid`` (Linux ``/proc``; empty elsewhere)."""
-    found, todo = [], [pid]
-    while todo:
-        parent = todo.pop()
-        try:
-            tasks = os.listdir(f"/proc/{parent}/task")
-        except OSError:
-            continue
-        for tid in tasks:
-            try:
-                with open(f"/proc/{parent}/task/{tid}/children") as f:
-                    kids = [int(k) for k in f.read().split()]
-            except OSError:
-                continue
-            found += kids
-            todo += kids
-    return found
-
-
-def kill_tree(pid: int) -> None:
-    """SIGKILL ``pid`` and every process it started (data workers, ranks of ranks)."""
-    for victim in [*_descendants(pid), pid]:
-        try:
-            os.kill(victim, signal.SIGKILL)
-        except OSError:
-            pass  # gone already
-
-
-def stop_process_groups(procs) -> None:
-    """Kill each process (a ``multiprocessing.Process`` or ``Popen``) and all it started."""
-    for proc in procs:
-        if proc.pid is not None:
-            kill_tree(proc.pid)
-
-
-def die_with_parent() -> None:
-    """Ask Linux to SIGKILL this process when its parent dies (a rank must not outlive the
-    process that started it, e.g. one killed by a timeout); no-op elsewhere."""
-    if not sys.platform.startswith("linux"):
-        return
-    import ctypes
-
-    PR_SET_PDEATHSIG = 1
-    try:
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
-    except OSError:
-        pass
-
-
 def run_on_ranks(
     fn: Callable[..., Any],
     world_size: int,
@@ -272,70 +219,3 @@ def run_on_ranks(
         queue.close()
         shutil.rmtree(store_dir, ignore_errors=True)
     return [results[r] for r in range(world_size)]
-
-
-class Completed:
-    """What :func:`run_bounded` saw: exit code, output, whether it ran out of time."""
-
-    def __init__(self, returncode: int, stdout: str, stderr: str, timed_out: bool) -> None:
-        self.returncode, self.stdout, self.stderr = returncode, stdout, stderr
-        self.timed_out = timed_out
-
-
-def run_bounded(cmd: list[str], timeout: float, **popen_kwargs: Any) -> Completed:
-    """Run ``cmd`` in its own session; after ``timeout`` seconds kill its whole process
-    group (the command and every rank it started), so nothing outlives the limit. The
-    command also dies with this process, however this one ends (e.g. killed by a
-    ``timeout`` around it, when no ``finally`` runs)."""
-    import subprocess
-
-    proc = subprocess.Popen(
-        cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-        start_new_session=True, preexec_fn=die_with_parent, **popen_kwargs,
-    )  # fmt: skip
-    try:
-        out, err = proc.communicate(timeout=timeout)
-        return Completed(proc.returncode, out, err, False)
-    except subprocess.TimeoutExpired:
-        kill_tree(proc.pid)
-        _kill_group(proc.pid)
-        out, err = proc.communicate()
-        return Completed(proc.returncode, out, err, True)
-    finally:
-        if proc.poll() is None:  # interrupted: leave nothing behind
-            kill_tree(proc.pid)
-            _kill_group(proc.pid)
-            proc.wait()
-
-
-def _kill_group(pgid: int) -> None:
-    try:
-        os.killpg(pgid, signal.SIGKILL)
-    except OSError:
-        pass
-
-
-class TimeLimitExceeded(RuntimeError):
-    """A block ran past the wall-clock limit :func:`time_limit` gave it."""
-
-
-@contextmanager
-def time_limit(seconds: float, message: str) -> Iterator[None]:
-    """Raise :class:`TimeLimitExceeded` (``message``) in the main thread after ``seconds``.
-
-    Whatever started ranks inside the block stops them on the way out (the strategies'
-    launcher and :func:`run_on_ranks` kill their ranks on any exception)."""
-    if seconds <= 0 or threading.current_thread() is not threading.main_thread():
-        yield
-        return
-
-    def expired(signum, frame):
-        raise TimeLimitExceeded(message)
-
-    previous = signal.signal(signal.SIGALRM, expired)
-    signal.setitimer(signal.ITIMER_REAL, seconds)
-    try:
-        yield
-    finally:
-        signal.setitimer(signal.ITIMER_REAL, 0)
-        signal.signal(signal.SIGALRM, previous)

@@ -35,8 +35,8 @@ from typing import Any
 
 from lightning_par.comm.launch import FORKSERVER_PRELOAD, limit_threads_after_fork, plan_launch
 from lightning_par.comm.liveness import Heartbeat
+from lightning_par.comm.processes import die_with_parent
 from lightning_par.comm.rendezvous import StoreAddress, connect_group_store, dead_peer_timeout
-from lightning_par.comm.run import die_with_parent
 
 
 def _watch(pid: int) -> None:

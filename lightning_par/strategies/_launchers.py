@@ -48,8 +48,8 @@ from lightning_par.comm.launch import (
     process_state,
     warn_if_oversubscribed,
 )
+from lightning_par.comm.processes import die_with_parent, stop_process_groups
 from lightning_par.comm.rendezvous import STORE_ENV, host_job_store
-from lightning_par.comm.run import die_with_parent, stop_process_groups
 from lightning_par.comm.trace import trace_from_dict, trace_to_dict
 from lightning_par.strategies._lost_workers import tolerate_lost_workers
 

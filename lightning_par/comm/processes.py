@@ -1,0 +1,134 @@
+"""Processes that must not outlive their limit or their parent.
+
+Plumbing shared by :func:`~lightning_par.comm.run.run_on_ranks`, the strategies' launcher,
+the parameter-server processes, the benchmarks and the tests: kill a process with every
+process it started, make a child die with its parent, run a command or a block of code
+under a wall-clock limit.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+
+def descendants(pid: int) -> list[int]:
+    """Every process below ``pid`` (Linux ``/proc``; empty elsewhere)."""
+    found, todo = [], [pid]
+    while todo:
+        parent = todo.pop()
+        try:
+            tasks = os.listdir(f"/proc/{parent}/task")
+        except OSError:
+            continue
+        for tid in tasks:
+            try:
+                with open(f"/proc/{parent}/task/{tid}/children") as f:
+                    kids = [int(k) for k in f.read().split()]
+            except OSError:
+                continue
+            found += kids
+            todo += kids
+    return found
+
+
+def kill_tree(pid: int) -> None:
+    """SIGKILL ``pid`` and every process it started (data workers, ranks of ranks)."""
+    for victim in [*descendants(pid), pid]:
+        try:
+            os.kill(victim, signal.SIGKILL)
+        except OSError:
+            pass  # gone already
+
+
+def stop_process_groups(procs) -> None:
+    """Kill each process (a ``multiprocessing.Process`` or ``Popen``) and all it started."""
+    for proc in procs:
+        if proc.pid is not None:
+            kill_tree(proc.pid)
+
+
+def die_with_parent() -> None:
+    """Ask Linux to SIGKILL this process when its parent dies (a rank must not outlive the
+    process that started it, e.g. one killed by a timeout); no-op elsewhere."""
+    if not sys.platform.startswith("linux"):
+        return
+    import ctypes
+
+    PR_SET_PDEATHSIG = 1
+    try:
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+    except OSError:
+        pass
+
+
+class Completed:
+    """What :func:`run_bounded` saw: exit code, output, whether it ran out of time."""
+
+    def __init__(self, returncode: int, stdout: str, stderr: str, timed_out: bool) -> None:
+        self.returncode, self.stdout, self.stderr = returncode, stdout, stderr
+        self.timed_out = timed_out
+
+
+def run_bounded(cmd: list[str], timeout: float, **popen_kwargs: Any) -> Completed:
+    """Run ``cmd`` in its own session; after ``timeout`` seconds kill its whole process
+    group (the command and every rank it started), so nothing outlives the limit. The
+    command also dies with this process, however this one ends (e.g. killed by a
+    ``timeout`` around it, when no ``finally`` runs)."""
+    import subprocess
+
+    proc = subprocess.Popen(
+        cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        start_new_session=True, preexec_fn=die_with_parent, **popen_kwargs,
+    )  # fmt: skip
+    try:
+        out, err = proc.communicate(timeout=timeout)
+        return Completed(proc.returncode, out, err, False)
+    except subprocess.TimeoutExpired:
+        kill_tree(proc.pid)
+        _kill_group(proc.pid)
+        out, err = proc.communicate()
+        return Completed(proc.returncode, out, err, True)
+    finally:
+        if proc.poll() is None:  # interrupted: leave nothing behind
+            kill_tree(proc.pid)
+            _kill_group(proc.pid)
+            proc.wait()
+
+
+def _kill_group(pgid: int) -> None:
+    try:
+        os.killpg(pgid, signal.SIGKILL)
+    except OSError:
+        pass
+
+
+class TimeLimitExceeded(RuntimeError):
+    """A block ran past the wall-clock limit :func:`time_limit` gave it."""
+
+
+@contextmanager
+def time_limit(seconds: float, message: str) -> Iterator[None]:
+    """Raise :class:`TimeLimitExceeded` (``message``) in the main thread after ``seconds``.
+
+    Whatever started ranks inside the block stops them on the way out (the strategies'
+    launcher and :func:`run_on_ranks` kill their ranks on any exception)."""
+    if seconds <= 0 or threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def expired(signum, frame):
+        raise TimeLimitExceeded(message)
+
+    previous = signal.signal(signal.SIGALRM, expired)
+    signal.setitimer(signal.ITIMER_REAL, seconds)
+    try:
+        yield
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
