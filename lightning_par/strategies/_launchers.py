@@ -14,6 +14,8 @@
 * an interrupt of the main process (Ctrl-C, Jupyter's "interrupt kernel", SIGTERM from a
   scheduler) or any error there stops every rank and what it started, and says where the
   newest checkpoint is;
+* a rank's exception reaches the main process with its own type (``ValueError``, ...),
+  chained to torch's report of the rank's traceback (:mod:`._rank_errors`);
 * after a fork the main process gets the FULL model (``strategy.lightning_module_state_dict``,
   gathered from every stage by model-split strategies) and rank 0's trace.
 
@@ -52,6 +54,7 @@ from lightning_par.comm.processes import die_with_parent, stop_process_groups
 from lightning_par.comm.rendezvous import STORE_ENV, host_job_store
 from lightning_par.comm.trace import trace_from_dict, trace_to_dict
 from lightning_par.strategies._lost_workers import tolerate_lost_workers
+from lightning_par.strategies._rank_errors import RankErrors
 
 #: Prefix of the temporary folder that carries rank 0's weights back to the main process.
 WEIGHTS_PREFIX = "lightning_par-weights-"
@@ -102,6 +105,7 @@ class PolicyLauncher(_compat.MultiProcessingLauncher):
         self.requested = requested
         self.plan: LaunchPlan | None = None
         self._script: _compat.SubprocessScriptLauncher | None = None
+        self._rank_errors: RankErrors | None = None
 
     @property
     def is_interactive_compatible(self) -> bool:
@@ -128,6 +132,8 @@ class PolicyLauncher(_compat.MultiProcessingLauncher):
         devices = None if device == "cpu" else _device_count(device)
         warn_if_oversubscribed(device, strategy.num_processes, devices)
         started = time.time()
+        # forked ranks leave their exceptions here, raised again below with their own type
+        errors = self._rank_errors = RankErrors() if self.plan.method != "popen" else None
         try:
             with _sigterm_as_interrupt():
                 if self.plan.method == "popen":
@@ -145,7 +151,14 @@ class PolicyLauncher(_compat.MultiProcessingLauncher):
                     return super().launch(function, *args, trainer=trainer, **kw)
         except BaseException as error:
             self._stop_ranks(trainer, error, started)
+            original = errors.original(error) if errors is not None else None
+            if original is not None:
+                raise original from error
             raise
+        finally:
+            self._rank_errors = None
+            if errors is not None:
+                errors.remove()
 
     def _stop_ranks(self, trainer: pl.Trainer | None, error: BaseException, started: float):
         procs = self._script.procs if self._script is not None else self.procs
@@ -185,6 +198,8 @@ class PolicyLauncher(_compat.MultiProcessingLauncher):
                                               queue, *rest)  # fmt: skip
         except BaseException as error:  # (Lightning's on_exception runs in the main process)
             self._strategy.describe_failure(error)
+            if self._rank_errors is not None and not isinstance(error, KeyboardInterrupt):
+                self._rank_errors.save(process_idx, error)
             # failed: the launcher's SIGTERM now just ends this rank (Lightning's handler
             # would broadcast to peers that are gone, adding gloo's traceback to the log)
             signal.signal(signal.SIGTERM, signal.SIG_DFL)
