@@ -38,27 +38,36 @@ def gloo_loop(tensor: torch.Tensor, segment_bytes: int = 1 << 20) -> torch.Tenso
         start = min(n, (owner * per_rank + i) * seg)
         return slice(start, min(n, start + seg))
 
+    def exchange(out: torch.Tensor, into: torch.Tensor) -> tuple:
+        """Post a receive into ``into``, then a send of ``out``; an empty piece is no message
+        (both ranks cut the same pieces, so they skip the same ones)."""
+        recv = pg.recv([into], peer, 0) if into.numel() else None
+        return recv, (pg.send([out], peer, 0) if out.numel() else None)
+
+    def wait(work) -> None:
+        if work is not None:
+            work.wait()
+
     # reduce-scatter: send the peer's segments, add the peer's copy of ours
     posted = []
     for i in range(per_rank + 2):
         if i >= 2:
-            recv, send, mine = posted[i - 2]
-            recv.wait()
+            (recv, send), mine = posted[i - 2]
+            wait(recv)
             tensor[mine].add_(spare[i & 1][: mine.stop - mine.start])
-            send.wait()
+            wait(send)  # as gloo: the reduction first, then the send's completion
         if i < per_rank:
             mine, theirs = piece(rank, i), piece(peer, i)
-            recv = pg.recv([spare[i & 1][: mine.stop - mine.start]], peer, 0)
-            posted.append((recv, pg.send([tensor[theirs]], peer, 0), mine))
+            incoming = spare[i & 1][: mine.stop - mine.start]
+            posted.append((exchange(tensor[theirs], incoming), mine))
     # all-gather: send our reduced segments, receive theirs in place
     pending = []
     for i in range(per_rank + 2):
         if i >= 2:
             for work in pending[i - 2]:
-                work.wait()
+                wait(work)
         if i < per_rank:
-            recv = pg.recv([tensor[piece(peer, i)]], peer, 0)
-            pending.append((recv, pg.send([tensor[piece(rank, i)]], peer, 0)))
+            pending.append(exchange(tensor[piece(rank, i)], tensor[piece(peer, i)]))
     return tensor
 
 

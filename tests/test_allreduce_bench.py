@@ -5,7 +5,9 @@ from __future__ import annotations
 import json
 import os
 import sys
+from pathlib import Path
 
+from lightning_par.bench.allreduce import default_repeats
 from lightning_par.collectives import ALGORITHMS
 from lightning_par.comm.processes import run_bounded
 
@@ -28,6 +30,30 @@ def test_allreduce_benchmark_reports_every_algorithm_and_torch():
         assert row["median_s"] > 0
         if name != "torch":
             assert row["bytes_sent_measured"] == row["bytes_sent_model"] > 0
+
+
+def test_default_repetitions_grow_where_one_call_is_short():
+    assert default_repeats(65536) == 200  # latency-bound sizes
+    assert default_repeats(65537) == default_repeats(1 << 22) == 60  # the bucket sizes
+    assert default_repeats((1 << 22) + 1) == default_repeats(1 << 24) == 20
+
+
+def test_gloo_loop_script_sums_like_all_reduce_at_every_size():
+    # the script checks each candidate's sum against dist.all_reduce before timing it, and
+    # exits non-zero if one differs; sizes below 4 leave some of its pieces empty
+    script = Path(__file__).parents[1] / "benchmarks" / "gloo_loop_p2.py"
+    sizes = ["1", "3", "10", "4097"]
+    cmd = [sys.executable, str(script), "--sizes", *sizes, "--repeats", "1", "--json"]
+    done = run_bounded(cmd, timeout=240)
+    assert not done.timed_out and done.returncode == 0, done.stderr[-3000:]
+    rows = json.loads(done.stdout.strip().splitlines()[-1])["rows"]
+    assert [(r["numel"], r["algorithm"]) for r in rows] == [
+        (int(n), name) for n in sizes for name in ("torch", "ring", "gloo_loop")
+    ]
+    for r in rows:
+        assert r["median_s"] > 0
+        ratio = r["torch_over_ours"]
+        assert ratio == 1.0 if r["algorithm"] == "torch" else ratio > 0
 
 
 def test_strategy_benchmark_compares_with_ddp():
