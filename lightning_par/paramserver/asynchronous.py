@@ -120,6 +120,10 @@ class AsyncServer:
                     wait_all([self.comm.irecv(buf, w, step=header.step, chunk=b, tag=Kind.PUSH)
                               for b, buf in zip(shard.active, payload)])  # fmt: skip
                 elif header.command == Command.SET_STATE:
+                    if w != 0:  # only worker 0 resumes the servers' state
+                        raise ProtocolError(
+                            f"worker {w} (rank {w}) sent SET_STATE: only worker 0 may"
+                        )
                     payload = recv_object(self.comm, w)
                 self.inbox.put((w, header, payload))
                 if header.command == Command.STOP:

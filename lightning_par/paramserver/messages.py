@@ -1,16 +1,17 @@
 """Headers and objects over a :class:`~lightning_par.comm.Communicator` (the layouts and
-tags are in :mod:`~lightning_par.paramserver.protocol`)."""
+tags are in :mod:`~lightning_par.paramserver.protocol`; objects are encoded without pickle
+by :mod:`~lightning_par.paramserver.wire`)."""
 
 from __future__ import annotations
 
-import pickle
 from datetime import timedelta
 from typing import Any
 
 import torch
 
 from lightning_par.comm import CommError, Communicator, Handle
-from lightning_par.paramserver.protocol import Header, Kind
+from lightning_par.paramserver import wire
+from lightning_par.paramserver.protocol import Command, Header, Kind, server_rank
 
 
 def post_headers(comm: Communicator, servers: list[int], header: Header) -> list[Handle]:
@@ -69,16 +70,36 @@ def recv_headers(
 
 
 def send_object(comm: Communicator, obj: Any, dst: int) -> None:
-    """Send a picklable object (spec, optimiser state) as its length, then its bytes."""
-    data = torch.frombuffer(bytearray(pickle.dumps(obj)), dtype=torch.uint8)
+    """Send a spec or an optimiser state as its length, then its bytes
+    (:func:`lightning_par.paramserver.wire.encode`: JSON and tensor data, no pickle)."""
+    data = torch.frombuffer(bytearray(wire.encode(obj)), dtype=torch.uint8)
     comm.send(torch.tensor([data.numel()], dtype=torch.int64), dst, tag=Kind.OBJECT)
     comm.send(data, dst, tag=Kind.OBJECT)
 
 
 def recv_object(comm: Communicator, src: int, timeout: timedelta | None = None) -> Any:
-    """An object :func:`send_object` sent (waits up to ``timeout`` for its length)."""
+    """An object :func:`send_object` sent (waits up to ``timeout`` for its length); bytes
+    in any other format (a pickle) are refused
+    (:class:`~lightning_par.paramserver.wire.WireError`)."""
     size = torch.zeros(1, dtype=torch.int64)
     comm.irecv(size, src, tag=Kind.OBJECT).wait(timeout)
+    if not 0 <= int(size) <= MAX_OBJECT_BYTES:
+        raise wire.WireError(f"refused an object of {int(size)} bytes from rank {src}")
     data = torch.empty(int(size), dtype=torch.uint8)
     comm.recv(data, src, tag=Kind.OBJECT)
-    return pickle.loads(data.numpy().tobytes())
+    return wire.decode(data.numpy().tobytes())
+
+
+#: The largest object a rank accepts (an optimiser state of a few GiB models fits).
+MAX_OBJECT_BYTES = 1 << 36
+
+
+def close_untrained(comm: Communicator, num_workers: int, num_servers: int) -> None:
+    """Worker 0, when nothing was trained (``fit`` ended before any step): tell every server
+    to end. The servers wait for a spec first; ``None`` in its place means "stop"."""
+    for s in range(num_servers):
+        send_object(comm, None, server_rank(num_workers, s))
+
+
+__all__ = ["Command", "close_untrained", "post_headers", "recv_header", "recv_headers",
+           "recv_object", "send_headers", "send_object"]  # fmt: skip

@@ -54,7 +54,8 @@ def gather_objects(comm: Communicator, obj: Any, device: torch.device) -> list[A
         payload = torch.empty(int(size.item()), dtype=torch.uint8, device=device)
         comm.recv(payload, src, tag="state")
         data = io.BytesIO(payload.cpu().numpy().tobytes())
-        out.append(torch.load(data, map_location="cpu", weights_only=False))
+        # tensors, numbers, strings and containers only: no code runs from a peer's bytes
+        out.append(torch.load(data, map_location="cpu", weights_only=True))
     return out
 
 
