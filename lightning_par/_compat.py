@@ -311,3 +311,56 @@ def summary_data(summary: Any) -> list[tuple[str, list[str]]]:
     _require(summary, "_get_summary_data", "ModelSummary._get_summary_data",
              "the whole-model summary table")  # fmt: skip
     return summary._get_summary_data()
+
+
+# ---- the strategy's own private fields (DDPStrategy / ParallelStrategy) ----------------------
+def layer_sync(strategy: Any) -> Any:
+    """``Trainer(sync_batchnorm=True)``'s ``LayerSync`` plugin of ``strategy``, or None."""
+    _require(strategy, "_layer_sync", "Strategy._layer_sync", "refusing sync_batchnorm")
+    return strategy._layer_sync
+
+
+def strategy_timeout(strategy: Any) -> Any:
+    """The ``timedelta`` a ``DDPStrategy`` was built with (``timeout=``)."""
+    _require(strategy, "_timeout", "DDPStrategy._timeout", "the process group's timeout")
+    return strategy._timeout
+
+
+def process_group_backend(strategy: Any) -> str | None:
+    """The backend a ``DDPStrategy`` was asked for (``process_group_backend=``), or None."""
+    _require(
+        strategy, "_process_group_backend", "DDPStrategy._process_group_backend",
+        "choosing gloo or nccl",
+    )  # fmt: skip
+    return strategy._process_group_backend
+
+
+def set_process_group_backend(strategy: Any, backend: str) -> None:
+    """Record the backend ``strategy``'s process group uses (read by Lightning's teardown)."""
+    process_group_backend(strategy)
+    strategy._process_group_backend = backend
+
+
+# ---- run-time replacements of Lightning objects' methods -------------------------------------
+def replace_clip_grad_by_norm(precision_plugin: Any, clip: Callable[[Any, float], None]) -> None:
+    """Make Lightning's clipping by norm (``Trainer(gradient_clip_val=...)``) call ``clip``
+    (``Precision.clip_grad_by_norm(optimizer, clip_val)``, called by
+    ``Precision.clip_gradients``): a split model clips by the whole model's norm."""
+    _require(
+        precision_plugin, "clip_grad_by_norm", "Precision.clip_grad_by_norm",
+        "clipping a split model by the whole model's norm",
+    )  # fmt: skip
+    precision_plugin.clip_grad_by_norm = clip
+
+
+def wrap_setup_data(fit_loop: Any, after: Callable[[], None]) -> None:
+    """Run ``after`` each time Lightning's ``fit_loop.setup_data()`` has run (the loop sets
+    its data loaders and ``max_batches`` up there)."""
+    _require(fit_loop, "setup_data", "_FitLoop.setup_data", "async_sgd's shared batches")
+    original = fit_loop.setup_data
+
+    def setup_data() -> None:
+        original()
+        after()
+
+    fit_loop.setup_data = setup_data

@@ -18,16 +18,13 @@ from torch.utils.data import DataLoader, DistributedSampler
 from lightning_par.collectives.cost_model import ring_cost
 from lightning_par.comm.buckets import make_buckets
 from lightning_par.comm.trace import load_traces
+from lightning_par.components.pipeline_split import PipelineSplit
+from lightning_par.components.tensor_split import TensorParallelSplit
 from lightning_par.data import SyntheticCIFAR10
 from lightning_par.hybrid import Grid, make_grid, talk_groups
 from lightning_par.models import CifarCNN, CifarRNN
 from lightning_par.pipeline import balance_by_params, split_sequential
-from lightning_par.strategies.hybrid import (
-    HybridGPipeStrategy,
-    HybridLayerwiseStrategy,
-    HybridStrategy,
-    HybridTensorParallelStrategy,
-)
+from lightning_par.strategies.hybrid import HybridStrategy
 
 SIZE, GLOBAL_BATCH = 24, 8
 #: In float64: a float32 run's rounding (summing per replica and per micro-batch, then
@@ -94,8 +91,8 @@ def test_bad_options_are_refused_when_the_strategy_is_made():
         HybridStrategy(mp_kind="layerwise", bogus=1)
     with pytest.raises(ValueError, match="tensor_parallel: algorithm='butterfly' is not supp"):
         HybridStrategy(mp_kind="tensor_parallel", algorithm="butterfly")  # the row's option
-    with pytest.raises(ValueError, match="mp_kind='gpipe' strategy, got mp_kind='layerwise'"):
-        HybridGPipeStrategy(mp_kind="layerwise")
+    with pytest.raises(TypeError, match=r"unknown option\(s\) \['chunks'\] for mp_kind='tensor_"):
+        HybridStrategy(mp_kind="tensor_parallel", chunks=4)  # another kind's option
 
 
 @pytest.mark.parametrize(
@@ -116,7 +113,8 @@ def test_bad_grid_fails_before_any_process_starts(strategy, devices, message):
 def test_registered_name_defaults_to_a_2_by_2_gpipe_grid():
     trainer = _trainer("hybrid", 4)
     strategy = trainer.strategy
-    assert isinstance(strategy, HybridGPipeStrategy) and isinstance(strategy, HybridStrategy)
+    assert type(strategy) is HybridStrategy and type(strategy.splitter) is PipelineSplit
+    assert strategy.splitter.chunks == 4 and strategy.splitter.time_chunk is None
     assert strategy.grid == Grid(2, 2) and strategy.num_stages == 2
     assert strategy.distributed_sampler_kwargs == {"num_replicas": 2, "rank": 0}
 
@@ -213,9 +211,9 @@ def test_cnn_gpipe_grid_trains_like_one_process_and_its_trace_draws_the_grid(tmp
 @pytest.mark.parametrize(
     "kind, options, cls",
     [
-        ("rnn", {"mp_kind": "layerwise", "time_chunk": 8}, HybridLayerwiseStrategy),
-        ("rnn", {"mp_kind": "tensor_parallel"}, HybridTensorParallelStrategy),  # LSTM units
-        ("cnn", {"mp_kind": "tensor_parallel"}, HybridTensorParallelStrategy),
+        ("rnn", {"mp_kind": "layerwise", "time_chunk": 8}, PipelineSplit),  # the wavefront
+        ("rnn", {"mp_kind": "tensor_parallel"}, TensorParallelSplit),  # LSTM units
+        ("cnn", {"mp_kind": "tensor_parallel"}, TensorParallelSplit),
     ],
 )
 def test_other_model_parallel_kinds_train_like_one_process(tmp_path, kind, options, cls):
@@ -225,7 +223,7 @@ def test_other_model_parallel_kinds_train_like_one_process(tmp_path, kind, optio
     strategy = HybridStrategy(**options, trace_dir=str(tmp_path / "trace"))
     trainer = _trainer(strategy, 4, callbacks=[saver], precision=PRECISION)
     trainer.fit(model, _loader(dp=2))
-    assert type(trainer.strategy) is cls
+    assert type(trainer.strategy.splitter) is cls
     _assert_same_weights(model.state_dict(), expected)
     _assert_grid_traffic(tmp_path / "trace")
     # the checkpoint holds the full model, however it was cut

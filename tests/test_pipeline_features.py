@@ -12,12 +12,12 @@ from torch.utils.checkpoint import checkpoint
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_par.comm import RankFailed, run_on_ranks
-from lightning_par.pipeline.batchnorm import DeferredBatchNorm
-from lightning_par.pipeline.optim_state import merge_stage_states, model_order, stage_state
-from lightning_par.strategies._pipeline_features import (
+from lightning_par.components.pipeline_features import (
     agree_on_overflow,
     clip_grad_norm_across_stages,
 )
+from lightning_par.pipeline.batchnorm import DeferredBatchNorm
+from lightning_par.pipeline.optim_state import merge_stage_states, model_order, stage_state
 from lightning_par.strategies.gpipe import GPipeStrategy
 
 

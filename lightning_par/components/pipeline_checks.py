@@ -120,7 +120,7 @@ def check_backend(schedule: str, backend: str) -> None:
 def check_trainer(trainer: pl.Trainer, schedule: str, precision_plugin: Any) -> None:
     """Reject trainer settings that would differ from single-process training: a gradient
     scaler under 1F1B. (Clipping by norm uses the whole model's norm:
-    :mod:`lightning_par.strategies._pipeline_features`.)"""
+    :mod:`lightning_par.components.pipeline_features`.)"""
     if schedule == "1f1b":
         check_1f1b_contract(precision_plugin)
 

@@ -2,10 +2,11 @@
 
 The parameter servers join the workers' process group (every message between a worker
 and a server travels in it) but never run Lightning's loop, so every collective Lightning
-makes on the default group would wait for them forever. :class:`WorkerGroupMixin` sends
-Lightning's ``barrier``, ``broadcast``, ``reduce``, ``all_gather``, the start-up weight
-broadcast, torchmetrics' syncs, the barrier around ``prepare_data`` and the per-step
-SIGTERM flag over ``worker_group`` (ranks ``0 .. W-1``) instead.
+makes on the default group would wait for them forever. :class:`WorkerGroup` (a component
+the parameter-server strategies hold) runs Lightning's ``barrier``, ``broadcast``, the
+start-up weight broadcast, torchmetrics' syncs, the barrier around ``prepare_data`` and the
+per-step SIGTERM flag over the workers' group (ranks ``0 .. W-1``) instead; the strategy
+passes :attr:`WorkerGroup.group` to Lightning's ``reduce`` and ``all_gather``.
 """
 
 from __future__ import annotations
@@ -47,57 +48,56 @@ class WorkersBarrier:
         dist.monitored_barrier(group=self.group, timeout=IDLE_TIMEOUT)
 
 
-class WorkerGroupMixin:
-    """Lightning's collectives over ``self.worker_group`` (put before the strategy base)."""
+class WorkerGroup:
+    """Lightning's collectives over the workers' process group ``group`` (ranks ``0 .. W-1``
+    of a group that also holds the servers)."""
 
-    worker_group: Any = None
+    def __init__(self) -> None:
+        self.group: Any = None
 
-    def prepare_data_among_workers(self) -> None:
+    def create(self, workers: int) -> None:
+        """Make the workers' group (every rank of the default group must call this)."""
+        self.group = dist.new_group(list(range(workers)))
+
+    def prepare_data(self, module: Any) -> None:
         """Lightning brackets ``prepare_data`` with a barrier in a new group of every rank,
         servers included, which never join it (a hang): here the barrier is the workers'."""
-        trainer = _compat.attached_trainer(self.lightning_module)
+        trainer = _compat.attached_trainer(module)
         if trainer is None:
             return
-        group = self.worker_group
+        group = self.group
         _compat.barrier_around_prepare_data(trainer, lambda: WorkersBarrier(group))
 
-    def barrier(self, *args: Any, **kwargs: Any) -> None:
+    def barrier(self) -> None:
         if dist.is_initialized():
-            dist.barrier(group=self.worker_group)
+            dist.barrier(group=self.group)
 
     def broadcast(self, obj: Any, src: int = 0) -> Any:
         if not dist.is_initialized():
             return obj
         box = [obj]
-        dist.broadcast_object_list(box, src, group=self.worker_group)
+        dist.broadcast_object_list(box, src, group=self.group)
         return box[0]
 
-    def reduce(self, tensor: Any, group: Any | None = None, reduce_op: Any | None = "mean") -> Any:
-        return super().reduce(tensor, group=group or self.worker_group, reduce_op=reduce_op)
-
-    def all_gather(self, tensor: torch.Tensor, group: Any | None = None, sync_grads: bool = False):
-        return super().all_gather(tensor, group=group or self.worker_group, sync_grads=sync_grads)
-
-    def sync_model_states(self) -> None:
-        assert self.model is not None
-        for sub in self.model.modules():  # torchmetrics sync on the default group otherwise
+    def sync_model_states(self, model: torch.nn.Module) -> None:
+        """Worker 0's weights to every worker; torchmetrics sync among the workers."""
+        for sub in model.modules():  # torchmetrics sync on the default group otherwise
             if isinstance(sub, Metric):
-                sub.process_group = self.worker_group
+                sub.process_group = self.group
         with torch.no_grad():
-            for tensor in [*self.model.parameters(), *self.model.buffers()]:
-                dist.broadcast(tensor.data, 0, group=self.worker_group)
+            for tensor in [*model.parameters(), *model.buffers()]:
+                dist.broadcast(tensor.data, 0, group=self.group)
 
-    def broadcast_sigterm(self) -> None:
+    def broadcast_sigterm(self, trainer: Any, rank: int) -> None:
         """Lightning's per-step SIGTERM flag from worker 0, among the workers only."""
-        trainer = self.lightning_module.trainer
         flag = torch.tensor([int(bool(getattr(trainer, "received_sigterm", False)))])
         try:
-            dist.broadcast(flag, 0, group=self.worker_group)
+            dist.broadcast(flag, 0, group=self.group)
         except RuntimeError as err:
             raise CommError(explain(
-                f"worker {self.global_rank}: the workers' per-step broadcast (from worker 0) "
+                f"worker {rank}: the workers' per-step broadcast (from worker 0) "
                 f"failed: a worker hangs or died ({err})"
             )) from err  # fmt: skip
         if flag.item() == 1:
-            dist.barrier(group=self.worker_group)
+            dist.barrier(group=self.group)
             raise SIGTERMException()

@@ -14,6 +14,7 @@ from typing import Any
 import lightning.pytorch as pl
 from lightning.pytorch.callbacks.progress import ProgressBar
 from tqdm import tqdm
+from typing_extensions import override
 
 _OWN_PROGRESS_CLASSES: dict[type, type] = {}
 
@@ -44,12 +45,15 @@ class SharedEpochReport(pl.Callback):
     def __init__(self) -> None:
         self.batches = 0
 
+    @override
     def on_train_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self.batches = 0
 
+    @override
     def on_train_batch_end(self, trainer: pl.Trainer, *args: Any, **kwargs: Any) -> None:
         self.batches += 1
 
+    @override
     def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         strategy = trainer.strategy
         if not _sharing(strategy) or trainer.progress_bar_callback is None:

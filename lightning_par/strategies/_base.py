@@ -30,7 +30,10 @@ group) → ``setup``: :meth:`prepare_model` (e.g. split the network), ``model_to
 from __future__ import annotations
 
 import atexit
+import inspect
 import os
+from collections.abc import Generator, Mapping
+from contextlib import contextmanager
 from datetime import timedelta
 from pathlib import Path
 from typing import Any, ClassVar
@@ -41,12 +44,15 @@ import torch.distributed as dist
 from lightning.fabric.utilities.seed import reset_seed
 from lightning.pytorch.strategies import DDPStrategy
 from lightning.pytorch.trainer.states import TrainerFn
+from typing_extensions import override
 
 from lightning_par import _compat
 from lightning_par.comm import CommTrace, Communicator, default_timeout, liveness
+from lightning_par.comm.buckets import GradientBuckets
 from lightning_par.comm.launch import START_METHODS, LaunchPlan
 from lightning_par.comm.rendezvous import StoreAddress, group_store
 from lightning_par.comm.trace import save_trace
+from lightning_par.components.splitter import ModelSplitter
 from lightning_par.strategies._launchers import (
     ExistingRanksLauncher,
     PolicyLauncher,
@@ -118,12 +124,13 @@ class ParStrategy(DDPStrategy):
         self.launch_plan: LaunchPlan | None = None
         #: the store this project's launcher holds for the ranks (None: the cluster's)
         self.store_spec: str | None = None
+        #: the model-splitting component (pipeline stages, tensor-parallel shards), or None:
+        #: every rank holds the whole model
+        self.splitter: ModelSplitter | None = None
 
     @classmethod
     def option_names(cls) -> list[str]:
         """Every keyword this strategy takes (for error messages)."""
-        import inspect
-
         names = []
         for klass in cls.__mro__:
             if klass is DDPStrategy:
@@ -136,9 +143,11 @@ class ParStrategy(DDPStrategy):
 
     # ---- launching --------------------------------------------------------------------------
     @property
+    @override
     def root_device_type(self) -> str:
         return self.parallel_devices[0].type if self.parallel_devices else "cpu"
 
+    @override
     def _configure_launcher(self) -> None:
         assert self.cluster_environment is not None
         if self.cluster_environment.creates_processes_externally:
@@ -154,9 +163,12 @@ class ParStrategy(DDPStrategy):
 
     def check_before_launch(self, trainer: pl.Trainer | None) -> None:
         """Reject a configuration this strategy cannot run, in the main process, before
-        any rank starts (override; the default accepts everything)."""
+        any rank starts (override; the default asks the splitter, if any)."""
+        if self.splitter is not None:
+            self.splitter.check_before_launch(trainer)
 
     # ---- process group ------------------------------------------------------------------------
+    @override
     def setup_distributed(self) -> None:
         reset_seed()
         self.set_world_ranks()
@@ -167,7 +179,7 @@ class ParStrategy(DDPStrategy):
             os.environ["MASTER_ADDR"] = env.main_address
             os.environ["MASTER_PORT"] = str(env.main_port)
             store, _ = self.group_store()
-            kwargs: dict[str, Any] = {"timeout": self._timeout, "store": store}
+            kwargs: dict[str, Any] = {"timeout": self.timeout, "store": store}
             if self.root_device.type != "cpu":
                 kwargs["device_id"] = self.root_device
             dist.init_process_group(
@@ -179,7 +191,7 @@ class ParStrategy(DDPStrategy):
             # exception"), as Lightning already guards against for NCCL.
             atexit.register(_destroy_process_group)
             liveness.watch_group(
-                store, self.global_rank, self.watched_ranks(), self._timeout.total_seconds(),
+                store, self.global_rank, self.watched_ranks(), self.timeout.total_seconds(),
                 self.rank_name,
             )  # fmt: skip
         elif liveness.current() is not None:
@@ -187,6 +199,11 @@ class ParStrategy(DDPStrategy):
         log_startup(
             self.strategy_name, self.world_size, self.launch_plan, self._process_group_backend
         )
+
+    @property
+    def timeout(self) -> timedelta:
+        """How long a collective or a receive may wait (the constructor's ``timeout``)."""
+        return _compat.strategy_timeout(self)
 
     def watched_ranks(self) -> list[int]:
         """Ranks whose silence ends the job (:mod:`lightning_par.comm.liveness`): all."""
@@ -199,22 +216,25 @@ class ParStrategy(DDPStrategy):
     def group_store(self) -> tuple[Any, StoreAddress]:
         """The store the next process group meets in (see :mod:`lightning_par.comm.rendezvous`):
         the one this project's launcher holds, else the cluster's."""
-        return group_store(self.global_rank, self._timeout, self.store_spec)
+        return group_store(self.global_rank, self.timeout, self.store_spec)
 
+    @override
     def _get_process_group_backend(self) -> str:
         return self._process_group_backend or _compat.default_process_group_backend(
             self.root_device
         )
 
     # ---- setting the model up -------------------------------------------------------------------
+    @override
     def setup(self, trainer: pl.Trainer) -> None:
         assert self.accelerator is not None and self.model is not None
         self.accelerator.setup(trainer)
         fitting = trainer.state.fn == TrainerFn.FITTING
         if not self.shards_data:  # read before the loop sets its data loaders up
-            trainer._accelerator_connector.use_distributed_sampler = False
-        if fitting and self._layer_sync:
-            self.model = self._layer_sync.apply(self.model)
+            _compat.set_use_distributed_sampler(trainer, False)
+        layer_sync = _compat.layer_sync(self)
+        if fitting and layer_sync:
+            self.model = layer_sync.apply(self.model)
         self.precision_plugin.convert_module(self.model)
         self.trace = CommTrace(self.global_rank) if self._trace_enabled else None
         self.comm = Communicator(trace=self.trace)
@@ -227,11 +247,15 @@ class ParStrategy(DDPStrategy):
         self.setup_precision_plugin()
         if fitting:
             _compat.optimizers_to_device(self.optimizers, self.root_device)
+        if self.splitter is not None:
+            self.splitter.after_setup(trainer)
         if self.trace is not None:
             self.trace.clear()  # keep only what training, testing, ... send
 
     def prepare_model(self, trainer: pl.Trainer) -> None:
-        """Change the model before it moves to its device (e.g. keep one stage of it)."""
+        """Change the model before it moves to its device (default: the splitter cuts it)."""
+        if self.splitter is not None:
+            self.splitter.split(trainer)
 
     def sync_model_states(self) -> None:
         """Make every rank start from the same weights (data parallel: rank 0's)."""
@@ -239,10 +263,118 @@ class ParStrategy(DDPStrategy):
     def configure_sync(self) -> None:
         """When fitting: set up how gradients or parameters are kept in step."""
 
+    @override
     def configure_ddp(self) -> None:  # DDPStrategy's hook: no DistributedDataParallel here
         self.configure_sync()
 
+    @override
+    def setup_optimizers(self, trainer: pl.Trainer) -> None:
+        try:
+            super().setup_optimizers(trainer)
+        except ValueError as err:
+            better = self.splitter.explain_optimizer_error(err) if self.splitter else None
+            if better is None:
+                raise
+            raise better from err
+
+    # ---- the model split over ranks (the splitter) ----------------------------------------------
+    @property
+    def split_comm(self) -> Communicator | None:
+        """The ranks one model is split over (every rank; hybrid: one row of its grid)."""
+        return self.comm
+
+    @property
+    def split_size(self) -> int:
+        """How many pieces one model is cut into (every process; hybrid: its ``mp``)."""
+        return self.num_processes * self.num_nodes
+
+    def _split_step(self, hook: str, *args: Any, **kwargs: Any) -> Any:
+        step = getattr(super(), hook)
+        if self.splitter is None:
+            return step(*args, **kwargs)
+        with self.splitter.running():
+            return step(*args, **kwargs)
+
+    @override
+    def training_step(self, *args: Any, **kwargs: Any) -> Any:
+        if self.splitter is not None:
+            self.splitter.before_training_step(args[0] if args else kwargs.get("batch"))
+        return self._split_step("training_step", *args, **kwargs)
+
+    @override
+    def validation_step(self, *args: Any, **kwargs: Any) -> Any:
+        return self._split_step("validation_step", *args, **kwargs)
+
+    @override
+    def test_step(self, *args: Any, **kwargs: Any) -> Any:
+        return self._split_step("test_step", *args, **kwargs)
+
+    @override
+    def predict_step(self, *args: Any, **kwargs: Any) -> Any:
+        return self._split_step("predict_step", *args, **kwargs)
+
+    @override
+    def backward(self, closure_loss: torch.Tensor, optimizer: Any, *args: Any, **kwargs: Any):
+        closure_loss = super().backward(closure_loss, optimizer, *args, **kwargs)
+        if self.splitter is not None:
+            self.splitter.after_backward()
+        return closure_loss
+
+    @override
+    def optimizer_step(self, optimizer: Any, closure: Any, model: Any = None, **kwargs: Any):
+        output = super().optimizer_step(optimizer, closure, model, **kwargs)
+        if self.splitter is not None:
+            self.splitter.after_optimizer_step(optimizer)
+        return output
+
+    # ---- gradient accumulation ------------------------------------------------------------------
+    def gradient_buckets(self) -> GradientBuckets | None:
+        """The buckets this strategy's backward communicates through (None: none)."""
+        return None
+
+    @override
+    @contextmanager
+    def block_backward_sync(self) -> Generator[None, None, None]:
+        """Gradient accumulation: no communication on the accumulating micro-steps (the
+        buckets' ``no_sync``; without buckets, DDPStrategy's: torch DDP's ``no_sync``)."""
+        buckets = self.gradient_buckets()
+        if buckets is None:
+            with super().block_backward_sync():
+                yield
+            return
+        with buckets.no_sync():
+            yield
+
+    # ---- checkpoints ----------------------------------------------------------------------------
+    @override
+    def lightning_module_state_dict(self) -> dict[str, Any]:
+        local = super().lightning_module_state_dict()
+        return self.splitter.full_state_dict(local) if self.splitter is not None else local
+
+    @override
+    def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
+        if self.splitter is None:
+            return super().load_model_state_dict(checkpoint, strict=strict)
+        state = self.splitter.piece_state_dict(checkpoint["state_dict"])
+        self.lightning_module.load_state_dict(state, strict=strict)
+
+    @override
+    def optimizer_state(self, optimizer: Any) -> dict[str, Any]:
+        local = super().optimizer_state(optimizer)
+        if self.splitter is None:
+            return local
+        return self.splitter.full_optimizer_state(local, optimizer)
+
+    @override
+    def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
+        states = checkpoint["optimizer_states"]
+        if self.splitter is None or not self.splitter.load_optimizer_states(
+            self.optimizers, states
+        ):
+            super().load_optimizer_state_dict(checkpoint)
+
     # ---- end of a run ---------------------------------------------------------------------------
+    @override
     def teardown(self) -> None:
         if liveness.current() is not None:
             liveness.current().finish()  # done with this stage: peers stop watching
@@ -250,6 +382,7 @@ class ParStrategy(DDPStrategy):
             save_trace(self.trace, self.trace_dir / f"rank{self.global_rank}.json")
         super().teardown()
 
+    @override
     def reduce(self, tensor: Any, group: Any | None = None, reduce_op: Any | None = "mean") -> Any:
         if not isinstance(tensor, torch.Tensor):
             return tensor

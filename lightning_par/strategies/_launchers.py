@@ -40,6 +40,7 @@ from typing import Any
 import lightning.pytorch as pl
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
+from typing_extensions import override
 
 from lightning_par import _compat
 from lightning_par.comm.launch import (
@@ -64,9 +65,11 @@ class ExistingRanksLauncher(_compat.SubprocessScriptLauncher):
     """Every rank already runs this code: start nothing (as safe in a notebook as anywhere)."""
 
     @property
+    @override
     def is_interactive_compatible(self) -> bool:
         return True
 
+    @override
     def launch(self, function: Callable, *args: Any, trainer: pl.Trainer | None = None, **kw):
         return function(*args, **kw)
 
@@ -108,9 +111,11 @@ class PolicyLauncher(_compat.MultiProcessingLauncher):
         self._rank_errors: RankErrors | None = None
 
     @property
+    @override
     def is_interactive_compatible(self) -> bool:
         return True  # the plan forks in a notebook, or stops with a LaunchError saying why
 
+    @override
     def launch(self, function: Callable, *args: Any, trainer: pl.Trainer | None = None, **kw):
         strategy = self._strategy
         strategy.check_before_launch(trainer)
@@ -179,11 +184,13 @@ class PolicyLauncher(_compat.MultiProcessingLauncher):
         )
         print(message, flush=True)
 
+    @override
     def kill(self, signum: Any) -> None:
         if self._script is not None:
             self._script.kill(signum)
         super().kill(signum)
 
+    @override
     def _wrapping_function(self, process_idx: int, trainer, function, args, kwargs, queue, *rest):
         die_with_parent()
         if self._start_method == "fork":
@@ -208,6 +215,7 @@ class PolicyLauncher(_compat.MultiProcessingLauncher):
                 raise RuntimeError(f"rank {process_idx} was interrupted") from error
             raise
 
+    @override
     def _collect_rank_zero_results(self, trainer: pl.Trainer, results: Any) -> Any:
         callback = trainer.checkpoint_callback
         best_model_path = getattr(callback, "best_model_path", None) if callback else None
@@ -222,17 +230,20 @@ class PolicyLauncher(_compat.MultiProcessingLauncher):
         extra = self.get_extra_results(trainer)
         return _compat.WorkerOutput(best_model_path, weights_path, trainer.state, results, extra)
 
+    @override
     def _recover_results_in_main_process(self, worker_output: Any, trainer: pl.Trainer) -> None:
         super()._recover_results_in_main_process(worker_output, trainer)
         if worker_output.weights_path is not None:  # Lightning removes the file, not its folder
             shutil.rmtree(os.path.dirname(worker_output.weights_path), ignore_errors=True)
 
+    @override
     def get_extra_results(self, trainer: pl.Trainer) -> dict[str, Any]:
         extra = super().get_extra_results(trainer)
         trace = getattr(self._strategy, "trace", None)
         extra["lightning_par_trace"] = trace_to_dict(trace) if trace is not None else None
         return extra
 
+    @override
     def update_main_process_results(self, trainer: pl.Trainer, extra: dict[str, Any]) -> None:
         super().update_main_process_results(trainer, extra)
         record = extra.get("lightning_par_trace")

@@ -5,12 +5,12 @@
 
 * :meth:`~AllReduceStrategy.sync_model_states`: rank 0's weights are broadcast down a tree
   (:func:`~lightning_par.collectives.tree_broadcast`);
-* :meth:`~AllReduceStrategy.configure_sync`: gradient buckets
-  (:class:`~lightning_par.comm.buckets.GradientBuckets`) whose allreduce, the chosen
-  collective, runs on a communication thread as soon as backward has filled them;
+* :meth:`~AllReduceStrategy.configure_sync`: the gradient-synchronisation component
+  (:class:`~lightning_par.components.grad_sync.GradientSync`): buckets whose allreduce, the
+  chosen collective, runs on a communication thread as soon as backward has filled them;
 * ``post_backward`` waits for them and divides by the world size, before Lightning clips
-  gradients and steps the optimiser; ``block_backward_sync`` (gradient accumulation)
-  turns synchronisation off.
+  gradients and steps the optimiser; ``block_backward_sync`` (gradient accumulation,
+  :class:`~lightning_par.strategies._base.ParStrategy`'s) turns synchronisation off.
 
 This works on CPU with gloo (where Lightning ignores DDP communication hooks) and on
 CUDA with NCCL or gloo. The registered names (``ring_allreduce``, ...) are one per key of
@@ -19,15 +19,14 @@ CUDA with NCCL or gloo. The registered names (``ring_allreduce``, ...) are one p
 
 from __future__ import annotations
 
-from collections.abc import Generator
-from contextlib import contextmanager
 from typing import Any
 
 import torch
+from typing_extensions import override
 
 from lightning_par.collectives import ALGORITHMS, get_allreduce, tree_broadcast
-from lightning_par.comm import Event
-from lightning_par.comm.buckets import GradientBuckets, allreduce_buckets, average_unbucketed
+from lightning_par.comm.buckets import GradientBuckets
+from lightning_par.components.grad_sync import GradientSync
 from lightning_par.strategies._base import ParStrategy
 
 
@@ -69,16 +68,18 @@ class AllReduceStrategy(ParStrategy):
         super().__init__(**kwargs)
         self._algorithm_name = algorithm
         self.strategy_name = f"{algorithm}_allreduce"
-        self._allreduce = get_allreduce(algorithm)
-        self._bucket_cap_mb = float(bucket_cap_mb)
-        self._overlap = overlap
-        self.buckets: GradientBuckets | None = None
-        self._backward_start = 0.0
+        self.grad_sync = GradientSync(get_allreduce(algorithm), bucket_cap_mb, overlap)
 
     @property
     def algorithm_name(self) -> str:
         return self._algorithm_name
 
+    @property
+    def buckets(self) -> GradientBuckets | None:
+        """The gradient buckets (None: one rank, or not fitting)."""
+        return self.grad_sync.buckets
+
+    @override
     def sync_model_states(self) -> None:
         assert self.model is not None and self.comm is not None
         if self.world_size == 1:
@@ -87,61 +88,25 @@ class AllReduceStrategy(ParStrategy):
             for tensor in [*self.model.parameters(), *self.model.buffers()]:
                 tree_broadcast(tensor.data, comm=self.comm, root=0)
 
+    @override
     def configure_sync(self) -> None:
         assert self.model is not None and self.comm is not None
-        if self.world_size == 1:
-            # One process is its own average: no buckets, hooks or communication thread,
-            # so the step costs what Lightning's single-device strategy's does.
-            self.buckets = None
-            return
-        self.buckets = allreduce_buckets(
-            self.model,
-            self._allreduce,
-            self.comm,
-            bucket_cap_mb=self._bucket_cap_mb,
-            overlap=self._overlap,
-            trace=self.trace,
-        )
+        self.grad_sync.attach(self.model, self.comm, self.trace)
 
-    @contextmanager
-    def block_backward_sync(self) -> Generator[None, None, None]:
-        """Gradient accumulation: no communication on the accumulating micro-steps."""
-        if self.buckets is None:
-            yield
-            return
-        with self.buckets.no_sync():
-            yield
+    @override
+    def gradient_buckets(self) -> GradientBuckets | None:
+        return self.grad_sync.buckets
 
+    @override
     def pre_backward(self, closure_loss: torch.Tensor) -> None:
-        if self.trace is not None:
-            self._backward_start = self.trace.now()
+        self.grad_sync.backward_started()
 
+    @override
     def post_backward(self, closure_loss: torch.Tensor) -> None:
         """Runs inside the optimiser closure: gradients are averaged before clipping/step."""
-        if self.buckets is None or not self.buckets.enabled:
-            return
-        if self.trace is not None:
-            backward = Event(self.global_rank, "backward", self._backward_start, self.trace.now())
-            self.trace.events.append(backward)
-            with self.trace.span("wait for buckets"):
-                self.buckets.synchronize()
-        else:
-            self.buckets.synchronize()
-        self._average_late_parameters()
+        self.grad_sync.finish(self.global_rank)
 
-    def _average_late_parameters(self) -> None:
-        """Parameters that became trainable after setup have gradients but no bucket:
-        average them now, then rebuild the buckets so that later steps overlap them too."""
-        assert self.model is not None and self.buckets is not None and self.comm is not None
-        late = self.buckets.unbucketed(self.model)
-        if not late:
-            return
-        average_unbucketed(late, self._allreduce, self.comm)
-        self.buckets.close()
-        self.configure_sync()
-
+    @override
     def teardown(self) -> None:
-        if self.buckets is not None:
-            self.buckets.close()
-            self.buckets = None
+        self.grad_sync.close()
         super().teardown()

@@ -47,6 +47,7 @@ from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 from torch.utils.data import DataLoader, DistributedSampler
 from torchmetrics import Metric
+from typing_extensions import override
 
 from lightning_par import _compat
 from lightning_par.comm import CommTrace
@@ -161,6 +162,7 @@ class AsyncSGDStrategy(ParameterServerStrategy):
         super().__init__(num_servers, bucket_cap_mb=ONE_BUCKET_MB, split_mb=split_mb, **kwargs)
         self._logged = 0
 
+    @override
     def watched_ranks(self) -> list[int]:
         """Worker 0 and the servers: the others may be lost and the job goes on."""
         return [0, *range(self.world_size, self.world_size + self.num_servers)]
@@ -179,6 +181,7 @@ class AsyncSGDStrategy(ParameterServerStrategy):
         that worker clips before pushing (one process on that batch would do the same)."""
         return {"clip": clip} if self.staleness == 0 else {"local_clip": clip}
 
+    @override
     def setup(self, trainer: pl.Trainer) -> None:
         if trainer.state.fn == TrainerFn.FITTING:
             self._count_shared_batches(trainer)
@@ -192,6 +195,7 @@ class AsyncSGDStrategy(ParameterServerStrategy):
         self._local_metrics(trainer.state.fn == TrainerFn.FITTING)
         self._logged = 0
 
+    @override
     def setup_optimizers(self, trainer: pl.Trainer) -> None:
         """The momentum remedy needs an optimiser that has one: checked here, before the
         servers learn the optimiser, so that they do not fail at the first push."""
@@ -232,6 +236,7 @@ class AsyncSGDStrategy(ParameterServerStrategy):
         return list(self.client.updates) if isinstance(self.client, AsyncParameterClient) else []
 
     # ---- dynamic work sharing ---------------------------------------------------------------
+    @override
     def process_dataloader(self, dataloader: object) -> object:
         trainer = self.lightning_module.trainer
         if not (self.share_work and trainer.state.stage == RunningStage.TRAINING):
@@ -266,10 +271,8 @@ class AsyncSGDStrategy(ParameterServerStrategy):
         ``estimated_stepping_batches`` (schedulers, read before the servers start) counts a
         worker's share, ``1/W`` of it (:func:`worker_share`)."""
         loop = trainer.fit_loop
-        original = loop.setup_data
 
-        def setup_data() -> None:
-            original()
+        def after_setup_data() -> None:
             if self.sampler is not None and loop.max_batches == float("inf"):
                 limit = trainer.limit_train_batches
                 total = self.sampler.num_batches
@@ -281,7 +284,7 @@ class AsyncSGDStrategy(ParameterServerStrategy):
                 # began epoch 0's iterator, which found no servers; build it again later
                 _compat.reset_combined_loader(loop)
 
-        loop.setup_data = setup_data
+        _compat.wrap_setup_data(loop, after_setup_data)
 
     def _next_batch(self, epoch: int, num_batches: int) -> tuple[int, int]:
         if not isinstance(self.client, AsyncParameterClient):
@@ -303,16 +306,19 @@ class AsyncSGDStrategy(ParameterServerStrategy):
             and trainer.state.stage in (RunningStage.TRAINING, RunningStage.VALIDATING)
         )
 
+    @override
     def barrier(self, *args: Any, **kwargs: Any) -> None:
         if not self._apart():  # after a checkpoint only worker 0 writes: no one need wait
             super().barrier(*args, **kwargs)
 
+    @override
     def reduce(self, tensor: Any, group: Any | None = None, reduce_op: Any | None = "mean") -> Any:
         """While fitting, this worker's own value (``sync_dist=True`` logs it unreduced)."""
         if self._apart():
             return tensor
         return super().reduce(tensor, group=group, reduce_op=reduce_op)
 
+    @override
     def reduce_boolean_decision(self, decision: bool, all: bool = True) -> bool:
         return decision if self._apart() else super().reduce_boolean_decision(decision, all)
 
@@ -323,6 +329,7 @@ class AsyncSGDStrategy(ParameterServerStrategy):
             if isinstance(sub, Metric):
                 sub.sync_on_compute = not local
 
+    @override
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
         if self._taken and isinstance(self.client, AsyncParameterClient):
             self.client.trained = self._taken.popleft()  # batches train in the order taken
@@ -337,6 +344,7 @@ class AsyncSGDStrategy(ParameterServerStrategy):
             )  # fmt: skip
         return output
 
+    @override
     def lightning_module_state_dict(self) -> dict[str, Any]:
         if isinstance(self.client, AsyncParameterClient):
             self.client.refresh()  # the servers' newest weights, not this worker's last pull

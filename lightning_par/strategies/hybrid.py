@@ -29,33 +29,77 @@ column); checkpoints hold the full model gathered on rank 0 (replica 0) and load
 strategy. After ``k`` steps every replica holds the weights one process reaches on the
 global batch (``dp`` × the per-rank batch).
 
-``HybridStrategy(mp_kind=...)`` returns an object of the class for that kind
-(:class:`HybridGPipeStrategy`, ...), which is also a :class:`HybridStrategy`; the kind's own
-options (``chunks``, ``balance``, ``time_chunk``, ...) pass through.
+The strategy is two components on a grid: the splitter of ``mp_kind``
+(:class:`~lightning_par.components.pipeline_split.PipelineSplit` or
+:class:`~lightning_par.components.tensor_split.TensorParallelSplit`, built by
+:func:`make_splitter` from the kind's own options: ``chunks``, ``balance``, ``time_chunk``,
+``plan``, ...) over each row, and a :class:`~lightning_par.components.grad_sync.GradientSync`
+over each column.
 """
 
 from __future__ import annotations
 
-from collections.abc import Generator
-from contextlib import contextmanager
+import inspect
 from typing import Any
 
 import lightning.pytorch as pl
 import torch
 import torch.distributed as dist
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
+from typing_extensions import override
 
 from lightning_par.collectives import ALGORITHMS, get_allreduce, tree_broadcast
-from lightning_par.comm import Communicator, Event
-from lightning_par.comm.buckets import GradientBuckets, allreduce_buckets, average_unbucketed
+from lightning_par.comm import Communicator
+from lightning_par.comm.buckets import GradientBuckets
+from lightning_par.components.grad_sync import GradientSync
+from lightning_par.components.pipeline_split import PipelineSplit
+from lightning_par.components.splitter import ModelSplitter
+from lightning_par.components.tensor_split import TensorParallelSplit
+from lightning_par.hybrid.cost import hybrid_bytes_per_step
 from lightning_par.hybrid.grid import Grid, GridGroups, check_degrees, create_groups, make_grid
-from lightning_par.pipeline.runtime import PipelineStage
-from lightning_par.strategies._base import ParStrategy
-from lightning_par.strategies.gpipe import GPipeStrategy
-from lightning_par.strategies.layerwise import LayerwiseStrategy
-from lightning_par.strategies.tensor_parallel import TensorParallelStrategy
+from lightning_par.strategies._base import PLUMBING_ARGUMENTS, ParStrategy
 
 DEFAULT_KIND = "gpipe"
+
+
+def _layerwise(
+    balance: list[int] | None = None, time_chunk: int | None = None,
+    balance_by: str = "params", module_attr: str = "net",
+) -> PipelineSplit:  # fmt: skip
+    """The layer-wise split: one micro-batch, no re-materialisation (``LayerwiseStrategy``)."""
+    return PipelineSplit(
+        balance, chunks=1, checkpoint="never", schedule="gpipe", module_attr=module_attr,
+        balance_by=balance_by, time_chunk=time_chunk,
+    )  # fmt: skip
+
+
+#: The model-parallel kinds a hybrid row can run: kind -> splitter factory (its options).
+_KINDS: dict[str, Any] = {
+    "gpipe": PipelineSplit,
+    "layerwise": _layerwise,
+    "tensor_parallel": TensorParallelSplit,
+}
+
+
+def mp_kinds() -> list[str]:
+    """The model-parallel kinds a hybrid grid can run in its rows."""
+    return list(_KINDS)
+
+
+def make_splitter(kind: object, options: dict[str, Any]) -> ModelSplitter:
+    """The splitter of ``kind`` built from its own ``options`` (a clear error for others)."""
+    if kind not in _KINDS:
+        raise ValueError(f"hybrid: mp_kind={kind!r}: choose one of {mp_kinds()}")
+    factory = _KINDS[kind]  # type: ignore[index]
+    known = [n for n in inspect.signature(factory).parameters if n != "self"]
+    unknown = sorted(set(options) - set(known))
+    if unknown:
+        raise TypeError(
+            f"HybridStrategy got unknown option(s) {unknown} for mp_kind={kind!r}; it accepts "
+            f"dp, mp, mp_kind, dp_algorithm, bucket_cap_mb, overlap, {', '.join(known)} and "
+            "trace, trace_dir, start_method, process_group_backend, timeout"
+        )
+    return factory(**options)
 
 
 class HybridStrategy(ParStrategy):
@@ -80,13 +124,6 @@ class HybridStrategy(ParStrategy):
 
     strategy_name = "hybrid"
     shards_data = True  # by the data-parallel rank (distributed_sampler_kwargs)
-    mp_kind = ""
-
-    def __new__(cls, **kwargs: Any) -> HybridStrategy:
-        target = (
-            _strategy_class(kwargs.get("mp_kind", DEFAULT_KIND)) if cls is HybridStrategy else cls
-        )
-        return super().__new__(target)
 
     def __init__(
         self,
@@ -99,11 +136,9 @@ class HybridStrategy(ParStrategy):
         overlap: bool = True,
         **kwargs: Any,
     ) -> None:
-        if mp_kind != self.mp_kind:
-            raise ValueError(
-                f"{type(self).__name__} is the mp_kind={self.mp_kind!r} strategy, got "
-                f"mp_kind={mp_kind!r}: use HybridStrategy(mp_kind=...)"
-            )
+        own = {"trace", "trace_dir", "start_method", "process_group_backend", "timeout"}
+        own |= set(PLUMBING_ARGUMENTS)
+        split = make_splitter(mp_kind, {k: v for k, v in kwargs.items() if k not in own})
         check_degrees(dp, mp)
         if dp_algorithm not in ALGORITHMS:
             raise ValueError(
@@ -113,15 +148,20 @@ class HybridStrategy(ParStrategy):
             raise TypeError(f"bucket_cap_mb must be a number of MiB, got {bucket_cap_mb!r}")
         if not bucket_cap_mb > 0:
             raise ValueError(f"bucket_cap_mb must be > 0 MiB, got {bucket_cap_mb}")
-        super().__init__(**kwargs)
+        super().__init__(**{k: v for k, v in kwargs.items() if k in own})
+        self.mp_kind = mp_kind
+        self.splitter = split
+        split.bind(self)
         self.dp, self.mp, self.dp_algorithm = dp, mp, dp_algorithm
-        self._allreduce = get_allreduce(dp_algorithm)
-        self._bucket_cap_mb, self._overlap = float(bucket_cap_mb), overlap
+        self._overlap = overlap
+        self.grad_sync = GradientSync(
+            get_allreduce(dp_algorithm), bucket_cap_mb, overlap, rebuild_for_late=False,
+            skip_one_rank=False,
+        )  # fmt: skip
         self.groups: GridGroups | None = None
         self._groups_world: object = None
         self.mp_comm: Communicator | None = None
         self.dp_comm: Communicator | None = None
-        self.buckets: GradientBuckets | None = None
 
     # ---- the grid ---------------------------------------------------------------------------
     @property
@@ -134,18 +174,27 @@ class HybridStrategy(ParStrategy):
         return self.grid.dp_rank(self.global_rank)
 
     @property
-    def num_stages(self) -> int:  # the pipeline kinds' stages: one row
+    def num_stages(self) -> int:
+        """Pieces of one replica: one row of the grid."""
         return self.grid.mp
 
     @property
-    def stage_comm(self) -> Communicator | None:
+    @override
+    def split_comm(self) -> Communicator | None:
         return self.mp_comm
 
     @property
+    @override
+    def split_size(self) -> int:
+        return self.grid.mp
+
+    @property
+    @override
     def distributed_sampler_kwargs(self) -> dict[str, Any]:
         grid = self.grid
         return {"num_replicas": grid.dp, "rank": grid.dp_rank(self.global_rank)}
 
+    @override
     def check_before_launch(self, trainer: pl.Trainer | None = None) -> None:
         self.grid  # noqa: B018  (a bad grid raises here, before any process starts)
         super().check_before_launch(trainer)
@@ -153,96 +202,68 @@ class HybridStrategy(ParStrategy):
     def _connect(self) -> None:
         """This rank's groups (made once per process group) and their communicators."""
         if self.groups is None or self._groups_world is not dist.group.WORLD:
-            self.groups = create_groups(self.grid, self.global_rank, self._timeout)
+            self.groups = create_groups(self.grid, self.global_rank, self.timeout)
             self._groups_world = dist.group.WORLD
             rank_zero_info(f"hybrid: {self.grid.describe()}, model parallel by {self.mp_kind}")
         self.mp_comm = Communicator(self.groups.mp_group, trace=self.trace)
         self.dp_comm = Communicator(self.groups.dp_group, trace=self.trace)
 
     # ---- setting up ---------------------------------------------------------------------------
+    @override
     def prepare_model(self, trainer: pl.Trainer) -> None:
         self._connect()
-        super().prepare_model(trainer)  # the mp strategy splits the network on its row
+        super().prepare_model(trainer)  # the splitter cuts the network on its row
 
+    @override
     def sync_model_states(self) -> None:
         """Replica 0's weights (rank 0's, spread along its row by the split) down each column."""
-        super().sync_model_states()
         assert self.model is not None and self.dp_comm is not None
         with torch.no_grad():
             for tensor in [*self.model.parameters(), *self.model.buffers()]:
                 tree_broadcast(tensor.data, comm=self.dp_comm, root=0)
 
+    @override
     def configure_sync(self) -> None:
-        super().configure_sync()
         assert self.model is not None and self.dp_comm is not None
-        self.buckets = allreduce_buckets(
-            self.model, self._allreduce, self.dp_comm, bucket_cap_mb=self._bucket_cap_mb,
-            overlap=self._overlap, trace=self.trace,
-        )  # fmt: skip
-        runtime = self._micro_batched_runtime()
+        self.grad_sync.attach(self.model, self.dp_comm, self.trace)
+        runtime = self.splitter.micro_batched_runtime()
         if runtime is not None:
             runtime.before_last_backward = self._release_buckets
 
-    def _micro_batched_runtime(self) -> PipelineStage | None:
-        """The pipeline stage whose micro-batches leave gradients partial until the last one
-        (``None``: gradients are complete as soon as autograd writes them)."""
-        return None
-
-    def _early_buckets_exact(self) -> bool:
-        """Whether a bucket started during the last micro-batch's backward holds the whole
-        gradient (1F1B hands its gradients over only after backward)."""
-        return True
+    @override
+    def gradient_buckets(self) -> GradientBuckets | None:
+        return self.grad_sync.buckets
 
     # ---- a step ---------------------------------------------------------------------------
+    @override
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
-        if self.buckets is not None and self._micro_batched_runtime() is not None:
+        buckets = self.grad_sync.buckets
+        if buckets is not None and self.splitter.micro_batched_runtime() is not None:
             # GradientBuckets reads `overlap` at every gradient hook: none may start a bucket
             # before the step's last micro-batch (see _release_buckets)
-            self.buckets.overlap = False
+            buckets.overlap = False
         return super().training_step(*args, **kwargs)
 
     def _release_buckets(self) -> None:
-        if self.buckets is not None and self._early_buckets_exact():
-            self.buckets.overlap = self._overlap
+        buckets = self.grad_sync.buckets
+        if buckets is not None and self.splitter.early_buckets_exact():
+            buckets.overlap = self._overlap
 
-    @contextmanager
-    def block_backward_sync(self) -> Generator[None, None, None]:
-        """Gradient accumulation: no data-parallel communication on accumulating steps."""
-        if self.buckets is None:
-            yield
-            return
-        with self.buckets.no_sync():
-            yield
-
+    @override
     def backward(self, closure_loss: torch.Tensor, optimizer: Any, *args: Any, **kwargs: Any):
-        start = self.trace.now() if self.trace is not None else 0.0
+        self.grad_sync.backward_started()
         closure_loss = super().backward(closure_loss, optimizer, *args, **kwargs)
-        self._average_gradients(start)  # after the model-parallel backward has finished
+        self.grad_sync.finish(self.global_rank)  # after the model-parallel backward
         return closure_loss
 
-    def _average_gradients(self, start: float) -> None:
-        if self.buckets is None or not self.buckets.enabled:
-            return
-        if self.trace is None:
-            self.buckets.synchronize()
-        else:
-            self.trace.events.append(Event(self.global_rank, "backward", start, self.trace.now()))
-            with self.trace.span("wait for buckets"):
-                self.buckets.synchronize()
-        self._average_late_parameters()
-
-    def _average_late_parameters(self) -> None:
-        """Parameters trainable only since setup have gradients but no bucket: average them
-        over the replicas (as ``ring_allreduce`` does)."""
-        assert self.model is not None and self.buckets is not None and self.dp_comm is not None
-        average_unbucketed(self.buckets.unbucketed(self.model), self._allreduce, self.dp_comm)
-
     # ---- checkpoints: replica 0 gathers the full model ------------------------------------------
+    @override
     def lightning_module_state_dict(self) -> dict[str, Any]:
         if self.groups is not None and self.dp_rank != 0:
             return self.lightning_module.state_dict()  # another replica's copy: not gathered
         return super().lightning_module_state_dict()
 
+    @override
     def optimizer_state(self, optimizer: Any) -> dict[str, Any]:
         if self.groups is not None and self.dp_rank != 0:
             return {}
@@ -254,8 +275,6 @@ class HybridStrategy(ParStrategy):
     ) -> list[int]:
         """Bytes per rank and step (:mod:`lightning_par.compare`'s hook), for the pipelined
         kinds (:func:`lightning_par.hybrid.cost.hybrid_bytes_per_step`)."""
-        from lightning_par.hybrid.cost import hybrid_bytes_per_step
-
         kind = options.get("mp_kind", DEFAULT_KIND)
         if kind not in ("gpipe", "layerwise") or options.get("time_chunk") is not None:
             raise ValueError(f"hybrid: no byte model for mp_kind={kind!r} with these options")
@@ -266,64 +285,7 @@ class HybridStrategy(ParStrategy):
             bucket_cap_mb=options.get("bucket_cap_mb", 4.0),
         )  # fmt: skip
 
+    @override
     def teardown(self) -> None:
-        if self.buckets is not None:
-            self.buckets.close()
-            self.buckets = None
+        self.grad_sync.close()
         super().teardown()
-
-
-class HybridGPipeStrategy(HybridStrategy, GPipeStrategy):
-    """:class:`HybridStrategy` whose replicas are GPipe pipelines (``mp_kind="gpipe"``)."""
-
-    mp_kind = "gpipe"
-
-    def _micro_batched_runtime(self) -> PipelineStage | None:
-        return self.pipelined.runtime
-
-    def _early_buckets_exact(self) -> bool:
-        return self.schedule == "gpipe"
-
-
-class HybridLayerwiseStrategy(HybridStrategy, LayerwiseStrategy):
-    """:class:`HybridStrategy` whose replicas are layer-wise splits (``mp_kind="layerwise"``)."""
-
-    mp_kind = "layerwise"
-
-    def _micro_batched_runtime(self) -> PipelineStage | None:
-        return self.pipelined.runtime
-
-
-class HybridTensorParallelStrategy(HybridStrategy, TensorParallelStrategy):
-    """:class:`HybridStrategy` whose replicas are Megatron-style tensor-parallel models
-    (``mp_kind="tensor_parallel"``): each layer cut over the ranks of a row, whose ``f``/``g``
-    allreduces run inside the row; gradients complete as soon as autograd writes them, so
-    buckets start all through backward."""
-
-    mp_kind = "tensor_parallel"
-
-    @property
-    def tp_size(self) -> int:
-        return self.grid.mp
-
-    @property
-    def tp_comm(self) -> Communicator | None:
-        return self.mp_comm
-
-
-_KINDS: dict[str, type[HybridStrategy]] = {
-    "gpipe": HybridGPipeStrategy,
-    "layerwise": HybridLayerwiseStrategy,
-    "tensor_parallel": HybridTensorParallelStrategy,
-}
-
-
-def mp_kinds() -> list[str]:
-    """The model-parallel kinds a hybrid grid can run in its rows."""
-    return list(_KINDS)
-
-
-def _strategy_class(kind: object) -> type[HybridStrategy]:
-    if kind not in _KINDS:
-        raise ValueError(f"hybrid: mp_kind={kind!r}: choose one of {mp_kinds()}")
-    return _KINDS[kind]  # type: ignore[index]

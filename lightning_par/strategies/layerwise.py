@@ -15,7 +15,11 @@ gradients and optimiser state.
 
 Module contract, balance options, checkpoints (the full model on rank 0, loadable without
 this strategy), validation/test/predict and traces are those of
-:class:`~lightning_par.strategies.gpipe.GPipeStrategy`, which this class specialises.
+:class:`~lightning_par.strategies.gpipe.GPipeStrategy`: both are
+:class:`~lightning_par.strategies._base.ParStrategy` with a
+:class:`~lightning_par.components.pipeline_split.PipelineSplit` as splitter (here with one
+micro-batch, no re-materialisation, and the wavefront option ``time_chunk``); this class adds
+the memory report.
 """
 
 from __future__ import annotations
@@ -26,20 +30,15 @@ from typing import Any
 import lightning.pytorch as pl
 import torch
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
-from torch import nn
+from typing_extensions import override
 
+from lightning_par.components.pipeline_split import PipelineSplit
 from lightning_par.modelparallel.memory import stage_memory
-from lightning_par.modelparallel.wavefront import (
-    WavefrontSequential,
-    recurrent_parts,
-    wavefront_balance,
-)
-from lightning_par.pipeline.partition import split_sequential
-from lightning_par.pipeline.state import gather_objects, send_weights_from_first
-from lightning_par.strategies.gpipe import GPipeStrategy
+from lightning_par.pipeline.state import gather_objects
+from lightning_par.strategies._base import ParStrategy
 
 
-class LayerwiseStrategy(GPipeStrategy):
+class LayerwiseStrategy(ParStrategy):
     """Consecutive layers on different devices; the stacked-RNN wavefront with ``time_chunk``.
 
     Args:
@@ -64,41 +63,26 @@ class LayerwiseStrategy(GPipeStrategy):
         module_attr: str = "net",
         **kwargs: Any,
     ) -> None:
-        if time_chunk is not None and (not isinstance(time_chunk, int) or time_chunk < 1):
-            raise ValueError(f"time_chunk must be an int >= 1 or None, got {time_chunk!r}")
-        super().__init__(balance=balance, chunks=1, checkpoint="never", schedule="gpipe",
-                         module_attr=module_attr, balance_by=balance_by, **kwargs)  # fmt: skip
-        self.time_chunk = time_chunk
+        split = PipelineSplit(
+            balance, chunks=1, checkpoint="never", schedule="gpipe", module_attr=module_attr,
+            balance_by=balance_by, time_chunk=time_chunk,
+        )  # fmt: skip
+        super().__init__(**kwargs)
+        self.splitter = split
+        split.bind(self)
         self.memory: list[dict[str, int]] | None = None  # per stage, on rank 0
 
     @property
-    def pipelined(self) -> nn.Module:
-        return getattr(self.lightning_module, self.module_attr)
+    def time_chunk(self) -> int | None:
+        return self.splitter.time_chunk
 
-    def check_before_launch(self, trainer: pl.Trainer | None = None) -> None:
-        net = getattr(self.lightning_module, self.module_attr, None)
-        if isinstance(net, WavefrontSequential):
-            return
-        super().check_before_launch(trainer)
-        if self.time_chunk is not None and isinstance(net, nn.Sequential):
-            recurrent_parts(net, self.balance or wavefront_balance(net, self.num_stages))
-
-    def _split_network(self) -> None:
-        net = getattr(self.lightning_module, self.module_attr, None)
-        if self.time_chunk is None:
-            super()._split_network()
-        elif not isinstance(net, WavefrontSequential):
-            self.check_before_launch(self.lightning_module.trainer)
-            balance = self.balance or wavefront_balance(net, self.num_stages)
-            stages = split_sequential(net, balance)
-            piped = WavefrontSequential(net, balance, self.stage_comm, self.time_chunk)
-            piped.to(self.root_device)
-            first = [s.state_dict() for s in stages] if self.stage_comm.rank == 0 else None
-            send_weights_from_first(self.stage_comm, first, piped.state_dict(), self.root_device)
-            setattr(self.lightning_module, self.module_attr, piped)
-        self.pipelined.runtime.measure_memory()
+    @override
+    def prepare_model(self, trainer: pl.Trainer) -> None:
+        super().prepare_model(trainer)
+        self.splitter.pipelined.runtime.measure_memory()
 
     # ---- memory per stage ----------------------------------------------------------------
+    @override
     def optimizer_step(self, optimizer, closure, model=None, **kwargs: Any) -> Any:
         out = super().optimizer_step(optimizer, closure, model, **kwargs)
         if self.memory is None:  # once, after the first step: gradients and state exist
@@ -110,11 +94,11 @@ class LayerwiseStrategy(GPipeStrategy):
         ``activation_bytes`` (saved for backward in the last step), gathered on rank 0 (logged,
         and saved as ``memory.json`` in ``trace_dir``); ``None`` on other ranks. Every rank
         must call it."""
-        piped = self.pipelined
+        piped = self.splitter.pipelined
         saved = piped.runtime.saved
         mine = stage_memory(piped, optimizer, saved.nbytes if saved is not None else None)
-        mine["stage"] = self.stage_comm.rank
-        stages = gather_objects(self.stage_comm, mine, self.root_device)
+        mine["stage"] = self.split_comm.rank
+        stages = gather_objects(self.split_comm, mine, self.root_device)
         if stages is None:
             self.memory = []
             return None

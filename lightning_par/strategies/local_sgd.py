@@ -40,6 +40,7 @@ from typing import Any
 import lightning.pytorch as pl
 import torch
 from torch.optim import Optimizer
+from typing_extensions import override
 
 from lightning_par import _compat
 from lightning_par.collectives import ALGORITHMS, get_allreduce
@@ -125,17 +126,21 @@ class LocalSGDStrategy(ParStrategy):
         self.averagings += 1
 
     # ---- no gradient synchronisation ------------------------------------------------------------
+    @override
     def pre_backward(self, closure_loss: torch.Tensor) -> None:
         pass
 
+    @override
     def post_backward(self, closure_loss: torch.Tensor) -> None:
         pass  # local gradients, local step: that is the point
 
     @contextmanager
+    @override
     def block_backward_sync(self) -> Generator[None, None, None]:
         yield  # nothing to block: backward never communicates
 
     # ---- averaging after optimiser steps --------------------------------------------------------
+    @override
     def optimizer_step(
         self,
         optimizer: Optimizer,
@@ -161,6 +166,7 @@ class LocalSGDStrategy(ParStrategy):
         # Lightning also uses it to step on the final batch under gradient accumulation.
         return _compat.num_ready_batches_reached(trainer)
 
+    @override
     def on_train_end(self) -> None:
         # Every rank made the same number of steps, so all agree whether one is pending.
         if self.steps_since_average > 0:

@@ -9,7 +9,7 @@ this file plugs it into Lightning:
 * ``setup_distributed``: each node's local rank 0 starts its share of the servers
   (:mod:`lightning_par.paramserver.process`), then all ``W + S`` ranks join one gloo
   process group; Lightning's ``barrier``/``broadcast``/``reduce``/``all_gather`` use a
-  group of the workers only (:mod:`~lightning_par.strategies._worker_group`). Under
+  group of the workers only (:mod:`~lightning_par.components.worker_group`). Under
   popen, torchrun or SLURM nothing changes: launch ``W`` workers as usual. ``teardown``
   ends the servers and the group, so ``fit`` then ``test`` starts fresh ones.
 * ``setup``: a :class:`~lightning_par.paramserver.ParameterClient` over the model and the
@@ -30,8 +30,7 @@ that are not element-wise.
 
 from __future__ import annotations
 
-from collections.abc import Generator, Mapping
-from contextlib import contextmanager
+from collections.abc import Mapping
 from typing import Any
 
 import lightning.pytorch as pl
@@ -39,14 +38,15 @@ import torch
 import torch.distributed as dist
 from lightning.fabric.utilities.seed import reset_seed
 from lightning.pytorch.trainer.states import TrainerFn, TrainerStatus
+from typing_extensions import override
 
 from lightning_par import _compat
 from lightning_par.comm import Event, liveness
+from lightning_par.components.worker_group import WorkerGroup, check_positive
 from lightning_par.paramserver import process as servers
 from lightning_par.paramserver.clipping import GradClip
 from lightning_par.paramserver.faults import explain
-from lightning_par.paramserver.messages import send_object
-from lightning_par.paramserver.protocol import server_rank
+from lightning_par.paramserver.messages import close_untrained
 from lightning_par.paramserver.worker import ParameterClient
 from lightning_par.strategies._base import ParStrategy
 from lightning_par.strategies._late_params import (
@@ -55,10 +55,9 @@ from lightning_par.strategies._late_params import (
 )
 from lightning_par.strategies._launchers import log_startup
 from lightning_par.strategies._ps_features import check_features, trainer_clip
-from lightning_par.strategies._worker_group import WorkerGroupMixin, check_positive
 
 
-class ParameterServerStrategy(WorkerGroupMixin, ParStrategy):
+class ParameterServerStrategy(ParStrategy):
     """Data parallelism through ``num_servers`` sharded, synchronous parameter servers.
 
     Args:
@@ -101,7 +100,8 @@ class ParameterServerStrategy(WorkerGroupMixin, ParStrategy):
         super().__init__(process_group_backend="gloo", **kwargs)
         self.num_servers, self.bucket_cap_mb, self.split_mb = num_servers, bucket_cap_mb, split_mb
         self.client: ParameterClient | None = None
-        self.worker_group: Any = None
+        #: Lightning's collectives among the workers only (the servers are in no loop)
+        self.workers = WorkerGroup()
         self._servers: list = []
         self._server_watch: Any = None
         #: the servers this process started (each node's local rank 0 starts its share)
@@ -110,10 +110,12 @@ class ParameterServerStrategy(WorkerGroupMixin, ParStrategy):
         self._backward_start = 0.0
 
     # ---- refusing what we cannot do exactly ---------------------------------------------------
+    @override
     def check_before_launch(self, trainer: pl.Trainer | None) -> None:
         check_features(self.strategy_name, self.lightning_module, trainer, self._layer_sync)
 
     # ---- processes -----------------------------------------------------------------------------
+    @override
     def setup_distributed(self) -> None:
         reset_seed()
         self.set_world_ranks()
@@ -129,7 +131,7 @@ class ParameterServerStrategy(WorkerGroupMixin, ParStrategy):
             mine = servers.servers_of_node(self.num_servers, self.num_nodes, self.node_rank)
             self.started_servers = mine
             self._servers = servers.start_servers(
-                mine, workers, self.num_servers, address, self._timeout,
+                mine, workers, self.num_servers, address, self.timeout,
                 **self._server_options(),
             )  # fmt: skip
         dist.init_process_group(
@@ -137,17 +139,17 @@ class ParameterServerStrategy(WorkerGroupMixin, ParStrategy):
             store=store,
             rank=self.global_rank,
             world_size=workers + self.num_servers,
-            timeout=self._timeout,
+            timeout=self.timeout,
         )
         self._server_watch = (
             servers.watch_servers(self._servers, workers) if self._servers else None
         )
         liveness.watch_group(
-            store, self.global_rank, self.watched_ranks(), self._timeout.total_seconds(),
+            store, self.global_rank, self.watched_ranks(), self.timeout.total_seconds(),
             self.rank_name,
         )  # fmt: skip
-        self.worker_group = dist.new_group(list(range(workers)))
-        self.prepare_data_among_workers()
+        self.workers.create(workers)
+        self.workers.prepare_data(self.lightning_module)
         log_startup(
             f"{self.strategy_name} ({self.num_servers} server(s))",
             workers,
@@ -156,6 +158,7 @@ class ParameterServerStrategy(WorkerGroupMixin, ParStrategy):
         )
 
     # ---- setting up the client -----------------------------------------------------------------
+    @override
     def setup(self, trainer: pl.Trainer) -> None:
         self.check_before_launch(trainer)  # also under torchrun, where no launcher calls it
         super().setup(trainer)
@@ -163,7 +166,9 @@ class ParameterServerStrategy(WorkerGroupMixin, ParStrategy):
             return
         # Lightning broadcasts a SIGTERM flag on the default group every step; servers are in
         # that group but not in the loop, so the flag travels among the workers only.
-        _compat.replace_sigterm_broadcast(trainer, self.broadcast_sigterm)
+        _compat.replace_sigterm_broadcast(
+            trainer, lambda: self.workers.broadcast_sigterm(trainer, self.global_rank)
+        )
         if len(self.optimizers) != 1:
             raise ValueError(
                 f"{self.strategy_name} runs one optimiser; configure_optimizers "
@@ -184,22 +189,48 @@ class ParameterServerStrategy(WorkerGroupMixin, ParStrategy):
             **self._client_options(trainer_clip(trainer)),
         )
 
-    # ---- the step ------------------------------------------------------------------------------
-    @contextmanager
-    def block_backward_sync(self) -> Generator[None, None, None]:
-        """Gradient accumulation: no push on the accumulating micro-steps."""
-        if self.client is None:
-            yield
-            return
-        with self.client.buckets.no_sync():
-            yield
+    # ---- Lightning's collectives: among the workers -------------------------------------------
+    @property
+    def worker_group(self) -> Any:
+        """The workers' process group (ranks ``0 .. W-1``; the servers are not in it)."""
+        return self.workers.group
 
+    @override
+    def barrier(self, *args: Any, **kwargs: Any) -> None:
+        self.workers.barrier()
+
+    @override
+    def broadcast(self, obj: Any, src: int = 0) -> Any:
+        return self.workers.broadcast(obj, src)
+
+    @override
+    def reduce(self, tensor: Any, group: Any | None = None, reduce_op: Any | None = "mean") -> Any:
+        return super().reduce(tensor, group=group or self.workers.group, reduce_op=reduce_op)
+
+    @override
+    def all_gather(self, tensor: torch.Tensor, group: Any | None = None, sync_grads: bool = False):
+        group = group or self.workers.group
+        return super().all_gather(tensor, group=group, sync_grads=sync_grads)
+
+    @override
+    def sync_model_states(self) -> None:
+        assert self.model is not None
+        self.workers.sync_model_states(self.model)
+
+    # ---- the step ------------------------------------------------------------------------------
+    @override
+    def gradient_buckets(self) -> Any:
+        """Gradient accumulation: no push on the accumulating micro-steps."""
+        return self.client.buckets if self.client is not None else None
+
+    @override
     def pre_backward(self, closure_loss: torch.Tensor) -> None:
         if self.client is not None:
             self.client.settle()  # any layer the forward did not wait for (unused, reused)
         if self.trace is not None:
             self._backward_start = self.trace.now()
 
+    @override
     def post_backward(self, closure_loss: torch.Tensor) -> None:
         if self.client is None or not self.client.buckets.enabled:
             return
@@ -212,6 +243,7 @@ class ParameterServerStrategy(WorkerGroupMixin, ParStrategy):
         with self.trace.span("wait for pushes"):
             self.client.finish_backward()
 
+    @override
     def optimizer_step(self, optimizer: Any, closure: Any, model: Any = None, **kwargs: Any):
         """Forward, backward (which pushed the gradients) and the pre-step hooks; the servers
         step the optimiser, so the worker's ``optimizer.step`` is not called."""
@@ -228,6 +260,7 @@ class ParameterServerStrategy(WorkerGroupMixin, ParStrategy):
         _compat.mark_optimizer_stepped(optimizer)  # it did, on the servers: no scheduler warning
         return result
 
+    @override
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
         if self.client is not None:  # before this step pushes or pulls anything
             refuse_late_parameters(self.lightning_module, self.client.params, self.strategy_name)
@@ -238,32 +271,39 @@ class ParameterServerStrategy(WorkerGroupMixin, ParStrategy):
             self.client.settle()
         return getattr(super(), hook)(*args, **kwargs)
 
+    @override
     def validation_step(self, *args: Any, **kwargs: Any) -> Any:
         return self._settled("validation_step", *args, **kwargs)
 
+    @override
     def test_step(self, *args: Any, **kwargs: Any) -> Any:
         return self._settled("test_step", *args, **kwargs)
 
+    @override
     def predict_step(self, *args: Any, **kwargs: Any) -> Any:
         return self._settled("predict_step", *args, **kwargs)
 
     # ---- checkpoints ---------------------------------------------------------------------------
+    @override
     def lightning_module_state_dict(self) -> dict[str, Any]:
         if self.client is not None:
             self.client.settle()
         return super().lightning_module_state_dict()
 
+    @override
     def optimizer_state(self, optimizer: Any) -> dict[str, Any]:
         if self.client is None:
             return super().optimizer_state(optimizer)
         return self.client.gather_state()  # complete on worker 0, which writes the file
 
+    @override
     def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
         if self.client is None:
             return super().load_optimizer_state_dict(checkpoint)
         self.client.load_state(checkpoint["optimizer_states"][0])
 
     # ---- the end -------------------------------------------------------------------------------
+    @override
     def on_exception(self, exception: BaseException) -> None:
         self._failed = True  # no goodbye protocol: peers may be mid-step or gone
         self.describe_failure(exception)
@@ -273,16 +313,20 @@ class ParameterServerStrategy(WorkerGroupMixin, ParStrategy):
         if exception.args and isinstance(exception.args[0], str):  # a server may know who
             exception.args = (explain(exception.args[0]), *exception.args[1:])
 
+    @override
     def watched_ranks(self) -> list[int]:
         return list(range(self.world_size + self.num_servers))
 
+    @override
     def rank_name(self, rank: int) -> str:
         return servers.role_name(self.world_size, rank)
 
+    @override
     def describe_failure(self, error: BaseException) -> None:
         if dist.is_initialized():
             servers.name_dead_server(error, self.global_rank)
 
+    @override
     def teardown(self) -> None:
         trainer = _compat.attached_trainer(self.lightning_module)  # None once detached
         interrupted = trainer is not None and trainer.state.status == TrainerStatus.INTERRUPTED
@@ -292,8 +336,7 @@ class ParameterServerStrategy(WorkerGroupMixin, ParStrategy):
                 self.client.close()
             self.client = None
         elif clean and self.global_rank == 0 and self.comm is not None:
-            for s in range(self.num_servers):  # nothing was trained: tell the servers
-                send_object(self.comm, None, server_rank(self.world_size, s))
+            close_untrained(self.comm, self.world_size, self.num_servers)
         if self._server_watch is not None:
             self._server_watch.set()  # the servers end now: no longer news
         if self._servers:

@@ -1,0 +1,271 @@
+"""The pipeline splitter: consecutive layers of an ``nn.Sequential`` on consecutive ranks.
+
+:class:`PipelineSplit` cuts ``module.<module_attr>`` into one stage per rank of its
+communicator and runs the stages (the algorithms are in :mod:`lightning_par.pipeline` and
+:mod:`lightning_par.modelparallel`):
+
+* GPipe (Huang et al., 2019) or 1F1B (Narayanan et al., PipeDream, 2019) over ``chunks``
+  micro-batches, with re-materialisation (``checkpoint``);
+* ``chunks=1, checkpoint="never"``: the naive layer-wise split (slides 003);
+* ``time_chunk=t``: the stacked-RNN wavefront of :mod:`lightning_par.modelparallel.wavefront`
+  (the sequence streams through the recurrent stages ``t`` time steps at a time).
+
+Used by ``gpipe``, ``layerwise`` and the rows of ``hybrid``. Checkpoints hold the full
+model on rank 0 and the whole model's optimiser state in one process's format
+(:mod:`lightning_par.pipeline.optim_state`); clipping, ``16-mixed`` and the same-batch
+check: :mod:`lightning_par.components.pipeline_features`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+import torch.distributed as dist
+from lightning.pytorch.trainer.states import TrainerFn
+from lightning.pytorch.utilities.rank_zero import rank_zero_warn
+from torch import nn
+
+from lightning_par import _compat
+from lightning_par.components import pipeline_checks as checks
+from lightning_par.components import pipeline_features as features
+from lightning_par.components.splitter import ModelSplitter
+from lightning_par.modelparallel.wavefront import (
+    WavefrontSequential,
+    recurrent_parts,
+    wavefront_balance,
+)
+from lightning_par.pipeline.batchnorm import commit_batch_norm, defer_batch_norm
+from lightning_par.pipeline.optim_state import merge_stage_states, model_order, stage_state
+from lightning_par.pipeline.partition import split_sequential
+from lightning_par.pipeline.sequential import PipelinedSequential
+from lightning_par.pipeline.state import (
+    gather_full_state_dict,
+    gather_objects,
+    send_weights_from_first,
+    stage_optimizer_state,
+)
+
+
+def check_time_chunk(time_chunk: Any) -> int | None:
+    """``time_chunk`` if it is an int >= 1 or None; otherwise a clear error."""
+    if time_chunk is not None and (not isinstance(time_chunk, int) or time_chunk < 1):
+        raise ValueError(f"time_chunk must be an int >= 1 or None, got {time_chunk!r}")
+    return time_chunk
+
+
+class PipelineSplit(ModelSplitter):
+    """One stage of ``module.<module_attr>`` per rank (see the module docstring).
+
+    Args: as :class:`~lightning_par.strategies.gpipe.GPipeStrategy`'s, plus ``time_chunk``
+    (the wavefront, :class:`~lightning_par.strategies.layerwise.LayerwiseStrategy`).
+    """
+
+    def __init__(
+        self,
+        balance: list[int] | None = None,
+        chunks: int = 4,
+        checkpoint: str = "except_last",
+        schedule: str = "gpipe",
+        module_attr: str = "net",
+        loss_attr: str = "criterion",
+        balance_by: str = "params",
+        deferred_batch_norm: bool = False,
+        time_chunk: int | None = None,
+    ) -> None:
+        super().__init__()
+        checks.check_settings(balance, chunks, checkpoint, schedule, balance_by)
+        if not isinstance(deferred_batch_norm, bool):
+            raise TypeError(f"deferred_batch_norm must be True or False: {deferred_batch_norm!r}")
+        self.time_chunk = check_time_chunk(time_chunk)
+        self.deferred_batch_norm = deferred_batch_norm
+        self.balance, self.chunks, self.checkpoint = balance, chunks, checkpoint
+        self.schedule, self.module_attr, self.loss_attr = schedule, module_attr, loss_attr
+        self.balance_by = balance_by
+        self.batch_checked = False
+
+    @property
+    def name(self) -> str:  # type: ignore[override]
+        return self.strategy.strategy_name if self.strategy is not None else "gpipe"
+
+    @property
+    def pipelined(self) -> nn.Module:
+        """The split network (a :class:`PipelinedSequential` or :class:`WavefrontSequential`)."""
+        net = getattr(self.module, self.module_attr, None)
+        assert isinstance(net, (PipelinedSequential, WavefrontSequential)), "not split yet"
+        return net
+
+    # ---- before launch ----------------------------------------------------------------------
+    def check_before_launch(self, trainer: pl.Trainer | None) -> None:
+        """Reject a network, balance or loss this split cannot run, before any process
+        starts (the launcher calls this in the main process)."""
+        net = getattr(self.module, self.module_attr, None)
+        if isinstance(net, WavefrontSequential):
+            return
+        if _compat.layer_sync(self.strategy) is not None:
+            raise ValueError(
+                f"{self.name} refuses sync_batchnorm=True: it synchronises BatchNorm "
+                "over data-parallel replicas, but every stage holds different layers and sees "
+                "the same batch; remove sync_batchnorm"
+            )
+        if isinstance(net, nn.Module) and not isinstance(net, PipelinedSequential):
+            features.warn_batchnorm(net, self.chunks, self.name, self.deferred_batch_norm)
+        checks.check_before_launch(
+            self.module, trainer, module_attr=self.module_attr,
+            stages=self.size, balance=self.balance,
+            balance_by=self.balance_by, schedule=self.schedule, loss_attr=self.loss_attr,
+            devices=self.strategy.parallel_devices or [],
+            backend=_compat.process_group_backend(self.strategy),
+        )  # fmt: skip
+        if self.time_chunk is not None and isinstance(net, nn.Sequential):
+            recurrent_parts(net, self.balance or wavefront_balance(net, self.size))
+
+    # ---- splitting --------------------------------------------------------------------------
+    def split(self, trainer: pl.Trainer) -> None:
+        checks.check_trainer(trainer, self.schedule, self.strategy.precision_plugin)
+        checks.check_backend(self.schedule, _compat.process_group_backend(self.strategy))
+        net = getattr(self.module, self.module_attr, None)
+        if isinstance(net, (PipelinedSequential, WavefrontSequential)):
+            return
+        self.check_before_launch(self.module.trainer)
+        device = self.strategy.root_device
+        if self.time_chunk is None:
+            balance = checks.resolve_balance(
+                self.module, net, stages=self.size, balance=self.balance,
+                balance_by=self.balance_by, rank=self.strategy.global_rank,
+                broadcast=self.strategy.broadcast,
+            )  # fmt: skip
+            if self.deferred_batch_norm:
+                defer_batch_norm(net)
+            stages = split_sequential(net, balance)
+            piped: nn.Module = PipelinedSequential(
+                net, balance, self.comm, chunks=self.chunks, checkpoint=self.checkpoint,
+                schedule=self.schedule,
+            )  # fmt: skip
+        else:
+            balance = self.balance or wavefront_balance(net, self.size)
+            stages = split_sequential(net, balance)
+            piped = WavefrontSequential(net, balance, self.comm, self.time_chunk)
+        piped.to(device)
+        first = [s.state_dict() for s in stages] if self.comm.rank == 0 else None
+        send_weights_from_first(self.comm, first, piped.state_dict(), device)
+        setattr(self.module, self.module_attr, piped)
+
+    def after_setup(self, trainer: pl.Trainer) -> None:
+        self.batch_checked = False
+        if trainer.state.fn == TrainerFn.FITTING:
+            precision = self.strategy.precision_plugin
+            _compat.replace_clip_grad_by_norm(precision, self._clip_by_whole_norm)
+            scaler = getattr(precision, "scaler", None)
+            if scaler is not None:
+                features.agree_on_overflow(scaler)
+
+    def explain_optimizer_error(self, error: ValueError) -> ValueError | None:
+        if "empty parameter list" not in str(error):
+            return None
+        return ValueError(
+            f"{self.name}: stage {self.strategy.global_rank} has no trainable parameters "
+            "(all frozen) and configure_optimizers left them out, so its optimiser is "
+            "empty: give the optimiser the frozen parameters too (self.parameters()), "
+            "to unfreeze them later, or choose a balance=[...] that gives every stage a "
+            "trainable layer"
+        )
+
+    def _clip_by_whole_norm(self, optimizer: Any, clip_val: float) -> None:
+        """Lightning's clipping by norm, by the norm of every stage's gradients together."""
+        stage_ids = {id(p) for p in self.pipelined.parameters()}
+        params = list(self.strategy.precision_plugin.main_params(optimizer))
+        features.clip_grad_norm_across_stages(
+            [p for p in params if id(p) in stage_ids], clip_val,
+            shared_params=[p for p in params if id(p) not in stage_ids],
+            count_shared=self.comm.rank == 0, group=self.comm.group,
+        )  # fmt: skip
+
+    # ---- steps ------------------------------------------------------------------------------
+    def before_training_step(self, batch: Any) -> None:
+        if not self.batch_checked and self.size > 1:
+            features.check_same_batch(
+                batch, self.comm.rank, self.size, self.name, group=self.comm.group
+            )
+            self.batch_checked = True
+        x = batch if isinstance(batch, torch.Tensor) else batch[0]
+        if x.shape[0] < self.chunks:
+            if self.module.trainer.global_step == 0:
+                raise ValueError(
+                    f"chunks={self.chunks} micro-batches but the batch has {x.shape[0]} samples: "
+                    f"use chunks <= batch size"
+                )
+            rank_zero_warn(f"a batch of {x.shape[0]} < chunks={self.chunks} samples runs as "
+                           f"{x.shape[0]} micro-batches")  # fmt: skip
+        if self.schedule == "1f1b":
+            if isinstance(batch, torch.Tensor) or len(batch) < 2:
+                raise TypeError("schedule='1f1b' needs batches of the form (input, target, ...)")
+            scale = 1.0 / self.module.trainer.accumulate_grad_batches
+            loss_fn = getattr(self.module, self.loss_attr)
+            with self.strategy.precision_plugin.train_step_context():
+                self.pipelined.train_1f1b(x, batch[1], loss_fn, scale)
+
+    @contextmanager
+    def running(self) -> Iterator[None]:
+        net = self.pipelined
+        net.active = True  # every stage runs forward now
+        try:
+            yield
+        finally:
+            net.active = False
+
+    def after_backward(self) -> None:
+        self.pipelined.backward()  # GPipe's backward half (1F1B already ran its backwards)
+        if self.deferred_batch_norm:
+            commit_batch_norm(self.pipelined)  # the mini-batch's running statistics, once
+
+    def micro_batched_runtime(self) -> Any:
+        return self.pipelined.runtime
+
+    def early_buckets_exact(self) -> bool:
+        return self.schedule == "gpipe"
+
+    # ---- checkpoints: the full model on rank 0 ----------------------------------------------
+    def full_state_dict(self, local: dict[str, Any]) -> dict[str, Any]:
+        """The full model's state dict on rank 0 (every stage's layers, original names)."""
+        return gather_full_state_dict(
+            self.comm, local, f"{self.module_attr}.", self.strategy.root_device
+        )
+
+    def _stage_names(self, optimizer: Any) -> tuple[list[str], list[list[str]]]:
+        """This stage's parameter names, in module order and per optimiser group."""
+        named = list(self.module.named_parameters())
+        by_id = {id(p): n for n, p in named}
+        groups = [[by_id[id(p)] for p in g["params"]] for g in optimizer.param_groups]
+        return [n for n, _ in named], groups
+
+    def full_optimizer_state(self, local: dict[str, Any], optimizer: Any) -> dict[str, Any]:
+        """On rank 0, the optimiser state of the whole model in the format of the user's
+        optimiser in one process (so it resumes under any strategy); ``{}`` elsewhere."""
+        names, groups = self._stage_names(getattr(optimizer, "_optimizer", optimizer))
+        device = self.strategy.root_device
+        stages = gather_objects(self.comm, (local, names, groups), device)
+        if stages is None:
+            return {}
+        order = model_order([s[1] for s in stages], f"{self.module_attr}.")
+        return merge_stage_states([s[0] for s in stages], [s[2] for s in stages], order)
+
+    def load_optimizer_states(self, optimizers: list[Any], states: list[Any]) -> bool:
+        """Each stage takes its part of a whole-model optimiser state (written by any
+        strategy or one process; every rank must call this)."""
+        for optimizer, state in zip(optimizers, states):
+            if "pipeline_stages" in state:  # the per-stage format of earlier versions
+                optimizer.load_state_dict(stage_optimizer_state(state, self.comm.rank))
+                continue
+            mine = self._stage_names(optimizer)
+            everyone: list[Any] = [mine]
+            if dist.is_initialized() and self.size > 1:
+                everyone = [None] * self.size
+                dist.all_gather_object(everyone, mine, group=self.comm.group)
+            order = model_order([e[0] for e in everyone], f"{self.module_attr}.")
+            part = stage_state(state, self.comm.rank, [e[1] for e in everyone], order)
+            optimizer.load_state_dict(part)
+        return True

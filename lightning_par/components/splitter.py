@@ -1,0 +1,117 @@
+"""The model-splitting component: what every strategy that cuts one model over several ranks
+does at Lightning's hooks, with nothing to do by default.
+
+A :class:`ModelSplitter` has one job: cut the LightningModule's network over the ranks of
+one communicator (the strategy's :attr:`~lightning_par.strategies._base.ParStrategy.split_comm`:
+every rank, or one model-parallel row of the hybrid grid) and run the pieces. The strategy
+holds one in :attr:`~lightning_par.strategies._base.ParStrategy.splitter` and calls it from
+its hooks (``prepare_model``, ``training_step``, ``backward``, checkpoints, ...), the way
+Lightning's own strategies hold a precision plugin and a checkpoint I/O object
+(composition rather than inheritance: Gamma et al., *Design Patterns*, 1994, "favour object
+composition over class inheritance").
+
+The implementations: :class:`~lightning_par.components.pipeline_split.PipelineSplit`
+(GPipe/1F1B stages, the naive layer-wise split and the recurrent wavefront) and
+:class:`~lightning_par.components.tensor_split.TensorParallelSplit` (Megatron shards).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
+from typing import Any
+
+import lightning.pytorch as pl
+
+from lightning_par.comm import Communicator
+
+
+class ModelSplitter:
+    """Base of the model splitters: every method is a no-op or returns its input unchanged.
+
+    :meth:`bind` gives the splitter its strategy, whose devices, precision plugin, rank and
+    communicator (``split_comm``) it reads.
+    """
+
+    #: The name used in messages (the strategy's registered name once bound).
+    name = "split"
+
+    def __init__(self) -> None:
+        self.strategy: Any = None
+
+    def bind(self, strategy: Any) -> None:
+        """Attach to ``strategy`` (a :class:`~lightning_par.strategies._base.ParStrategy`)."""
+        self.strategy = strategy
+
+    # ---- where the pieces live --------------------------------------------------------------
+    @property
+    def comm(self) -> Communicator:
+        """The ranks that share one model (stage or shard index = rank in it)."""
+        comm = self.strategy.split_comm
+        assert comm is not None, "the strategy has not been set up yet"
+        return comm
+
+    @property
+    def size(self) -> int:
+        """How many pieces the model is cut into."""
+        return self.strategy.split_size
+
+    @property
+    def module(self) -> pl.LightningModule:
+        return self.strategy.lightning_module
+
+    # ---- before launch and at setup ---------------------------------------------------------
+    def check_before_launch(self, trainer: pl.Trainer | None) -> None:
+        """Reject what this split cannot run exactly, before any rank starts."""
+
+    def split(self, trainer: pl.Trainer) -> None:
+        """Cut the network (``prepare_model``: before it moves to its device)."""
+
+    def after_setup(self, trainer: pl.Trainer) -> None:
+        """After the optimisers and the precision plugin are set up."""
+
+    def explain_optimizer_error(self, error: ValueError) -> ValueError | None:
+        """A clearer error for an optimiser that failed to build on this piece, or None."""
+        return None
+
+    # ---- steps ----------------------------------------------------------------------------
+    def before_training_step(self, batch: Any) -> None:
+        """Checks (and work such as 1F1B's whole schedule) before the user's step."""
+
+    @contextmanager
+    def running(self) -> Iterator[None]:
+        """Around every training/validation/test/predict step."""
+        yield
+
+    def after_backward(self) -> None:
+        """After Lightning's backward of the loss (e.g. the pipeline's backward half)."""
+
+    def after_optimizer_step(self, optimizer: Any) -> None:
+        """After each optimiser step."""
+
+    def micro_batched_runtime(self) -> Any:
+        """The stage whose micro-batches leave gradients partial until the last one, or None:
+        gradients are complete as soon as autograd writes them."""
+        return None
+
+    def early_buckets_exact(self) -> bool:
+        """Whether a bucket started in the last micro-batch's backward holds its whole
+        gradient."""
+        return True
+
+    # ---- checkpoints ----------------------------------------------------------------------
+    def full_state_dict(self, local: dict[str, Any]) -> dict[str, Any]:
+        """The whole model's state dict (on rank 0) from this piece's ``local`` one."""
+        return local
+
+    def piece_state_dict(self, full: Mapping[str, Any]) -> Mapping[str, Any]:
+        """This piece's part of a whole model's state dict."""
+        return full
+
+    def full_optimizer_state(self, local: dict[str, Any], optimizer: Any) -> dict[str, Any]:
+        """The whole model's optimiser state in one process's format (on rank 0)."""
+        return local
+
+    def load_optimizer_states(self, optimizers: list[Any], states: list[Any]) -> bool:
+        """Load this piece's part of whole-model optimiser states; False: not handled."""
+        return False
