@@ -14,6 +14,7 @@ import time
 from typing import Any
 
 import lightning.pytorch as pl
+from typing_extensions import override
 
 
 class Straggler(pl.Callback):
@@ -51,6 +52,7 @@ class Straggler(pl.Callback):
         self.slept_s = 0.0
         self._start: float | None = None
 
+    @override
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         if self.rank >= trainer.world_size:
             raise ValueError(
@@ -61,12 +63,14 @@ class Straggler(pl.Callback):
     def _active(self, trainer: pl.Trainer) -> bool:
         return trainer.global_rank == self.rank and self.slowdown > 1
 
+    @override
     def on_train_batch_start(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
     ) -> None:
         if self._active(trainer):
             self._start = time.perf_counter()
 
+    @override
     def on_train_batch_end(
         self,
         trainer: pl.Trainer,

@@ -10,6 +10,7 @@ import time
 import lightning.pytorch as pl
 import torch
 from lightning.pytorch.callbacks import ModelSummary
+from typing_extensions import override
 
 from lightning_par import _compat
 
@@ -31,12 +32,15 @@ class ThroughputMonitor(pl.Callback):
         self._last: float | None = None
         self._warm = False
 
+    @override
     def on_train_epoch_start(self, trainer, pl_module) -> None:
         self._last = time.perf_counter()
 
+    @override
     def on_validation_end(self, trainer, pl_module) -> None:
         self._last = time.perf_counter()
 
+    @override
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
         now = time.perf_counter()
         if self._warm and self._last is not None:
@@ -50,6 +54,7 @@ class ThroughputMonitor(pl.Callback):
     def images_per_second(self) -> float:
         return self.images / self.seconds if self.seconds else float("nan")
 
+    @override
     def on_train_end(self, trainer, pl_module) -> None:
         metrics = trainer.callback_metrics
         metrics["train_images_per_s"] = torch.tensor(self.images_per_second)
@@ -115,22 +120,28 @@ class FitTimeEstimate(pl.Callback):
         self._val_start = self._fit_start = 0.0
         self.printed: str | None = None
 
+    @override
     def on_fit_start(self, trainer, pl_module) -> None:
         self._fit_start = time.perf_counter()
 
+    @override
     def on_train_epoch_start(self, trainer, pl_module) -> None:
         self._last = time.perf_counter()
 
+    @override
     def on_validation_start(self, trainer, pl_module) -> None:
         self._val_start = time.perf_counter()
 
+    @override
     def on_validation_batch_end(self, trainer, *args, **kwargs) -> None:
         self.val_batches += 1
 
+    @override
     def on_validation_end(self, trainer, pl_module) -> None:
         self._last = time.perf_counter()  # validation is not training time
         self.val_seconds += self._last - self._val_start
 
+    @override
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
         now = time.perf_counter()
         if self._seen and self._last is not None:
@@ -202,10 +213,12 @@ class WholeModelSummary(ModelSummary):
         return (data, summary.total_parameters, summary.trainable_parameters,
                 summary.model_size, summary.total_training_modes, flops)  # fmt: skip
 
+    @override
     def setup(self, trainer, pl_module, stage: str) -> None:
         if self._max_depth and stage == "fit":
             self._before = self._freeze(self._summary(trainer, pl_module))
 
+    @override
     def on_fit_start(self, trainer, pl_module) -> None:
         if not self._max_depth:
             return

@@ -35,6 +35,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import lightning.pytorch as pl
+from typing_extensions import override
 
 from lightning_par.callbacks import Straggler
 from lightning_par.data import CIFAR10DataModule
@@ -71,12 +72,15 @@ class TrainClock(pl.Callback):
     def __init__(self, out: Path) -> None:
         self.out, self.start, self.images = out, 0.0, 0
 
+    @override
     def on_train_start(self, trainer, pl_module) -> None:
         self.start = time.time()
 
+    @override
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
         self.images += len(batch[0])
 
+    @override
     def on_train_end(self, trainer, pl_module) -> None:
         record = {"start": self.start, "end": time.time(), "images": self.images}
         (self.out / f"rank{trainer.global_rank}.json").write_text(json.dumps(record))

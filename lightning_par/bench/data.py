@@ -22,6 +22,7 @@ import time
 
 import lightning.pytorch as pl
 import torch
+from typing_extensions import override
 
 from lightning_par.data import CIFAR10DataModule
 from lightning_par.data.device import DeviceBatches
@@ -35,9 +36,11 @@ class StepClock(pl.Callback):
         self.times: list[float] = []
         self._last = 0.0
 
+    @override
     def on_train_start(self, trainer, pl_module) -> None:
         self._last = time.perf_counter()
 
+    @override
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
         self._sync(pl_module.device)
         now = time.perf_counter()

@@ -24,6 +24,7 @@ import warnings
 from collections.abc import Callable
 
 import lightning.pytorch as pl
+from typing_extensions import override
 
 from lightning_par.callbacks import Straggler
 from lightning_par.comm import run_on_ranks
@@ -49,9 +50,11 @@ class TrainClock(pl.Callback):
         self.start = 0.0
         self.images = 0
 
+    @override
     def on_train_start(self, trainer, pl_module) -> None:
         self.start = time.perf_counter()
 
+    @override
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
         self.images += len(batch[0])
 

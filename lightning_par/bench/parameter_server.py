@@ -30,6 +30,7 @@ import lightning.pytorch as pl
 import torch
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
+from typing_extensions import override
 
 from lightning_par.comm.trace import load_traces
 from lightning_par.models import CifarCNN
@@ -48,13 +49,16 @@ class WideMLP(pl.LightningModule):
         body = [m for _ in range(layers) for m in (nn.Linear(width, width), nn.ReLU())]
         self.net = nn.Sequential(*body, nn.Linear(width, 10))
 
+    @override
     def training_step(self, batch, batch_idx):
         x, y = batch
         return nn.functional.cross_entropy(self.net(x), y)
 
+    @override
     def configure_optimizers(self):
         return torch.optim.SGD(self.parameters(), lr=0.01, momentum=0.9)
 
+    @override
     def train_dataloader(self):
         g = torch.Generator().manual_seed(0)
         n = self.batch * self.steps
@@ -67,6 +71,7 @@ class CNN(CifarCNN):
         super().__init__(width=16, num_blocks=2, scheduler=None)
         self.batch, self.steps = batch, steps
 
+    @override
     def train_dataloader(self):
         g = torch.Generator().manual_seed(0)
         n = self.batch * self.steps
@@ -82,10 +87,12 @@ class StepClock(pl.Callback):
     def __init__(self, path: Path) -> None:
         self.path, self.starts, self.cpu = path, [], []
 
+    @override
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
         self.starts.append(time.perf_counter())
         self.cpu.append(time.process_time())
 
+    @override
     def on_train_end(self, trainer, pl_module) -> None:
         if trainer.is_global_zero:
             self.path.write_text(json.dumps({"starts": self.starts, "cpu": self.cpu}))

@@ -26,6 +26,7 @@ from pathlib import Path
 import lightning.pytorch as pl
 from lightning.pytorch.strategies import SingleDeviceStrategy
 from torch.utils.data import DataLoader
+from typing_extensions import override
 
 import lightning_par  # noqa: F401  (registers the strategy names)
 from lightning_par.collectives import ALGORITHMS
@@ -42,12 +43,15 @@ class StepTimer(pl.Callback):
     def __init__(self, path: str) -> None:
         self.path, self.times, self._start = path, [], 0.0
 
+    @override
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
         self._start = time.perf_counter()
 
+    @override
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
         self.times.append(time.perf_counter() - self._start)
 
+    @override
     def on_train_end(self, trainer, pl_module) -> None:
         if trainer.global_rank == 0:
             Path(self.path).write_text(json.dumps(self.times))

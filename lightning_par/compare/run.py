@@ -25,6 +25,7 @@ from typing import Any
 import lightning.pytorch as pl
 import torch
 from torch.utils.data import DataLoader, DistributedSampler
+from typing_extensions import override
 
 from lightning_par.comm.processes import run_bounded, time_limit
 
@@ -41,14 +42,17 @@ class Probe(pl.Callback):
         self.ends: list[float] = []
         self.losses: list[float] = []
 
+    @override
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
         self.starts.append(time.perf_counter())
 
+    @override
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
         self.ends.append(time.perf_counter())
         loss = outputs.get("loss") if isinstance(outputs, dict) else outputs
         self.losses.append(float(loss) if loss is not None else float("nan"))
 
+    @override
     def on_train_end(self, trainer, pl_module) -> None:
         from lightning_par.modelparallel.memory import stage_memory
 
@@ -106,6 +110,7 @@ class InOrder(pl.LightningDataModule):
         super().__init__()
         self.dataset, self.batch_size = dataset, batch_size
 
+    @override
     def train_dataloader(self) -> DataLoader:
         strategy = self.trainer.strategy
         sampler = None

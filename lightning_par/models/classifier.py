@@ -11,6 +11,7 @@ import lightning.pytorch as pl
 import torch
 from torch import nn
 from torchmetrics.classification import MulticlassAccuracy
+from typing_extensions import override
 
 OPTIMIZERS = ("sgd", "adam")
 SCHEDULERS = ("onecycle", "cosine", None)
@@ -52,9 +53,11 @@ class ImageClassifier(pl.LightningModule):
         self.val_acc = MulticlassAccuracy(num_classes, average="micro")
         self.test_acc = MulticlassAccuracy(num_classes, average="micro")
 
+    @override
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.net(x)
 
+    @override
     def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int):
         x, y = batch
         logits = self(x)
@@ -73,16 +76,20 @@ class ImageClassifier(pl.LightningModule):
         self.log(f"{stage}_acc", metric, prog_bar=True)
         return loss
 
+    @override
     def validation_step(self, batch, batch_idx: int) -> torch.Tensor:
         return self._evaluate(batch, self.val_acc, "val")
 
+    @override
     def test_step(self, batch, batch_idx: int) -> torch.Tensor:
         return self._evaluate(batch, self.test_acc, "test")
 
+    @override
     def predict_step(self, batch, batch_idx: int) -> torch.Tensor:
         x = batch[0] if isinstance(batch, (tuple, list)) else batch
         return self(x).argmax(dim=1)
 
+    @override
     def configure_optimizers(self):
         hp = self.hparams
         if hp.optimizer == "sgd":
