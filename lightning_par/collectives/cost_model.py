@@ -33,6 +33,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from torch import nn
+
 from lightning_par.collectives._common import chunk_sizes
 from lightning_par.collectives.butterfly import butterfly_shape
 from lightning_par.collectives.ring import (
@@ -41,6 +43,7 @@ from lightning_par.collectives.ring import (
     segments_per_chunk,
 )
 from lightning_par.collectives.tree import tree_children, tree_depth
+from lightning_par.comm.buckets import make_buckets
 
 
 @dataclass(frozen=True)
@@ -261,3 +264,17 @@ __all__ = [
     "round_robin_cost",
     "tree_cost",
 ]
+
+
+def bucketed_allreduce_bytes(
+    model: nn.Module, algorithm: str, world: int, bucket_cap_mb: float = 4.0
+) -> list[int]:
+    """Per rank: bytes sent by ``algorithm``'s allreduce of each of ``model``'s gradient
+    buckets, packed as :class:`~lightning_par.comm.buckets.GradientBuckets` packs them
+    (gradients in reverse order, one flag per parameter), summed over the buckets."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    total = [0] * world
+    for bucket in make_buckets(list(reversed(params)), int(bucket_cap_mb * 2**20)):
+        cost = predict(algorithm, bucket.buffer.numel(), world, bucket.buffer.element_size())
+        total = [t + b for t, b in zip(total, cost.bytes_sent)]
+    return total

@@ -26,8 +26,9 @@ from typing import Any
 import torch
 from torch import nn
 
+from lightning_par.collectives.cost_model import bucketed_allreduce_bytes as allreduce_bytes
 from lightning_par.collectives.cost_model import predict
-from lightning_par.comm.buckets import make_buckets
+from lightning_par.pipeline.cost import pipeline_bytes
 
 #: Why a strategy has no byte model (shown in the report).
 NO_MODEL = {
@@ -36,44 +37,12 @@ NO_MODEL = {
 }
 
 
-def allreduce_bytes(
-    model: nn.Module, algorithm: str, world: int, bucket_cap_mb: float = 4.0
-) -> list[int]:
-    """Per rank: the chosen allreduce of each gradient bucket (as the strategy packs them)."""
-    params = [p for p in model.parameters() if p.requires_grad]
-    total = [0] * world
-    for bucket in make_buckets(list(reversed(params)), int(bucket_cap_mb * 2**20)):
-        cost = predict(algorithm, bucket.buffer.numel(), world, bucket.buffer.element_size())
-        total = [t + b for t, b in zip(total, cost.bytes_sent)]
-    return total
-
-
 def local_sgd_bytes(model: nn.Module, world: int, period: int, algorithm: str = "ring") -> list:
     """Per rank and step: one allreduce of the averaged tensors every ``period`` steps."""
     from lightning_par.collectives.averaging import averaged_tensors
 
     numel = sum(t.numel() for t in averaged_tensors(model, buffers=True))
     return [b / period for b in predict(algorithm, numel, world).bytes_sent]
-
-
-def pipeline_bytes(net: nn.Sequential, stages: int, batch: torch.Tensor) -> list[int]:
-    """Per stage: activations forward, their gradients backward, the output to all stages
-    (balance by parameters, the strategies' default)."""
-    from lightning_par.pipeline.partition import balance_by_params
-
-    balance = balance_by_params(net, stages)
-    cuts, x, layer = [], batch, 0
-    with torch.no_grad():
-        for size in balance:
-            for module in list(net)[layer : layer + size]:
-                x = module(x)
-            layer += size
-            cuts.append(x.numel() * x.element_size())
-    out = []
-    for s in range(stages):
-        sent = cuts[s] if s < stages - 1 else (stages - 1) * cuts[-1]
-        out.append(sent + (cuts[s - 1] if s > 0 else 0))
-    return out
 
 
 def predicted_bytes(

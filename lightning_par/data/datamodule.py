@@ -10,9 +10,13 @@ import torch
 from lightning.pytorch.utilities import rank_zero_info
 from torch.utils.data import DataLoader, Dataset, random_split
 from torchvision.transforms import v2
+from typing_extensions import override
 
 from lightning_par import _compat
+from lightning_par.data.device import DeviceBatches
 from lightning_par.data.sources import (
+    CIFAR_MEAN,
+    CIFAR_STD,
     CLASSES,
     MINI_ENV,
     DataNotFoundError,
@@ -28,9 +32,6 @@ from lightning_par.data.sources import (
 
 SOURCES = ("auto", "torchvision", "cifar10-mini", "folder", "synthetic")
 DATA_ENV = "LIGHTNING_PAR_DATA"
-# Per-channel statistics of the CIFAR-10 training set.
-CIFAR_MEAN = (0.4914, 0.4822, 0.4465)
-CIFAR_STD = (0.2470, 0.2435, 0.2616)
 
 
 def default_data_dir() -> Path:
@@ -198,6 +199,7 @@ class CIFAR10DataModule(pl.LightningDataModule):
         return images, labels, f"CIFAR-10 batches folder {folder}"
 
     # -- Lightning hooks ---------------------------------------------------------------
+    @override
     def prepare_data(self) -> None:
         # Runs once per node before the ranks split: the only place that may download.
         # Files already there: nothing to do (torchvision would read all 60 000 images
@@ -215,6 +217,7 @@ class CIFAR10DataModule(pl.LightningDataModule):
                         + how_to_get_data(self.data_dir)
                     ) from None
 
+    @override
     def setup(self, stage: str | None = None) -> None:
         if self.train_set is not None:
             return
@@ -248,14 +251,13 @@ class CIFAR10DataModule(pl.LightningDataModule):
             persistent_workers=self.hparams.num_workers > 0,
         )
 
+    @override
     def train_dataloader(self):
         device = self.training_device()
         if device is None:
             # Lightning keeps drop_last when it swaps in its DistributedSampler, so every rank's
             # shard, and async_sgd's shared batches, end with a full batch too.
             return self._loader(self.train_set, shuffle=True, drop_last=self.hparams.drop_last)
-        from lightning_par.data.device import DeviceBatches
-
         trainer = self.trainer
         rank, world = 0, 1
         if trainer is not None and getattr(trainer.strategy, "shards_data", True):
@@ -276,11 +278,14 @@ class CIFAR10DataModule(pl.LightningDataModule):
         on = self.hparams.on_device
         return device if (device.type == "cuda" if on is None else on) else None
 
+    @override
     def val_dataloader(self) -> DataLoader:
         return self._loader(self.val_set, shuffle=False)
 
+    @override
     def test_dataloader(self) -> DataLoader:
         return self._loader(self.test_set, shuffle=False)
 
+    @override
     def predict_dataloader(self) -> DataLoader:
         return self._loader(self.test_set, shuffle=False)

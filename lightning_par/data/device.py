@@ -18,7 +18,7 @@ from collections.abc import Iterator
 import torch
 import torch.nn.functional as F
 
-from lightning_par.data.datamodule import CIFAR_MEAN, CIFAR_STD
+from lightning_par.data.sources import CIFAR_MEAN, CIFAR_STD
 
 PAD = 4
 

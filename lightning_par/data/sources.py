@@ -16,6 +16,10 @@ import torch
 BATCHES_FOLDER = "cifar-10-batches-py"
 TRAIN_FILES = [f"data_batch_{i}" for i in range(1, 6)]
 TEST_FILES = ["test_batch"]
+# Per-channel statistics of the CIFAR-10 training set.
+CIFAR_MEAN = (0.4914, 0.4822, 0.4465)
+CIFAR_STD = (0.2470, 0.2435, 0.2616)
+
 CLASSES = (
     "airplane", "automobile", "bird", "cat", "deer", "dog", "frog", "horse", "ship", "truck",
 )  # fmt: skip

@@ -9,7 +9,9 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from lightning_par.collectives.cost_model import bucketed_allreduce_bytes as allreduce_bytes
 from lightning_par.hybrid.grid import Grid
+from lightning_par.pipeline.cost import pipeline_bytes
 from lightning_par.pipeline.partition import balance_by_params, split_sequential
 
 
@@ -24,8 +26,6 @@ def hybrid_bytes_per_step(
 ) -> list[int]:
     """Per global rank: bytes sent in one step of a pipelined (``gpipe``, or ``layerwise``
     without ``time_chunk``) hybrid grid whose stages are balanced by parameters."""
-    from lightning_par.compare.costs import allreduce_bytes, pipeline_bytes
-
     batch = torch.zeros(global_batch // grid.dp, *sample_shape)
     pipeline = pipeline_bytes(net, grid.mp, batch)
     stages = split_sequential(net, balance_by_params(net, grid.mp))

@@ -7,26 +7,36 @@ in ``DESCRIPTIONS``), so a new collective is a new strategy.
 
 from __future__ import annotations
 
-import importlib
 from dataclasses import dataclass, field
 from typing import Any
 
 from lightning.pytorch.strategies import StrategyRegistry
 
+from lightning_par.collectives import ALGORITHMS, DESCRIPTIONS
+from lightning_par.strategies.allreduce import AllReduceStrategy
+from lightning_par.strategies.async_sgd import AsyncSGDStrategy
+from lightning_par.strategies.gpipe import GPipeStrategy
+from lightning_par.strategies.hybrid import HybridStrategy
+from lightning_par.strategies.layerwise import LayerwiseStrategy
+from lightning_par.strategies.local_sgd import LocalSGDStrategy
+from lightning_par.strategies.parameter_server import ParameterServerStrategy
+from lightning_par.strategies.reference import LightningDDPStrategy
+from lightning_par.strategies.tensor_parallel import TensorParallelStrategy
+
 
 @dataclass(frozen=True)
 class StrategySpec:
-    """One registered name: where its class lives and the options it is created with."""
+    """One registered name: its class and the options it is created with."""
 
     name: str
-    module: str  # under lightning_par.strategies
-    cls: str
+    cls: type
     description: str
     kind: str  # "data parallel", "pipeline", "reference", ...
     options: dict[str, Any] = field(default_factory=dict)
 
     def load(self) -> type:
-        return getattr(importlib.import_module(f"lightning_par.strategies.{self.module}"), self.cls)
+        """The strategy class."""
+        return self.cls
 
     def create(self, **overrides: Any) -> Any:
         """A new strategy object with this row's options (``overrides`` win)."""
@@ -36,40 +46,40 @@ class StrategySpec:
 #: Every strategy besides the allreduce rows, plugins first, the reference last.
 OTHER_STRATEGIES = [
     StrategySpec(
-        "gpipe", "gpipe", "GPipeStrategy",
+        "gpipe", GPipeStrategy,
         "GPipe pipeline: one stage per device, micro-batches", "pipeline",
     ),
     StrategySpec(
-        "layerwise", "layerwise", "LayerwiseStrategy",
+        "layerwise", LayerwiseStrategy,
         "Layer-wise model parallelism: consecutive layers per device, RNN wavefront",
         "model parallel",
     ),
     StrategySpec(
-        "tensor_parallel", "tensor_parallel", "TensorParallelStrategy",
+        "tensor_parallel", TensorParallelStrategy,
         "Tensor (Megatron) parallelism: each layer's weight split across devices",
         "model parallel",
     ),
     StrategySpec(
-        "parameter_server", "parameter_server", "ParameterServerStrategy",
+        "parameter_server", ParameterServerStrategy,
         "Synchronous sharded parameter servers: per-layer push and pull", "data parallel",
     ),
     StrategySpec(
-        "async_sgd", "async_sgd", "AsyncSGDStrategy",
+        "async_sgd", AsyncSGDStrategy,
         "Asynchronous SGD on sharded parameter servers: each push applied at once",
         "data parallel",
     ),
     StrategySpec(
-        "local_sgd", "local_sgd", "LocalSGDStrategy",
+        "local_sgd", LocalSGDStrategy,
         "Local SGD: each rank steps alone, parameters ring-averaged every 4 steps",
         "data parallel", {"period": 4, "algorithm": "ring"},
     ),
     StrategySpec(
-        "hybrid", "hybrid", "HybridStrategy",
+        "hybrid", HybridStrategy,
         "Hybrid: a dp x mp grid, data parallel (ring-allreduced gradient buckets) over "
         "replicas each split by gpipe, layerwise or tensor_parallel", "hybrid",
     ),
     StrategySpec(
-        "lightning_ddp", "reference", "LightningDDPStrategy",
+        "lightning_ddp", LightningDDPStrategy,
         "Lightning's DDP (torch DistributedDataParallel) under lightning_par's launch "
         "policy: the reference the plugins are compared with", "reference",
     ),
@@ -79,13 +89,10 @@ OTHER_STRATEGIES = [
 def strategy_specs() -> list[StrategySpec]:
     """Every strategy lightning_par registers: one allreduce row per collective, then
     :data:`OTHER_STRATEGIES`."""
-    from lightning_par.collectives import ALGORITHMS, DESCRIPTIONS
-
     allreduce = [
         StrategySpec(
             f"{name}_allreduce",
-            "allreduce",
-            "AllReduceStrategy",
+            AllReduceStrategy,
             f"{DESCRIPTIONS[name]}, bucketed and overlapped with backward",
             "data parallel",
             {"algorithm": name},

@@ -1,0 +1,161 @@
+"""The structural rules of ARCHITECTURE.md, checked on the code itself: shallow strategy
+classes built from components, ``@override`` on every Lightning hook we override, and
+imports that only point down the layers (algorithms -> components -> strategies -> tools)
+with no circle."""
+
+from __future__ import annotations
+
+import ast
+import importlib
+import inspect
+import pathlib
+import pkgutil
+
+import pytest
+
+import lightning_par
+from lightning_par.strategies import strategy_specs
+
+PACKAGE = pathlib.Path(lightning_par.__file__).parent
+
+#: Registered strategies still deeper than two of our classes, with their depth: the test
+#: fails if one gets deeper, or shallower without this table being updated.
+DEEPER = {"async_sgd": 3}  # AsyncSGDStrategy -> ParameterServerStrategy -> ParStrategy
+
+
+def _ours(cls: type) -> list[type]:
+    return [c for c in cls.__mro__ if c.__module__.startswith("lightning_par.")]
+
+
+def _lightning(cls: type) -> list[type]:
+    return [c for c in cls.__mro__ if c.__module__.split(".")[0] == "lightning"]
+
+
+@pytest.mark.parametrize("spec", strategy_specs(), ids=lambda s: s.name)
+def test_a_registered_strategy_is_at_most_two_of_our_classes_above_lightnings(spec) -> None:
+    ours = _ours(spec.cls)
+    assert _lightning(spec.cls), f"{spec.name} is not a Lightning strategy"
+    assert len(ours) == DEEPER.get(spec.name, len(ours)), [c.__name__ for c in ours]
+    if spec.name not in DEEPER:
+        assert len(ours) <= 2, f"{spec.name}: {' -> '.join(c.__name__ for c in ours)}"
+    assert "__new__" not in vars(spec.cls), f"{spec.name} swaps its class in __new__"
+    lightning_bases = [b for b in spec.cls.__bases__ if b.__module__.startswith("lightning.")]
+    assert len(spec.cls.__bases__) == 1 or not lightning_bases, "multiple inheritance"
+
+
+def _our_classes() -> list[type]:
+    found = []
+    for info in pkgutil.walk_packages(lightning_par.__path__, "lightning_par."):
+        if info.name.endswith("__main__"):
+            continue
+        module = importlib.import_module(info.name)
+        for value in vars(module).values():
+            if inspect.isclass(value) and value.__module__ == module.__name__:
+                found.append(value)
+    return found
+
+
+def test_every_method_overriding_a_lightning_method_is_marked_override() -> None:
+    missing = []
+    for cls in _our_classes():
+        lightning = _lightning(cls)
+        for name, value in vars(cls).items():
+            func = value.fget if isinstance(value, property) else getattr(value, "__func__", value)
+            if name.startswith("__") or not callable(func):
+                continue
+            if any(name in vars(base) for base in lightning) and not getattr(
+                func, "__override__", False
+            ):
+                missing.append(f"{cls.__module__}.{cls.__qualname__}.{name}")
+    # the CLI belongs to the docs issue's polish; everything else is marked
+    missing = [m for m in missing if not m.startswith("lightning_par.cli.")]
+    assert not missing, f"missing @override: {missing}"
+
+
+def test_the_check_sees_a_missing_override() -> None:
+    class Hook(lightning_par.strategies.reference.LightningDDPStrategy):
+        def teardown(self) -> None:  # no @override
+            super().teardown()
+
+    assert not getattr(vars(Hook)["teardown"], "__override__", False)
+
+
+# ---- imports --------------------------------------------------------------------------------
+#: The layers, lowest first (a module's top-level package under lightning_par).
+LAYERS = {
+    "components": 1,
+    "strategies": 2,
+    "callbacks": 2,
+    **dict.fromkeys(
+        ["compare", "bench", "cli", "cli_checks", "check", "summary", "__main__", "simulate"], 3
+    ),
+}
+
+
+def _module_name(path: pathlib.Path) -> str:
+    parts = list(path.relative_to(PACKAGE.parent).with_suffix("").parts)
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def _layer(module: str) -> int:
+    parts = module.split(".")
+    return LAYERS.get(parts[1], 0) if len(parts) > 1 else 3  # the package root: the top
+
+
+def _imports() -> list[tuple[str, str, int]]:
+    """(importer, imported, line) for every import of one of our modules, at any level."""
+    modules = {_module_name(p) for p in PACKAGE.rglob("*.py")}
+    found = []
+    for path in PACKAGE.rglob("*.py"):
+        importer = _module_name(path)
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("lightning_par"):
+                for alias in node.names:
+                    sub = f"{node.module}.{alias.name}"
+                    found.append((importer, sub if sub in modules else node.module, node.lineno))
+            elif isinstance(node, ast.Import):
+                found += [(importer, a.name, node.lineno) for a in node.names
+                          if a.name.startswith("lightning_par")]  # fmt: skip
+    return [(a, b, line) for a, b, line in found if b in modules]
+
+
+def test_no_module_imports_a_higher_layer() -> None:
+    upward = [(a, b, line) for a, b, line in _imports() if _layer(b) > _layer(a)]
+    assert not upward, f"imports pointing up the layers: {upward}"
+
+
+def test_no_import_circle() -> None:
+    graph: dict[str, set[str]] = {}
+    for a, b, _ in _imports():
+        if not b.startswith(a + ".") and not a.startswith(b + "."):  # a package and its parts
+            graph.setdefault(a, set()).add(b)
+    state: dict[str, int] = {}
+    path: list[str] = []
+    circles: list[list[str]] = []
+
+    def visit(node: str) -> None:
+        state[node] = 1
+        path.append(node)
+        for nxt in sorted(graph.get(node, ())):
+            if state.get(nxt) == 1:
+                circle = path[path.index(nxt) :] + [nxt]
+                if not any(m.count(".") <= 1 and _is_package(m) for m in circle):
+                    circles.append(circle)
+            elif nxt not in state:
+                visit(nxt)
+        path.pop()
+        state[node] = 2
+
+    for node in sorted(graph):
+        if node not in state:
+            visit(node)
+    assert not circles, f"import circles: {circles}"
+
+
+def _is_package(module: str) -> bool:
+    return (PACKAGE.parent / module.replace(".", "/") / "__init__.py").exists()
+
+
+def test_the_registry_holds_classes_not_names() -> None:
+    for spec in strategy_specs():
+        assert inspect.isclass(spec.cls), spec.name
