@@ -241,3 +241,45 @@ def test_disable_module_memory_sharing_copies_shared_tensors() -> None:
     (copy,) = _compat.disable_module_memory_sharing((module,))
     assert not copy.weight.is_shared()
     assert torch.equal(copy.weight, module.weight)
+
+
+def test_strategy_private_fields() -> None:
+    from datetime import timedelta
+
+    from lightning.pytorch.strategies import DDPStrategy
+
+    strategy = DDPStrategy(timeout=timedelta(seconds=7), process_group_backend="gloo")
+    assert _compat.strategy_timeout(strategy) == timedelta(seconds=7)
+    assert _compat.process_group_backend(strategy) == "gloo"
+    _compat.set_process_group_backend(strategy, "nccl")
+    assert strategy._process_group_backend == "nccl"
+    assert _compat.layer_sync(strategy) is None
+    pl.Trainer(accelerator="cpu", devices=2, strategy=strategy, sync_batchnorm=True, logger=False)
+    assert _compat.layer_sync(strategy) is not None  # Trainer(sync_batchnorm=True) sets it
+    with pytest.raises(_compat.CompatError, match="DDPStrategy._timeout is missing"):
+        _compat.strategy_timeout(object())
+
+
+def test_clip_grad_by_norm_replacement_is_what_lightning_calls() -> None:
+    from lightning.pytorch.plugins.precision import Precision
+    from lightning.pytorch.utilities.enums import GradClipAlgorithmType
+
+    precision = Precision()
+    seen = []
+    _compat.replace_clip_grad_by_norm(precision, lambda opt, val: seen.append((opt, val)))
+    opt = torch.optim.SGD(torch.nn.Linear(2, 2).parameters(), lr=0.1)
+    precision.clip_gradients(opt, 0.5, GradClipAlgorithmType.NORM)
+    assert seen == [(opt, 0.5)]
+
+
+def test_wrapped_setup_data_runs_after_lightnings() -> None:
+    trainer = _trainer()
+    loop = trainer.fit_loop
+    calls = []
+    original = loop.setup_data
+    loop.setup_data = lambda: calls.append("lightning")
+    _compat.wrap_setup_data(loop, lambda: calls.append("after"))
+    loop.setup_data()
+    assert calls == ["lightning", "after"]
+    loop.setup_data = original
+    assert "self.setup_data()" in inspect.getsource(type(loop).run)  # the loop calls it
