@@ -22,7 +22,10 @@ import sys
 import threading
 import time
 from collections.abc import Callable, Iterable
+from datetime import timedelta
 from typing import Any
+
+from lightning_par.comm.rendezvous import dead_peer_timeout
 
 #: Added to a rank's count when it finished a stage (counts stay far below it).
 _DONE = 1 << 40
@@ -132,22 +135,18 @@ def watch_group(
     store: Any,
     rank: int,
     watched: Iterable[int],
-    timeout_s: float | None = None,
+    timeout: timedelta | None = None,
     name: Callable[[int], str] = lambda r: f"rank {r}",
 ) -> Heartbeat:
     """Start the heartbeat of the group this process just joined (ending the previous
     group's); peers silent for :func:`~lightning_par.comm.rendezvous.dead_peer_timeout`
-    seconds (at most ``timeout_s``) end the job."""
-    from datetime import timedelta
-
-    from lightning_par.comm.rendezvous import dead_peer_timeout
-
+    seconds (at most the group's ``timeout``) end the job."""
     global _current
     if _current is not None:
         _current.stop()
     else:  # runs before the process group is destroyed at exit (atexit is last-in first-out)
         atexit.register(stop_watching)
-    limit = dead_peer_timeout(timedelta(seconds=timeout_s) if timeout_s else None)
+    limit = dead_peer_timeout(timeout)
     _current = Heartbeat(store, rank, watched, limit, name).start()
     return _current
 

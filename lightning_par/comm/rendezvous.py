@@ -37,6 +37,8 @@ from datetime import timedelta
 
 import torch.distributed as dist
 
+from lightning_par.comm.store_host import StoreHost, job_store_host
+
 #: Seconds a collective or receive may wait for a live peer. Override with the environment
 #: variable ``LIGHTNING_PAR_TIMEOUT`` or a strategy's ``timeout`` option.
 DEFAULT_TIMEOUT_S = 1800.0
@@ -93,8 +95,6 @@ def host_job_store(host: str = "127.0.0.1") -> str:
     """Launcher side: the address of a store bound on a port the OS picked, served by a
     process of its own (:mod:`~lightning_par.comm.store_host`), for the ranks:
     ``host:port/launch-id`` (a new launch id per call keeps each launch's keys apart)."""
-    from lightning_par.comm.store_host import job_store_host
-
     served = job_store_host(host)
     return f"{host}:{served.port}/{uuid.uuid4().hex[:8]}"
 
@@ -112,8 +112,6 @@ def _job_store(rank: int, timeout: timedelta, spec: str | None) -> tuple[dist.St
     key = (os.getpid(), host, port)
     if key not in _joined:  # (a forked child must not use its parent's connection)
         if master:  # served by a process of its own: this rank may fork (parameter servers)
-            from lightning_par.comm.store_host import StoreHost
-
             _served.append(StoreHost(host, port, bind=""))
         _joined[key] = dist.TCPStore(
             host, port, is_master=False, wait_for_workers=False, timeout=timeout

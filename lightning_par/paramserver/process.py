@@ -29,14 +29,21 @@ import sys
 import threading
 import time
 import traceback
+from dataclasses import dataclass
 from datetime import timedelta
 from functools import partial
 from typing import Any
 
+import torch.distributed as dist
+
+from lightning_par.comm import Communicator
 from lightning_par.comm.launch import FORKSERVER_PRELOAD, limit_threads_after_fork, plan_launch
 from lightning_par.comm.liveness import Heartbeat
 from lightning_par.comm.processes import die_with_parent
 from lightning_par.comm.rendezvous import StoreAddress, connect_group_store, dead_peer_timeout
+from lightning_par.paramserver.asynchronous import serve_async
+from lightning_par.paramserver.faults import record_fault, reported_fault, with_test_exit
+from lightning_par.paramserver.server import serve, synchronous_step
 
 
 def _watch(pid: int) -> None:
@@ -57,39 +64,48 @@ def servers_of_node(num_servers: int, num_nodes: int, node_rank: int) -> list[in
     return list(range(node_rank, num_servers, max(1, num_nodes)))
 
 
-def server_main(
-    server: int, num_workers: int, num_servers: int, address: StoreAddress,
-    timeout_s: float, threads: int, owner: int, asynchronous: bool = False,
-    staleness: int | None = None, remedies: Any = None,
-) -> None:  # fmt: skip
+@dataclass(frozen=True)
+class ServerLaunch:
+    """Everything one server process needs to start (sent to it by the worker that starts it;
+    plain values, picklable for a forkserver or spawn start)."""
+
+    server: int  # its index among the servers (group rank ``num_workers + server``)
+    num_workers: int
+    num_servers: int
+    address: StoreAddress  # the group's store
+    timeout: timedelta  # the group's timeout: one unit from the strategy to the socket
+    owner: int  # the pid of the worker that started it (the server dies with it)
+    threads: int = 1
+    asynchronous: bool = False
+    staleness: int | None = None
+    remedies: Any = None  # a lightning_par.paramserver.remedies.Remedies (asynchronous)
+
+    @property
+    def rank(self) -> int:
+        return self.num_workers + self.server
+
+
+def server_main(launch: ServerLaunch) -> None:
     """A server process: join the group as rank ``W + server`` and serve until told to stop."""
-    import torch.distributed as dist
-
-    from lightning_par.comm import Communicator
-    from lightning_par.paramserver.faults import record_fault, with_test_exit
-    from lightning_par.paramserver.server import serve, synchronous_step
-
     die_with_parent()
-    threading.Thread(target=_watch, args=(owner,), daemon=True).start()
-    limit_threads_after_fork(max(1, threads))
-    rank = num_workers + server
-    timeout = timedelta(seconds=timeout_s)
+    threading.Thread(target=_watch, args=(launch.owner,), daemon=True).start()
+    limit_threads_after_fork(max(1, launch.threads))
+    server, num_workers, rank = launch.server, launch.num_workers, launch.rank
+    timeout = launch.timeout
     try:
-        store = connect_group_store(address, timeout)
+        store = connect_group_store(launch.address, timeout)
         dist.init_process_group(
             "gloo", store=store, rank=rank,
-            world_size=num_workers + num_servers, timeout=timeout,
+            world_size=num_workers + launch.num_servers, timeout=timeout,
         )  # fmt: skip
         dist.new_group(list(range(num_workers)))  # the workers' group: every rank takes part
-        watched = [0] if asynchronous else range(num_workers + num_servers)
+        watched = [0] if launch.asynchronous else range(num_workers + launch.num_servers)
         beat = Heartbeat(
             store, rank, watched, dead_peer_timeout(timeout), partial(role_name, num_workers)
         )
         beat.start()
-        if asynchronous:
-            from lightning_par.paramserver.asynchronous import serve_async
-
-            serve_async(Communicator(), server, staleness, remedies)
+        if launch.asynchronous:
+            serve_async(Communicator(), server, launch.staleness, launch.remedies)
         else:
             serve(Communicator(), server, with_test_exit(server, synchronous_step))
     except BaseException as err:
@@ -129,9 +145,13 @@ def start_servers(
         # One intra-op thread: worker 0 may itself be a fork of a process whose OpenMP pool
         # had started, and libgomp hangs a grandchild's first multi-threaded region (seen
         # with Adam on a server); a server's element-wise update needs no more.
-        args = (s, num_workers, num_servers, address, timeout.total_seconds(), 1,
-                os.getpid(), asynchronous, staleness, remedies)  # fmt: skip
-        proc = ctx.Process(target=server_main, args=args, daemon=daemonic, name=f"ps-server-{s}")
+        launch = ServerLaunch(
+            s, num_workers, num_servers, address, timeout, os.getpid(), threads=1,
+            asynchronous=asynchronous, staleness=staleness, remedies=remedies,
+        )  # fmt: skip
+        proc = ctx.Process(
+            target=server_main, args=(launch,), daemon=daemonic, name=f"ps-server-{s}"
+        )
         proc.start()
         proc.server_index = s  # type: ignore[attr-defined]
         procs.append(proc)
@@ -155,8 +175,6 @@ def watch_servers(procs: list[mp.process.BaseProcess], num_workers: int) -> thre
     """Report a server of ``procs`` that dies before it is told to stop (set the returned
     event first): its index, rank and how it ended go to the group's store, where every
     worker's error message finds them. Call once this process has joined the group."""
-    from lightning_par.paramserver.faults import record_fault, reported_fault
-
     stopping = threading.Event()
 
     def watch() -> None:
@@ -191,8 +209,6 @@ def _how_it_ended(exitcode: int | None) -> str:
 def name_dead_server(error: BaseException, rank: int) -> None:
     """If a server died (killed outright, say by the OOM killer), make ``error`` say so,
     naming it, instead of gloo's "Connection closed by peer" chain (in worker ``rank``)."""
-    from lightning_par.paramserver.faults import reported_fault
-
     fault = reported_fault(grace_s=3.0)
     if fault and fault.startswith("parameter server") and DIED in fault:
         error.args = (f"worker {rank}: {fault}",)

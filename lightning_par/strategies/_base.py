@@ -191,7 +191,7 @@ class ParStrategy(DDPStrategy):
             # exception"), as Lightning already guards against for NCCL.
             atexit.register(_destroy_process_group)
             liveness.watch_group(
-                store, self.global_rank, self.watched_ranks(), self.timeout.total_seconds(),
+                store, self.global_rank, self.watched_ranks(), self.timeout,
                 self.rank_name,
             )  # fmt: skip
         elif liveness.current() is not None:

@@ -145,7 +145,7 @@ class ParameterServerStrategy(ParStrategy):
             servers.watch_servers(self._servers, workers) if self._servers else None
         )
         liveness.watch_group(
-            store, self.global_rank, self.watched_ranks(), self.timeout.total_seconds(),
+            store, self.global_rank, self.watched_ranks(), self.timeout,
             self.rank_name,
         )  # fmt: skip
         self.workers.create(workers)
