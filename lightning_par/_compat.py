@@ -341,6 +341,12 @@ def set_process_group_backend(strategy: Any, backend: str) -> None:
     strategy._process_group_backend = backend
 
 
+def set_ddp_kwargs(strategy: Any, kwargs: dict[str, Any]) -> None:
+    """The keywords ``DDPStrategy`` passes to ``DistributedDataParallel`` (``find_unused_...``)."""
+    _require(strategy, "_ddp_kwargs", "DDPStrategy._ddp_kwargs", "lightning_ddp's DDP options")
+    strategy._ddp_kwargs = kwargs
+
+
 # ---- run-time replacements of Lightning objects' methods -------------------------------------
 def replace_clip_grad_by_norm(precision_plugin: Any, clip: Callable[[Any, float], None]) -> None:
     """Make Lightning's clipping by norm (``Trainer(gradient_clip_val=...)``) call ``clip``

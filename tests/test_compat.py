@@ -254,6 +254,8 @@ def test_strategy_private_fields() -> None:
     _compat.set_process_group_backend(strategy, "nccl")
     assert strategy._process_group_backend == "nccl"
     assert _compat.layer_sync(strategy) is None
+    _compat.set_ddp_kwargs(strategy, {"find_unused_parameters": True})
+    assert strategy._ddp_kwargs == {"find_unused_parameters": True}
     pl.Trainer(accelerator="cpu", devices=2, strategy=strategy, sync_batchnorm=True, logger=False)
     assert _compat.layer_sync(strategy) is not None  # Trainer(sync_batchnorm=True) sets it
     with pytest.raises(_compat.CompatError, match="DDPStrategy._timeout is missing"):

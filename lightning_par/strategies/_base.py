@@ -172,7 +172,8 @@ class ParStrategy(DDPStrategy):
     def setup_distributed(self) -> None:
         reset_seed()
         self.set_world_ranks()
-        self._process_group_backend = self._get_process_group_backend()
+        backend = self._get_process_group_backend()
+        _compat.set_process_group_backend(self, backend)
         env = self.cluster_environment
         assert env is not None
         if not dist.is_initialized():
@@ -183,7 +184,7 @@ class ParStrategy(DDPStrategy):
             if self.root_device.type != "cpu":
                 kwargs["device_id"] = self.root_device
             dist.init_process_group(
-                self._process_group_backend, rank=self.global_rank,
+                backend, rank=self.global_rank,
                 world_size=self.world_size, **kwargs,
             )  # fmt: skip
             # Destroy the group before the interpreter's own shutdown: a gloo group still
@@ -196,9 +197,7 @@ class ParStrategy(DDPStrategy):
             )  # fmt: skip
         elif liveness.current() is not None:
             liveness.current().resume()  # fit, then test: the same group, watched again
-        log_startup(
-            self.strategy_name, self.world_size, self.launch_plan, self._process_group_backend
-        )
+        log_startup(self.strategy_name, self.world_size, self.launch_plan, backend)
 
     @property
     def timeout(self) -> timedelta:
@@ -220,7 +219,7 @@ class ParStrategy(DDPStrategy):
 
     @override
     def _get_process_group_backend(self) -> str:
-        return self._process_group_backend or _compat.default_process_group_backend(
+        return _compat.process_group_backend(self) or _compat.default_process_group_backend(
             self.root_device
         )
 

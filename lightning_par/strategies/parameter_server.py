@@ -112,7 +112,7 @@ class ParameterServerStrategy(ParStrategy):
     # ---- refusing what we cannot do exactly ---------------------------------------------------
     @override
     def check_before_launch(self, trainer: pl.Trainer | None) -> None:
-        check_features(self.strategy_name, self.lightning_module, trainer, self._layer_sync)
+        check_features(self.strategy_name, self.lightning_module, trainer, _compat.layer_sync(self))
 
     # ---- processes -----------------------------------------------------------------------------
     @override

@@ -33,7 +33,7 @@ class LightningDDPStrategy(ParStrategy):
         own = set(ParStrategy.option_names())
         ddp_kwargs = {k: kwargs.pop(k) for k in list(kwargs) if k not in own}
         super().__init__(**kwargs)
-        self._ddp_kwargs = ddp_kwargs
+        _compat.set_ddp_kwargs(self, ddp_kwargs)
 
     def sync_model_states(self) -> None:
         # (DistributedDataParallel also does it when fitting)
