@@ -39,6 +39,7 @@ import torch
 from torch import nn
 
 from lightning_par.comm import Communicator, Event, Handle
+from lightning_par.pipeline.checkpoint import SavedActivations
 from lightning_par.pipeline.schedule import Step
 
 Tensors = tuple[torch.Tensor, ...]
@@ -88,6 +89,7 @@ class DeviceStages:
                 raise ValueError(f"device {comm.rank} was given stage {s}, which lives on "
                                  f"device {self.device_of(s)}")  # fmt: skip
         self.step_index = 0
+        self.saved: SavedActivations | None = None  # set by measure_memory()
         self._shapes: dict[tuple, list[tuple[torch.Size, torch.dtype]]] = {}
         self._owners: dict[int, list[nn.Module]] = {}
         if split_backward:
@@ -119,8 +121,16 @@ class DeviceStages:
                 return p.device
         return torch.device("cpu")
 
+    def measure_memory(self) -> None:
+        """Count activation bytes saved for backward from the next step on (:attr:`saved`:
+        ``peak`` is the most this device held at once, all its stages together)."""
+        params = [p for m in self.stages.values() for p in m.parameters()]
+        self.saved = SavedActivations(exclude=params)
+
     def begin(self, batch_shape: Sequence[int], chunks: int) -> None:
         self._reset()
+        if self.saved is not None:
+            self.measure_memory()
         self._key = (tuple(batch_shape), chunks)
         self._start = self.comm.trace.now() if self.comm.trace is not None else 0.0
 
@@ -165,7 +175,8 @@ class DeviceStages:
             if torch.is_grad_enabled():
                 x = tuple(t.requires_grad_(True) if t.is_floating_point() else t for t in x)
         self._capturing = [] if s in self._owners and torch.is_grad_enabled() else None
-        with self._span("fwd", i):
+        hooks = self.saved.hooks() if self.saved is not None else contextlib.nullcontext()
+        with self._span("fwd", i), hooks:
             out = as_tuple(self.stages[s](*x), s)
         if self._capturing is not None:
             self._captured[key] = self._capturing
