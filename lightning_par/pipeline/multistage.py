@@ -37,9 +37,10 @@ from enum import IntEnum
 
 import torch
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
 from lightning_par.comm import Communicator, Event, Handle
-from lightning_par.pipeline.checkpoint import SavedActivations
+from lightning_par.pipeline.checkpoint import SavedActivations, check_mode, recomputes
 from lightning_par.pipeline.schedule import Step
 
 Tensors = tuple[torch.Tensor, ...]
@@ -77,17 +78,24 @@ class DeviceStages:
         comm: the devices' communicator (device = group rank).
         device_of: which device holds a stage (default: round-robin, ``s % K``).
         split_backward: prepare the B/W split (zero bubble); refuses tied parameters.
+        checkpoint: re-materialisation (:mod:`.checkpoint`'s modes; ``"never"`` with the split).
     """
 
     def __init__(self, stages: dict[int, nn.Module], num_stages: int, comm: Communicator, *,
-                 device_of: Callable[[int], int] | None = None,
-                 split_backward: bool = False) -> None:  # fmt: skip
+                 device_of: Callable[[int], int] | None = None, split_backward: bool = False,
+                 checkpoint: str = "never") -> None:  # fmt: skip
         self.stages, self.num_stages, self.comm = dict(stages), num_stages, comm
         self.device_of = device_of or (lambda s: s % comm.world_size)
         for s in self.stages:
             if self.device_of(s) != comm.rank:
                 raise ValueError(f"device {comm.rank} was given stage {s}, which lives on "
                                  f"device {self.device_of(s)}")  # fmt: skip
+        self.checkpoint = check_mode(checkpoint)
+        if split_backward and checkpoint != "never":
+            raise ValueError(
+                f"checkpoint={checkpoint!r} with the B/W split (zero bubble): re-materialising "
+                "would recompute each forward for B and again for W; use checkpoint='never'"
+            )
         self.step_index = 0
         self.saved: SavedActivations | None = None  # set by measure_memory()
         self._shapes: dict[tuple, list[tuple[torch.Size, torch.dtype]]] = {}
@@ -176,8 +184,12 @@ class DeviceStages:
                 x = tuple(t.requires_grad_(True) if t.is_floating_point() else t for t in x)
         self._capturing = [] if s in self._owners and torch.is_grad_enabled() else None
         hooks = self.saved.hooks() if self.saved is not None else contextlib.nullcontext()
+        recompute = torch.is_grad_enabled() and recomputes(self.checkpoint, i, self._key[1])
         with self._span("fwd", i), hooks:
-            out = as_tuple(self.stages[s](*x), s)
+            if recompute:  # keep only the inputs; the backward runs the forward again
+                out = as_tuple(checkpoint(self.stages[s], *x, use_reentrant=False), s)
+            else:
+                out = as_tuple(self.stages[s](*x), s)
         if self._capturing is not None:
             self._captured[key] = self._capturing
         self._capturing = None

@@ -17,10 +17,12 @@ model is cut into ``S = v*K`` stages and device ``d`` holds stages ``d, d+K, d+2
   ``2(K-d-1) + (v-1)K`` warm-up forwards, then alternates one forward and one backward,
   backwards visiting the stages in reverse. ``chunks`` must be a multiple of ``K`` (as in
   Megatron): each group of ``K`` micro-batches leaves stage ``s`` on the last device just
-  as the first device finishes the group on stage ``s``, so the first device never waits;
-  with a partial group the round-robin order would have a device wait for micro-batches
-  the schedule has not yet forwarded. Bubble ``(K-1)/(v*M+K-1)`` with ``t_F`` and ``t_B``
-  per whole model fixed (each of the ``v`` stages of a device costs ``1/v`` of them).
+  as the first device finishes the group on stage ``s``, so the first device never waits.
+  Letting the last group be partial is not safe: the validator finds deadlocks (e.g. at
+  ``K = 4, v = 3, M = 5``, device 0 waits for stage 8's input while the device that would
+  send it waits in turn), and where it runs the bubble exceeds the formula. Bubble
+  ``(K-1)/(v*M+K-1)`` with ``t_F`` and ``t_B`` per whole model fixed (each of the ``v``
+  stages of a device costs ``1/v`` of them).
 * **Zero bubble, ZB-H1** (Qi et al., 2023, "Zero Bubble Pipeline Parallelism",
   arXiv:2401.10241, section 3): each backward is split into B and W; the order comes from
   :func:`greedy_order`, a list scheduler on unit-cost steps that runs a B as soon as its

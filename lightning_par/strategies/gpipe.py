@@ -38,9 +38,9 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch import nn
 
 from lightning_par.comm import Communicator
+from lightning_par.pipeline import options as schedules
 from lightning_par.pipeline.batchnorm import commit_batch_norm, defer_batch_norm
 from lightning_par.pipeline.optim_state import merge_stage_states, model_order, stage_state
-from lightning_par.pipeline.partition import split_sequential
 from lightning_par.pipeline.sequential import PipelinedSequential
 from lightning_par.pipeline.state import (
     gather_full_state_dict,
@@ -60,8 +60,15 @@ class GPipeStrategy(ParStrategy):
         balance: layers per stage (``len(balance)`` = number of devices); ``None`` balances
             automatically (``balance_by``).
         chunks: micro-batches per batch, ``M``; ``1`` is the naive layer-per-device split.
-        checkpoint: re-materialisation, ``"never"``, ``"except_last"`` or ``"always"``.
-        schedule: ``"gpipe"`` (all forwards, then all backwards) or ``"1f1b"``.
+        checkpoint: re-materialisation, ``"never"``, ``"except_last"`` or ``"always"``;
+            ``None``: ``"except_last"``, but ``"never"`` under ``"zero_bubble"`` (its B/W
+            split keeps the activations for W).
+        schedule: ``"gpipe"`` (all forwards, then all backwards), ``"1f1b"``,
+            ``"interleaved"`` (interleaved 1F1B, ``virtual_stages`` stages per device) or
+            ``"zero_bubble"`` (ZB-H1: backward split into input- and weight-gradient steps);
+            see :mod:`lightning_par.pipeline.schedules_v`.
+        virtual_stages: stages per device under ``"interleaved"`` (``v``; ``balance`` then
+            has ``devices * v`` entries and ``chunks`` must be a multiple of ``devices``).
         module_attr: name of the ``nn.Sequential`` attribute of the LightningModule.
         loss_attr: name of its mean-reduced loss module (used by ``"1f1b"`` only).
         balance_by: automatic balance by ``"params"`` (parameter count) or ``"time"``
@@ -82,15 +89,19 @@ class GPipeStrategy(ParStrategy):
         self,
         balance: list[int] | None = None,
         chunks: int = 4,
-        checkpoint: str = "except_last",
+        checkpoint: str | None = None,
         schedule: str = "gpipe",
         module_attr: str = "net",
         loss_attr: str = "criterion",
         balance_by: str = "params",
         deferred_batch_norm: bool = False,
+        virtual_stages: int = 2,
         **kwargs: Any,
     ) -> None:
+        checkpoint = schedules.resolve_checkpoint(checkpoint, schedule)
         checks.check_settings(balance, chunks, checkpoint, schedule, balance_by)
+        schedules.check_options(schedule, virtual_stages, checkpoint)
+        self.virtual_stages = virtual_stages
         if not isinstance(deferred_batch_norm, bool):
             raise TypeError(f"deferred_batch_norm must be True or False: {deferred_batch_norm!r}")
         super().__init__(**kwargs)
@@ -131,18 +142,16 @@ class GPipeStrategy(ParStrategy):
             return
         self.check_before_launch(self.lightning_module.trainer)
         balance = checks.resolve_balance(
-            module, net, stages=self.num_stages, balance=self.balance, balance_by=self.balance_by,
-            rank=self.global_rank, broadcast=self.broadcast,
+            module, net, stages=self.num_stages * self._v, balance=self.balance,
+            balance_by=self.balance_by, rank=self.global_rank, broadcast=self.broadcast,
         )  # fmt: skip
         if self.deferred_batch_norm:
             defer_batch_norm(net)
-        stages = split_sequential(net, balance)
-        piped = PipelinedSequential(
+        piped, first = schedules.build_network(
             net, balance, self.stage_comm, chunks=self.chunks, checkpoint=self.checkpoint,
-            schedule=self.schedule,
+            schedule=self.schedule, virtual_stages=self._v,
         )  # fmt: skip
         piped.to(self.root_device)
-        first = [s.state_dict() for s in stages] if self.stage_comm.rank == 0 else None
         send_weights_from_first(self.stage_comm, first, piped.state_dict(), self.root_device)
         setattr(module, self.module_attr, piped)
 
@@ -163,7 +172,14 @@ class GPipeStrategy(ParStrategy):
             stages=self.num_stages, balance=self.balance,
             balance_by=self.balance_by, schedule=self.schedule, loss_attr=self.loss_attr,
             devices=self.parallel_devices or [], backend=self._process_group_backend,
+            virtual_stages=self._v,
         )  # fmt: skip
+        schedules.check_chunks(self.strategy_name, self.schedule, self.chunks, self.num_stages)
+
+    @property
+    def _v(self) -> int:
+        """Stages per device: ``virtual_stages`` under ``"interleaved"``, else 1."""
+        return self.virtual_stages if self.schedule == "interleaved" else 1
 
     def setup(self, trainer: pl.Trainer) -> None:
         super().setup(trainer)
@@ -224,9 +240,10 @@ class GPipeStrategy(ParStrategy):
                 )
             rank_zero_warn(f"a batch of {x.shape[0]} < chunks={self.chunks} samples runs as "
                            f"{x.shape[0]} micro-batches")  # fmt: skip
-        if self.schedule == "1f1b":
+        if self.schedule != "gpipe":
             if isinstance(batch, torch.Tensor) or len(batch) < 2:
-                raise TypeError("schedule='1f1b' needs batches of the form (input, target, ...)")
+                raise TypeError(f"schedule={self.schedule!r} needs batches of the form "
+                                "(input, target, ...)")  # fmt: skip
             scale = 1.0 / self.lightning_module.trainer.accumulate_grad_batches
             loss_fn = getattr(self.lightning_module, self.loss_attr)
             with self.precision_plugin.train_step_context():

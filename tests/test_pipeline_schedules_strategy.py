@@ -1,0 +1,91 @@
+"""``GPipeStrategy(schedule="interleaved" | "zero_bubble")`` and the hybrid grid's pipelines
+under them: the same weights as one process (with clipping, accumulation, re-materialisation
+and a checkpoint that loads without the strategy), and refusals before launch."""
+
+from __future__ import annotations
+
+import copy
+
+import lightning.pytorch as pl
+import pytest
+import torch
+from _split_models import loader as _loader
+from _split_models import trainer as _trainer
+from lightning.pytorch.callbacks import ModelCheckpoint
+from torch.utils.data import DataLoader, DistributedSampler
+
+from lightning_par.data import SyntheticCIFAR10
+from lightning_par.models import CifarCNN
+from lightning_par.strategies.gpipe import GPipeStrategy
+from lightning_par.strategies.hybrid import HybridStrategy
+
+
+def _model() -> pl.LightningModule:
+    torch.manual_seed(0)
+    return CifarCNN(width=8, num_blocks=2, scheduler=None)  # 4 layers: 2 devices x 2 stages
+
+
+def _assert_close(got: dict, expected: dict, **tol) -> None:
+    assert got.keys() == expected.keys()
+    for key in expected:
+        torch.testing.assert_close(got[key], expected[key].to(got[key].dtype), **tol, msg=key)
+
+
+@pytest.mark.parametrize(
+    "options, trainer_kw",
+    [
+        ({"schedule": "interleaved", "chunks": 4}, {}),  # v = 2 by default
+        ({"schedule": "interleaved", "chunks": 2, "checkpoint": "always"},
+         {"gradient_clip_val": 0.05, "accumulate_grad_batches": 2}),
+        ({"schedule": "zero_bubble", "chunks": 4},
+         {"gradient_clip_val": 0.05, "accumulate_grad_batches": 2}),
+    ],
+)  # fmt: skip
+def test_new_schedules_train_like_one_process(tmp_path, options, trainer_kw):
+    model = _model()
+    reference = copy.deepcopy(model)
+    _trainer("auto", 1, **trainer_kw).fit(reference, _loader())
+    expected = reference.state_dict()
+    saver = ModelCheckpoint(dirpath=tmp_path, filename="pipe", enable_version_counter=False)
+    trainer = _trainer(GPipeStrategy(**options), 2, callbacks=[saver], **trainer_kw)
+    trainer.fit(model, _loader())
+    _assert_close(model.state_dict(), expected, rtol=1e-5, atol=1e-6)
+    # the checkpoint holds the whole model, which loads without the strategy
+    restored = CifarCNN.load_from_checkpoint(tmp_path / "pipe.ckpt", map_location="cpu")
+    _assert_close(restored.state_dict(), expected, rtol=1e-5, atol=1e-6)
+
+
+def test_hybrid_grid_of_interleaved_pipelines_trains_like_one_process():
+    size, batch, dp = 24, 8, 2
+    model = _model().double()
+    data = SyntheticCIFAR10(size, seed=1)
+    shards = [list(DistributedSampler(data, dp, r, shuffle=True, seed=0)) for r in range(dp)]
+    per = batch // dp
+    steps = range(len(shards[0]) // per)
+    order = [i for k in steps for shard in shards for i in shard[k * per : (k + 1) * per]]
+    reference = copy.deepcopy(model)
+    _trainer("auto", 1, precision="64-true").fit(
+        reference, DataLoader(data, batch_size=batch, sampler=order)
+    )
+    strategy = HybridStrategy(dp=dp, mp=2, schedule="interleaved", chunks=2)
+    _trainer(strategy, 4, precision="64-true").fit(model, DataLoader(data, batch_size=per))
+    _assert_close(model.state_dict(), reference.state_dict(), rtol=1e-6, atol=1e-9)
+
+
+def test_unsupported_combinations_are_refused_before_launch():
+    refused = r"gpipe: schedule='zero_bubble' refuses checkpoint='always'.*checkpoint='never'"
+    with pytest.raises(ValueError, match=refused):
+        GPipeStrategy(schedule="zero_bubble", checkpoint="always")
+    with pytest.raises(ValueError, match="gpipe: virtual_stages must be an int >= 1, got 0"):
+        GPipeStrategy(schedule="interleaved", virtual_stages=0)
+    with pytest.raises(ValueError, match=r"schedule='zigzag': choose one of .*'zero_bubble'"):
+        GPipeStrategy(schedule="zigzag")
+    # found in the main process, before any rank starts
+    trainer = _trainer(GPipeStrategy(schedule="interleaved", chunks=3), 2)
+    refused = r"gpipe: schedule='interleaved' needs chunks to be a multiple of the 2 devices"
+    with pytest.raises(ValueError, match=refused + ".*use chunks=4 or 2"):
+        trainer.fit(_model(), _loader())
+    trainer = _trainer(GPipeStrategy(schedule="interleaved", virtual_stages=3), 2)
+    with pytest.raises(ValueError, match=r"6 stages \(2 devices x 3 virtual stages\) but `net` "
+                                         r"has only 4 layers"):  # fmt: skip
+        trainer.fit(_model(), _loader())
