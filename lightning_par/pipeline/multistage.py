@@ -33,7 +33,6 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable, Sequence
-from enum import IntEnum
 
 import torch
 from torch import nn
@@ -41,23 +40,12 @@ from torch.utils.checkpoint import checkpoint
 
 from lightning_par.comm import Communicator, Event, Handle
 from lightning_par.pipeline.checkpoint import SavedActivations, check_mode, recomputes
+from lightning_par.pipeline.messages import HEADER_LEN, Kind, read_header, write_header
 from lightning_par.pipeline.schedule import Step
 
 Tensors = tuple[torch.Tensor, ...]
 #: last stage: the gradients of the loss w.r.t. micro-batch i's outputs
 OutputGrad = Callable[[int, Tensors], Sequence[torch.Tensor | None]]
-_DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int64, torch.int32,
-           torch.uint8, torch.bool]  # fmt: skip
-_MAX_DIMS, _MAX_TENSORS = 8, 8
-_HEADER_LEN = 1 + _MAX_TENSORS * (2 + _MAX_DIMS)
-
-
-class Kind(IntEnum):
-    """Message kinds; each is its own transport tag, so each kind is its own queue."""
-
-    ACT = 1
-    GRAD = 2
-    HEADER = 3
 
 
 def as_tuple(value: torch.Tensor | Sequence[torch.Tensor], stage: int) -> Tensors:
@@ -107,6 +95,7 @@ class DeviceStages:
                     owner.register_forward_hook(self._capture)
         self._capturing: list | None = None
         self._local: dict[tuple[Kind, int, int], Tensors] = {}
+        self._buffers: dict[tuple, torch.Tensor] = {}
         self._reset()
 
     def _reset(self) -> None:
@@ -195,8 +184,12 @@ class DeviceStages:
         self._capturing = None
         if torch.is_grad_enabled():
             self._inputs[key], self._outputs[key] = x, out
-        if s == self.num_stages - 1:
-            self.results[i] = tuple(t.detach() for t in out)
+        if s == self.num_stages - 1:  # kept past the step: never a view of a kept buffer
+            kept = {t.untyped_storage().data_ptr() for t in x} if s > 0 else set()
+            self.results[i] = tuple(
+                t.detach().clone() if t.untyped_storage().data_ptr() in kept else t.detach()
+                for t in out
+            )
         else:
             self._send(Kind.ACT, s + 1, key, tuple(t.detach() for t in out))
 
@@ -250,7 +243,7 @@ class DeviceStages:
             return
         hkey = self._key + (kind, to_stage, key[1], "sent")
         if kind == Kind.ACT and hkey not in self._shapes:
-            header = _header(tensors).to(self._device())
+            header = write_header(tensors).to(self._device())
             self._sends.append(self.comm.isend(header, dst, tag=Kind.HEADER, **meta))
             self._shapes[hkey] = [(t.shape, t.dtype) for t in tensors]
         for t in tensors:
@@ -267,15 +260,26 @@ class DeviceStages:
         if kind == Kind.ACT:
             hkey = self._key + (kind, s, i)
             if hkey not in self._shapes:
-                header = torch.empty(_HEADER_LEN, dtype=torch.int64, device=dev)
+                header = torch.empty(HEADER_LEN, dtype=torch.int64, device=dev)
                 header = self.comm.recv(header, src, tag=Kind.HEADER, **meta)
-                self._shapes[hkey] = _read_header(header.cpu())
+                self._shapes[hkey] = read_header(header.cpu())
             specs = self._shapes[hkey]
         else:  # gradients of this stage's floating outputs, shaped like them
             specs = [(t.shape, t.dtype) for t in like]
-        handles = [self.comm.irecv(torch.empty(sh, dtype=dt, device=dev), src, tag=kind, **meta)
-                   for sh, dt in specs]  # fmt: skip
-        return tuple(h.wait() for h in handles)
+        handles = [self.comm.irecv(self._buffer(kind, key, n, sh, dt, dev), src, tag=kind, **meta)
+                   for n, (sh, dt) in enumerate(specs)]  # fmt: skip
+        # a new tensor on each kept buffer: its own requires_grad and .grad every step
+        return tuple(h.wait().detach() for h in handles)
+
+    def _buffer(self, kind: Kind, key: tuple[int, int], n: int, shape: torch.Size,
+                dtype: torch.dtype, dev: torch.device) -> torch.Tensor:  # fmt: skip
+        # One receive buffer per (kind, stage, micro-batch, tensor), kept from step to step
+        # (a fresh one per message costs page faults every step: see runtime.PipelineStage).
+        # The next step's receive rewrites it only after this step's backward used it.
+        buf = self._buffers.get((kind, key, n))
+        if buf is None or buf.shape != shape or buf.dtype != dtype or buf.device != dev:
+            buf = self._buffers[(kind, key, n)] = torch.empty(shape, dtype=dtype, device=dev)
+        return buf
 
 
 def _parameter_owners(module: nn.Module, stage: int) -> list[nn.Module]:
@@ -293,26 +297,3 @@ def _parameter_owners(module: nn.Module, stage: int) -> list[nn.Module]:
         if params:
             owners.append(sub)
     return owners
-
-
-def _header(tensors: Tensors) -> torch.Tensor:
-    if len(tensors) > _MAX_TENSORS:
-        raise TypeError(f"a stage may pass at most {_MAX_TENSORS} tensors to the next one")
-    header = torch.zeros(_HEADER_LEN, dtype=torch.int64)
-    header[0] = len(tensors)
-    for n, t in enumerate(tensors):
-        if t.dim() > _MAX_DIMS or t.dtype not in _DTYPES:
-            raise TypeError(f"cannot send a {t.dim()}-d {t.dtype} tensor between stages")
-        base = 1 + n * (2 + _MAX_DIMS)
-        header[base], header[base + 1] = t.dim(), _DTYPES.index(t.dtype)
-        header[base + 2 : base + 2 + t.dim()] = torch.tensor(t.shape, dtype=torch.int64)
-    return header
-
-
-def _read_header(header: torch.Tensor) -> list[tuple[torch.Size, torch.dtype]]:
-    specs = []
-    for n in range(int(header[0])):
-        base = 1 + n * (2 + _MAX_DIMS)
-        ndim, dtype = int(header[base]), _DTYPES[int(header[base + 1])]
-        specs.append((torch.Size(header[base + 2 : base + 2 + ndim].tolist()), dtype))
-    return specs

@@ -18,14 +18,12 @@ import torch
 from torch import nn
 
 from lightning_par.comm import Communicator
-from lightning_par.pipeline.multistage import DeviceStages, Kind, _read_header
-from lightning_par.pipeline.multistage import _header as header_of
+from lightning_par.pipeline.messages import Kind, read_header, write_header
+from lightning_par.pipeline.multistage import DeviceStages
 from lightning_par.pipeline.partition import split_sequential
 from lightning_par.pipeline.schedule import Step
 from lightning_par.pipeline.sequential import PipelinedSequential
 from lightning_par.pipeline.step import scheduled_step
-
-_OUTPUT = 4  # transport tag of the shared output (after Kind's tags)
 
 
 def device_layers(net: nn.Sequential, balance: Sequence[int], num_devices: int,
@@ -144,12 +142,13 @@ def share_output(device: DeviceStages, output: torch.Tensor | None) -> torch.Ten
         handles = []
         for dst in range(comm.world_size):
             if dst != src:
-                handles.append(comm.isend(header_of((out,)).to(out.device), dst, tag=Kind.HEADER))
-                handles.append(comm.isend(out, dst, tag=_OUTPUT))
+                header = write_header((out,)).to(out.device)
+                handles.append(comm.isend(header, dst, tag=Kind.HEADER))
+                handles.append(comm.isend(out, dst, tag=Kind.OUTPUT))
         for h in handles:
             h.wait()
         return out
     dev = device._device()
-    header = comm.recv(torch.empty_like(header_of(())).to(dev), src, tag=Kind.HEADER)
-    ((shape, dtype),) = _read_header(header.cpu())
-    return comm.recv(torch.empty(shape, dtype=dtype, device=dev), src, tag=_OUTPUT)
+    header = comm.recv(torch.empty_like(write_header(())).to(dev), src, tag=Kind.HEADER)
+    ((shape, dtype),) = read_header(header.cpu())
+    return comm.recv(torch.empty(shape, dtype=dtype, device=dev), src, tag=Kind.OUTPUT)

@@ -64,10 +64,12 @@ def check_before_launch(
         )
     stages *= virtual_stages  # interleaved: several stages per device
     if stages > len(net):
-        raise ValueError(
-            f"{stages} stages ({stages // virtual_stages} devices x {virtual_stages} virtual "
-            f"stages) but `{module_attr}` has only {len(net)} layers: use fewer"
-        )
+        devices = stages // virtual_stages
+        what, fix = f"{stages} devices (stages)", f"use devices <= {len(net)}"
+        if virtual_stages > 1:
+            what = f"{stages} stages ({devices} devices x {virtual_stages} virtual stages)"
+            fix = f"use devices x virtual_stages <= {len(net)}"
+        raise ValueError(f"{what} but `{module_attr}` has only {len(net)} layers: {fix}")
     if balance is not None:
         check_balance(len(net), balance, stages)
     balance = balance or (balance_by_params(net, stages) if balance_by == "params" else None)
