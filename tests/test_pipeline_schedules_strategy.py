@@ -12,9 +12,11 @@ import torch
 from _split_models import loader as _loader
 from _split_models import trainer as _trainer
 from lightning.pytorch.callbacks import ModelCheckpoint
-from torch.utils.data import DataLoader, DistributedSampler
+from test_hybrid import PRECISION
+from test_hybrid import _assert_same_weights as assert_same_weights
+from test_hybrid import _loader as hybrid_loader
+from test_hybrid import _single_process as hybrid_reference
 
-from lightning_par.data import SyntheticCIFAR10
 from lightning_par.models import CifarCNN
 from lightning_par.strategies.gpipe import GPipeStrategy
 from lightning_par.strategies.hybrid import HybridStrategy
@@ -56,20 +58,11 @@ def test_new_schedules_train_like_one_process(tmp_path, options, trainer_kw):
 
 
 def test_hybrid_grid_of_interleaved_pipelines_trains_like_one_process():
-    size, batch, dp = 24, 8, 2
-    model = _model().double()
-    data = SyntheticCIFAR10(size, seed=1)
-    shards = [list(DistributedSampler(data, dp, r, shuffle=True, seed=0)) for r in range(dp)]
-    per = batch // dp
-    steps = range(len(shards[0]) // per)
-    order = [i for k in steps for shard in shards for i in shard[k * per : (k + 1) * per]]
-    reference = copy.deepcopy(model)
-    _trainer("auto", 1, precision="64-true").fit(
-        reference, DataLoader(data, batch_size=batch, sampler=order)
-    )
-    strategy = HybridStrategy(dp=dp, mp=2, schedule="interleaved", chunks=2)
-    _trainer(strategy, 4, precision="64-true").fit(model, DataLoader(data, batch_size=per))
-    _assert_close(model.state_dict(), reference.state_dict(), rtol=1e-6, atol=1e-9)
+    model = _model()
+    expected = hybrid_reference(model, dp=2)
+    strategy = HybridStrategy(dp=2, mp=2, schedule="interleaved", chunks=2)
+    _trainer(strategy, 4, precision=PRECISION).fit(model, hybrid_loader(dp=2))
+    assert_same_weights(model.state_dict(), expected)
 
 
 def test_unsupported_combinations_are_refused_before_launch():

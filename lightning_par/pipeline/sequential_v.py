@@ -90,14 +90,9 @@ class PipelinedStages(PipelinedSequential):
         return m
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self._precomputed is not None:
-            out, self._precomputed = self._precomputed, None
+        out = self._precomputed_output()
+        if out is not None:
             return out
-        if not self.active:
-            raise RuntimeError(
-                "this network is split into pipeline stages over processes; it can only run "
-                "inside the Trainer's steps, where every stage calls it with the same batch"
-            )
         if torch.is_grad_enabled():
             raise RuntimeError(f"schedule={self.schedule!r} computes the loss per micro-batch: "
                                "call train_1f1b()")  # fmt: skip
