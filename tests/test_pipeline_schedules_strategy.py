@@ -82,3 +82,15 @@ def test_unsupported_combinations_are_refused_before_launch():
     with pytest.raises(ValueError, match=r"6 stages \(2 devices x 3 virtual stages\) but `net` "
                                          r"has only 4 layers"):  # fmt: skip
         trainer.fit(_model(), _loader())
+
+
+@pytest.mark.parametrize("schedule", ["interleaved", "zero_bubble"])
+def test_validation_runs_the_stages_forwards_only_like_one_process(schedule):
+    model = _model()
+    evaluate = {"limit_val_batches": 1.0}
+    expected = _trainer("auto", 1, **evaluate).validate(copy.deepcopy(model), _loader(),
+                                                         verbose=False)[0]  # fmt: skip
+    strategy = GPipeStrategy(schedule=schedule, chunks=2)
+    got = _trainer(strategy, 2, **evaluate).validate(model, _loader(), verbose=False)[0]
+    assert got["val_loss"] == pytest.approx(expected["val_loss"], rel=1e-5)
+    assert got["val_acc"] == pytest.approx(expected["val_acc"])
