@@ -38,9 +38,10 @@ def _assert_close(got: dict, expected: dict, **tol) -> None:
     [
         ({"schedule": "interleaved", "chunks": 4}, {}),  # v = 2 by default
         ({"schedule": "interleaved", "chunks": 2, "checkpoint": "always"},
-         {"gradient_clip_val": 0.05, "accumulate_grad_batches": 2}),
-        ({"schedule": "zero_bubble", "chunks": 4},
-         {"gradient_clip_val": 0.05, "accumulate_grad_batches": 2}),
+         {"accumulate_grad_batches": 2}),
+        ({"schedule": "zero_bubble", "chunks": 4}, {"accumulate_grad_batches": 2}),
+        # clipping by norm hides a wrong gradient scale, so it gets a run of its own
+        ({"schedule": "zero_bubble", "chunks": 2}, {"gradient_clip_val": 0.05}),
     ],
 )  # fmt: skip
 def test_new_schedules_train_like_one_process(tmp_path, options, trainer_kw):
