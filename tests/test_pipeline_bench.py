@@ -1,7 +1,7 @@
 """``python -m lightning_par.bench pipeline`` measures what it says: each of our schedules
-sends one activation and one gradient message per micro-batch, carrying exactly the batch's
-activations at the cut, torch's two schedules run as the peers of ours, and the theory
-column is GPipe's bubble (K-1)/(M+K-1)."""
+sends one activation and one gradient message per micro-batch and cut, carrying exactly the
+batch's activations at the cut, torch's schedules run as the peers of ours, and the theory
+column is each schedule's bubble formula."""
 
 import json
 
@@ -17,23 +17,33 @@ def test_pipeline_bench_counts_the_schedules_messages(capsys):
     rows = {(row["name"], row["chunks"]): row for row in result["rows"]}
     assert list(rows) == [
         ("naive", 1), ("gpipe", 2), ("gpipe", 4), ("1f1b", 2), ("1f1b", 4),
+        ("interleaved", 2), ("interleaved", 4), ("zero_bubble", 2), ("zero_bubble", 4),
         ("torch ScheduleGPipe", 2), ("torch ScheduleGPipe", 4),
         ("torch Schedule1F1B", 2), ("torch Schedule1F1B", 4),
+        ("torch ScheduleInterleaved1F1B", 2), ("torch ScheduleInterleaved1F1B", 4),
+        ("torch ScheduleInterleavedZeroBubble", 2), ("torch ScheduleInterleavedZeroBubble", 4),
     ]  # fmt: skip
     # the Linear stack is cut between two Linear(1024) layers: a 256 x 1024 float batch
     cut_bytes = 256 * 1024 * 4
+    peers = {"gpipe": "torch ScheduleGPipe", "1f1b": "torch Schedule1F1B",
+             "interleaved": "torch ScheduleInterleaved1F1B",
+             "zero_bubble": "torch ScheduleInterleavedZeroBubble"}  # fmt: skip
     for (name, m), row in rows.items():
-        assert row["theory_bubble"] == 1 / (m + 1)
+        kind = {v: k for k, v in peers.items()}.get(name, name)
+        expected = {"interleaved": 1 / (2 * m + 1), "zero_bubble": 1 / (3 * m + 1)}
+        assert row["theory_bubble"] == expected.get(kind, 1 / (m + 1)), (name, m)
         assert len(row["stage_cpu_ms"]) == 2
         if name.startswith("torch"):
             assert "messages_per_step" not in row
             continue
-        # stage 0 sends M activations forward, stage 1 M gradients back, every timed step
-        # (shape headers went once, in the first warm-up step), together the whole batch
-        assert row["messages_per_step"] == [m, m], (name, m)
-        assert row["bytes_per_step"] == [cut_bytes, cut_bytes], (name, m)
-        peer = rows.get(({"gpipe": "torch ScheduleGPipe", "1f1b": "torch Schedule1F1B"}
-                         .get(name), m))  # fmt: skip
+        # each device sends one activation or gradient per micro-batch and cut it sits at,
+        # every timed step (shape headers went once, in the first warm-up step): GPipe's
+        # one cut carries the whole batch each way; interleaving (v = 2, 3 cuts) thrice
+        cuts = 3 if name == "interleaved" else 1
+        assert row["messages_per_step"] == [cuts * m, cuts * m], (name, m)
+        assert row["bytes_per_step"] == [cuts * cut_bytes] * 2, (name, m)
+        assert all(b > 0 for b in row["peak_saved_bytes"])
+        peer = rows.get((peers.get(name), m))
         if peer is not None:
             assert row["speedup_vs_torch_peer"] == peer["step_ms"] / row["step_ms"]
     saved = result["saved_activation_bytes_per_stage"]

@@ -1,5 +1,7 @@
 import torch
 
+from lightning_par.pipeline.schedule import Step
+
 
 def two_stage_gpipe(comm, stage, x, y, loss_fn, chunks):
     """One GPipe step of ``chunks`` micro-batches on two ranks: rank 0's ``stage`` holds the
@@ -24,3 +26,21 @@ def two_stage_gpipe(comm, stage, x, y, loss_fn, chunks):
         loss.backward()
         for act in reversed(received):
             comm.send(act.grad, 0)
+
+
+def interleaved_order(device, num_devices, v, chunks):
+    """Device ``device``'s steps under interleaved 1F1B: Step(stage, "fwd" or "bwd", micro_batch)
+    for its stages device, device + K, ..., in Megatron-LM's order (see part b)."""
+    k = num_devices
+    forwards, backwards = [], []
+    for first in range(0, chunks, k):  # groups of K micro-batches ...
+        group = range(first, first + k)
+        for chunk in range(v):  # ... go round the device's stages
+            forwards += [Step(chunk * k + device, "fwd", i) for i in group]
+        for chunk in reversed(range(v)):  # backwards visit the stages the other way round
+            backwards += [Step(chunk * k + device, "bwd", i) for i in group]
+    warmup = min(2 * (k - device - 1) + (v - 1) * k, len(forwards))
+    steps = forwards[:warmup]
+    for f, b in zip(forwards[warmup:], backwards):
+        steps += [f, b]
+    return steps + backwards[len(forwards) - warmup :]

@@ -1,17 +1,26 @@
-"""Pipeline benchmark: naive split vs our GPipe and 1F1B vs torch.distributed.pipelining.
+"""Pipeline benchmark: naive split vs our four schedules vs torch.distributed.pipelining.
 
-``python -m lightning_par.bench pipeline [--workload linear,cnn] [--chunks 2,4,8] [--json]``
+``python -m lightning_par.bench pipeline [--workload linear,cnn] [--chunks 2,4,8]
+[--stages 2] [--virtual-stages 2] [--json]``
 
-Two stages (two processes, gloo, one thread each so that the two stages share the two
-cores of the reference machine fairly), the same split and the same model for every
-contender, in one run:
+``K = --stages`` devices (processes, gloo, one thread each so that two stages share the
+two cores of the reference machine fairly), the same model for every contender, cut into
+``K`` stages (``K*v`` for the interleaved ones, the same cut for ours and torch's), in one
+run:
 
 * one process on the whole model (1 thread and 2 threads) for context;
 * the naive split (``M = 1``: one stage works while the other waits);
 * our GPipe and 1F1B for several ``M`` (``checkpoint="never"``: no recomputation, like
   torch's schedule), with the measured bubble from the trace next to (K-1)/(M+K-1);
-* torch's ``ScheduleGPipe`` and ``Schedule1F1B`` on the same stages, each the peer of our
-  schedule of the same name at the same ``M`` (``speedup_vs_torch_peer``);
+* our interleaved 1F1B (``v`` stages per device) and zero bubble (ZB-H1 order, B/W split)
+  on :class:`~lightning_par.pipeline.multistage.DeviceStages` (:mod:`.pipeline_v`), each
+  row's ``theory_bubble`` its own formula (:func:`~lightning_par.pipeline.schedules_v.
+  formula_bubble`) beside the bubble measured from the traces;
+* torch's ``ScheduleGPipe``, ``Schedule1F1B``, ``ScheduleInterleaved1F1B`` and
+  ``ScheduleInterleavedZeroBubble`` on the same stages, each the peer of our schedule of the
+  same kind at the same ``M`` (``speedup_vs_torch_peer``);
+* per stage of ours, the peak bytes of activations saved for backward during one step
+  (``peak_saved_bytes``, counted with ``saved_tensors_hooks``);
 * each stage's CPU time per step (nearly blind to load from other processes) and, for our
   rows, the messages and bytes each stage sent per step;
 * activation bytes each stage stores between forward and backward per re-materialisation
@@ -29,16 +38,24 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from lightning_par.bench.pipeline_v import (
+    PEERS_V,
+    TORCH_V_SCHEDULES,
+    ours_v,
+    runs,
+    theirs_v,
+    virtual_of,
+)
 from lightning_par.comm import CommTrace, Communicator, run_on_ranks
 from lightning_par.pipeline import (
     CHECKPOINT_MODES,
     PipelineStage,
     balance_by_params,
     balance_by_time,
-    bubble_fraction,
     forward_backward,
     split_sequential,
 )
+from lightning_par.pipeline.schedules_v import NEW_SCHEDULES, formula_bubble
 from lightning_par.pipeline.timeline import measured_bubble
 
 
@@ -108,17 +125,23 @@ def _stage_input(net: nn.Sequential, balance: list[int], stage: int, x: torch.Te
         return net[: sum(balance[:stage])](x) if stage else x
 
 
+def _balance(workload: str, base: nn.Sequential, x: torch.Tensor, stages: int, rank: int):
+    if workload == "linear":  # identical layers: equal parameter counts are equal work
+        return balance_by_params(base, stages)
+    # measured on rank 0, shared so that every rank cuts at the same place
+    box = [balance_by_time(base, x, stages, repeat=5) if rank == 0 else None]
+    dist.broadcast_object_list(box, 0)
+    return box[0]
+
+
 def _pipelines(rank: int, world_size: int, workload: str, chunks: list[int], warmup: int,
-               steps: int, rounds: int) -> dict:  # fmt: skip
+               steps: int, rounds: int, virtual: int = 2) -> dict:  # fmt: skip
     torch.set_num_threads(1)
     base, x, y, loss_fn = WORKLOADS[workload]()
-    if workload == "linear":  # identical layers: equal parameter counts are equal work
-        balance = balance_by_params(base, world_size)
-    else:  # measured on rank 0, shared so that both stages cut at the same place
-        box = [balance_by_time(base, x, world_size, repeat=5) if rank == 0 else None]
-        dist.broadcast_object_list(box, 0)
-        balance = box[0]
+    balances = {v: _balance(workload, base, x, world_size * v, rank) for v in sorted({1, virtual})}
+    balance = balances[1]
     results: dict = {"balance": balance, "runs": [], "saved_bytes": {}}
+    same = (base, balances, rank, world_size, virtual, x, y, loss_fn)
 
     def ours(schedule: str, m: int, mode: str = "never"):
         module = split_sequential(copy.deepcopy(base), balance)[rank]
@@ -142,7 +165,11 @@ def _pipelines(rank: int, world_size: int, workload: str, chunks: list[int], war
 
     contenders = [("naive", 1, ours("gpipe", 1))]
     contenders += [(s, m, ours(s, m)) for s in ("gpipe", "1f1b") for m in chunks]
+    contenders += [(s, m, ours_v(s, m, *same)) for s in NEW_SCHEDULES for m in chunks
+                   if runs(s, m, world_size, virtual)]  # fmt: skip
     contenders += [(f"torch {k}", m, theirs(k, m)) for k in TORCH_SCHEDULES for m in chunks]
+    contenders += [(f"torch {k}", m, theirs_v(k, m, *same)) for k in TORCH_V_SCHEDULES
+                   for m in chunks]  # fmt: skip
     # rounds interleave the contenders, so that load from other processes hits all alike
     best = [float("inf")] * len(contenders)
     cpu = [float("inf")] * len(contenders)
@@ -161,6 +188,11 @@ def _pipelines(rank: int, world_size: int, workload: str, chunks: list[int], war
                        messages_per_step=len(sent) / steps,
                        bytes_per_step=sum(msg.nbytes for msg in sent) / steps)  # fmt: skip
         results["runs"].append(run)
+    for run, (_, _, (stage, _, step)) in zip(results["runs"], contenders):
+        if stage is not None:  # one more step, counting the activations saved for backward
+            stage.measure_memory()
+            step()
+            run["peak_saved_bytes"] = stage.saved.peak
 
     for mode in CHECKPOINT_MODES:
         stage, opt, step = ours("gpipe", max(chunks), mode)
@@ -170,13 +202,20 @@ def _pipelines(rank: int, world_size: int, workload: str, chunks: list[int], war
     return results
 
 
+def _kind(name: str) -> str:
+    """Our schedule a row's bubble formula is that of (torch's rows: their peer's)."""
+    peers = {v: k for k, v in {**PEERS, **PEERS_V}.items()}
+    return peers.get(name, "gpipe" if name == "naive" else name)
+
+
 def run(workload: str, chunks: list[int], warmup: int, steps: int, rounds: int,
-        single_threads: tuple[int, ...] = (1, 2)) -> dict:  # fmt: skip
+        single_threads: tuple[int, ...] = (1, 2), stages: int = 2,
+        virtual: int = 2) -> dict:  # fmt: skip
     timing = (warmup, steps, rounds)
     single = {
         t: run_on_ranks(_single, 1, workload, t, *timing, timeout=900)[0] for t in single_threads
     }
-    ranks = run_on_ranks(_pipelines, 2, workload, chunks, *timing, timeout=1800)
+    ranks = run_on_ranks(_pipelines, stages, workload, chunks, *timing, virtual, timeout=1800)
     naive = ranks[0]["runs"][0]["step_s"]
     rows = []
     for i, run0 in enumerate(ranks[0]["runs"]):
@@ -184,8 +223,11 @@ def run(workload: str, chunks: list[int], warmup: int, steps: int, rounds: int,
         row = {"name": run0["name"], "chunks": run0["chunks"], "step_ms": step_s * 1e3,
                "speedup_vs_naive": naive / step_s,
                "stage_cpu_ms": [r["runs"][i]["cpu_s"] * 1e3 for r in ranks],
-               "theory_bubble": bubble_fraction(2, run0["chunks"])}  # fmt: skip
+               "virtual_stages": virtual_of(run0["name"], virtual),
+               "theory_bubble": formula_bubble(_kind(run0["name"]), stages, run0["chunks"],
+                                               virtual_of(run0["name"], virtual))}  # fmt: skip
         if "trace" in run0:
+            row["peak_saved_bytes"] = [r["runs"][i]["peak_saved_bytes"] for r in ranks]
             row["messages_per_step"] = [r["runs"][i]["messages_per_step"] for r in ranks]
             row["bytes_per_step"] = [r["runs"][i]["bytes_per_step"] for r in ranks]
             traces = [r["runs"][i]["trace"] for r in ranks]
@@ -197,11 +239,12 @@ def run(workload: str, chunks: list[int], warmup: int, steps: int, rounds: int,
     by_name = {(r["name"], r["chunks"]): r["step_ms"] for r in rows}
     for row in rows:
         row["speedup_vs_torch_best"] = best_torch / row["step_ms"]
-        peer = by_name.get((PEERS.get(row["name"]), row["chunks"]))
+        peer = by_name.get(({**PEERS, **PEERS_V}.get(row["name"]), row["chunks"]))
         if peer is not None:  # torch's same schedule at the same chunks over ours
             row["speedup_vs_torch_peer"] = peer / row["step_ms"]
     return {
         "workload": workload,
+        "stages": stages,
         "balance": ranks[0]["balance"],
         "single_process_ms": {
             f"{t}_thread{'s' if t > 1 else ''}": s * 1e3 for t, s in single.items()
@@ -222,23 +265,27 @@ def report(result: dict) -> str:
     lines += [f"one process: {single}", ""]
     lines.append(
         "| run | M | step (ms) | vs naive | vs torch peer | vs best torch | bubble measured "
-        "| theory | CPU/stage (ms) |"
+        "| theory | CPU/stage (ms) | peak saved/stage (MiB) | messages/stage |"
     )
-    lines.append("|---|---|---|---|---|---|---|---|---|")
+    lines.append("|---|---|---|---|---|---|---|---|---|---|---|")
     for r in result["rows"]:
         measured = f"{r['measured_bubble']:.0%}" if "measured_bubble" in r else "-"
         peer = f"{r['speedup_vs_torch_peer']:.2f}x" if "speedup_vs_torch_peer" in r else "-"
         lines.append(
             f"| {r['name']} | {r['chunks']} | {r['step_ms']:.1f} | {r['speedup_vs_naive']:.2f}x "
             f"| {peer} | {r['speedup_vs_torch_best']:.2f}x | {measured} "
-            f"| {r['theory_bubble']:.0%} | {'/'.join(f'{c:.0f}' for c in r['stage_cpu_ms'])} |"
+            f"| {r['theory_bubble']:.0%} | {'/'.join(f'{c:.0f}' for c in r['stage_cpu_ms'])} "
+            f"| {'/'.join(f'{b / 2**20:.1f}' for b in r.get('peak_saved_bytes', [])) or '-'} "
+            f"| {'/'.join(f'{n:g}' for n in r.get('messages_per_step', [])) or '-'} |"
         )
     lines += [
         "",
         f"saved activations per stage at M={result['saved_at_chunks']} (GPipe schedule):",
         "",
     ]
-    lines += ["| checkpoint | stage 0 | stage 1 |", "|---|---|---|"]
+    k = len(next(iter(result["saved_activation_bytes_per_stage"].values())))
+    lines += ["| checkpoint | " + " | ".join(f"stage {s}" for s in range(k)) + " |",
+              "|---" * (k + 1) + "|"]  # fmt: skip
     for mode, per_stage in result["saved_activation_bytes_per_stage"].items():
         lines.append(f"| {mode} | " + " | ".join(f"{b / 2**20:.1f} MiB" for b in per_stage) + " |")
     return "\n".join(lines)
@@ -257,11 +304,17 @@ def main(argv: list[str]) -> int:
         help="thread counts of the one-process reference (a forked child can only use more "
         "than one if this process has not started OpenMP threads yet)",
     )
+    parser.add_argument("--stages", type=int, default=2, help="pipeline devices K (processes)")
+    parser.add_argument("--virtual-stages", type=int, default=2,
+                        help="stages per device of the interleaved schedules, v")  # fmt: skip
     parser.add_argument("--json", action="store_true", help="print JSON instead of tables")
     args = parser.parse_args(argv)
     chunks = [int(c) for c in args.chunks.split(",")]
     workloads = args.workload.split(",")
     threads = tuple(int(t) for t in args.single_threads.split(","))
-    results = [run(w, chunks, args.warmup, args.steps, args.rounds, threads) for w in workloads]
+    if args.stages < 2 or args.virtual_stages < 1:
+        parser.error("--stages must be >= 2 and --virtual-stages >= 1")
+    results = [run(w, chunks, args.warmup, args.steps, args.rounds, threads, args.stages,
+                   args.virtual_stages) for w in workloads]  # fmt: skip
     print(json.dumps(results, indent=2) if args.json else "\n\n".join(map(report, results)))
     return 0

@@ -14,6 +14,7 @@ from torch import nn
 
 from lightning_par.pipeline import CHECKPOINT_MODES, SCHEDULES, balance_by_params
 from lightning_par.pipeline.partition import balance_by_time, check_balance, split_sequential
+from lightning_par.pipeline.schedules_v import NEW_SCHEDULES
 from lightning_par.pipeline.sequential import PipelinedSequential
 
 
@@ -25,7 +26,7 @@ def check_settings(
         raise ValueError(f"chunks (micro-batches per batch) must be an int >= 1: {chunks!r}")
     for name, value, choices in [
         ("checkpoint", checkpoint, CHECKPOINT_MODES),
-        ("schedule", schedule, SCHEDULES),
+        ("schedule", schedule, SCHEDULES + NEW_SCHEDULES),
         ("balance_by", balance_by, ("params", "time")),
     ]:
         if value not in choices:
@@ -46,6 +47,7 @@ def check_before_launch(
     loss_attr: str,
     devices: Sequence[torch.device],
     backend: str | None,
+    virtual_stages: int = 1,
 ) -> None:
     """Reject a network, balance or loss the strategy cannot run; nothing to check when there
     is no module yet or its network is already split. ``stages``: number of processes."""
@@ -60,11 +62,14 @@ def check_before_launch(
             "nn.Sequential of layers (each mapping one tensor to one tensor), or pass "
             "module_attr='<name of your Sequential>'"
         )
+    stages *= virtual_stages  # interleaved: several stages per device
     if stages > len(net):
-        raise ValueError(
-            f"{stages} devices (stages) but `{module_attr}` has only {len(net)} layers: "
-            f"use devices <= {len(net)}"
-        )
+        devices = stages // virtual_stages
+        what, fix = f"{stages} devices (stages)", f"use devices <= {len(net)}"
+        if virtual_stages > 1:
+            what = f"{stages} stages ({devices} devices x {virtual_stages} virtual stages)"
+            fix = f"use devices x virtual_stages <= {len(net)}"
+        raise ValueError(f"{what} but `{module_attr}` has only {len(net)} layers: {fix}")
     if balance is not None:
         check_balance(len(net), balance, stages)
     balance = balance or (balance_by_params(net, stages) if balance_by == "params" else None)
@@ -73,8 +78,8 @@ def check_before_launch(
         check_stages_have_parameters(net, balance)
     if devices and devices[0].type == "cuda":
         check_backend(schedule, backend or "nccl")
-    if schedule == "1f1b":
-        check_1f1b_loss(module, loss_attr)
+    if schedule != "gpipe":
+        check_1f1b_loss(module, loss_attr, schedule)
 
 
 def check_stages_have_parameters(net: nn.Sequential, balance: list[int]) -> None:
@@ -92,12 +97,13 @@ def check_stages_have_parameters(net: nn.Sequential, balance: list[int]) -> None
             )
 
 
-def check_1f1b_loss(module: pl.LightningModule, loss_attr: str) -> None:
-    """1F1B calls the loss per micro-batch, which sums to the batch loss only for a mean."""
+def check_1f1b_loss(module: pl.LightningModule, loss_attr: str, schedule: str = "1f1b") -> None:
+    """1F1B (and every schedule past it) calls the loss per micro-batch, which sums to the
+    batch loss only for a mean."""
     loss_fn = getattr(module, loss_attr, None)
     if not callable(loss_fn) or getattr(loss_fn, "reduction", "mean") != "mean":
         raise TypeError(
-            f"schedule='1f1b' computes the loss per micro-batch with "
+            f"schedule={schedule!r} computes the loss per micro-batch with "
             f"`module.{loss_attr}(output, target)`, which must be a mean-reduced "
             f"loss (e.g. nn.CrossEntropyLoss()); found {loss_fn!r}. Use "
             "schedule='gpipe' for any other loss"
@@ -106,12 +112,12 @@ def check_1f1b_loss(module: pl.LightningModule, loss_attr: str) -> None:
 
 def check_backend(schedule: str, backend: str) -> None:
     """Reject 1F1B on NCCL, which would deadlock."""
-    if schedule == "1f1b" and backend == "nccl":
+    if schedule != "gpipe" and backend == "nccl":
         # 1F1B has a stage send its next activation while its neighbour sends a gradient
         # back; NCCL runs one pair's messages in posting order on one stream, so both
         # sends would wait for receives queued behind them.
         raise ValueError(
-            "schedule='1f1b' needs sends in both directions between two stages at once, "
+            f"schedule={schedule!r} needs sends in both directions between two stages at once, "
             "which NCCL point-to-point serialises (deadlock): use schedule='gpipe' on GPUs, "
             "or process_group_backend='gloo' (CUDA tensors are staged through host memory)"
         )
@@ -121,14 +127,14 @@ def check_trainer(trainer: pl.Trainer, schedule: str, precision_plugin: Any) -> 
     """Reject trainer settings that would differ from single-process training: a gradient
     scaler under 1F1B. (Clipping by norm uses the whole model's norm:
     :mod:`lightning_par.components.pipeline_features`.)"""
-    if schedule == "1f1b":
-        check_1f1b_contract(precision_plugin)
+    if schedule != "gpipe":
+        check_1f1b_contract(precision_plugin, schedule)
 
 
-def check_1f1b_contract(precision_plugin: Any) -> None:
+def check_1f1b_contract(precision_plugin: Any, schedule: str = "1f1b") -> None:
     """1F1B runs its backwards inside the training step, outside Lightning's loss scaling."""
     if getattr(precision_plugin, "scaler", None) is not None:
-        raise ValueError("schedule='1f1b' does not support a gradient scaler; use 'gpipe'")
+        raise ValueError(f"schedule={schedule!r} does not support a gradient scaler; use 'gpipe'")
 
 
 def resolve_balance(

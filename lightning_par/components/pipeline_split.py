@@ -38,6 +38,7 @@ from lightning_par.modelparallel.wavefront import (
     recurrent_parts,
     wavefront_balance,
 )
+from lightning_par.pipeline import options as schedules
 from lightning_par.pipeline.batchnorm import commit_batch_norm, defer_batch_norm
 from lightning_par.pipeline.optim_state import merge_stage_states, model_order, stage_state
 from lightning_par.pipeline.partition import split_sequential
@@ -68,16 +69,20 @@ class PipelineSplit(ModelSplitter):
         self,
         balance: list[int] | None = None,
         chunks: int = 4,
-        checkpoint: str = "except_last",
+        checkpoint: str | None = None,
         schedule: str = "gpipe",
         module_attr: str = "net",
         loss_attr: str = "criterion",
         balance_by: str = "params",
         deferred_batch_norm: bool = False,
         time_chunk: int | None = None,
+        virtual_stages: int = 2,
     ) -> None:
         super().__init__()
+        checkpoint = schedules.resolve_checkpoint(checkpoint, schedule)
         checks.check_settings(balance, chunks, checkpoint, schedule, balance_by)
+        schedules.check_options(schedule, virtual_stages, checkpoint)
+        self.virtual_stages = virtual_stages
         if not isinstance(deferred_batch_norm, bool):
             raise TypeError(f"deferred_batch_norm must be True or False: {deferred_batch_norm!r}")
         self.time_chunk = check_time_chunk(time_chunk)
@@ -86,6 +91,11 @@ class PipelineSplit(ModelSplitter):
         self.schedule, self.module_attr, self.loss_attr = schedule, module_attr, loss_attr
         self.balance_by = balance_by
         self.batch_checked = False
+
+    @property
+    def stages_per_device(self) -> int:
+        """``virtual_stages`` under ``"interleaved"``, else 1."""
+        return self.virtual_stages if self.schedule == "interleaved" else 1
 
     @property
     def name(self) -> str:  # type: ignore[override]
@@ -119,7 +129,9 @@ class PipelineSplit(ModelSplitter):
             balance_by=self.balance_by, schedule=self.schedule, loss_attr=self.loss_attr,
             devices=self.strategy.parallel_devices or [],
             backend=_compat.process_group_backend(self.strategy),
+            virtual_stages=self.stages_per_device,
         )  # fmt: skip
+        schedules.check_chunks(self.name, self.schedule, self.chunks, self.size)
         if self.time_chunk is not None and isinstance(net, nn.Sequential):
             recurrent_parts(net, self.balance or wavefront_balance(net, self.size))
 
@@ -134,23 +146,23 @@ class PipelineSplit(ModelSplitter):
         device = self.strategy.root_device
         if self.time_chunk is None:
             balance = checks.resolve_balance(
-                self.module, net, stages=self.size, balance=self.balance,
-                balance_by=self.balance_by, rank=self.strategy.global_rank,
-                broadcast=self.strategy.broadcast,
+                self.module, net, stages=self.size * self.stages_per_device,
+                balance=self.balance, balance_by=self.balance_by,
+                rank=self.strategy.global_rank, broadcast=self.strategy.broadcast,
             )  # fmt: skip
             if self.deferred_batch_norm:
                 defer_batch_norm(net)
-            stages = split_sequential(net, balance)
-            piped: nn.Module = PipelinedSequential(
+            piped, first = schedules.build_network(
                 net, balance, self.comm, chunks=self.chunks, checkpoint=self.checkpoint,
-                schedule=self.schedule,
+                schedule=self.schedule, virtual_stages=self.stages_per_device,
             )  # fmt: skip
         else:
             balance = self.balance or wavefront_balance(net, self.size)
-            stages = split_sequential(net, balance)
             piped = WavefrontSequential(net, balance, self.comm, self.time_chunk)
+            first = None
+            if self.comm.rank == 0:
+                first = [s.state_dict() for s in split_sequential(net, balance)]
         piped.to(device)
-        first = [s.state_dict() for s in stages] if self.comm.rank == 0 else None
         send_weights_from_first(self.comm, first, piped.state_dict(), device)
         setattr(self.module, self.module_attr, piped)
 
@@ -200,9 +212,11 @@ class PipelineSplit(ModelSplitter):
                 )
             rank_zero_warn(f"a batch of {x.shape[0]} < chunks={self.chunks} samples runs as "
                            f"{x.shape[0]} micro-batches")  # fmt: skip
-        if self.schedule == "1f1b":
+        if self.schedule != "gpipe":  # 1F1B and past it: the loss per micro-batch, here
             if isinstance(batch, torch.Tensor) or len(batch) < 2:
-                raise TypeError("schedule='1f1b' needs batches of the form (input, target, ...)")
+                raise TypeError(
+                    f"schedule={self.schedule!r} needs batches of the form (input, target, ...)"
+                )
             scale = 1.0 / self.module.trainer.accumulate_grad_batches
             loss_fn = getattr(self.module, self.loss_attr)
             with self.strategy.precision_plugin.train_step_context():

@@ -6,7 +6,14 @@
 * :mod:`.checkpoint`: re-materialisation modes and saved-activation counting;
 * :mod:`.runtime`: one stage in one process, exchanging tensors through
   :class:`lightning_par.comm.Communicator`;
-* :mod:`.step`: a full training step for a loss on the joined output.
+* :mod:`.schedules_v`: interleaved 1F1B and zero bubble (B/W split) as per-device step lists;
+* :mod:`.validate`: the rules every schedule keeps, checked before it runs;
+* :mod:`.multistage`: one device holding several stages (tuples of tensors between them,
+  :mod:`.messages`), running any validated schedule;
+* :mod:`.step`: a full training step for a loss on the joined output (``scheduled_step``:
+  under any schedule);
+* :mod:`.sequential`, :mod:`.sequential_v`, :mod:`.options`: the networks the strategies
+  put in the model's place, and the checks of their schedule options.
 
 The Lightning adapter is :class:`lightning_par.strategies.gpipe.GPipeStrategy`.
 """

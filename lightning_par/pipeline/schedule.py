@@ -23,11 +23,22 @@ SCHEDULES = ("gpipe", "1f1b")
 
 class Step(NamedTuple):
     stage: int
-    op: str  # "fwd" or "bwd"
+    op: str  # "fwd", "bwd"; zero bubble splits "bwd" into "bwd_input" and "bwd_weight"
     micro_batch: int
 
     def __str__(self) -> str:
-        return f"{'F' if self.op == 'fwd' else 'B'}{self.micro_batch}"
+        return f"{_LETTERS.get(self.op, '?')}{self.micro_batch}"
+
+    def describe(self) -> str:
+        """In words, for error messages: ``"forward of micro-batch 3 on stage 2"``."""
+        what = _WORDS.get(self.op, repr(self.op))
+        return f"{what} of micro-batch {self.micro_batch} on stage {self.stage}"
+
+
+# the zero-bubble paper's letters: B is the input-gradient half, W the weight-gradient half
+_LETTERS = {"fwd": "F", "bwd": "B", "bwd_input": "B", "bwd_weight": "W"}
+_WORDS = {"fwd": "forward", "bwd": "backward", "bwd_input": "input-gradient backward (B)",
+          "bwd_weight": "weight-gradient backward (W)"}  # fmt: skip
 
 
 def _check(num_stages: int, chunks: int) -> None:

@@ -76,7 +76,9 @@ class PipelinedSequential(nn.Module):
     def chunks_for(self, batch_size: int) -> int:
         return min(self.chunks, batch_size)  # a short last batch gets fewer micro-batches
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def _precomputed_output(self) -> torch.Tensor | None:
+        """The output :meth:`train_1f1b` computed (once); otherwise ``None``, after checking
+        that every stage runs this forward (inside the Trainer's steps)."""
         if self._precomputed is not None:
             out, self._precomputed = self._precomputed, None
             return out
@@ -86,6 +88,12 @@ class PipelinedSequential(nn.Module):
                 "inside the Trainer's training/validation/test/predict steps, where every stage "
                 "calls it with the same batch"
             )
+        return None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = self._precomputed_output()
+        if out is not None:
+            return out
         if self._pending is not None:  # a previous step never ran backward: drop it
             self._pending = None
             self.runtime.finish()

@@ -13,6 +13,10 @@ How a batch loss maps onto micro-batches depends on the schedule:
   so each micro-batch back-propagates ``(n_i / B) * d loss(out_i, y_i)``: again the
   single-process gradient.
 
+:func:`scheduled_step` runs any schedule (interleaved 1F1B, zero bubble, and GPipe and
+1F1B too) on a :class:`~lightning_par.pipeline.multistage.DeviceStages` with the per
+micro-batch loss of 1F1B (a GPipe order there also computes the loss per micro-batch).
+
 :func:`forward_backward` strings them together for a loss on the last stage;
 :class:`~lightning_par.pipeline.sequential.PipelinedSequential` calls the halves from
 Lightning's ``training_step`` and ``backward``.
@@ -20,13 +24,17 @@ Lightning's ``training_step`` and ``backward``.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 
 import torch
 
-from lightning_par.pipeline.microbatch import scatter
+from lightning_par.pipeline.microbatch import micro_batch_sizes, scatter
+from lightning_par.pipeline.multistage import DeviceStages
 from lightning_par.pipeline.runtime import PipelineStage
 from lightning_par.pipeline.schedule import Step, stage_steps
+from lightning_par.pipeline.schedules_v import device_schedule
+from lightning_par.pipeline.validate import validate
 
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
@@ -109,3 +117,52 @@ def forward_backward(
         grad = joined.grad
     backward_half(stage, steps, grad)
     return loss
+
+
+def scheduled_step(
+    device: DeviceStages,
+    x: torch.Tensor | tuple[torch.Tensor, ...],
+    target: torch.Tensor | None,
+    loss_fn: LossFn,
+    chunks: int,
+    schedule: str,
+    virtual_stages: int = 1,
+    scale: float = 1.0,
+) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """One training step of ``device`` (a :class:`DeviceStages`) under any schedule of
+    :func:`~lightning_par.pipeline.schedules_v.device_schedule`, validated before it runs,
+    with a mean-reduced ``loss_fn`` per micro-batch as in :func:`one_f_one_b`. ``x`` is the
+    batch (a tensor or a tuple of tensors that the first stage takes). Returns, on the device
+    holding the last stage, its joined (first) output and the batch loss; else ``(None, None)``.
+    Calls ``device.finish()``."""
+    k = device.comm.world_size
+    steps = checked_schedule(schedule, k, chunks, virtual_stages)[device.comm.rank]
+    xs = x if isinstance(x, tuple) else (x,)
+    batch = xs[0].shape[0]
+    sizes = micro_batch_sizes(batch, chunks)
+    device.begin(tuple(xs[0].shape), chunks)
+    last = device.num_stages - 1 in device.stages
+    targets = scatter(target, chunks) if last else None
+    losses: list[torch.Tensor] = []
+
+    def micro_grad(i: int, outs: tuple[torch.Tensor, ...]) -> list[torch.Tensor]:
+        out = outs[0].detach().requires_grad_(True)
+        loss = loss_fn(out, targets[i]) * (sizes[i] / batch)
+        losses.append(loss.detach())
+        return [torch.autograd.grad(loss * scale, out)[0]] + [None] * (len(outs) - 1)
+
+    inputs = list(zip(*(scatter(t, chunks) for t in xs))) if 0 in device.stages else None
+    device.run(steps, inputs, output_grad=micro_grad)
+    joined = torch.cat([device.results[i][0] for i in range(chunks)]) if last else None
+    device.finish()
+    return (joined, torch.stack(losses).sum()) if last else (None, None)
+
+
+@functools.lru_cache(maxsize=64)
+def checked_schedule(
+    schedule: str, num_devices: int, chunks: int, virtual_stages: int = 1
+) -> list[list[Step]]:
+    """Every device's steps under ``schedule``, after :func:`validate` passed (cached)."""
+    steps = device_schedule(schedule, num_devices, chunks, virtual_stages)
+    validate(steps, num_devices * virtual_stages, chunks, lambda s: s % num_devices)
+    return steps

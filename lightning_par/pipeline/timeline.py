@@ -1,7 +1,8 @@
 """Timelines of a real pipeline run: Gantt charts and the measured bubble.
 
-Each stage records ``fwd``/``bwd`` compute spans and one ``step`` span per step (whose
-``micro_batch`` field holds the step index) in its :class:`~lightning_par.comm.CommTrace`,
+Each stage records ``fwd``/``bwd`` compute spans (zero bubble: ``bwd_input`` and
+``bwd_weight``) and one ``step`` span per step (whose ``micro_batch`` field holds the step
+index) in its :class:`~lightning_par.comm.CommTrace`,
 and the communicator records every message. Times are per process, relative to each
 trace's ``origin`` (``time.perf_counter``, one clock for all processes of a machine), so
 ``origin + t`` puts all stages on one axis.
@@ -18,7 +19,14 @@ from pathlib import Path
 
 from lightning_par.comm import CommTrace, Event, Message
 
-COLOURS = {"fwd": "tab:blue", "bwd": "tab:orange", "send": "tab:green", "recv": "tab:gray"}
+COLOURS = {"fwd": "tab:blue", "bwd": "tab:orange", "bwd_input": "tab:red",
+           "bwd_weight": "tab:purple", "send": "tab:green", "recv": "tab:gray"}  # fmt: skip
+#: compute spans: forward, whole backward, and zero bubble's input- and weight-gradient halves
+COMPUTE = ("fwd", "bwd", "bwd_input", "bwd_weight")
+_LETTERS = {"fwd": "F", "bwd": "B", "bwd_input": "B", "bwd_weight": "W"}
+_NAMES = {"fwd": "forward (F)", "bwd": "backward (B)", "bwd_input": "input gradient (B)",
+          "bwd_weight": "weight gradient (W)", "send": "send: posted → done",
+          "recv": "receive: posted → done"}  # fmt: skip
 
 
 def load_traces(folder: str | Path) -> list[CommTrace]:
@@ -39,7 +47,7 @@ def step_events(trace: CommTrace, step: int) -> list[Event]:
     if not spans:
         raise ValueError(f"stage {trace.rank} recorded no step {step}")
     lo, hi = spans[0].start, spans[0].end
-    return [e for e in trace.events if e.name in ("fwd", "bwd") and lo <= e.start and e.end <= hi]
+    return [e for e in trace.events if e.name in COMPUTE and lo <= e.start and e.end <= hi]
 
 
 def step_window(traces: list[CommTrace], step: int) -> tuple[float, float]:
@@ -62,11 +70,13 @@ def last_step(traces: list[CommTrace]) -> int:
 
 def plot_timeline(traces: list[CommTrace], step: int, ax=None, messages: bool = True,
                   legend: bool = True):  # fmt: skip
-    """Gantt chart of one step: a row per stage, forward (blue) and backward (orange)
-    spans labelled with their micro-batch; with ``messages``, thin bars from posting each
-    activation/gradient send (green, above) or receive (grey, below) to its completion as
-    the stage observed it (sends are checked at the end of the step). Time 0 is the step's
-    first forward; a receive posted earlier (stages post them ahead) is drawn from 0."""
+    """Gantt chart of one step: a row per stage (device), forward (blue), backward
+    (orange) or its input-gradient (red) and weight-gradient (purple) halves, labelled with
+    their micro-batch; idle time is white (the bubble); with ``messages``, thin bars from
+    posting each activation/gradient send (green, above) or receive (grey, below) to its
+    completion as the stage observed it (sends are checked at the end of the step). Time 0
+    is the step's first forward; a receive posted earlier (stages post them ahead) is drawn
+    from 0."""
     import matplotlib.pyplot as plt
     from matplotlib.patches import Patch
 
@@ -78,7 +88,7 @@ def plot_timeline(traces: list[CommTrace], step: int, ax=None, messages: bool = 
             lo, hi = t.origin + e.start - start, t.origin + e.end - start
             ax.barh(row, (hi - lo) * 1e3, left=lo * 1e3, color=COLOURS[e.name], edgecolor="k",
                     height=0.6)  # fmt: skip
-            label = f"{'F' if e.name == 'fwd' else 'B'}{e.micro_batch}"
+            label = f"{_LETTERS[e.name]}{e.micro_batch}"
             if hi - lo > 0.025 * (end - start):  # label only spans wide enough for it
                 ax.text((lo + hi) / 2 * 1e3, row, label, ha="center", va="center", fontsize=9)
         if messages:
@@ -94,9 +104,10 @@ def plot_timeline(traces: list[CommTrace], step: int, ax=None, messages: bool = 
     bubble = measured_bubble(traces, step)
     ax.set_title(f"step {step}: measured bubble {bubble:.0%}")
     if legend:
-        names = ["forward", "backward"]
-        names += ["send: posted → done", "receive: posted → done"] if messages else []
-        handles = [Patch(color=c, label=n) for c, n in zip(COLOURS.values(), names)]
+        ran = {e.name for t in traces for e in step_events(t, step)}
+        handles = [Patch(color=COLOURS[k], label=_NAMES[k]) for k in COMPUTE if k in ran]
+        if messages:
+            handles += [Patch(color=COLOURS[k], label=_NAMES[k]) for k in ("send", "recv")]
         ax.legend(handles=handles, loc="upper left", bbox_to_anchor=(1.005, 1), fontsize=10,
                   frameon=False)  # fmt: skip
     return ax

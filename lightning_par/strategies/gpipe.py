@@ -40,8 +40,15 @@ class GPipeStrategy(ParStrategy):
         balance: layers per stage (``len(balance)`` = number of devices); ``None`` balances
             automatically (``balance_by``).
         chunks: micro-batches per batch, ``M``; ``1`` is the naive layer-per-device split.
-        checkpoint: re-materialisation, ``"never"``, ``"except_last"`` or ``"always"``.
-        schedule: ``"gpipe"`` (all forwards, then all backwards) or ``"1f1b"``.
+        checkpoint: re-materialisation, ``"never"``, ``"except_last"`` or ``"always"``;
+            ``None``: ``"except_last"``, but ``"never"`` under ``"zero_bubble"`` (its B/W
+            split keeps the activations for W).
+        schedule: ``"gpipe"`` (all forwards, then all backwards), ``"1f1b"``,
+            ``"interleaved"`` (interleaved 1F1B, ``virtual_stages`` stages per device) or
+            ``"zero_bubble"`` (ZB-H1: backward split into input- and weight-gradient steps);
+            see :mod:`lightning_par.pipeline.schedules_v`.
+        virtual_stages: stages per device under ``"interleaved"`` (``v``; ``balance`` then
+            has ``devices * v`` entries and ``chunks`` must be a multiple of ``devices``).
         module_attr: name of the ``nn.Sequential`` attribute of the LightningModule.
         loss_attr: name of its mean-reduced loss module (used by ``"1f1b"`` only).
         balance_by: automatic balance by ``"params"`` (parameter count) or ``"time"``
@@ -62,17 +69,18 @@ class GPipeStrategy(ParStrategy):
         self,
         balance: list[int] | None = None,
         chunks: int = 4,
-        checkpoint: str = "except_last",
+        checkpoint: str | None = None,
         schedule: str = "gpipe",
         module_attr: str = "net",
         loss_attr: str = "criterion",
         balance_by: str = "params",
         deferred_batch_norm: bool = False,
+        virtual_stages: int = 2,
         **kwargs: Any,
     ) -> None:
         split = PipelineSplit(
             balance, chunks, checkpoint, schedule, module_attr, loss_attr, balance_by,
-            deferred_batch_norm,
+            deferred_batch_norm, virtual_stages=virtual_stages,
         )  # fmt: skip
         super().__init__(**kwargs)
         self.splitter = split
