@@ -33,6 +33,11 @@ class Profile:
     algorithm: str = "ring"
     grad_bytes: int = 0
     backward_s: float = 0.0
+    #: The part of ``compute_s`` that scales with the samples a rank computes: forward and
+    #: backward, ``3/2`` of the backward (backward costs about twice the forward: Kaplan et
+    #: al. 2020, "Scaling Laws for Neural Language Models", section 2.1). The rest (the
+    #: framework's loop, the optimiser) is per step. All of it where backward is not traced.
+    batch_s: float = 0.0
     buckets: int = 1
     servers: int = 0
     server_s: float = 0.0
@@ -100,6 +105,7 @@ def profile(run: Run, graph: Graph | None = None) -> Profile:
                    options.get("algorithm", "ring"), params)  # fmt: skip
     backward = [e.end - e.start for e in events if e.name == "backward"]
     prof.backward_s = sum(backward) / n_ranks / steps if backward else 0.0
+    prof.batch_s = min(1.5 * prof.backward_s, prof.compute_s) if backward else prof.compute_s
     bucket_events = [e for e in events if e.name.startswith("bucket")]
     prof.buckets = max(1, round(len(bucket_events) / n_ranks / steps))
     if family in ("ps", "async_ps"):
@@ -125,6 +131,7 @@ def profile(run: Run, graph: Graph | None = None) -> Profile:
         prof.max_devices, prof.limit = width or None, f"narrowest layer is {width} wide"
     if family == "ddp" or not prof.compute_s:
         prof.traced, prof.compute_s = False, step_s  # untraced: the step is all compute
+        prof.batch_s = step_s
     return prof
 
 

@@ -65,15 +65,21 @@ def _allreduce_s(algorithm: str, nbytes: int, p: int, topo: Topology) -> float:
 
 
 def batch_share(prof: Profile, p: int, weak: bool) -> float:
-    """Data-parallel compute at ``p`` over the measured: ``world / p`` at a fixed global batch
-    (strong scaling), 1 at a fixed batch per device (weak scaling: the global batch grows)."""
-    return 1.0 if weak else prof.world / p
+    """Data-parallel compute at ``p`` over the measured: the per-sample part
+    (:attr:`~.profile.Profile.batch_s`) scales by ``world / p`` at a fixed global batch
+    (strong scaling), by 1 at a fixed batch per device (weak scaling); the per-step part
+    stays."""
+    if weak or not prof.compute_s:
+        return 1.0
+    fixed = prof.compute_s - prof.batch_s
+    return (fixed + prof.batch_s * prof.world / p) / prof.compute_s
 
 
 def data_parallel_graph(prof: Profile, p: int, topo: Topology, cores: int | None,
                         weak: bool = False) -> Graph:  # fmt: skip
-    scale = batch_share(prof, p, weak) * cpu_factor(p, prof.processes, cores)
-    work, bwd = prof.compute_s * scale, min(prof.backward_s, prof.compute_s) * scale
+    factor = cpu_factor(p, prof.processes, cores)
+    work = prof.compute_s * batch_share(prof, p, weak) * factor
+    bwd = min(prof.backward_s, prof.batch_s) * (1.0 if weak else prof.world / p) * factor
     g = Graph()
     main = g.lane(0)
     if prof.family == "local_sgd":
