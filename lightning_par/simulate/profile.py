@@ -135,6 +135,32 @@ def profile(run: Run, graph: Graph | None = None) -> Profile:
     return prof
 
 
+def profile_from_report(row: dict, model_name: str) -> Profile | None:
+    """A coarser :class:`Profile` from one row of a compare ``report.json`` (no traces):
+    compute and bytes per step only, so no overlap with backward and no per-step compute
+    split. ``None`` for strategies whose scale-out needs the traces (tensor parallel,
+    hybrid, layerwise) or that failed."""
+    from lightning_par.strategies.registry import spec
+
+    name = row["strategy"]
+    family = FAMILIES.get(name, ALLREDUCE_KIND if name.endswith("_allreduce") else "")
+    if row.get("status") != "ok" or family in ("", "tp", "hybrid", "layerwise"):
+        return None
+    options = dict(spec(name).options)
+    params, layers, _ = _model_limits(model_name)
+    compute = row["compute_s"] if row.get("compute_s") is not None else row["step_s"]
+    prof = Profile(name, family, int(row["workers"]), int(row["processes"]),
+                   int(row["global_batch"]), row["step_s"], compute, options,
+                   options.get("algorithm", "ring"), params, batch_s=compute,
+                   servers=int(row.get("servers") or 0),
+                   traced=bool(row.get("traced")))  # fmt: skip
+    if family == "pipeline":
+        prof.chunks = int(options.get("chunks", 4))
+        prof.act_bytes = int((row.get("bytes_sent_per_step") or 0) / prof.chunks)
+        prof.max_devices, prof.limit = layers or None, f"{layers} layers in module.net"
+    return prof
+
+
 def _in_window(run: Run, trace, t: float) -> bool:
     if not run.windows or trace.rank not in run.windows:
         return True

@@ -132,9 +132,10 @@ def pipeline_graph(prof: Profile, p: int, topo: Topology, cores: int | None,
     chunks = 1 if prof.family == "layerwise" else prof.chunks
     factor = cpu_factor(p, prof.processes, cores)
     fwd, bwd = prof.fwd_s / p * factor, prof.bwd_s / p * factor
-    if not fwd and not bwd:  # no fwd/bwd spans: backward costs twice the forward
-        fwd, bwd = prof.compute_s / 3 / p * factor, 2 * prof.compute_s / 3 / p * factor
     rest = max(prof.compute_s - chunks * (prof.fwd_s + prof.bwd_s) / prof.world, 0.0) * factor
+    if not fwd and not bwd:  # no fwd/bwd spans: all compute, backward twice the forward
+        whole = prof.compute_s * prof.world / chunks
+        fwd, bwd, rest = whole / 3 / p * factor, 2 * whole / 3 / p * factor, 0.0
     g = Graph()
     act = {(s, i): g.message(Msg(s, s + 1, prof.act_bytes)) for s in range(p - 1)
            for i in range(chunks)}  # fmt: skip
