@@ -154,7 +154,8 @@ def _speed(speed: float | dict[int, float], rank: int) -> float:
 def _run(graph: Graph, topo: Topology, speed, share: dict[int, float]) -> Result:
     lanes = graph.lanes
     pc = {lane: 0 for lane in lanes}
-    clock = {lane: graph.start.get(lane, 0.0) for lane in lanes}
+    # a lane's start (the ranks' skew at the replayed window) is scaled like its compute
+    clock = {lane: graph.start.get(lane, 0.0) / _speed(speed, lane[0]) for lane in lanes}
     starts: dict[Lane, list[float]] = {lane: [] for lane in lanes}
     ends: dict[Lane, list[float]] = {lane: [] for lane in lanes}
     posted: dict[int, dict[int, float]] = defaultdict(dict)
@@ -235,7 +236,7 @@ def _run(graph: Graph, topo: Topology, speed, share: dict[int, float]) -> Result
                            "its send, or a join on a lane that waits for this one)")  # fmt: skip
     main = [lane for lane in lanes if lane[1] == "main"]
     return Result(
-        start={r: graph.start.get((r, n), 0.0) for r, n in main},
+        start={r: graph.start.get((r, n), 0.0) / _speed(speed, r) for r, n in main},
         end={r: clock[(r, n)] for r, n in main},
         split={r: split[r] for r, _ in main},
         spans=spans,

@@ -49,6 +49,17 @@ def gantt(ax, spans: list[Span], title: str) -> None:
               loc="lower right")  # fmt: skip
 
 
+def _save(fig, path: str | Path) -> Path:
+    import matplotlib.pyplot as plt
+
+    fig.tight_layout()
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
 def side_by_side(graph: Graph, result: Result, path: str | Path, what_if: str) -> Path:
     """Measured (left) and simulated (right) Gantt charts of one graph, saved to ``path``."""
     import matplotlib
@@ -60,12 +71,7 @@ def side_by_side(graph: Graph, result: Result, path: str | Path, what_if: str) -
                                       sharey=True)  # fmt: skip
     gantt(left, measured_spans(graph), "measured on this machine")
     gantt(right, result.spans, f"simulated: {what_if}")
-    fig.tight_layout()
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return _save(fig, path)
 
 
 def scaling_figure(rows: list[dict], path: str | Path, assumptions: str) -> Path:
@@ -91,12 +97,7 @@ def scaling_figure(rows: list[dict], path: str | Path, assumptions: str) -> Path
     left.set_yscale("log")
     right.legend(fontsize=7)
     fig.suptitle(f"PREDICTED by lightning_par.simulate, not measured: {assumptions}", fontsize=9)
-    fig.tight_layout()
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return _save(fig, path)
 
 
 def _fmt(x: float | None, scale: float = 1.0, digits: int = 1) -> str:
