@@ -9,10 +9,12 @@ rank did and where it blocked, and forgets how long each block took:
   :class:`~.engine.Wait` where it called ``wait()``; a ``wait for ...`` span (the plugins'
   ``wait for buckets`` / ``wait for pushes``) becomes a :class:`~.engine.Join` on the
   background lane, plus the span's own overhead after the last background message ended.
-* **background lane**: messages posted inside a ``bucket N`` span or blocked inside a compute
-  or ``wait for`` span ran on the communication thread. Gaps inside a bucket are its own work
-  (the reduction); a gap outside one waited for backward to fill the next bucket, and becomes
-  an :class:`~.engine.After` at the same point of the main lane's compute.
+* **background lane**: messages the rank blocked on inside a ``bucket N``, compute or
+  ``wait for`` span ran on the communication thread (a parameter server's pull is posted
+  there but waited for by the next forward: it stays on the main lane). Gaps inside a
+  bucket are its own work (the reduction); a gap outside one waited for backward to fill
+  the next bucket, and becomes an :class:`~.engine.After` at the same point of the main
+  lane's compute.
 
 Sends and receives match as gloo and NCCL match them: the k-th send ``src -> dst`` with the
 k-th receive at ``dst`` from ``src`` (as in :mod:`lightning_par.compare.breakdown`). A message
@@ -133,7 +135,7 @@ def _build_rank(graph: Graph, t: CommTrace, bound: Interval, origin: float, mess
         post, blocked, end = o + m.start, o + _blocked_from(m), o + m.end
         if not lo <= post < hi:
             continue
-        bg = _inside(post, buckets) or _inside(blocked, computing) or _inside(blocked, joins)
+        bg = any(_inside(blocked, spans) for spans in (buckets, computing, joins))
         items = bg_items if bg else main_items
         items.append((post, 0, "post", i))
         items.append((blocked, 1, "wait", (i, end)))
