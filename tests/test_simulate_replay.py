@@ -68,6 +68,7 @@ def test_scale_table_and_the_reports_predicted_section(report, capsys):
     ("argv", "words"),
     [
         (["--from", "nowhere"], "nowhere is not a folder"),
+        (["--validate", "--reuse", "nowhere"], "nowhere is not a folder"),
         (["--replay", ".", "--link", "nvlnk"], "unknown link preset 'nvlnk'"),
         (["--replay", ".", "--devices", "8,x"], "give counts like 8,64,512"),
         (["--replay", ".", "--rank-speed", "1:2"], "write RANK=FACTOR"),

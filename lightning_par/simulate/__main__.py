@@ -89,6 +89,9 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--out", default="runs/simulate", help="folder of figures")
     parser.add_argument("--rounds", type=int, default=2, help="--validate: runs per size")
     parser.add_argument("--work", help="--validate: keep the runs here (default: temporary)")
+    parser.add_argument(
+        "--reuse", metavar="DIR", help="--validate: the runs a --work DIR kept (no training)"
+    )
     parser.add_argument("--json", action="store_true", help="print JSON")
     args = parser.parse_args(argv)
     if args.speedup <= 0 or args.per_node < 1 or args.rounds < 1:
@@ -98,7 +101,7 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
         _topology(args, None)
     except (ValueError, argparse.ArgumentTypeError) as err:
         parser.error(str(err))
-    for folder in (args.source, args.replay):
+    for folder in (args.source, args.replay, args.reuse):
         if folder and not Path(folder).is_dir():
             parser.error(f"{folder} is not a folder (run python -m lightning_par.compare first, "
                          "or give a strategy's trace_dir)")  # fmt: skip
@@ -196,13 +199,15 @@ def validate_main(args) -> int:
 
     from lightning_par.quiet import quiet_lightning
     from lightning_par.simulate.report import validation_table
-    from lightning_par.simulate.validate import measure, rows
+    from lightning_par.simulate.validate import fastest, measure, rows
 
     quiet_lightning()
     load = os.getloadavg()[0]
     with tempfile.TemporaryDirectory(prefix="lightning_par-simulate-") as tmp:
-        work = Path(args.work or tmp)
-        found = measure(work, rounds=args.rounds)
+        if args.reuse:
+            found = fastest(Path(args.reuse))
+        else:
+            found = measure(Path(args.work or tmp), rounds=args.rounds)
         table = rows(found)
     doc = {"rows": table, "load_1m_start": round(load, 2),
            "load_1m_end": round(os.getloadavg()[0], 2), "cores": os.cpu_count()}  # fmt: skip

@@ -40,7 +40,6 @@ SIZES = (2, 3, 4)
 def measure(work: Path, strategies=VALIDATED, rounds: int = 2, steps: int = 10, warmup: int = 4,
             batch: int = 48, timeout: float = 180) -> dict[tuple[str, int], Path]:  # fmt: skip
     """Run every (strategy, size) ``rounds`` times, interleaved; the fastest round's folder."""
-    from lightning_par.compare.analyse import analyse
     from lightning_par.compare.run import run_all
 
     rows = []
@@ -53,17 +52,28 @@ def measure(work: Path, strategies=VALIDATED, rounds: int = 2, steps: int = 10, 
                              "source": "cifar10-mini", "devices": p, "global_batch": batch,
                              "folder": str(folder)})  # fmt: skip
     results = run_all(rows, timeout)
-    best: dict[tuple[str, int], tuple[float, Path]] = {}
     for row in rows:
         result, folder = results.get(row["index"], {}), Path(row["folder"])
-        if "error" in result or not (folder / "probe").is_dir():
-            continue
-        step = analyse(folder, warmup, batch)["step_s"]
-        (folder / "row.json").write_text(json.dumps({**row, **result, "warmup": warmup}))
+        if "error" not in result and (folder / "probe").is_dir():
+            (folder / "row.json").write_text(json.dumps({**row, **result, "warmup": warmup}))
+    return fastest(work)
+
+
+def fastest(work: Path) -> dict[tuple[str, int], Path]:
+    """The fastest round of each (strategy, workers) among the run folders :func:`measure`
+    kept in ``work`` (``--validate --reuse DIR`` reads them again without training)."""
+    from lightning_par.compare.analyse import analyse
+
+    best: dict[tuple[str, int], tuple[float, Path]] = {}
+    for marker in sorted(work.glob("*/row.json")):
+        row = json.loads(marker.read_text())
+        step = analyse(marker.parent, row["warmup"], row["global_batch"])["step_s"]
         key = (row["strategy"], row["devices"])
         if key not in best or step < best[key][0]:
-            best[key] = (step, folder)
-    return {key: folder for key, (_, folder) in best.items()}
+            best[key] = (step, marker.parent)
+    order = {name: i for i, name in enumerate(VALIDATED)}
+    keys = sorted(best, key=lambda k: (order.get(k[0], len(order)), k[1]))
+    return {key: best[key][1] for key in keys}
 
 
 def pooled_loopback(runs: list[Run]) -> Link:
