@@ -178,7 +178,7 @@ def _run(graph: Graph, topo: Topology, speed, share: dict[int, float]) -> Result
             return None
         link = topo.link(m.src, m.dst)
         extra = m.extra_s / _speed(speed, m.src if (m.src, "main") in lanes else m.dst)
-        took = link.alpha + link.beta * m.nbytes * share.get(i, 1.0) + extra
+        took = max(0.0, link.alpha + link.beta * m.nbytes * share.get(i, 1.0) + extra)
         done[i], transfers[i] = begin + took, (begin, begin + took)
         return done[i]
 

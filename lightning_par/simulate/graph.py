@@ -11,7 +11,8 @@ rank did and where it blocked, and forgets how long each block took:
   background lane, plus the span's own overhead after the last background message ended.
 * **background lane**: messages the rank blocked on inside a ``bucket N``, compute or
   ``wait for`` span ran on the communication thread (a parameter server's pull is posted
-  there but waited for by the next forward: it stays on the main lane). Gaps inside a
+  there but waited for by the next forward: its post is on this lane, its wait on the
+  main lane). Gaps inside a
   bucket are its own work (the reduction); a gap outside one waited for backward to fill
   the next bucket, and becomes an :class:`~.engine.After` at the same point of the main
   lane's compute.
@@ -111,7 +112,7 @@ def build_graph(
         if other is not None and _posted_inside(by_rank[other[0]], other[1], bounds[other[0]]):
             ids[(rank, i)] = ids[other] = graph.message(Msg(src, dst, m.nbytes))
         else:
-            extra = max(0.0, m.end - m.start - link.time(m.nbytes))
+            extra = m.end - m.start - link.time(m.nbytes)  # < 0: the fit overestimates it
             ids[(rank, i)] = graph.message(Msg(src, dst, m.nbytes, True, extra))
         return ids[(rank, i)]
 
@@ -136,9 +137,10 @@ def _build_rank(graph: Graph, t: CommTrace, bound: Interval, origin: float, mess
         if not lo <= post < hi:
             continue
         bg = any(_inside(blocked, spans) for spans in (buckets, computing, joins))
-        items = bg_items if bg else main_items
-        items.append((post, 0, "post", i))
-        items.append((blocked, 1, "wait", (i, end)))
+        # posted where it was posted (a server's pull: by the bucket thread), waited for
+        # where the rank blocked on it
+        (bg_items if bg or _inside(post, buckets) else main_items).append((post, 0, "post", i))
+        (bg_items if bg else main_items).append((blocked, 1, "wait", (i, end)))
     bg_items.sort()
     bg_ends = [payload[1] for _, _, kind, payload in bg_items if kind == "wait"]
     for a, b in joins:
