@@ -79,3 +79,8 @@ def test_bad_options_fail_before_anything_runs(argv, words, capsys):
     with pytest.raises(SystemExit):
         cli.main(argv)
     assert words in capsys.readouterr().err
+
+
+def test_a_folder_without_traces_is_an_error_not_a_traceback(tmp_path, capsys):
+    assert cli.main(["--replay", str(tmp_path)]) == 2
+    assert "no traces (rank<N>.json)" in capsys.readouterr().err

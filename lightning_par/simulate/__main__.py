@@ -51,7 +51,8 @@ def _speeds(items: list[str]) -> dict[int, float]:
 
 def parse(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="python -m lightning_par.simulate",
-                                     description=__doc__.split("\n\n")[0],
+                                     description="Replay traces on other links and devices, "
+                                     "scale them out, validate against this machine.",
                                      formatter_class=argparse.RawDescriptionHelpFormatter,
                                      epilog=__doc__.split("\n\n", 1)[1])  # fmt: skip
     what = parser.add_mutually_exclusive_group(required=True)
@@ -67,7 +68,12 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
         action="store_true",
         help="train at 2, 3, 4 workers here and compare (minutes)",
     )
-    parser.add_argument("--devices", type=_devices, default=_devices(DEFAULT_DEVICES))
+    parser.add_argument(
+        "--devices",
+        type=_devices,
+        default=_devices(DEFAULT_DEVICES),
+        help=f"--from: device counts of the table (default {DEFAULT_DEVICES})",
+    )
     parser.add_argument("--link", default="nvlink+ib", help="preset or intra+inter")
     parser.add_argument("--per-node", type=int, default=8, help="devices per node")
     parser.add_argument(
@@ -217,11 +223,15 @@ def validate_main(args) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse(argv)
-    if args.validate:
-        return validate_main(args)
-    if args.replay:
-        return replay_main(args)
-    return scale_main(args)
+    try:
+        if args.validate:
+            return validate_main(args)
+        if args.replay:
+            return replay_main(args)
+        return scale_main(args)
+    except ValueError as err:  # no traces, no probes, a strategy without a model: say so
+        print(f"python -m lightning_par.simulate: error: {err}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":
