@@ -90,6 +90,21 @@ def plan(args: argparse.Namespace, work: Path) -> list[dict]:
     return rows
 
 
+def keep_runs(rows: list[dict], built: list[dict], dest: Path, warmup: int) -> None:
+    """Copy each strategy's reported round (probes and traces) to ``dest/<strategy>/``: the
+    inputs of ``python -m lightning_par.simulate --from`` (the rest of the work folder goes)."""
+    import shutil
+
+    reported = {(r["strategy"], r["round"]) for r in built if r["status"] == "ok"}
+    for row in rows:
+        folder = Path(row["folder"])
+        if (row["strategy"], row["round"]) in reported and folder.is_dir():
+            target = dest / row["strategy"]
+            shutil.rmtree(target, ignore_errors=True)
+            shutil.copytree(folder, target)
+            (target / "row.json").write_text(json.dumps({**row, "warmup": warmup}))
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse(argv)
     from lightning_par.quiet import quiet_lightning
@@ -112,6 +127,7 @@ def main(argv: list[str] | None = None) -> int:
                   f"{args.steps} steps, {args.rounds} rounds ...", flush=True)  # fmt: skip
         results = run.run_all(rows, args.timeout)
         built = combine([build_row(r, results[r["index"]], args.warmup) for r in rows])
+        keep_runs(rows, built, out / "runs", args.warmup)
     machine["load_1m_end"] = round(os.getloadavg()[0], 2)
     settings = {"model": args.model, "model_spec": run.describe_model(args.model),
                 "steps": args.steps, "warmup": args.warmup,
@@ -121,7 +137,9 @@ def main(argv: list[str] | None = None) -> int:
                                                               else sys.argv[1:])  # fmt: skip
     doc = {"command": command.strip(), "machine": machine, "settings": settings, "rows": built}
     pictures = report.figures(built, out)
-    (out / "report.md").write_text(report.markdown(doc, pictures))
+    from lightning_par.compare.predicted import predicted_section
+
+    (out / "report.md").write_text(report.markdown(doc, pictures, predicted_section(out)))
     (out / "report.json").write_text(json.dumps(doc, indent=1))
     if args.json:
         print(json.dumps(doc))

@@ -158,7 +158,8 @@ def _save(fig, path: Path) -> str:
     return path.name
 
 
-def markdown(doc: dict, pictures: list[str]) -> str:
+def markdown(doc: dict, pictures: list[str], predicted: list[str] | None = None) -> str:
+    """The report page; ``predicted``: the simulator's section (see :mod:`.predicted`)."""
     m, s = doc["machine"], doc["settings"]
     gpu = f", GPU {m['gpu']}" if m["gpu"] else ""
     lines = [
@@ -203,6 +204,7 @@ def markdown(doc: dict, pictures: list[str]) -> str:
         "",
     ]
     lines += [f"![{p}]({p})\n" for p in pictures]
+    lines += predicted or []
     return "\n".join(lines)
 
 

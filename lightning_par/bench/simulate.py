@@ -1,0 +1,26 @@
+"""How well ``lightning_par.simulate`` predicts this machine: every validation row.
+
+    python -m lightning_par.bench simulate [--rounds 2] [--work DIR]
+
+The same as ``python -m lightning_par.simulate --validate --json``: trains the allreduce
+family, ``parameter_server``, ``gpipe`` and ``tensor_parallel`` at 2, 3 and 4 workers,
+interleaved, then prints one JSON row per (strategy, kind): ``replay`` (the 2-worker run
+replayed on its fitted loopback) and ``scale 2->3`` / ``scale 2->4`` (predicted from the
+2-worker run), with ``measured_s``, ``predicted_s`` and ``error``. Every row, misses too.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m lightning_par.bench simulate",
+                                     description=__doc__.split("\n\n")[0])  # fmt: skip
+    parser.add_argument("--rounds", type=int, default=2, help="runs per strategy and size")
+    parser.add_argument("--work", help="keep the runs here (default: a temporary folder)")
+    args = parser.parse_args(argv)
+    from lightning_par.simulate.__main__ import main as simulate
+
+    extra = ["--work", args.work] if args.work else []
+    return simulate(["--validate", "--json", "--rounds", str(args.rounds), *extra])

@@ -1,0 +1,18 @@
+"""What if: replay a run's traces on another network, another device, another scale.
+
+* :mod:`.engine` - the discrete-event engine (lanes of compute, messages, joins);
+* :mod:`.graph` - per-rank traces to the step's dependency graph;
+* :mod:`.links` - link classes with their sources, topologies, the loopback fit;
+* :mod:`.replay` - load a run folder and replay it;
+* :mod:`.profile`, :mod:`.scale` - a small run's profile, each strategy's graph at ``p``;
+* :mod:`.validate`, :mod:`.report` - measured against predicted; tables and charts.
+
+Plain Python on top of the traces (no Lightning). ``python -m lightning_par.simulate --help``.
+"""
+
+from lightning_par.simulate.engine import Graph, Result, simulate
+from lightning_par.simulate.links import PRESETS, Link, Topology, parse_topology
+from lightning_par.simulate.replay import Run, load_run, replay
+
+__all__ = ["PRESETS", "Graph", "Link", "Result", "Run", "Topology", "load_run",
+           "parse_topology", "replay", "simulate"]  # fmt: skip

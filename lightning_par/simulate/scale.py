@@ -1,0 +1,255 @@
+"""Scale out: each strategy's step graph at ``p`` devices, from its :class:`~.profile.Profile`.
+
+The graph at ``p`` comes from the plugin's own schedule and cost model; only compute is taken
+from the measured run:
+
+* **allreduce family** (and ``lightning_ddp``, ``local_sgd``): forward, then backward in
+  ``B`` slices, each filling one bucket that a background lane allreduces as soon as it is
+  full (overlap, as :mod:`lightning_par.comm.buckets` does); each bucket costs
+  :func:`lightning_par.collectives.cost_model.predict` (ring ``2(p-1)`` steps, tree ``2D``,
+  butterfly ``log2 p``, ...) on the slowest link the ``p`` ranks span. Local SGD averages the
+  parameters once every ``period`` steps, after the step.
+* **parameter servers**: ``p`` worker lanes and ``S`` server lanes with explicit push and
+  pull messages, the servers' ports shared (contention): ``S`` links carry ``p`` workers'
+  traffic. ``async_sgd`` has no barrier: a server answers each push on its own.
+* **gpipe / layerwise**: ``K = p`` stage lanes running
+  :func:`lightning_par.pipeline.schedule.stage_steps` for ``M`` micro-batches (layerwise: 1),
+  activations and gradients as messages between neighbours; forward and backward per stage
+  are the measured ones over ``K`` (an even partition).
+* **tensor_parallel**: each rank computes ``1/p`` of every layer; each of the step's
+  allreduces (measured count and size) is a ring allreduce at ``p``.
+* **hybrid**: its ``mp`` stays as measured, ``dp = p / mp`` replicas ring-allreduce ``1/mp``
+  of the gradients.
+
+Compute: data-parallel ranks read ``global_batch / p`` samples, so their compute scales by
+``world / p``; model-parallel ranks hold ``1/p`` of the model. ``cores`` models this
+machine, where ``n`` processes on ``cores`` CPUs each run ``max(1, n / cores)`` times slower
+(ratio to the measured run); ``None`` gives every device its own processor.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+from lightning_par.collectives.cost_model import predict
+from lightning_par.pipeline.schedule import stage_steps
+from lightning_par.simulate.engine import (
+    After,
+    Comm,
+    Compute,
+    Graph,
+    Join,
+    Msg,
+    Post,
+    Wait,
+    simulate,
+)
+from lightning_par.simulate.links import Topology
+from lightning_par.simulate.profile import Profile
+
+
+class NotApplicable(ValueError):
+    """The strategy cannot run at that many devices (the reason is the message)."""
+
+
+def cpu_factor(processes: int, measured: int, cores: int | None) -> float:
+    """How much slower compute runs with ``processes`` than with ``measured`` on ``cores``."""
+    if cores is None:
+        return 1.0
+    return max(1.0, processes / cores) / max(1.0, measured / cores)
+
+
+def _allreduce_s(algorithm: str, nbytes: int, p: int, topo: Topology) -> float:
+    link = topo.slowest(p)
+    return predict(algorithm, max(nbytes // 4, 1), p).time(link.alpha, link.beta)
+
+
+def batch_share(prof: Profile, p: int, weak: bool) -> float:
+    """Data-parallel compute at ``p`` over the measured: the per-sample part
+    (:attr:`~.profile.Profile.batch_s`) scales by ``world / p`` at a fixed global batch
+    (strong scaling), by 1 at a fixed batch per device (weak scaling); the per-step part
+    stays."""
+    if weak or not prof.compute_s:
+        return 1.0
+    fixed = prof.compute_s - prof.batch_s
+    return (fixed + prof.batch_s * prof.world / p) / prof.compute_s
+
+
+def data_parallel_graph(prof: Profile, p: int, topo: Topology, cores: int | None,
+                        weak: bool = False) -> Graph:  # fmt: skip
+    factor = cpu_factor(p, prof.processes, cores)
+    work = prof.compute_s * batch_share(prof, p, weak) * factor
+    bwd = min(prof.backward_s, prof.batch_s) * (1.0 if weak else prof.world / p) * factor
+    g = Graph()
+    main = g.lane(0)
+    if prof.family == "local_sgd":
+        period = int(prof.options.get("period") or 1)
+        main.append(Compute(work))
+        main.append(Comm(_allreduce_s(prof.algorithm, prof.grad_bytes, p, topo) / period,
+                         "average / period"))  # fmt: skip
+        return g
+    buckets = prof.buckets if bwd > 0 else 1
+    main.append(Compute(work - bwd, "forward"))
+    bg = g.lane(0, "bg")
+    each = _allreduce_s(prof.algorithm, prof.grad_bytes // buckets, p, topo)
+    for _ in range(buckets):
+        if bwd > 0:
+            main.append(Compute(bwd / buckets, "backward"))
+        bg.extend([After((0, "main"), len(main) - 1, 1.0), Comm(each, "allreduce bucket")])
+    main.append(Join((0, "bg"), len(bg)))
+    return g
+
+
+def ps_graph(prof: Profile, p: int, topo: Topology, cores: int | None,
+             weak: bool = False) -> Graph:  # fmt: skip
+    s_count = prof.servers or 1
+    scale = batch_share(prof, p, weak) * cpu_factor(p + s_count, prof.processes, cores)
+    g = Graph()
+    share = prof.grad_bytes // s_count
+    push = [[g.message(Msg(w, p + s, share)) for s in range(s_count)] for w in range(p)]
+    pull = [[g.message(Msg(p + s, w, share)) for s in range(s_count)] for w in range(p)]
+    for w in range(p):
+        g.lane(w).append(Compute(prof.compute_s * scale))
+        g.lane(w).extend([*map(Post, push[w]), *map(Post, pull[w])])
+        g.lane(w).extend([*map(Wait, push[w]), *map(Wait, pull[w])])
+    serve = Compute(prof.server_s * cpu_factor(p + s_count, prof.processes, cores), "update")
+    for s in range(s_count):
+        lane = g.lane(p + s)
+        pushes, pulls = [push[w][s] for w in range(p)], [pull[w][s] for w in range(p)]
+        if prof.family == "ps":  # synchronous: every push, one update, every pull
+            lane.extend([*map(Post, pushes), *map(Wait, pushes), serve, *map(Post, pulls)])
+            lane.extend(map(Wait, pulls))
+        else:
+            for one_push, one_pull in zip(pushes, pulls):
+                lane.extend([Post(one_push), Wait(one_push), serve, Post(one_pull), Wait(one_pull)])
+    return g
+
+
+def pipeline_graph(prof: Profile, p: int, topo: Topology, cores: int | None,
+                   weak: bool = False) -> Graph:  # fmt: skip
+    if prof.max_devices and p > prof.max_devices:
+        raise NotApplicable(f"{p} stages > {prof.limit}")
+    chunks = 1 if prof.family == "layerwise" else prof.chunks
+    factor = cpu_factor(p, prof.processes, cores)
+    fwd, bwd = prof.fwd_s / p * factor, prof.bwd_s / p * factor
+    rest = max(prof.compute_s - chunks * (prof.fwd_s + prof.bwd_s) / prof.world, 0.0) * factor
+    if not fwd and not bwd:  # no fwd/bwd spans: all compute, backward twice the forward
+        whole = prof.compute_s * prof.world / chunks
+        fwd, bwd, rest = whole / 3 / p * factor, 2 * whole / 3 / p * factor, 0.0
+    g = Graph()
+    act = {(s, i): g.message(Msg(s, s + 1, prof.act_bytes)) for s in range(p - 1)
+           for i in range(chunks)}  # fmt: skip
+    grad = {(s, i): g.message(Msg(s + 1, s, prof.act_bytes)) for s in range(p - 1)
+            for i in range(chunks)}  # fmt: skip
+    for s in range(p):
+        lane = g.lane(s)
+        lane.append(Compute(rest, "overhead"))
+        lane.extend(Post(act[(s - 1, i)]) for i in range(chunks) if s > 0)
+        lane.extend(Post(grad[(s, i)]) for i in range(chunks) if s < p - 1)
+        sent = []
+        for step in stage_steps("gpipe", s, p, chunks):
+            i = step.micro_batch
+            if step.op == "fwd":
+                if s > 0:
+                    lane.append(Wait(act[(s - 1, i)]))
+                lane.append(Compute(fwd, f"F{i}"))
+                if s < p - 1:
+                    lane.append(Post(act[(s, i)]))
+                    sent.append(act[(s, i)])
+            else:
+                if s < p - 1:
+                    lane.append(Wait(grad[(s, i)]))
+                lane.append(Compute(bwd, f"B{i}"))
+                if s > 0:
+                    lane.append(Post(grad[(s - 1, i)]))
+                    sent.append(grad[(s - 1, i)])
+        lane.extend(map(Wait, sent))
+    return g
+
+
+def tp_graph(prof: Profile, p: int, topo: Topology, cores: int | None,
+             weak: bool = False) -> Graph:  # fmt: skip
+    if prof.max_devices and p > prof.max_devices:
+        raise NotApplicable(f"{p}-way split > {prof.limit}")
+    work = prof.compute_s * prof.world / p * cpu_factor(p, prof.processes, cores)
+    each = _allreduce_s("ring", prof.collective_bytes, p, topo)
+    g = Graph()
+    lane = g.lane(0)
+    for _ in range(prof.collectives):
+        lane.extend([Compute(work / (prof.collectives + 1)), Comm(each, "allreduce")])
+    lane.append(Compute(work / (prof.collectives + 1)))
+    return g
+
+
+def hybrid_graph(prof: Profile, p: int, topo: Topology, cores: int | None,
+                 weak: bool = False) -> Graph:  # fmt: skip
+    mp = int(prof.options.get("mp") or 2)
+    if p % mp:
+        raise NotApplicable(f"{p} devices do not split into replicas of mp = {mp}")
+    dp, dp0 = p // mp, max(prof.world // mp, 1)
+    work = prof.compute_s * (1.0 if weak else dp0 / dp) * cpu_factor(p, prof.processes, cores)
+    g = Graph()
+    g.lane(0).extend(
+        [Compute(work), Comm(_allreduce_s("ring", prof.grad_bytes // mp, dp, topo), "dp ring")]
+    )
+    return g  # fmt: skip
+
+
+BUILDERS = {
+    "allreduce": data_parallel_graph, "ddp": data_parallel_graph,
+    "local_sgd": data_parallel_graph, "ps": ps_graph, "async_ps": ps_graph,
+    "pipeline": pipeline_graph, "layerwise": pipeline_graph, "tp": tp_graph,
+    "hybrid": hybrid_graph,
+}  # fmt: skip
+
+
+def build(prof: Profile, p: int, topo: Topology, cores: int | None = None,
+          weak: bool = False) -> Graph:  # fmt: skip
+    """The step graph of ``prof``'s strategy at ``p`` devices (raises :class:`NotApplicable`)."""
+    if p < 1:
+        raise ValueError(f"devices must be >= 1, got {p}")
+    return BUILDERS[prof.family](prof, p, topo, cores, weak)
+
+
+def predict_step(prof: Profile, p: int, topo: Topology, speed: float = 1.0,
+                 cores: int | None = None, weak: bool = False) -> float:  # fmt: skip
+    """Predicted step seconds of ``prof``'s strategy at ``p`` devices (workers)."""
+    graph = build(prof, p, topo, cores, weak)
+    if prof.family in ("ps", "async_ps"):
+        topo = Topology(replace(topo.intra, shared=True), replace(topo.inter, shared=True),
+                        topo.per_node)  # fmt: skip
+        result = simulate(graph, topo, speed, contention=True)
+        return sum(result.step_s(w) for w in range(p)) / p
+    return simulate(graph, topo, speed).max_step_s
+
+
+DATA_PARALLEL = ("allreduce", "ddp", "local_sgd", "ps", "async_ps")
+
+
+def global_batch(prof: Profile, p: int, weak: bool) -> float:
+    """Samples per step at ``p``: data-parallel ranks each add their batch when ``weak``."""
+    if not weak:
+        return prof.global_batch
+    if prof.family in DATA_PARALLEL:
+        return prof.global_batch / prof.world * p
+    if prof.family == "hybrid":
+        mp = int(prof.options.get("mp") or 2)
+        return prof.global_batch / max(prof.world // mp, 1) * (p // mp)
+    return prof.global_batch  # the model is split, not the batch
+
+
+def scaling_row(prof: Profile, p: int, topo: Topology, speed: float = 1.0,
+                weak: bool = True) -> dict:  # fmt: skip
+    """Step time, throughput and efficiency at ``p`` (``None`` with the reason where the
+    strategy cannot run there). Efficiency is throughput over ``p`` devices' worth of one
+    device's compute-only throughput (``compute_s * world / global_batch`` per sample)."""
+    out = {"strategy": prof.strategy, "devices": p}
+    try:
+        step = predict_step(prof, p, topo, speed, weak=weak)
+    except NotApplicable as err:
+        return {**out, "step_s": None, "images_per_s": None, "efficiency": None,
+                "note": str(err)}  # fmt: skip
+    per_sample = prof.compute_s * prof.world / prof.global_batch / speed
+    rate = global_batch(prof, p, weak) / step
+    return {**out, "step_s": step, "images_per_s": rate, "efficiency": rate * per_sample / p,
+            "note": ""}  # fmt: skip

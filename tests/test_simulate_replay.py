@@ -1,0 +1,86 @@
+"""A real small run replayed: compare keeps its traces, the simulator reproduces its steps,
+and the report's predicted section and the CLI work on them."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from lightning_par.compare import __main__ as compare_cli
+from lightning_par.simulate import __main__ as cli
+from lightning_par.simulate.links import Topology
+from lightning_par.simulate.replay import load_run, replay
+from lightning_par.simulate.validate import own_link, pooled_loopback
+
+STRATEGIES = ["ring_allreduce", "gpipe"]
+
+
+@pytest.fixture(scope="module")
+def report(tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("compare") / "report"
+    argv = ["--strategies", *STRATEGIES, "--steps", "6", "--warmup", "2", "--rounds", "1",
+            "--data", "synthetic", "--out", str(out)]  # fmt: skip
+    assert compare_cli.main(argv) == 0
+    return out
+
+
+def test_replay_on_the_fitted_loopback_reproduces_each_measured_step(report):
+    runs = [load_run(report / "runs" / name) for name in STRATEGIES]
+    pooled = pooled_loopback(runs)
+    for run in runs:
+        assert run.windows and all(len(w) == 4 for w in run.windows.values())
+        link = own_link(run, pooled)
+        result = replay(run, Topology(link, link), link=link)
+        assert result.mean_step_s == pytest.approx(run.measured_step_s, rel=0.10), run.name
+        split = result.per_step_split(0)
+        assert sum(split.values()) == pytest.approx(result.step_s(0), rel=1e-6)
+
+
+def test_a_faster_network_and_device_shorten_the_replayed_step(report):
+    run = load_run(report / "runs" / "gpipe")
+    link = run.loopback()
+    here = replay(run, Topology(link, link), link=link).mean_step_s
+    fast = cli.main(["--replay", str(report / "runs" / "gpipe"), "--link", "nvlink",
+                     "--speedup", "100", "--out", str(report / "sim"), "--json"])  # fmt: skip
+    assert fast == 0
+    assert (report / "sim" / "gpipe_gantt.png").read_bytes()[:4] == b"\x89PNG"
+    assert here > 0
+
+
+def test_scale_table_and_the_reports_predicted_section(report, capsys):
+    page = (report / "report.md").read_text()
+    assert "## Predicted at scale (simulated, not measured)" in page
+    assert "nvlink+ib" in page and "(predicted_scaling.png)" in page
+    assert (report / "predicted_scaling.png").read_bytes()[:4] == b"\x89PNG"
+    capsys.readouterr()
+    assert cli.main(["--from", str(report), "--devices", "8,64", "--link", "pcie",
+                     "--out", str(report / "sim"), "--json"]) == 0  # fmt: skip
+    doc = json.loads(capsys.readouterr().out)
+    rows = {(r["strategy"], r["devices"]): r for r in doc["rows"]}
+    assert set(rows) == {(s, p) for s in STRATEGIES for p in (8, 64)}
+    assert rows[("gpipe", 8)]["step_s"] is None  # CifarCNN has 4 layers to split
+    assert 0 < rows[("ring_allreduce", 64)]["efficiency"] <= 1.0
+
+
+@pytest.mark.parametrize(
+    ("argv", "words"),
+    [
+        (["--from", "nowhere"], "nowhere is not a folder"),
+        (["--validate", "--reuse", "nowhere"], "nowhere is not a folder"),
+        (["--replay", ".", "--link", "nvlnk"], "unknown link preset 'nvlnk'"),
+        (["--replay", ".", "--devices", "8,x"], "give counts like 8,64,512"),
+        (["--replay", ".", "--rank-speed", "1:2"], "write RANK=FACTOR"),
+        (["--replay", ".", "--speedup", "0"], "--speedup must be > 0"),
+    ],
+)
+def test_bad_options_fail_before_anything_runs(argv, words, capsys):
+    with pytest.raises(SystemExit):
+        cli.main(argv)
+    assert words in capsys.readouterr().err
+
+
+def test_a_folder_without_traces_is_an_error_not_a_traceback(tmp_path, capsys):
+    assert cli.main(["--replay", str(tmp_path)]) == 2
+    assert "no traces (rank<N>.json)" in capsys.readouterr().err
