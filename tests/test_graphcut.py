@@ -16,8 +16,8 @@ from lightning_par.graphcut import (
     run_chain,
     split_module,
     trace,
-    units,
 )
+from lightning_par.graphcut.auto import candidate_units
 from tests._any_models import MODELS, TinyGPT
 
 
@@ -159,8 +159,11 @@ def test_auto_split_by_parameters_is_the_best_balance(stages):
     split = split_module(model, inputs, num_stages=stages)
     sizes = [sum(p.numel() for p in s.module.parameters()) for s in split.stages]
     assert len(sizes) == stages and sum(sizes) == sum(p.numel() for p in model.parameters())
-    # against every way to cut ResNet-18's units into that many consecutive groups
-    costs = [sum(p.numel() for p in model.get_submodule(u).parameters()) for u in units(model)]
+    # against every way to cut ResNet-18's units (the large blocks opened into their layers)
+    # into that many consecutive groups
+    names = candidate_units(model, stages)
+    assert "layer4.1.conv2" in names and "layer1.0" in names
+    costs = [sum(p.numel() for p in model.get_submodule(u).parameters()) for u in names]
     best = min(
         max(sum(costs[a:b]) for a, b in zip((0, *cuts), (*cuts, len(costs))))
         for cuts in itertools.combinations(range(1, len(costs)), stages - 1)

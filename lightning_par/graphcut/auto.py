@@ -23,11 +23,17 @@ from lightning_par.pipeline.partition import balance_by_cost
 BALANCE_BY = ("parameters", "time")
 
 
-def _units_in_order(model: nn.Module, traced: fx.GraphModule) -> list[str]:
+def candidate_units(model: nn.Module, num_stages: int) -> list[str]:
+    """:func:`units`, opening every module above half an even share of the parameters, so
+    that no single unit keeps the balance far from even."""
+    return units(model, open_above=sum(p.numel() for p in model.parameters()) // num_stages // 2)
+
+
+def _units_in_order(model: nn.Module, traced: fx.GraphModule, num_stages: int) -> list[str]:
     """The units the forward pass calls, in the order it first reaches them."""
     nodes = list(traced.graph.nodes)
     first = {}
-    for name in units(model):
+    for name in candidate_units(model, num_stages):
         found = next((i for i, n in enumerate(nodes) if _belongs(n, name)), None)
         if found is not None:
             first[name] = found
@@ -77,7 +83,7 @@ def auto_split_points(
     """``num_stages - 1`` split points balancing ``by`` (``"parameters"`` or ``"time"``)."""
     if by not in BALANCE_BY:
         raise ValueError(f"balance by {by!r}: choose one of {BALANCE_BY}")
-    names = _units_in_order(model, traced)
+    names = _units_in_order(model, traced, num_stages)
     if len(names) < num_stages:
         raise ValueError(
             f"{type(model).__name__} has {len(names)} units to cut between ({names}), too few "

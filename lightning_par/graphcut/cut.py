@@ -207,15 +207,22 @@ def run_chain(split: GraphSplit, *inputs: torch.Tensor):
     return split.stages[-1].module(*values)
 
 
-def units(model: nn.Module) -> list[str]:
+def units(model: nn.Module, open_above: int | None = None) -> list[str]:
     """Candidate split points: the root's children, with containers (``Sequential``,
-    ``ModuleList``, ``ModuleDict``) opened, in registration order."""
+    ``ModuleList``, ``ModuleDict``) opened, and any module holding more than ``open_above``
+    parameters opened too (a ResNet block too big to balance is cut between its layers:
+    the skip then crosses the cut), in registration order."""
     found: list[str] = []
+
+    def size(module: nn.Module) -> int:
+        return sum(p.numel() for p in module.parameters())
 
     def visit(module: nn.Module, prefix: str) -> None:
         for name, child in module.named_children():
             path = f"{prefix}{name}"
-            if isinstance(child, nn.Sequential | nn.ModuleList | nn.ModuleDict) and len(child):
+            container = isinstance(child, nn.Sequential | nn.ModuleList | nn.ModuleDict)
+            too_big = open_above is not None and size(child) > open_above
+            if (container or too_big) and len(list(child.children())):
                 visit(child, path + ".")
             else:
                 found.append(path)
