@@ -4,11 +4,16 @@ Shoeybi et al., 2019, "Megatron-LM: Training Multi-Billion Parameter Language Mo
 Model Parallelism" (arXiv:1909.08053): each rank holds a slice of a layer's weight, and the
 conjugate operators ``f``/``g`` (:mod:`.mappings`) keep the activations exact.
 
-``parallelize(module, group, plan=None)`` cuts a model in place (:mod:`.plan`);
-:mod:`.layers` has the split layers; :mod:`.shard` converts state dicts and optimiser states
+``parallelize(module, group, plan=None)`` cuts a model in place (:mod:`.plan`, with
+:mod:`.cuts` and :mod:`.blocks` for what the automatic plan recognises);
+:mod:`.layers` has the split Linear, Conv2d, norm and LSTM layers, :mod:`.attention` the
+attention split by heads, :mod:`.embedding` the vocabulary-split embedding and dropout on
+split activations; :mod:`.shard` converts state dicts and optimiser states
 to and from one process's.
 """
 
+from lightning_par.tensorparallel.attention import ParallelMultiheadAttention
+from lightning_par.tensorparallel.embedding import ShardedDropout, VocabParallelEmbedding
 from lightning_par.tensorparallel.layers import (
     ColumnParallelConv2d,
     ColumnParallelLinear,
@@ -44,11 +49,14 @@ __all__ = [
     "ColumnParallelLinear",
     "Cut",
     "ParallelLSTM",
+    "ParallelMultiheadAttention",
     "Plan",
     "RowParallelConv2d",
     "RowParallelLinear",
     "Shard",
+    "ShardedDropout",
     "TPGroup",
+    "VocabParallelEmbedding",
     "all_gather",
     "as_group",
     "assemble_optimizer_state",

@@ -23,15 +23,28 @@ stay replicated); on :class:`~lightning_par.models.CifarRNN` every LSTM layer.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Mapping
-from dataclasses import dataclass, field
 
 import torch.distributed as dist
 from torch import nn
-from torch.nn.modules.batchnorm import _BatchNorm
 
 from lightning_par.comm import Communicator
+from lightning_par.tensorparallel.attention import ParallelMultiheadAttention
+from lightning_par.tensorparallel.blocks import EXPECTED, auto_block, user_block
+from lightning_par.tensorparallel.cuts import (
+    NORMS,
+    STYLES,
+    WEIGHT_LAYERS,
+    Cut,
+    Plan,
+    _between,
+    _conv_reason,
+    _features,
+    between_cuts,
+    join,
+    pair_sizes,
+)
+from lightning_par.tensorparallel.embedding import ShardedDropout, VocabParallelEmbedding
 from lightning_par.tensorparallel.layers import (
     ColumnParallelConv2d,
     ColumnParallelLinear,
@@ -43,70 +56,6 @@ from lightning_par.tensorparallel.layers import (
 from lightning_par.tensorparallel.mappings import TPGroup
 from lightning_par.tensorparallel.shard import unit_sizes
 
-STYLES = ("column", "row", "column_gather", "lstm")
-#: Modules that act on each feature/channel alone: safe between a column and a row layer.
-ELEMENTWISE = (nn.ReLU, nn.GELU, nn.SiLU, nn.Tanh, nn.Sigmoid, nn.LeakyReLU, nn.ELU, nn.Identity)
-NORMS = (nn.GroupNorm, _BatchNorm)
-WEIGHT_LAYERS = (nn.Linear, nn.Conv2d)
-
-
-@dataclass(frozen=True)
-class Cut:
-    """One module to replace: ``style`` is a plan style or ``"norm"``; ``sizes`` the split
-    dimension's length on each rank."""
-
-    name: str
-    style: str
-    sizes: tuple[int, ...]
-
-
-@dataclass
-class Plan:
-    """A resolved plan for ``world_size`` ranks: the cuts, and why each weight layer left
-    out stays replicated."""
-
-    world_size: int
-    cuts: list[Cut] = field(default_factory=list)
-    replicated: dict[str, str] = field(default_factory=dict)
-
-    def describe(self) -> str:
-        lines = [f"{c.name}: {c.style} {list(c.sizes)}" for c in self.cuts]
-        lines += [f"{name}: replicated ({why})" for name, why in self.replicated.items()]
-        return "\n".join(lines)
-
-
-def _features(layer: nn.Module, side: str) -> int:
-    if isinstance(layer, nn.Linear):
-        return layer.out_features if side == "out" else layer.in_features
-    return layer.out_channels if side == "out" else layer.in_channels
-
-
-def _between(children: list[tuple[str, nn.Module]], i: int) -> int:
-    """Index of the first module after ``i`` that is not elementwise or a norm."""
-    j = i + 1
-    while j < len(children) and isinstance(children[j][1], ELEMENTWISE + NORMS):
-        j += 1
-    return j
-
-
-def pair_sizes(first: nn.Module, norms: list[nn.Module], second: nn.Module, p: int
-               ) -> tuple[tuple[int, ...] | None, str]:  # fmt: skip
-    """Per-rank sizes of the features a column -> row pair splits, or ``None`` and why not."""
-    for layer in (first, second):
-        if isinstance(layer, nn.Conv2d) and (layer.groups != 1 or layer.padding_mode != "zeros"):
-            return None, f"a convolution with groups={layer.groups}, {layer.padding_mode} padding"
-    features = _features(first, "out")
-    if features != _features(second, "in"):
-        return None, f"{features} outputs feed {_features(second, 'in')} inputs"
-    unit = 1
-    for norm in norms:
-        if isinstance(norm, nn.GroupNorm):
-            unit = math.lcm(unit, norm.num_channels // norm.num_groups)
-    if features // unit < p:
-        what = f"{features // unit} GroupNorm groups" if unit > 1 else f"{features} features"
-        return None, f"{what} cannot be split over {p} ranks"
-    return unit_sizes(features // unit, p, unit), ""
-
 
 def _lstm_reason(lstm: nn.LSTM, p: int) -> str:
     if lstm.num_layers != 1 or lstm.bidirectional or lstm.proj_size:
@@ -116,11 +65,9 @@ def _lstm_reason(lstm: nn.LSTM, p: int) -> str:
     return ""
 
 
-def _join(prefix: str, name: str) -> str:
-    return f"{prefix}.{name}" if prefix else name
-
-
-def _auto(module: nn.Module, prefix: str, p: int, plan: Plan) -> None:
+def _auto(module: nn.Module, prefix: str, p: int, plan: Plan, tied: set[int]) -> None:
+    if auto_block(module, prefix, p, plan, tied):
+        return
     if isinstance(module, nn.LSTM):
         why = _lstm_reason(module, p)
         if why:
@@ -132,9 +79,9 @@ def _auto(module: nn.Module, prefix: str, p: int, plan: Plan) -> None:
     i = 0
     while i < len(children):
         name, child = children[i]
-        full = _join(prefix, name)
+        full = join(prefix, name)
         if not isinstance(child, WEIGHT_LAYERS):
-            _auto(child, full, p, plan)
+            _auto(child, full, p, plan, tied)
             i += 1
             continue
         j = _between(children, i)
@@ -145,9 +92,9 @@ def _auto(module: nn.Module, prefix: str, p: int, plan: Plan) -> None:
             sizes, why = pair_sizes(child, norms, children[j][1], p)
             if sizes is not None:
                 plan.cuts.append(Cut(full, "column", sizes))
-                plan.cuts += [Cut(_join(prefix, n), "norm", sizes)
-                              for n, m in children[i + 1 : j] if isinstance(m, NORMS)]  # fmt: skip
-                plan.cuts.append(Cut(_join(prefix, children[j][0]), "row", sizes))
+                named = [(join(prefix, n), m) for n, m in children[i + 1 : j]]
+                plan.cuts += between_cuts(named, child, sizes)
+                plan.cuts.append(Cut(join(prefix, children[j][0]), "row", sizes))
                 i = j + 1
                 continue
             plan.replicated[full] = why
@@ -168,20 +115,22 @@ def _user(module: nn.Module, styles: Mapping[str, str], p: int) -> Plan:
                 f"tensor_parallel plan: {name!r}: style {style!r} is not one of {STYLES}"
             )
         layer = modules[name]
-        expected = nn.LSTM if style == "lstm" else WEIGHT_LAYERS
+        expected, what = EXPECTED.get(style, (WEIGHT_LAYERS, "an nn.Linear or nn.Conv2d"))
         if not isinstance(layer, expected):
             raise ValueError(
                 f"tensor_parallel plan: {name!r} is a {type(layer).__name__}; style {style!r} "
-                f"splits {'an nn.LSTM' if style == 'lstm' else 'an nn.Linear or nn.Conv2d'}"
+                f"splits {what}"
             )
-        if style == "lstm":
+        if style in ("heads", "vocab"):
+            plan.cuts.append(user_block(name, layer, style, p))
+        elif style == "lstm":
             why = _lstm_reason(layer, p)
             if why:
                 raise ValueError(f"tensor_parallel plan: {name!r}: {why}")
             plan.cuts.append(Cut(name, style, unit_sizes(layer.hidden_size, p)))
         elif style == "column_gather":
             features = _features(layer, "out")
-            why = pair_sizes(layer, [], layer, p)[1] if isinstance(layer, nn.Conv2d) else ""
+            why = _conv_reason(layer) if isinstance(layer, nn.Conv2d) else ""
             if why or features < p:
                 why = why or f"{features} features cannot be split over {p} ranks"
                 raise ValueError(f"tensor_parallel plan: {name!r}: {why}")
@@ -192,19 +141,19 @@ def _user(module: nn.Module, styles: Mapping[str, str], p: int) -> Plan:
             children = list(parent.named_children()) if isinstance(parent, nn.Sequential) else []
             index = [n for n, _ in children].index(own) if children else -1
             j = _between(children, index) if children else 0
-            row = _join(parent_name, children[j][0]) if 0 <= index and j < len(children) else None
+            row = join(parent_name, children[j][0]) if 0 <= index and j < len(children) else None
             if row is None or styles.get(row) != "row":
                 raise ValueError(
                     f"tensor_parallel plan: column layer {name!r} must be followed, in its "
                     "nn.Sequential, by a 'row' layer (only activations and norms between)"
                 )
-            norms = [(_join(parent_name, n), m) for n, m in children[index + 1 : j]
-                     if isinstance(m, NORMS)]  # fmt: skip
-            sizes, why = pair_sizes(layer, [m for _, m in norms], children[j][1], p)
+            named = [(join(parent_name, n), m) for n, m in children[index + 1 : j]]
+            norms = [m for _, m in named if isinstance(m, NORMS)]
+            sizes, why = pair_sizes(layer, norms, children[j][1], p)
             if sizes is None:
                 raise ValueError(f"tensor_parallel plan: {name!r} -> {row!r}: {why}")
             plan.cuts.append(Cut(name, "column", sizes))
-            plan.cuts += [Cut(n, "norm", sizes) for n, _ in norms]
+            plan.cuts += between_cuts(named, layer, sizes)
             plan.cuts.append(Cut(row, "row", sizes))
             paired_rows.add(row)
     for name, style in styles.items():
@@ -225,8 +174,12 @@ def resolve_plan(module: nn.Module, world_size: int, plan: Mapping[str, str] | N
         return _user(module, plan, world_size)
     resolved = Plan(world_size)
     start = getattr(module, root, None) if root else None
+    counts: dict[int, int] = {}
+    for _, parameter in module.named_parameters(remove_duplicate=False):
+        counts[id(parameter)] = counts.get(id(parameter), 0) + 1
+    tied = {key for key, count in counts.items() if count > 1}
     _auto(start if isinstance(start, nn.Module) else module,
-          root if isinstance(start, nn.Module) else "", world_size, resolved)  # fmt: skip
+          root if isinstance(start, nn.Module) else "", world_size, resolved, tied)  # fmt: skip
     return resolved
 
 
@@ -242,6 +195,12 @@ def _build(cut: Cut, old: nn.Module, group: TPGroup) -> nn.Module:
         return (RowParallelConv2d if conv else RowParallelLinear)(old, group, cut.sizes)
     if cut.style == "norm":
         return split_norm(old, group, cut.sizes)
+    if cut.style == "dropout":
+        return ShardedDropout(old, group, cut.sizes, cut.dim)
+    if cut.style == "heads":
+        return ParallelMultiheadAttention(old, group, cut.sizes)
+    if cut.style == "vocab":
+        return VocabParallelEmbedding(old, group, cut.sizes)
     return ParallelLSTM(old, group, cut.sizes)
 
 
