@@ -163,3 +163,21 @@ def _attention(rank, world, batch_first, masks):
 def test_split_attention_computes_torchs_attention(batch_first, masks, world):
     for out_error, weight_error in run_on_ranks(_attention, world, batch_first, masks):
         assert out_error < 1e-5 and weight_error < 1e-6
+
+
+def _draw_after_sharing(rank, world):
+    from lightning_par.tensorparallel.random import share_random_state
+
+    torch.manual_seed(rank)  # as popen ranks that never agreed on a seed
+    before = torch.rand(3)
+    torch.manual_seed(10 + rank)
+    share_random_state(Communicator(), torch.device("cpu"))
+    return before, torch.rand(3)
+
+
+def test_ranks_draw_rank_zeros_numbers_after_sharing_the_random_state():
+    (before0, after0), *others = run_on_ranks(_draw_after_sharing, 3)
+    torch.manual_seed(10)
+    assert torch.equal(after0, torch.rand(3))
+    for before, after in others:
+        assert not torch.equal(before, before0) and torch.equal(after, after0)

@@ -40,6 +40,7 @@ from lightning_par.tensorparallel import (
     shard_state_dict,
 )
 from lightning_par.tensorparallel.clip import clip_grad_norm_split
+from lightning_par.tensorparallel.random import share_random_state
 
 #: Allreduces that leave the very same bits on every rank (one rank sums each chunk and the
 #: result is copied), so the layers kept whole stay identical across ranks.
@@ -92,7 +93,6 @@ class TensorParallelSplit(ModelSplitter):
                 f"be split over {self.size} devices ({why}); pass plan={{name: style}} or use "
                 "fewer devices"
             )
-        check_no_dropout(module)
         if trainer is not None:
             check_trainer(trainer, self.strategy.precision_plugin)
 
@@ -103,6 +103,8 @@ class TensorParallelSplit(ModelSplitter):
         check_trainer(trainer, self.strategy.precision_plugin)
         # Every rank cuts its slice of rank 0's weights (popen ranks built their own).
         broadcast_parameters(module, self.comm)
+        # ... and draws rank 0's random numbers: dropout masks as one process's (random.py)
+        share_random_state(self.comm, self.strategy.root_device)
         group = TPGroup(self.comm, self.algorithm)
         self.tp_plan = parallelize(module, group, self.plan, root=self.module_attr)
         rank_zero_info(f"tensor_parallel plan over {self.size} ranks:\n  "
@@ -200,17 +202,6 @@ def check_same_batch(batch: Any, device: torch.device, group: Any = None) -> Non
             "batches in the same order (seed the shuffle with DataLoader(generator=...) or "
             "seed_everything, and use no sampler that depends on the rank)"
         )
-
-
-def check_no_dropout(module: torch.nn.Module) -> None:
-    """Reject dropout: each rank would draw its own mask (on a replicated activation the
-    ranks part ways; on a split one the masks are not one process's)."""
-    for name, layer in module.named_modules():
-        if isinstance(layer, torch.nn.modules.dropout._DropoutNd) and layer.p > 0:
-            raise ValueError(
-                f"tensor_parallel: {name} ({type(layer).__name__}, p={layer.p}) would draw a "
-                "different mask on every rank; remove dropout or set p=0"
-            )
 
 
 def check_trainer(trainer: pl.Trainer, precision_plugin: Any) -> None:

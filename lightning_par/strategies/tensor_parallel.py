@@ -31,7 +31,6 @@ import torch
 from lightning_par.components.tensor_split import (
     EXACT_ALGORITHMS,
     TensorParallelSplit,
-    check_no_dropout,
     check_same_batch,
     check_trainer,
 )
@@ -85,7 +84,6 @@ class TensorParallelStrategy(ParStrategy):
 __all__ = [
     "EXACT_ALGORITHMS",
     "TensorParallelStrategy",
-    "check_no_dropout",
     "check_same_batch",
     "check_trainer",
 ]
