@@ -21,9 +21,15 @@ NB_TIMEOUT ?= 180
 
 setup: $(VENV)/.installed
 
+# A path-based editable install (`editable_mode=compat`: a .pth line naming this folder) and
+# not setuptools' default import hook: a script run from the folder that holds the checkout
+# would otherwise import the checkout folder `lightning_par/` as an empty namespace package
+# (Python's path finder answers before any import hook), and Lightning would reject every
+# strategy name. `-qq` keeps pip to its errors: its warnings about a machine's own pip
+# configuration are not the project's.
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install --quiet $(TORCH_PINS) -e '.[dev]'
+	$(PY) -m pip install -qq $(TORCH_PINS) -e '.[dev]' --config-settings editable_mode=compat
 	touch $@
 
 demo: setup
