@@ -90,8 +90,9 @@ def test_every_internal_link_resolves(site):
             if not target.exists():
                 broken.append(f"{page.relative_to(site)}: {link}")
             elif parts.fragment and target.suffix == ".html":
-                ids = parsed.setdefault(target, _parse(target).ids)
-                if parts.fragment not in ids:
+                if target not in parsed:
+                    parsed[target] = _parse(target).ids
+                if parts.fragment not in parsed[target]:
                     broken.append(f"{page.relative_to(site)}: {link} (no such anchor)")
     assert not broken, "\n".join(broken[:40])
 
