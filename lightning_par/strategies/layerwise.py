@@ -25,7 +25,6 @@ from typing import Any
 
 import lightning.pytorch as pl
 import torch
-from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch import nn
 
 from lightning_par.modelparallel.memory import stage_memory
@@ -34,6 +33,7 @@ from lightning_par.modelparallel.wavefront import (
     recurrent_parts,
     wavefront_balance,
 )
+from lightning_par.output import format_bytes, say
 from lightning_par.pipeline.partition import split_sequential
 from lightning_par.pipeline.state import gather_objects, send_weights_from_first
 from lightning_par.strategies.gpipe import GPipeStrategy
@@ -119,10 +119,12 @@ class LayerwiseStrategy(GPipeStrategy):
             self.memory = []
             return None
         self.memory = stages
-        lines = [f"stage {m['stage']}: params {m['param_bytes']:,} B, grads "
-                 f"{m['grad_bytes']:,} B, optimiser {m['optimizer_bytes']:,} B, activations "
-                 f"{m['activation_bytes']:,} B" for m in stages]  # fmt: skip
-        rank_zero_info("layerwise memory per stage:\n  " + "\n  ".join(lines))
+        size = format_bytes
+        lines = [f"stage {m['stage']}: params {size(m['param_bytes'])}, grads "
+                 f"{size(m['grad_bytes'])}, optimiser {size(m['optimizer_bytes'])}, "
+                 f"activations {size(m['activation_bytes'])}" for m in stages]  # fmt: skip
+        trainer = getattr(self.lightning_module, "_trainer", None)
+        say(trainer, "layerwise memory per stage:\n  " + "\n  ".join(lines))
         if self.trace_dir is not None and self.global_rank == 0:
             self.trace_dir.mkdir(parents=True, exist_ok=True)
             (self.trace_dir / "memory.json").write_text(json.dumps(stages))
