@@ -38,8 +38,9 @@ def description() -> str:
 
 
 def plain(text: str) -> str:
-    """Docstring text without Sphinx markup: ``:func:`~a.b` `` -> ``b``, ``:mod:`a.b` `` ->
-    ``a.b``, double backquotes -> single ones (Markdown's, as a terminal reader knows them)."""
+    """Docstring text without Sphinx markup, for a terminal: a role such as ``:func:`` keeps
+    its target (only the last name after a tilde), and double backquotes become single ones,
+    as Markdown writes code."""
 
     def role(m: re.Match) -> str:
         return m[2].split(".")[-1] if m[1] else m[2]
