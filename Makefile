@@ -1,7 +1,8 @@
 # Two commands do all set-up on a fresh machine (python3, pip and make only):
 #   make demo   train the CIFAR CNN with a lightning_par strategy on 2 CPU processes, test it
-#   make test   lint, unit and multi-process tests, and every course notebook (nbval)
-# Both create and fill the virtual environment .venv first.
+#   make test   lint, unit and multi-process tests, every course notebook (nbval), the docs
+#   make docs   the documentation site, into docs/_build/html (offline, warnings are errors)
+# Each creates and fills the virtual environment .venv first.
 
 PYTHON ?= python3
 VENV ?= .venv
@@ -17,13 +18,19 @@ EPOCHS ?= 20
 DATA ?= cifar10-mini
 NB_TIMEOUT ?= 180
 
-.PHONY: setup demo test lint check bench clean
+.PHONY: setup demo test lint check bench clean docs browser
 
 setup: $(VENV)/.installed
 
+# A path-based editable install (`editable_mode=compat`: a .pth line naming this folder) and
+# not setuptools' default import hook: a script run from the folder that holds the checkout
+# would otherwise import the checkout folder `lightning_par/` as an empty namespace package
+# (Python's path finder answers before any import hook), and Lightning would reject every
+# strategy name. `-qq` keeps pip to its errors: its warnings about a machine's own pip
+# configuration are not the project's.
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install --quiet $(TORCH_PINS) -e '.[dev]'
+	$(PY) -m pip install -qq $(TORCH_PINS) -e '.[dev]' --config-settings editable_mode=compat
 	touch $@
 
 demo: setup
@@ -36,7 +43,19 @@ lint: setup
 	$(VENV)/bin/ruff check lightning_par tests
 	$(VENV)/bin/ruff format --check lightning_par tests
 
-test: lint
+docs: setup
+	$(VENV)/bin/sphinx-build -q -W --keep-going -b html docs docs/_build/html
+	@echo "docs: open docs/_build/html/index.html"
+
+# tests/test_docs_site.py opens the built course pages in headless Chromium: Debian's
+# packages, installed when missing (CI runs as root on Debian; elsewhere install them).
+browser:
+	@command -v chromium >/dev/null && command -v chromedriver >/dev/null || { \
+		command -v apt-get >/dev/null || { echo "install chromium and chromedriver"; exit 1; }; \
+		apt-get update -qq && DEBIAN_FRONTEND=noninteractive \
+			apt-get install -y -qq --no-install-recommends chromium chromium-driver >/dev/null; }
+
+test: lint browser
 	$(VENV)/bin/pytest tests course --nbval-lax --nbval-current-env \
 		--nbval-cell-timeout=$(NB_TIMEOUT) --durations=15
 
@@ -44,4 +63,5 @@ check: setup
 	$(PY) -m lightning_par.check
 
 clean:
-	rm -rf $(VENV) runs lightning_logs .pytest_cache
+	rm -rf $(VENV) runs lightning_logs .pytest_cache docs/_build docs/_generated \
+		docs/reference/_autosummary docs/course docs/benchmarks docs/CONTRIBUTING.md

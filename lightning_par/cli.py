@@ -26,6 +26,13 @@ from lightning.pytorch.cli import LightningCLI
 import lightning_par  # noqa: F401  (registers the strategy names)
 from lightning_par import _compat
 from lightning_par.cli_checks import UsageError, check_argv, check_config
+from lightning_par.cli_help import (
+    description,
+    requested_strategy_help,
+    strategy_help,
+    strategy_names_help,
+    with_class_path,
+)
 from lightning_par.data import CIFAR10DataModule, DataNotFoundError
 from lightning_par.models import CifarCNN, CifarRNN, ImageClassifier  # noqa: F401
 from lightning_par.quiet import quiet_lightning
@@ -51,6 +58,7 @@ class LightningParCLI(LightningCLI):
         )
         parser.set_defaults({"model": DEFAULT_MODEL})
         _devices_as_numbers(parser)
+        _strategy_names_in_help(parser)
 
     def parse_arguments(self, parser, args) -> None:
         check_argv(sys.argv[1:] if args is None else [str(a) for a in args])
@@ -103,6 +111,18 @@ class LightningParCLI(LightningCLI):
 def main(args: list[str] | None = None, prog: str = "lightning-par") -> None:
     """Run the command; ``prog`` is the name usage and error messages show."""
     quiet_lightning()
+    argv = sys.argv[1:] if args is None else [str(a) for a in args]
+    asked = requested_strategy_help(argv)
+    if asked:
+        text = strategy_help(asked, prog)
+        if text:  # one of ours: only the options it declares, not Lightning's DDP plumbing
+            print(text, end="")
+            return
+        argv = with_class_path(argv, asked)  # Lightning's: jsonargparse's help of the class
+        if args is None:
+            sys.argv[1:] = argv
+        else:
+            args = argv
     try:
         _run_cli(args, prog)
     except DataNotFoundError as err:
@@ -129,6 +149,15 @@ def _devices_as_numbers(parser) -> None:
     for action in parser._actions:
         if getattr(action, "dest", None) == "trainer.devices" and hasattr(action, "_typehint"):
             action._typehint = Union[int, list[int], str]  # noqa: UP007 (a runtime type hint)
+
+
+def _strategy_names_in_help(parser) -> None:
+    """``--trainer.strategy`` in ``fit --help``: the names users type, not Lightning's
+    docstring and jsonargparse's list of class paths."""
+    for action in parser._actions:
+        if getattr(action, "dest", None) == "trainer.strategy":
+            action.help = strategy_names_help()
+            action.extra_help = lambda: ""  # jsonargparse's ", known subclasses: <paths>"
 
 
 def _as_typed(message: str) -> str:
@@ -171,7 +200,7 @@ def _run_cli(args: list[str] | None, prog: str) -> None:
             "callbacks": [ThroughputMonitor(), FitTimeEstimate()],
             "max_epochs": 10,
         },
-        parser_kwargs={"prog": prog, "exit_on_error": False},
+        parser_kwargs={"prog": prog, "description": description(), "exit_on_error": False},
         args=args,
     )
 

@@ -4,8 +4,11 @@ summary."""
 
 from __future__ import annotations
 
+import logging
 import math
+import re
 import time
+from contextlib import contextmanager
 
 import lightning.pytorch as pl
 import torch
@@ -13,6 +16,7 @@ from lightning.pytorch.callbacks import ModelSummary
 from typing_extensions import override
 
 from lightning_par import _compat
+from lightning_par.output import say
 
 
 def data_parallel_replicas(trainer: pl.Trainer) -> int:
@@ -151,7 +155,7 @@ class FitTimeEstimate(pl.Callback):
         if self._seen == self.after_batches and self.printed is None and trainer.is_global_zero:
             self.printed = self.estimate_line(trainer, now - self._fit_start)
             if self.printed:
-                print(self.printed, flush=True)
+                say(trainer, self.printed)  # above the progress bar, not glued to it
 
     def estimate_line(self, trainer: pl.Trainer, elapsed: float) -> str:
         """The line, or ``""`` when the fit ends within the batches already measured."""
@@ -226,5 +230,32 @@ class WholeModelSummary(ModelSummary):
         chosen = self._before if self._before and self._before[1] > now[1] else now
         if trainer.is_global_zero:
             data, total, trainable, size, modes, flops = chosen
-            self.summarize(data, total, trainable, size, modes, total_flops=flops,
-                           **self._summarize_kwargs)  # fmt: skip
+            if not flops:  # nothing was counted (no example_input_array): no column of zeros
+                data = [column for column in data if column[0] != "FLOPs"]
+            with _no_zero_flops_line(flops):
+                self.summarize(data, total, trainable, size, modes, total_flops=flops,
+                               **self._summarize_kwargs)  # fmt: skip
+
+
+class _DropZeroFlops(logging.Filter):
+    """Drops the ``0  Total Flops`` line from the summary Lightning logs."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        text = record.getMessage()
+        lines = [ln for ln in text.split("\n") if not re.fullmatch(r"0\s+Total Flops", ln)]
+        record.msg, record.args = "\n".join(lines), ()
+        return True
+
+
+@contextmanager
+def _no_zero_flops_line(flops: int):
+    """While Lightning logs the summary table: without its total of zero FLOPs."""
+    logger = logging.getLogger(ModelSummary.__module__)  # where ModelSummary.summarize logs
+    drop = _DropZeroFlops() if not flops else None
+    if drop is not None:
+        logger.addFilter(drop)
+    try:
+        yield
+    finally:
+        if drop is not None:
+            logger.removeFilter(drop)

@@ -1,5 +1,5 @@
 """Every registered strategy × every everyday Lightning feature, against the one table of
-expected outcomes (:mod:`lightning_par.features`), which the README shows.
+expected outcomes (:mod:`lightning_par.features`), which the documentation shows.
 
 One launch per strategy (2 ranks, or its row's ``devices``) runs all its cells
 (``run_on_ranks``, the torchrun path); the parameter-server strategies, which start their
@@ -157,10 +157,11 @@ def test_every_registered_strategy_has_a_row_and_every_row_a_strategy():
     dataset()  # the cells' data is deterministic
 
 
-def test_the_readme_shows_the_table():
-    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
-    table = markdown_table()
-    assert table in readme, (
-        "README.md's feature table is out of date: paste `python -m lightning_par.features`"
-    )
-    assert re.search(r"\| `gpipe` \|", table)
+def test_the_docs_show_the_table():
+    # the documentation's feature page includes the table that docs/conf.py writes from
+    # markdown_table() at each build (tests/test_docs_site.py checks the rendered rows)
+    docs = Path(__file__).resolve().parents[1] / "docs"
+    page = (docs / "guide" / "features.md").read_text()
+    assert "```{include} ../_generated/features.md" in page
+    assert '"features.md").write_text(markdown_table())' in (docs / "conf.py").read_text()
+    assert re.search(r"\| `gpipe` \|", markdown_table())

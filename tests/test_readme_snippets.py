@@ -1,6 +1,7 @@
-"""The README's Python snippets run as written: each compiles, imports everything it uses
-(and those imports resolve), and asks for no more processes than the cores of the 2-core
-machine the README describes."""
+"""The Python snippets of the README and of the documentation pages (where the README's
+longer sections moved) run as written: each compiles, imports everything it uses (and those
+imports resolve), and asks for no more processes than the cores of the 2-core machine the
+pages describe."""
 
 import ast
 import builtins
@@ -10,8 +11,18 @@ from pathlib import Path
 
 import pytest
 
-README = Path(__file__).resolve().parents[1] / "README.md"
-SNIPPETS = re.findall(r"```python\n(.*?)```", README.read_text(), flags=re.S)
+ROOT = Path(__file__).resolve().parents[1]
+README = ROOT / "README.md"
+PAGES = [README, *sorted((ROOT / "docs").glob("**/*.md"))]
+PAGES = [p for p in PAGES if not {"_build", "_generated"} & set(p.parts)]
+
+
+def _snippets(page: Path) -> list[str]:
+    return re.findall(r"```python\n(.*?)```", page.read_text(), flags=re.S)
+
+
+SNIPPETS = [code for page in PAGES for code in _snippets(page)]
+IDS = [f"{page.relative_to(ROOT)}:{i}" for page in PAGES for i in range(len(_snippets(page)))]
 CORES = 2  # the development machine of the README's figures
 
 
@@ -29,11 +40,14 @@ def _defined_and_used(tree: ast.AST) -> tuple[set[str], set[str]]:
     return defined, used
 
 
-def test_the_readme_has_python_snippets():
-    assert len(SNIPPETS) >= 6
+def test_the_readme_and_the_pages_have_python_snippets():
+    assert _snippets(README), "the README lost its smallest example"
+    assert len(SNIPPETS) >= 10
+    for strategy in ("allreduce", "gpipe", "layerwise", "tensor_parallel", "hybrid"):
+        assert _snippets(ROOT / "docs" / "strategies" / f"{strategy}.md"), strategy
 
 
-@pytest.mark.parametrize("code", SNIPPETS, ids=[f"snippet{i}" for i in range(len(SNIPPETS))])
+@pytest.mark.parametrize("code", SNIPPETS, ids=IDS)
 def test_a_snippet_imports_what_it_uses_and_fits_the_cores(code):
     tree = ast.parse(code)
     defined, used = _defined_and_used(tree)

@@ -29,7 +29,13 @@ def devices_for(name: str, cls: type, default: int) -> int:
 
 
 def parse(argv: list[str] | None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(prog="python -m lightning_par.compare", description=__doc__)
+    from lightning_par.cli_help import DefaultsFormatter, plain
+
+    parser = argparse.ArgumentParser(
+        prog="python -m lightning_par.compare",
+        description=plain(__doc__ or ""),
+        formatter_class=DefaultsFormatter,
+    )
     parser.add_argument("--strategies", nargs="+", help="default: every registered strategy")
     parser.add_argument("--model", default="CifarCNN", choices=MODELS)
     parser.add_argument("--steps", type=int, default=20)

@@ -1,4 +1,4 @@
-"""One result row from a finished run's probes and traces (see :mod:`.run`)."""
+"""One result row from a finished run's probes and traces (see :mod:`lightning_par.compare.run`)."""
 
 from __future__ import annotations
 

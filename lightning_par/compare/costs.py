@@ -1,22 +1,22 @@
 """Bytes each rank should send per training step, from each plugin's own cost model.
 
-=====================  =====================================================================
-strategy               bytes sent by rank ``r`` per step (``n``: gradient elements)
-=====================  =====================================================================
-``<algo>_allreduce``   :func:`~lightning_par.collectives.cost_model.predict` of each gradient
-                       bucket (its ``n_b`` gradients plus one flag per parameter), summed
-``local_sgd``          the ring allreduce of every parameter and floating buffer, once per
-                       ``period`` steps (so divided by ``period``)
+=======================  =====================================================================
+strategy                 bytes sent by rank ``r`` per step (``n``: gradient elements)
+=======================  =====================================================================
+``<algo>_allreduce``     :func:`~lightning_par.collectives.cost_model.predict` of each gradient
+                         bucket (its ``n_b`` gradients plus one flag per parameter), summed
+``local_sgd``            the ring allreduce of every parameter and floating buffer, once per
+                         ``period`` steps (so divided by ``period``)
 ``gpipe``/``layerwise``  stage ``s`` of ``K``: the activation at its output cut forward and
-                       the gradient at its input cut backward, ``B`` samples each, plus (last
-                       stage) the joined output to the ``K - 1`` others (Huang et al. 2019)
-``parameter_server``,  a worker pushes its whole gradient, ``4n`` bytes (Li et al. 2014);
-``async_sgd``          the per-piece flags and control headers come on top (a few bytes)
-=====================  =====================================================================
+                         the gradient at its input cut backward, ``B`` samples each, plus (last
+                         stage) the joined output to the ``K - 1`` others (Huang et al. 2019)
+``parameter_server``,    a worker pushes its whole gradient, ``4n`` bytes (Li et al. 2014);
+``async_sgd``            the per-piece flags and control headers come on top (a few bytes)
+=======================  =====================================================================
 
 A strategy not listed here has no model in the compare, unless its class offers one: a
 ``compare_bytes_per_step(model, devices, global_batch, options) -> list[int]`` class method
-(per rank). The report says "no model" rather than guess.
+(per rank). The repor    says "no model" rather than guess.
 """
 
 from __future__ import annotations

@@ -9,7 +9,7 @@ a checkpoint written by a pipeline resumes under any strategy, or in one process
 Parameters are matched by name (a split network keeps its layers' original names):
 
 * :func:`model_order`: the whole model's parameter names from each stage's names;
-* :func:`merge_stage_states`: the stages' ``state_dict()``s as one optimiser's;
+* :func:`merge_stage_states`: the stages' ``state_dict()`` results as one optimiser's;
 * :func:`stage_state`: one stage's part of such a state, for its ``load_state_dict``.
 """
 

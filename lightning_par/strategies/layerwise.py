@@ -29,11 +29,11 @@ from typing import Any
 
 import lightning.pytorch as pl
 import torch
-from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from typing_extensions import override
 
 from lightning_par.components.pipeline_split import PipelineSplit
 from lightning_par.modelparallel.memory import stage_memory
+from lightning_par.output import format_bytes, say
 from lightning_par.pipeline.state import gather_objects
 from lightning_par.strategies._base import ParStrategy
 
@@ -103,10 +103,12 @@ class LayerwiseStrategy(ParStrategy):
             self.memory = []
             return None
         self.memory = stages
-        lines = [f"stage {m['stage']}: params {m['param_bytes']:,} B, grads "
-                 f"{m['grad_bytes']:,} B, optimiser {m['optimizer_bytes']:,} B, activations "
-                 f"{m['activation_bytes']:,} B" for m in stages]  # fmt: skip
-        rank_zero_info("layerwise memory per stage:\n  " + "\n  ".join(lines))
+        size = format_bytes
+        lines = [f"stage {m['stage']}: params {size(m['param_bytes'])}, grads "
+                 f"{size(m['grad_bytes'])}, optimiser {size(m['optimizer_bytes'])}, "
+                 f"activations {size(m['activation_bytes'])}" for m in stages]  # fmt: skip
+        trainer = getattr(self.lightning_module, "_trainer", None)
+        say(trainer, "layerwise memory per stage:\n  " + "\n  ".join(lines))
         if self.trace_dir is not None and self.global_rank == 0:
             self.trace_dir.mkdir(parents=True, exist_ok=True)
             (self.trace_dir / "memory.json").write_text(json.dumps(stages))

@@ -6,15 +6,15 @@ of two states, *replicated* (the same on every rank, with the same gradient on e
 or *split* (each rank holds a slice of the features), and moves between them with small
 autograd functions:
 
-===========================  ==============================  ============================
-operator                     forward                         backward
-===========================  ==============================  ============================
-``f``  (:func:`copy_to`)     identity                        allreduce of the gradient
-``g``  (:func:`reduce_from`) allreduce of partial sums       identity
-:func:`gather_from`          all-gather the slices           keep this rank's slice
-:func:`split_to`             keep this rank's slice          all-gather the gradient
-:func:`gather_recurrent`     all-gather (two outputs)        reduce-scatter + own slice
-===========================  ==============================  ============================
+============================  ==============================  ============================
+operator                      forward                         backward
+============================  ==============================  ============================
+``f``  (:func:`copy_to`)      identity                        allreduce of the gradient
+``g``  (:func:`reduce_from`)  allreduce of partial sums       identity
+:func:`gather_from`           all-gather the slices           keep this rank's slice
+:func:`split_to`              keep this rank's slice          all-gather the gradient
+:func:`gather_recurrent`      all-gather (two outputs)        reduce-scatter + own slice
+============================  ==============================  ============================
 
 ``f`` sits before a column-parallel layer (each rank's slice of the weight sees the whole
 input, so each rank's input gradient is a partial sum), ``g`` after a row-parallel layer
