@@ -87,7 +87,18 @@ LAYERS = {
     "strategies": 2,
     "callbacks": 2,
     **dict.fromkeys(
-        ["compare", "bench", "cli", "cli_checks", "check", "summary", "__main__", "simulate"], 3
+        [
+            "compare",
+            "bench",
+            "cli",
+            "cli_checks",
+            "cli_help",
+            "check",
+            "summary",
+            "__main__",
+            "simulate",
+        ],
+        3,
     ),
 }
 
