@@ -43,12 +43,19 @@ from typing import Any
 import lightning.pytorch as pl
 import torch
 import torch.distributed as dist
-from lightning.pytorch.utilities.rank_zero import rank_zero_info
+from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 
 from lightning_par.collectives import ALGORITHMS, get_allreduce, tree_broadcast
 from lightning_par.comm import Communicator, Event
 from lightning_par.comm.buckets import GradientBuckets, allreduce_buckets, average_unbucketed
-from lightning_par.hybrid.grid import Grid, GridGroups, check_degrees, create_groups, make_grid
+from lightning_par.hybrid.grid import (
+    Grid,
+    GridGroups,
+    check_degrees,
+    create_groups,
+    groups_across_nodes,
+    make_grid,
+)
 from lightning_par.pipeline.runtime import PipelineStage
 from lightning_par.strategies._base import ParStrategy
 from lightning_par.strategies.gpipe import GPipeStrategy
@@ -122,6 +129,7 @@ class HybridStrategy(ParStrategy):
         self.mp_comm: Communicator | None = None
         self.dp_comm: Communicator | None = None
         self.buckets: GradientBuckets | None = None
+        self._warned_nodes = False
 
     # ---- the grid ---------------------------------------------------------------------------
     @property
@@ -147,7 +155,11 @@ class HybridStrategy(ParStrategy):
         return {"num_replicas": grid.dp, "rank": grid.dp_rank(self.global_rank)}
 
     def check_before_launch(self, trainer: pl.Trainer | None = None) -> None:
-        self.grid  # noqa: B018  (a bad grid raises here, before any process starts)
+        grid = self.grid  # (a bad grid raises here, before any process starts)
+        reason = groups_across_nodes(grid, self.num_processes) if self.num_nodes > 1 else None
+        if reason is not None and not self._warned_nodes:
+            self._warned_nodes = True
+            rank_zero_warn(reason)
         super().check_before_launch(trainer)
 
     def _connect(self) -> None:
