@@ -17,7 +17,7 @@ EPOCHS ?= 20
 DATA ?= cifar10-mini
 NB_TIMEOUT ?= 180
 
-.PHONY: setup demo test lint check bench clean
+.PHONY: setup demo test lint check gpu-check bench clean
 
 setup: $(VENV)/.installed
 
@@ -42,6 +42,11 @@ test: lint
 
 check: setup
 	$(PY) -m lightning_par.check
+
+# On a machine with GPUs: the CUDA tests, every strategy on CifarCNN (NCCL; gloo where a
+# plugin needs it) beside single-device Lightning, one table. Refused without CUDA.
+gpu-check: setup
+	$(PY) -m lightning_par.gpucheck --accelerator gpu
 
 clean:
 	rm -rf $(VENV) runs lightning_logs .pytest_cache
