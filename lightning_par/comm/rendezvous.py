@@ -66,6 +66,10 @@ def find_free_port(host: str = "127.0.0.1") -> int:
         return sock.getsockname()[1]
 
 
+class RendezvousTimeout(RuntimeError):
+    """A rank found no job store to meet its peers in within its timeout."""
+
+
 @dataclass(frozen=True)
 class StoreAddress:
     """Where one process group meets: a job store and the key prefix of this group."""
@@ -133,9 +137,18 @@ def _job_store(
             from lightning_par.comm.store_host import StoreHost
 
             _served.append(StoreHost(host, port, bind=""))
-        _joined[key] = dist.TCPStore(
-            host, port, is_master=False, wait_for_workers=False, timeout=timeout
-        )
+        try:
+            _joined[key] = dist.TCPStore(
+                host, port, is_master=False, wait_for_workers=False, timeout=timeout
+            )
+        except (RuntimeError, OSError) as err:  # (torch's DistNetworkError: a RuntimeError)
+            raise RendezvousTimeout(
+                f"rank {rank}: no job store at {host}:{port} after "
+                f"{timeout.total_seconds():.0f} s ({str(err).splitlines()[0]}). Global rank 0 "
+                "serves it: is rank 0 running, and can this node reach that address? Under "
+                "SLURM the port is 15000 + the last four digits of SLURM_JOB_ID (Lightning's "
+                "SLURMEnvironment); set MASTER_PORT to choose another"
+            ) from err
     return _joined[key], host, port, launch
 
 

@@ -119,3 +119,13 @@ def test_server_strategies_under_srun_on_one_node(tmp_path):
     check(found, names, [0, 1], "SLURMEnvironment")
     for name in SERVERS:  # one node: its local rank 0 starts both servers
         assert servers_started(found, name) == {0: [0, 1], 1: []}, name
+
+
+def test_a_task_whose_rank_0_never_starts_stops_with_a_named_error(tmp_path):
+    """A stalled rendezvous is bounded (the group timeout) and says what it waited for."""
+    job = free_job_id()
+    cmd, env = python(["1", "2", "ring_allreduce"], srun_env(job, 1, 2, 1))  # rank 0 absent
+    env["LIGHTNING_PAR_TIMEOUT"] = "5"
+    (out,) = run_all([(cmd, env)], tmp_path, limit=150, ok=False)
+    expected = f"RendezvousTimeout: rank 1: no job store at 127.0.0.1:{slurm_port(job)} after 5 s"
+    assert expected in out, out[-3000:]
