@@ -18,7 +18,7 @@ EPOCHS ?= 20
 DATA ?= cifar10-mini
 NB_TIMEOUT ?= 180
 
-.PHONY: setup demo test lint check bench clean docs browser
+.PHONY: setup demo test lint check gpu-check bench clean docs browser
 
 setup: $(VENV)/.installed
 
@@ -61,6 +61,11 @@ test: lint browser
 
 check: setup
 	$(PY) -m lightning_par.check
+
+# On a machine with GPUs: the CUDA tests, every strategy on CifarCNN (NCCL; gloo where a
+# plugin needs it) beside single-device Lightning, one table. Refused without CUDA.
+gpu-check: setup
+	$(PY) -m lightning_par.gpucheck --accelerator gpu
 
 clean:
 	rm -rf $(VENV) runs lightning_logs .pytest_cache docs/_build docs/_generated \

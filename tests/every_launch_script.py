@@ -22,7 +22,12 @@ from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 import lightning_par  # noqa: F401  (registers the strategies)
 from lightning_par.strategies.registry import spec
 
-BATCH, STEPS, LR = 4, 3, 0.1
+BATCH, LR = 4, 0.1
+STEPS = int(os.environ.get("LIGHTNING_PAR_TEST_STEPS", "3"))
+#: ``plain``; or the CS336 assignment 2 DDP tests' cases (``stanford-cs336/assignment2-
+#: systems``, ``tests/common.py``): ``frozen`` (a bias and a whole parameter with
+#: ``requires_grad=False``) or ``tied`` (two layers share one weight).
+MODEL = os.environ.get("LIGHTNING_PAR_TEST_MODEL", "plain")
 #: Options that make a row comparable with one process in three steps.
 OPTIONS = {
     "gpipe": {"chunks": 2},
@@ -45,7 +50,16 @@ class Tiny(pl.LightningModule):
     def __init__(self) -> None:
         super().__init__()
         torch.manual_seed(0)
-        self.net = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 4))
+        # (four linear layers: a model-parallel split over up to 4 ranks, 2 nodes x 2 tasks)
+        self.net = nn.Sequential(
+            nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 16), nn.Tanh(),
+            nn.Linear(16, 16), nn.Tanh(), nn.Linear(16, 4),
+        )  # fmt: skip
+        if MODEL == "frozen":
+            self.net[2].bias.requires_grad_(False)
+            self.fixed = nn.Parameter(torch.tensor([2.0, 2.0]), requires_grad=False)
+        elif MODEL == "tied":
+            self.net[4].weight = self.net[2].weight
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.net(x)
@@ -66,7 +80,7 @@ class Tiny(pl.LightningModule):
         self._evaluate(batch, "test_loss")
 
     def configure_optimizers(self):
-        return torch.optim.SGD(self.parameters(), lr=LR)
+        return torch.optim.SGD([p for p in self.parameters() if p.requires_grad], lr=LR)
 
     def on_save_checkpoint(self, checkpoint) -> None:
         if SLOW and self.global_rank == 0:  # a slow disk, a first compile: rank 0 is late
@@ -82,7 +96,7 @@ def one_process(world: int, shuffled: bool = False) -> dict[str, torch.Tensor]:
     order = [list(DistributedSampler(data(), world, r, seed=0)) for r in range(world)]
     if world == 1 and not shuffled:
         order = [list(range(len(x)))]
-    opt = torch.optim.SGD(model.parameters(), lr=LR)
+    opt = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=LR)
     for step in range(STEPS):
         rows = [i for ranks in order for i in ranks[step * BATCH : (step + 1) * BATCH]]
         opt.zero_grad()
@@ -110,8 +124,12 @@ def run(name: str, devices: int, nodes: int) -> dict:
         weights = model.state_dict()  # data parallel, or rank 0's after a fork launch
     weights = {k: v.detach().clone() for k, v in weights.items()}
     servers = getattr(trainer.strategy, "started_servers", [])
+    fitted = {k: v.detach().clone() for k, v in model.state_dict().items()}  # (this rank's)
     val = trainer.validate(model, loader, verbose=False)[0]["val_loss"]
     test = trainer.test(model, loader, verbose=False)[0]["test_loss"]
+    # Lightning's run_model_test: validate and test must leave the weights as fit left them
+    after = model.state_dict()
+    eval_changed = max((after[k].float() - v.float()).abs().max().item() for k, v in fitted.items())
     world = trainer.world_size
     if grid is not None:
         reference = one_process(grid.dp, shuffled=True)
@@ -128,9 +146,10 @@ def run(name: str, devices: int, nodes: int) -> dict:
     env = type(trainer.strategy.cluster_environment).__name__
     return {
         "strategy": name, "rank": trainer.global_rank, "world": world, "step": step,
-        "diff": diff, "moved": moved, "exact": name not in NOT_EXACT, "val": val, "test": test,
+        "steps": STEPS, "diff": diff, "moved": moved, "exact": name not in NOT_EXACT,
+        "val": val, "test": test,
         "environment": env, "launch": getattr(trainer.strategy.launch_plan, "method", None),
-        "servers_started": servers, "pid": os.getpid(),
+        "servers_started": servers, "pid": os.getpid(), "eval_changed": eval_changed,
     }  # fmt: skip
 
 

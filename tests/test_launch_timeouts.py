@@ -13,9 +13,10 @@ from datetime import timedelta
 import lightning.pytorch as pl
 import pytest
 import torch
+from conformance.launchers import SCRIPT, results
+from conformance.launchers import clean_env as _env
 from every_launch_script import BATCH, STEPS, Tiny, data, one_process
 from lightning.pytorch.callbacks import ModelCheckpoint
-from test_every_launch import SCRIPT, _env, results
 from test_parameter_server import CNN, fit
 from torch.utils.data import DataLoader
 

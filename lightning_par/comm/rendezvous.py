@@ -68,6 +68,10 @@ def find_free_port(host: str = "127.0.0.1") -> int:
         return sock.getsockname()[1]
 
 
+class RendezvousTimeout(RuntimeError):
+    """A rank found no job store to meet its peers in within its timeout."""
+
+
 @dataclass(frozen=True)
 class StoreAddress:
     """Where one process group meets: a job store and the key prefix of this group."""
@@ -99,35 +103,66 @@ def host_job_store(host: str = "127.0.0.1") -> str:
     return f"{host}:{served.port}/{uuid.uuid4().hex[:8]}"
 
 
-def _job_store(rank: int, timeout: timedelta, spec: str | None) -> tuple[dist.Store, str, int, str]:
+def _cluster_main(main: tuple[str, int] | None) -> tuple[str, int]:
+    """Where a job's ranks meet outside this project's launches: the cluster environment's
+    main address and port when the strategy has one (``main``; Lightning's
+    ``SLURMEnvironment`` derives the port from ``SLURM_JOB_ID``, since ``srun`` sets no
+    ``MASTER_PORT``), else ``MASTER_ADDR``/``MASTER_PORT``."""
+    if main is not None:
+        return main[0], int(main[1])
+    if "MASTER_PORT" not in os.environ:
+        raise RuntimeError(
+            "lightning_par: no rendezvous for this process group: it was not started by a "
+            "lightning_par launch (LIGHTNING_PAR_STORE), MASTER_PORT is not set and no cluster "
+            "environment gave a port. Set MASTER_ADDR and MASTER_PORT, or launch through "
+            "Trainer(strategy=...), torchrun or srun"
+        )
+    return os.environ.get("MASTER_ADDR", "127.0.0.1"), int(os.environ["MASTER_PORT"])
+
+
+def _job_store(
+    rank: int, timeout: timedelta, spec: str | None, main: tuple[str, int] | None = None
+) -> tuple[dist.Store, str, int, str]:
     spec = spec or os.environ.get(STORE_ENV)
     if spec:
         where, launch = spec.rsplit("/", 1)
         host, port_text = where.rsplit(":", 1)
         port, master = int(port_text), False
     else:
-        host = os.environ.get("MASTER_ADDR", "127.0.0.1")
-        port, launch = int(os.environ["MASTER_PORT"]), "job"
+        (host, port), launch = _cluster_main(main), "job"
         master = rank == 0 and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True"
     key = (os.getpid(), host, port)
     if key not in _joined:  # (a forked child must not use its parent's connection)
         if master:  # served by a process of its own: this rank may fork (parameter servers)
             _served.append(StoreHost(host, port, bind=""))
-        _joined[key] = dist.TCPStore(
-            host, port, is_master=False, wait_for_workers=False, timeout=timeout
-        )
+        try:
+            _joined[key] = dist.TCPStore(
+                host, port, is_master=False, wait_for_workers=False, timeout=timeout
+            )
+        except (RuntimeError, OSError) as err:  # (torch's DistNetworkError: a RuntimeError)
+            raise RendezvousTimeout(
+                f"rank {rank}: no job store at {host}:{port} after "
+                f"{timeout.total_seconds():.0f} s ({str(err).splitlines()[0]}). Global rank 0 "
+                "serves it: is rank 0 running, and can this node reach that address? Under "
+                "SLURM the port is 15000 + the last four digits of SLURM_JOB_ID (Lightning's "
+                "SLURMEnvironment); set MASTER_PORT to choose another"
+            ) from err
     return _joined[key], host, port, launch
 
 
 def group_store(
-    rank: int, timeout: timedelta, spec: str | None = None
+    rank: int,
+    timeout: timedelta,
+    spec: str | None = None,
+    main: tuple[str, int] | None = None,
 ) -> tuple[dist.Store, StoreAddress]:
     """The store of the next process group this rank joins, and its address (to give to
     processes this rank starts for the same group, e.g. parameter servers). ``spec``: the
     store a launcher of this project holds (default ``LIGHTNING_PAR_STORE``; else the
     cluster's, see the module docstring). Every rank must join its groups in the same
-    order (they do: each runs the same script)."""
-    store, host, port, launch = _job_store(rank, timeout, spec)
+    order (they do: each runs the same script). ``main``: the cluster environment's
+    ``(main_address, main_port)``, used when no launcher of this project holds the store."""
+    store, host, port, launch = _job_store(rank, timeout, spec, main)
     address = StoreAddress(host, port, f"lightning_par/{launch}/{next(_groups)}")
     return dist.PrefixStore(address.prefix, store), address
 

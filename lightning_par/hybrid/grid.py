@@ -77,6 +77,29 @@ class Grid:
         return f"{self.dp} x {self.mp} grid (dp x mp): model-parallel groups {rows}"
 
 
+def groups_across_nodes(grid: Grid, per_node: int) -> str | None:
+    """Why this grid's placement is slow when model-parallel groups span nodes, else None.
+
+    Ranks fill nodes in order (``per_node`` each: Lightning, torchrun and ``srun``'s block
+    distribution all number them so), and model-parallel ranks are consecutive, so each
+    model-parallel group stays within one node exactly when ``mp`` divides ``per_node``.
+    Otherwise the chattiest traffic (activations every micro-batch, tensor-parallel
+    allreduces every layer) crosses the link between nodes, while only the once-a-step
+    gradient allreduce would need to (Narayanan et al., 2021, arXiv:2104.04473, sec. 3.3:
+    tensor parallelism within a node, data and pipeline parallelism across nodes).
+    """
+    spans = [g for g in grid.mp_groups() if len({r // per_node for r in g}) > 1]
+    if not spans:
+        return None
+    return (
+        f"hybrid: model-parallel group {spans[0]} (mp={grid.mp}) spans nodes of {per_node} "
+        f"process(es) each, so its activations or per-layer allreduces cross the network "
+        f"between nodes every micro-batch; it trains the same, but slower. Put the "
+        f"model-parallel dimension within a node: choose mp dividing the processes per node "
+        f"({per_node}) and let dp span the nodes"
+    )
+
+
 def _positive_int(name: str, value: object) -> int | None:
     if value is None:
         return None

@@ -214,8 +214,11 @@ class ParStrategy(DDPStrategy):
 
     def group_store(self) -> tuple[Any, StoreAddress]:
         """The store the next process group meets in (see :mod:`lightning_par.comm.rendezvous`):
-        the one this project's launcher holds, else the cluster's."""
-        return group_store(self.global_rank, self.timeout, self.store_spec)
+        the one this project's launcher holds, else the cluster's (``srun`` sets no
+        ``MASTER_PORT``: Lightning's ``SLURMEnvironment`` derives it from the job id)."""
+        env = self.cluster_environment
+        main = None if env is None else (env.main_address, env.main_port)
+        return group_store(self.global_rank, self.timeout, self.store_spec, main)
 
     @override
     def _get_process_group_backend(self) -> str:

@@ -45,7 +45,7 @@ from typing import Any
 import lightning.pytorch as pl
 import torch
 import torch.distributed as dist
-from lightning.pytorch.utilities.rank_zero import rank_zero_info
+from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from typing_extensions import override
 
 from lightning_par.collectives import ALGORITHMS, get_allreduce, tree_broadcast
@@ -56,7 +56,14 @@ from lightning_par.components.pipeline_split import PipelineSplit
 from lightning_par.components.splitter import ModelSplitter
 from lightning_par.components.tensor_split import TensorParallelSplit
 from lightning_par.hybrid.cost import hybrid_bytes_per_step
-from lightning_par.hybrid.grid import Grid, GridGroups, check_degrees, create_groups, make_grid
+from lightning_par.hybrid.grid import (
+    Grid,
+    GridGroups,
+    check_degrees,
+    create_groups,
+    groups_across_nodes,
+    make_grid,
+)
 from lightning_par.strategies._base import PLUMBING_ARGUMENTS, ParStrategy
 
 DEFAULT_KIND = "gpipe"
@@ -162,6 +169,7 @@ class HybridStrategy(ParStrategy):
         self._groups_world: object = None
         self.mp_comm: Communicator | None = None
         self.dp_comm: Communicator | None = None
+        self._warned_nodes = False
 
     # ---- the grid ---------------------------------------------------------------------------
     @property
@@ -196,7 +204,11 @@ class HybridStrategy(ParStrategy):
 
     @override
     def check_before_launch(self, trainer: pl.Trainer | None = None) -> None:
-        self.grid  # noqa: B018  (a bad grid raises here, before any process starts)
+        grid = self.grid  # (a bad grid raises here, before any process starts)
+        reason = groups_across_nodes(grid, self.num_processes) if self.num_nodes > 1 else None
+        if reason is not None and not self._warned_nodes:
+            self._warned_nodes = True
+            rank_zero_warn(reason)
         super().check_before_launch(trainer)
 
     def _connect(self) -> None:

@@ -1,0 +1,165 @@
+"""Parity with raw torch DDP: every data-parallel plugin against ``DistributedDataParallel``.
+
+    python -m lightning_par.bench parity --devices 2 --steps 120
+
+After Lightning's Fabric parity test (``Lightning-AI/pytorch-lightning``,
+``tests/tests_fabric/parity/test_parity_ddp.py`` and ``models.py``): a small ConvNet (two
+5x5 convolutions with max-pooling, three linear layers, as in the PyTorch CIFAR tutorial)
+on random 3x32x32 images, plain SGD, the same batches through a ``DistributedSampler``
+without shuffling. In the same ranks, raw torch DDP (``torch.nn.parallel.
+DistributedDataParallel`` on the default gloo group) trains first, then each plugin under a
+Lightning ``Trainer`` from the same initial weights; the final state dicts are compared
+(``tests/conformance/test_conf_ddp_parity.py`` asserts they agree) and the median step
+times of rank 0 reported, with each plugin's ratio to torch DDP's (> 1: slower). Times are
+reported, never asserted. The parameter servers build a process group of their own and
+cannot join these ranks: their equivalence is ``tests/conformance/test_conf_cs336_ddp.py``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+
+import lightning.pytorch as pl
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.nn import functional as F
+from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
+
+#: Plugins that train inside ranks that exist (the torchrun path), with the options that
+#: make them synchronous SGD.
+PLUGINS: dict[str, dict] = {
+    **{
+        f"{a}_allreduce": {}
+        for a in ("ring", "tree", "butterfly", "all_to_all", "master_worker", "round_robin")
+    },  # fmt: skip
+    "local_sgd": {"period": 1},
+    "lightning_ddp": {},
+}
+BATCH, LR = 4, 0.01
+
+
+class ConvNet(nn.Module):
+    """Two conv + pool blocks and three linear layers on 3x32x32 inputs (10 classes)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv1, self.conv2 = nn.Conv2d(3, 6, 5), nn.Conv2d(6, 16, 5)
+        self.fc1, self.fc2, self.fc3 = nn.Linear(400, 120), nn.Linear(120, 84), nn.Linear(84, 10)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = F.max_pool2d(F.relu(self.conv1(x)), 2)
+        x = F.max_pool2d(F.relu(self.conv2(x)), 2)
+        x = F.relu(self.fc1(x.flatten(1)))
+        return self.fc3(F.relu(self.fc2(x)))
+
+
+class ParityModule(pl.LightningModule):
+    def __init__(self, net: ConvNet) -> None:
+        super().__init__()
+        self.net = net
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.net(x)
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        return F.cross_entropy(self(x), y)
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=LR)
+
+
+class _StepTimes(pl.Callback):
+    def __init__(self) -> None:
+        self.times: list[float] = []
+        self._start = 0.0
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+        self._start = time.perf_counter()
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        self.times.append(time.perf_counter() - self._start)
+
+
+def initial_net() -> ConvNet:
+    torch.manual_seed(42)
+    return ConvNet()
+
+
+def loader(rank: int, world: int, steps: int) -> DataLoader:
+    g = torch.Generator().manual_seed(0)
+    n = steps * BATCH * world
+    data = TensorDataset(
+        torch.rand(n, 3, 32, 32, generator=g), torch.randint(0, 10, (n,), generator=g)
+    )
+    sampler = DistributedSampler(data, num_replicas=world, rank=rank, shuffle=False)
+    return DataLoader(data, batch_size=BATCH, sampler=sampler)
+
+
+def train_torch_ddp(rank: int, world: int, steps: int) -> tuple[dict, list[float]]:
+    """Raw torch DDP on the existing default group: final state dict and step times."""
+    net = initial_net()
+    ddp = nn.parallel.DistributedDataParallel(net)
+    opt = torch.optim.SGD(ddp.parameters(), lr=LR)
+    times = []
+    for x, y in loader(rank, world, steps):
+        start = time.perf_counter()
+        opt.zero_grad()
+        F.cross_entropy(ddp(x), y).backward()
+        opt.step()
+        times.append(time.perf_counter() - start)
+    return {k: v.detach().clone() for k, v in net.state_dict().items()}, times
+
+
+def train_plugin(name: str, rank: int, world: int, steps: int) -> tuple[dict, list[float]]:
+    """The plugin ``name`` under a Trainer in the existing ranks, same start, same batches."""
+    from lightning_par.strategies.registry import spec
+
+    module, timer = ParityModule(initial_net()), _StepTimes()
+    trainer = pl.Trainer(
+        strategy=spec(name).create(**PLUGINS[name]), accelerator="cpu", devices=world,
+        max_steps=steps, use_distributed_sampler=False, logger=False, callbacks=[timer],
+        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+    )  # fmt: skip
+    trainer.fit(module, loader(rank, world, steps))
+    return {k: v.detach().clone() for k, v in module.net.state_dict().items()}, timer.times
+
+
+def parity(rank: int, world: int, names: list[str], steps: int) -> dict:
+    """In one set of ranks: torch DDP, then each plugin; each run's largest weight
+    difference to torch DDP's, its median step time (rank 0's), and whether it moved."""
+    reference, ddp_times = train_torch_ddp(rank, world, steps)
+    start = initial_net().state_dict()
+    rows = {"torch_ddp": {"diff": 0.0, "step_ms": 1e3 * statistics.median(ddp_times[5:])}}
+    for name in names:
+        weights, times = train_plugin(name, rank, world, steps)
+        rows[name] = {
+            "diff": max((weights[k] - reference[k]).abs().max().item() for k in reference),
+            "moved": max((weights[k] - start[k]).abs().max().item() for k in start),
+            "steps": len(times),
+            "step_ms": 1e3 * statistics.median(times[5:]),
+        }
+    if dist.is_initialized():
+        dist.barrier()
+    return rows
+
+
+def main(argv: list[str] | None = None) -> int:
+    from lightning_par.comm import run_on_ranks
+
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--devices", type=int, default=2)
+    parser.add_argument("--steps", type=int, default=120)
+    parser.add_argument("--plugins", nargs="*", default=list(PLUGINS), choices=list(PLUGINS))
+    args = parser.parse_args(argv)
+    rows = run_on_ranks(parity, args.devices, args.plugins, args.steps, timeout=600)[0]
+    base = rows["torch_ddp"]["step_ms"]
+    for name, row in rows.items():
+        row = {"plugin": name, "devices": args.devices, "steps": args.steps, **row,
+               "ratio_to_torch_ddp": row["step_ms"] / base}  # fmt: skip
+        print(json.dumps(row))
+    return 0

@@ -1,0 +1,243 @@
+"""Launch fixtures: the environment each real launcher gives a rank, and nothing more.
+
+Each builder sets exactly the variables its launcher's documentation lists, so a strategy
+that reads one the launcher does not set fails here as it would on a cluster:
+
+* ``srun`` (a job step): the "OUTPUT ENVIRONMENT VARIABLES" section of the srun manual,
+  https://slurm.schedmd.com/srun.html#SECTION_OUTPUT-ENVIRONMENT-VARIABLES. ``srun`` sets
+  no ``MASTER_ADDR``/``MASTER_PORT``: Lightning's ``SLURMEnvironment``
+  (``lightning/fabric/plugins/environments/slurm.py``, ``main_port``) derives the port as
+  15000 + the last four digits of ``SLURM_JOB_ID`` and the address from the first host of
+  ``SLURM_NODELIST``. Variables only a real ``slurmd`` can know (``SLURM_TASK_PID``,
+  ``SLURM_SRUN_COMM_PORT``, ``SLURM_STEP_LAUNCHER_PORT``) are left out; no strategy reads
+  them.
+* ``salloc`` then the script run in its shell (no job step): the same section of the
+  salloc manual, https://slurm.schedmd.com/salloc.html#SECTION_OUTPUT-ENVIRONMENT-VARIABLES:
+  the allocation's variables, no ``SLURM_PROCID``/``SLURM_LOCALID``/``SLURM_NODEID``/step.
+  Lightning treats the job names ``bash`` and ``interactive`` as "no srun": it starts the
+  ranks itself (``_is_slurm_interactive_mode`` in the same file).
+* torchrun (static and c10d rendezvous) is the real launcher
+  (``python -m torch.distributed.run``, ``torch/distributed/run.py``): its agents set
+  ``RANK``, ``LOCAL_RANK``, ``GROUP_RANK``, ``WORLD_SIZE``, ``MASTER_ADDR``/``MASTER_PORT``
+  (https://pytorch.org/docs/stable/elastic/run.html#environment-variables).
+* Lightning's own launch (fork, forkserver, popen): the real launcher, from a script.
+
+On one machine the "nodes" are the loopback addresses 127.0.0.1, 127.0.0.2, ... written in
+SLURM's bracket notation (``127.0.0.[1-2]``), which Lightning resolves to the first.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from lightning_par.comm.processes import kill_tree
+from lightning_par.strategies.registry import strategy_specs
+
+TESTS = Path(__file__).resolve().parents[1]
+ROOT = TESTS.parent
+SCRIPT = TESTS / "every_launch_script.py"
+ALL = [s.name for s in strategy_specs()]
+SERVERS = ["parameter_server", "async_sgd"]
+ATOL = 1e-5
+
+
+def limit_for(names: list[str], world: int = 2) -> float:
+    """Seconds for a launch (interpreters start, then each strategy: 2-10 s unloaded at
+    world 2; more processes than cores take longer per strategy)."""
+    return 120 + 15 * world * len(names)
+
+
+def clean_env(extra: dict[str, str] | None = None) -> dict[str, str]:
+    """This process's environment without any launcher's variables, plus ``extra``."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "LIGHTNING_PAR_S"))}
+    for key in ("LOCAL_RANK", "RANK", "WORLD_SIZE", "MASTER_PORT", "MASTER_ADDR", "NODE_RANK",
+                "GROUP_RANK", "LOCAL_WORLD_SIZE", "TORCHELASTIC_RUN_ID"):  # fmt: skip
+        env.pop(key, None)  # (a launch inside the test process must not leak into these)
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")])
+    env["LIGHTNING_PAR_TIMEOUT"] = "30"
+    env["PYTHONUNBUFFERED"] = "1"
+    return {**env, **(extra or {})}
+
+
+# ---- SLURM ------------------------------------------------------------------------------------
+def slurm_port(job: str) -> int:
+    """The port Lightning's ``SLURMEnvironment.main_port`` derives from a job id."""
+    return 15000 + int(job[-4:])
+
+
+def _port_free(port: int) -> bool:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        try:
+            sock.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+    return True
+
+
+def free_job_id() -> str:
+    """A job id whose derived port is free on this machine now (real job ids are unique
+    per cluster; here other tests share the machine)."""
+    for _ in range(200):
+        job = str(random.randrange(10**6, 10**7))
+        if _port_free(slurm_port(job)):
+            return job
+    raise RuntimeError("no SLURM job id with a free derived port in 200 tries")
+
+
+def nodelist(nodes: int) -> str:
+    return "127.0.0.1" if nodes == 1 else f"127.0.0.[1-{nodes}]"
+
+
+def _per_node(count: int, nodes: int) -> str:
+    """SLURM's compressed per-node count, e.g. ``2(x3)``."""
+    return str(count) if nodes == 1 else f"{count}(x{nodes})"
+
+
+def _allocation(job: str, nodes: int, per_node: int, name: str) -> dict[str, str]:
+    """What ``salloc``/``sbatch --nodes=N --ntasks-per-node=T`` put in the job's shell."""
+    tasks = nodes * per_node
+    return {
+        "SLURM_JOB_ID": job, "SLURM_JOBID": job, "SLURM_JOB_NAME": name,
+        "SLURM_JOB_NODELIST": nodelist(nodes), "SLURM_NODELIST": nodelist(nodes),
+        "SLURM_JOB_NUM_NODES": str(nodes), "SLURM_NNODES": str(nodes),
+        "SLURM_NTASKS": str(tasks), "SLURM_NPROCS": str(tasks),
+        "SLURM_NTASKS_PER_NODE": str(per_node), "SLURM_TASKS_PER_NODE": _per_node(per_node, nodes),
+        "SLURM_JOB_CPUS_PER_NODE": _per_node(2, nodes), "SLURM_CPUS_ON_NODE": "2",
+        "SLURM_CLUSTER_NAME": "conformance", "SLURM_JOB_PARTITION": "cpu",
+        "SLURM_SUBMIT_DIR": os.getcwd(), "SLURM_SUBMIT_HOST": "127.0.0.1",
+    }  # fmt: skip
+
+
+def srun_env(job: str, procid: int, nodes: int, per_node: int) -> dict[str, str]:
+    """Task ``procid`` of ``srun --nodes=N --ntasks-per-node=T python script.py`` inside a
+    batch job (block distribution: tasks 0..T-1 on the first node). No ``MASTER_*``."""
+    node, local = divmod(procid, per_node)
+    tasks = nodes * per_node
+    step = {
+        "SLURM_STEP_ID": "0", "SLURM_STEPID": "0", "SLURM_PROCID": str(procid),
+        "SLURM_LOCALID": str(local), "SLURM_NODEID": str(node),
+        "SLURM_GTIDS": ",".join(str(node * per_node + i) for i in range(per_node)),
+        "SLURM_STEP_NODELIST": nodelist(nodes), "SLURM_STEP_NUM_NODES": str(nodes),
+        "SLURM_STEP_NUM_TASKS": str(tasks), "SLURM_STEP_TASKS_PER_NODE": _per_node(per_node, nodes),
+        "SLURM_TOPOLOGY_ADDR": f"127.0.0.{node + 1}", "SLURMD_NODENAME": f"127.0.0.{node + 1}",
+        "SLURM_LAUNCH_NODE_IPADDR": "127.0.0.1", "SLURM_SRUN_COMM_HOST": "127.0.0.1",
+        "SLURM_DISTRIBUTION": "block", "SLURM_PRIO_PROCESS": "0", "SLURM_UMASK": "0022",
+    }  # fmt: skip
+    return clean_env({**_allocation(job, nodes, per_node, "train.sh"), **step})
+
+
+def salloc_env(job: str, nodes: int, per_node: int) -> dict[str, str]:
+    """The shell of ``salloc --nodes=N --ntasks-per-node=T`` (job name ``interactive``):
+    the script runs there directly, Lightning starts the ranks."""
+    return clean_env(_allocation(job, nodes, per_node, "interactive"))
+
+
+# ---- commands ---------------------------------------------------------------------------------
+def python(args: list[str], env: dict[str, str]) -> tuple[list[str], dict[str, str]]:
+    """``python every_launch_script.py ARGS`` in ``env``."""
+    return [sys.executable, str(SCRIPT), *args], env
+
+
+def torchrun_static(node: int, port: int, nodes: int, per_node: int, names: list[str]):
+    """One torchrun agent of ``nodes`` with the static rendezvous (``--node-rank``)."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nnodes={nodes}",
+           f"--nproc-per-node={per_node}", f"--node-rank={node}", "--master-addr=127.0.0.1",
+           f"--master-port={port}", str(SCRIPT), str(per_node), str(nodes), *names]  # fmt: skip
+    return cmd, clean_env()
+
+
+def torchrun_c10d(run_id: str, port: int, nodes: int, per_node: int, names: list[str]):
+    """One torchrun agent with the c10d rendezvous: torchrun assigns the node ranks itself
+    (``--node-rank`` is ignored there, pytorch/pytorch#150660)."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nnodes={nodes}",
+           f"--nproc-per-node={per_node}", "--rdzv-backend=c10d", f"--rdzv-id={run_id}",
+           f"--rdzv-endpoint=127.0.0.1:{port}", "--rdzv-conf=join_timeout=60",
+           str(SCRIPT), str(per_node), str(nodes), *names]  # fmt: skip
+    return cmd, clean_env()
+
+
+# ---- running and reading --------------------------------------------------------------------
+def _killpg(pid: int) -> None:
+    try:
+        os.killpg(pid, 9)
+    except OSError:
+        pass
+
+
+def run_all(
+    commands: list[tuple[list[str], dict[str, str]]], cwd: Path, limit: float, ok: bool = True
+) -> list[str]:
+    """Start every command in its own session; kill every group after ``limit`` seconds,
+    naming the command that hung; each must exit 0 (``ok``) or not (``ok=False``)."""
+    procs = [
+        subprocess.Popen(cmd, cwd=cwd, env=env, stdout=subprocess.PIPE,
+                         stderr=subprocess.STDOUT, text=True, start_new_session=True)
+        for cmd, env in commands
+    ]  # fmt: skip
+    outputs = [""] * len(procs)
+    deadline = time.monotonic() + limit
+    try:
+        for i, proc in enumerate(procs):
+            try:
+                outputs[i], _ = proc.communicate(timeout=max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                for p in procs:
+                    kill_tree(p.pid)
+                    _killpg(p.pid)
+                outputs[i] = proc.communicate()[0]
+                pytest.fail(f"`{' '.join(commands[i][0])}` hung for {limit:.0f} s (killed):\n"
+                            + outputs[i][-3000:])  # fmt: skip
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                kill_tree(p.pid)
+                _killpg(p.pid)
+                p.wait()
+    for (cmd, _), proc, out in zip(commands, procs, outputs):
+        said = f"`{' '.join(cmd)}` exited {proc.returncode}:\n{out[-4000:]}"
+        assert (proc.returncode == 0) == ok, said
+    return outputs
+
+
+def results(outputs: list[str]) -> list[dict]:
+    """The ``RESULT {json}`` lines of ``every_launch_script.py``."""
+    return [
+        json.loads(line[len("RESULT ") :])
+        for out in outputs
+        for line in out.splitlines()
+        if line.startswith("RESULT ")
+    ]
+
+
+def check(found: list[dict], names: list[str], ranks: list[int], environment: str) -> None:
+    """Each strategy reported from each of ``ranks``, trained its steps (where the rank itself
+    reports), matched one process (rank 0), and evaluated after fitting without changing
+    any rank's weights (as Lightning's ``run_model_test`` checks,
+    ``tests/tests_pytorch/helpers/pipelines.py``)."""
+    for name in names:
+        rows = {r["rank"]: r for r in found if r["strategy"] == name}
+        assert sorted(rows) == ranks, f"{name}: reports from ranks {sorted(rows)}, not {ranks}"
+        for r in rows.values():
+            assert r["environment"] == environment, (name, r)
+            assert r["val"] == r["val"] and r["test"] == r["test"], (name, r)  # not NaN
+            assert r["eval_changed"] == 0, f"{name}: validate/test changed the weights: {r}"
+            if r["launch"] not in ("fork", "forkserver"):  # (the main process of a fork
+                assert r["step"] == r["steps"], (name, r)  # launch gets rank 0's weights)
+        zero = rows[0]
+        assert zero["moved"] > 1e-3, f"{name}: the weights did not change: {zero}"
+        if zero["exact"]:
+            assert zero["diff"] < ATOL, f"{name}: max |w - w_one_process| = {zero['diff']:.2e}"
+
+
+def servers_started(found: list[dict], name: str) -> dict[int, list[int]]:
+    """Which servers each rank of a parameter-server strategy started."""
+    return {r["rank"]: r["servers_started"] for r in found if r["strategy"] == name}
