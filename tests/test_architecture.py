@@ -93,6 +93,7 @@ LAYERS = {
             "cli",
             "cli_checks",
             "cli_help",
+            "gpucheck",
             "check",
             "summary",
             "__main__",

@@ -28,6 +28,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn import functional as F
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
+from typing_extensions import override
 
 #: Plugins that train inside ranks that exist (the torchrun path), with the options that
 #: make them synchronous SGD.
@@ -62,13 +63,16 @@ class ParityModule(pl.LightningModule):
         super().__init__()
         self.net = net
 
+    @override
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.net(x)
 
+    @override
     def training_step(self, batch, batch_idx):
         x, y = batch
         return F.cross_entropy(self(x), y)
 
+    @override
     def configure_optimizers(self):
         return torch.optim.SGD(self.parameters(), lr=LR)
 
@@ -78,9 +82,11 @@ class _StepTimes(pl.Callback):
         self.times: list[float] = []
         self._start = 0.0
 
+    @override
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
         self._start = time.perf_counter()
 
+    @override
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
         self.times.append(time.perf_counter() - self._start)
 

@@ -204,18 +204,24 @@ class HybridStrategy(ParStrategy):
 
     @override
     def check_before_launch(self, trainer: pl.Trainer | None = None) -> None:
-        grid = self.grid  # (a bad grid raises here, before any process starts)
+        self.grid  # noqa: B018  (a bad grid raises here, before any process starts)
+        self._warn_across_nodes()
+        super().check_before_launch(trainer)
+
+    def _warn_across_nodes(self) -> None:
+        """Once: model-parallel groups that span nodes (mp should stay within a node)."""
+        grid = self.grid
         reason = groups_across_nodes(grid, self.num_processes) if self.num_nodes > 1 else None
         if reason is not None and not self._warned_nodes:
             self._warned_nodes = True
             rank_zero_warn(reason)
-        super().check_before_launch(trainer)
 
     def _connect(self) -> None:
         """This rank's groups (made once per process group) and their communicators."""
         if self.groups is None or self._groups_world is not dist.group.WORLD:
             self.groups = create_groups(self.grid, self.global_rank, self.timeout)
             self._groups_world = dist.group.WORLD
+            self._warn_across_nodes()  # also where the cluster started the ranks (srun)
             rank_zero_info(f"hybrid: {self.grid.describe()}, model parallel by {self.mp_kind}")
         self.mp_comm = Communicator(self.groups.mp_group, trace=self.trace)
         self.dp_comm = Communicator(self.groups.dp_group, trace=self.trace)
