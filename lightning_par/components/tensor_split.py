@@ -2,10 +2,11 @@
 Shoeybi et al., 2019, arXiv:1909.08053).
 
 :class:`TensorParallelSplit` cuts ``module.<module_attr>`` by the automatic plan (column ->
-row pairs of consecutive Linear/Conv2d layers, LSTMs by hidden units,
-:mod:`lightning_par.tensorparallel.plan`) or the user's ``plan``, after every rank has taken
-rank 0's weights. The operators ``f``/``g`` keep every activation exact, and the layers left
-whole get the same gradient on every rank, so nothing is synchronised after backward.
+row pairs of consecutive Linear/Conv2d layers, attention by heads, embeddings by
+vocabulary, LSTMs by hidden units, :mod:`lightning_par.tensorparallel.plan`) or the user's
+``plan``, after every rank has taken rank 0's weights and random state (dropout then draws
+one process's masks). The operators ``f``/``g`` keep every activation exact, and the layers
+left whole get the same gradient on every rank, so nothing is synchronised after backward.
 Every rank reads the same batches (checked every step by one small allreduce). Checkpoints
 hold the full model and one process's optimiser state, assembled on rank 0.
 

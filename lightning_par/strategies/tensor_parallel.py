@@ -4,18 +4,20 @@ the devices (Megatron-LM, Shoeybi et al., 2019, arXiv:1909.08053).
 Every rank reads the same batches (no distributed sampler; checked every step by one small
 allreduce, so an unseeded shuffle under popen fails loudly) and holds a slice of each split
 layer: :func:`lightning_par.tensorparallel.parallelize` cuts ``module.<module_attr>`` by the
-automatic plan (column -> row pairs of consecutive Linear/Conv2d layers, LSTMs by hidden
-units) or the user's ``plan``, after every rank has taken rank 0's weights. The operators
+automatic plan (column -> row pairs of consecutive Linear/Conv2d layers with activations,
+norms and dropout between, attention by heads, embeddings by vocabulary, LSTMs by hidden
+units) or the user's ``plan``, after every rank has taken rank 0's weights and random state
+(so dropout draws one process's masks: :mod:`lightning_par.tensorparallel.random`). The operators
 ``f``/``g`` keep every activation exact, and the layers left whole get the same gradient on
 every rank, so there is nothing to synchronise after backward and the weights after k steps
 are one process's.
 
 Checkpoints hold the full model and the optimiser state in one process's own format
 (assembled on rank 0): they load without this strategy, and a checkpoint of any plugin
-resumes under it. Refused before launch: a plan that cannot be cut exactly, a model with
-nothing to cut, a
-gradient scaler (its skip-on-inf decision would be per rank), ``sync_batchnorm``, dropout
-(a mask per rank), and an allreduce algorithm whose ranks could sum in different orders.
+resumes under it. Refused before launch: a plan that cannot be cut exactly (e.g. a
+``"heads"`` attention with dropout inside torch's kernel), a model with nothing to cut, a
+gradient scaler (its skip-on-inf decision would be per rank), ``sync_batchnorm``, and an
+allreduce algorithm whose ranks could sum in different orders.
 
 This class is :class:`~lightning_par.strategies._base.ParStrategy` with a
 :class:`~lightning_par.components.tensor_split.TensorParallelSplit` as its splitter.
