@@ -107,3 +107,30 @@ except AssertionError:
     assert "wrong answer fails" in run.stdout
     strict = run_with("1")
     assert strict.returncode != 0 and "NotImplementedError" in strict.stderr
+
+
+def test_broken_reports_a_caught_mutation_and_fails_on_a_survivor(tmp_path):
+    script = """
+import sys; sys.path.insert(0, sys.argv[1])
+from breakit import CAUGHT, MutationSurvived, broken
+with broken("sum, not mean", caught_by="the mean check"):
+    assert sum([1, 3]) == 2, "not the mean"
+assert CAUGHT == [("sum, not mean", "the mean check")]
+try:
+    with broken("harmless", caught_by="a loose check"):
+        assert 2 < 3
+except MutationSurvived as error:
+    print("survivor:", error)
+try:
+    with broken("typo", caught_by="x"):
+        raise KeyError("k")
+except KeyError:
+    print("other errors propagate")
+"""
+    run = subprocess.run(
+        [sys.executable, "-c", script, str(COURSE)], capture_output=True, text=True
+    )
+    assert run.returncode == 0, run.stderr
+    assert "Break it (sum, not mean): caught by the mean check: not the mean" in run.stdout
+    assert "survivor: mutation 'harmless' passed a loose check" in run.stdout
+    assert "other errors propagate" in run.stdout
