@@ -151,6 +151,21 @@ def num_ready_batches_reached(trainer: Any) -> bool:
     return bool(loop._num_ready_batches_reached())
 
 
+def first_batch(trainer: Any) -> Any:
+    """The first batch of the data the running stage (fit, validate, test, predict) reads,
+    from a data loader built for the purpose (the loop builds its own later)."""
+    loops = {"validate": trainer.validate_loop, "test": trainer.test_loop,
+             "predict": trainer.predict_loop}  # fmt: skip
+    loop = loops.get(getattr(trainer.state.fn, "value", trainer.state.fn), trainer.fit_loop)
+    _require(loop, "_data_source", "_Loop._data_source", "the pipeline's look at one batch")
+    loaders = loop._data_source.dataloader()
+    if isinstance(loaders, (list, tuple)):
+        loaders = loaders[0]
+    if isinstance(loaders, dict):
+        loaders = next(iter(loaders.values()))
+    return next(iter(loaders))
+
+
 def reset_combined_loader(fit_loop: Any) -> None:
     """Make the fit loop build its training data loader again on its next ``setup_data``."""
     _require(

@@ -123,6 +123,24 @@ def test_lightning_loop_names() -> None:
     assert trainer.fit_loop._combined_loader is None
 
 
+def test_first_batch_is_the_first_batch_of_the_running_stage() -> None:
+    from lightning.pytorch.demos.boring_classes import BoringModel
+
+    seen = []
+
+    class Peek(BoringModel):
+        def train_dataloader(self):
+            return torch.utils.data.DataLoader(torch.arange(64.0).view(2, 32), batch_size=1)
+
+        def on_fit_start(self) -> None:
+            seen.append(_compat.first_batch(self.trainer))
+
+    model = Peek()
+    pl.Trainer(max_steps=1, logger=False, enable_checkpointing=False,
+               enable_progress_bar=False, enable_model_summary=False).fit(model)  # fmt: skip
+    assert torch.equal(seen[0], torch.arange(32.0).view(1, 32))
+
+
 def test_barrier_around_prepare_data_is_used() -> None:
     from lightning.pytorch.trainer.connectors import data_connector
 

@@ -144,8 +144,8 @@ class _NotSequential(CifarCNN):
 @pytest.mark.parametrize(
     "model, strategy, devices, message",
     [
-        (_NotSequential, GPipeStrategy(), 2, "must be an nn.Sequential, but found ModuleList"),
-        (lambda: _model("cnn"), GPipeStrategy(module_attr="body"), 2, "but found nothing"),
+        (_NotSequential, GPipeStrategy(), 2, "a ModuleList without a forward of its own"),
+        (lambda: _model("cnn"), GPipeStrategy(module_attr="body"), 2, ".body` is not an nn.Module"),
         (
             lambda: _model("cnn"),
             GPipeStrategy(balance=[2, 3]),

@@ -18,7 +18,7 @@ check: :mod:`lightning_par.components.pipeline_features`.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from typing import Any
 
@@ -32,7 +32,8 @@ from torch import nn
 from lightning_par import _compat
 from lightning_par.components import pipeline_checks as checks
 from lightning_par.components import pipeline_features as features
-from lightning_par.components.splitter import ModelSplitter
+from lightning_par.components.graph_pipeline import GraphPipeline, try_cut
+from lightning_par.components.splitter import ModelSplitter, find_network
 from lightning_par.modelparallel.wavefront import (
     WavefrontSequential,
     recurrent_parts,
@@ -71,12 +72,13 @@ class PipelineSplit(ModelSplitter):
         chunks: int = 4,
         checkpoint: str | None = None,
         schedule: str = "gpipe",
-        module_attr: str = "net",
+        module_attr: str | None = None,
         loss_attr: str = "criterion",
         balance_by: str = "params",
         deferred_batch_norm: bool = False,
         time_chunk: int | None = None,
         virtual_stages: int = 2,
+        split_points: list[str] | None = None,
     ) -> None:
         super().__init__()
         checkpoint = schedules.resolve_checkpoint(checkpoint, schedule)
@@ -91,6 +93,17 @@ class PipelineSplit(ModelSplitter):
         self.schedule, self.module_attr, self.loss_attr = schedule, module_attr, loss_attr
         self.balance_by = balance_by
         self.batch_checked = False
+        if split_points is not None:
+            if balance is not None:
+                raise ValueError("give balance (layers of an nn.Sequential per stage) or "
+                                 "split_points (module names), not both")  # fmt: skip
+            if isinstance(split_points, str) or not all(isinstance(p, str) for p in split_points):
+                raise TypeError(f"split_points must be a list of module names: {split_points!r}")
+            if time_chunk is not None:
+                raise ValueError("time_chunk (the wavefront) splits an nn.Sequential of "
+                                 "recurrent layers by balance, not by split_points")  # fmt: skip
+        self.split_points = None if split_points is None else list(split_points)
+        self.graph: GraphPipeline | None = None  # the any-network path, once split
 
     @property
     def stages_per_device(self) -> int:
@@ -104,15 +117,35 @@ class PipelineSplit(ModelSplitter):
     @property
     def pipelined(self) -> nn.Module:
         """The split network (a :class:`PipelinedSequential` or :class:`WavefrontSequential`)."""
-        net = getattr(self.module, self.module_attr, None)
+        net = getattr(self.module, self.attr, None)
         assert isinstance(net, (PipelinedSequential, WavefrontSequential)), "not split yet"
         return net
+
+    @property
+    def held(self) -> tuple[nn.Module, Any]:
+        """(the module holding this device's layers, the runtime measuring its activations):
+        the user's network (what other devices hold is empty) or the split Sequential."""
+        if self.graph is not None:
+            return getattr(self.module, self.attr), self.graph.network.stages
+        return self.pipelined, self.pipelined.runtime
+
+    @property
+    def attr(self) -> str:
+        """The LightningModule's attribute holding the network (``module_attr``, or found)."""
+        return find_network(self.module, self.module_attr, self.name)
+
+    def by_graph(self, net: Any) -> bool:
+        """Whether ``net`` is cut from its traced graph: anything but an ``nn.Sequential``
+        (whose layers split by ``balance``), or any network given ``split_points``."""
+        if self.graph is not None or isinstance(net, (PipelinedSequential, WavefrontSequential)):
+            return self.graph is not None
+        return self.split_points is not None or not isinstance(net, nn.Sequential)
 
     # ---- before launch ----------------------------------------------------------------------
     def check_before_launch(self, trainer: pl.Trainer | None) -> None:
         """Reject a network, balance or loss this split cannot run, before any process
         starts (the launcher calls this in the main process)."""
-        net = getattr(self.module, self.module_attr, None)
+        net = getattr(self.module, self.attr, None)
         if isinstance(net, WavefrontSequential):
             return
         if _compat.layer_sync(self.strategy) is not None:
@@ -123,8 +156,26 @@ class PipelineSplit(ModelSplitter):
             )
         if isinstance(net, nn.Module) and not isinstance(net, PipelinedSequential):
             features.warn_batchnorm(net, self.chunks, self.name, self.deferred_batch_norm)
+        if self.by_graph(net):
+            schedules.check_chunks(self.name, self.schedule, self.chunks, self.size)
+            backend = _compat.process_group_backend(self.strategy)
+            devices = self.strategy.parallel_devices or []
+            if devices and devices[0].type == "cuda":
+                checks.check_backend(self.schedule, backend or "nccl")
+            if self.schedule != "gpipe":
+                checks.check_1f1b_loss(self.module, self.loss_attr, self.schedule)
+            if self.graph is None:  # with an example input, an unsplittable network stops here
+                try_cut(
+                    self.module,
+                    self.attr,
+                    self.split_points,
+                    self.size * self.stages_per_device,
+                    self.balance_by,
+                    self.name,
+                )
+            return
         checks.check_before_launch(
-            self.module, trainer, module_attr=self.module_attr,
+            self.module, trainer, module_attr=self.attr,
             stages=self.size, balance=self.balance,
             balance_by=self.balance_by, schedule=self.schedule, loss_attr=self.loss_attr,
             devices=self.strategy.parallel_devices or [],
@@ -139,11 +190,19 @@ class PipelineSplit(ModelSplitter):
     def split(self, trainer: pl.Trainer) -> None:
         checks.check_trainer(trainer, self.schedule, self.strategy.precision_plugin)
         checks.check_backend(self.schedule, _compat.process_group_backend(self.strategy))
-        net = getattr(self.module, self.module_attr, None)
-        if isinstance(net, (PipelinedSequential, WavefrontSequential)):
+        net = getattr(self.module, self.attr, None)
+        if isinstance(net, (PipelinedSequential, WavefrontSequential)) or self.graph is not None:
             return
         self.check_before_launch(self.module.trainer)
         device = self.strategy.root_device
+        if self.by_graph(net):
+            self.graph = GraphPipeline(
+                self.module, self.attr, self.comm, split_points=self.split_points,
+                balance_by=self.balance_by, chunks=self.chunks, schedule=self.schedule,
+                virtual_stages=self.stages_per_device, checkpoint=self.checkpoint,
+                deferred_batch_norm=self.deferred_batch_norm, trainer=trainer, who=self.name,
+            )  # fmt: skip
+            return
         if self.time_chunk is None:
             balance = checks.resolve_balance(
                 self.module, net, stages=self.size * self.stages_per_device,
@@ -164,7 +223,7 @@ class PipelineSplit(ModelSplitter):
                 first = [s.state_dict() for s in split_sequential(net, balance)]
         piped.to(device)
         send_weights_from_first(self.comm, first, piped.state_dict(), device)
-        setattr(self.module, self.module_attr, piped)
+        setattr(self.module, self.attr, piped)
 
     def after_setup(self, trainer: pl.Trainer) -> None:
         self.batch_checked = False
@@ -188,8 +247,18 @@ class PipelineSplit(ModelSplitter):
 
     def _clip_by_whole_norm(self, optimizer: Any, clip_val: float) -> None:
         """Lightning's clipping by norm, by the norm of every stage's gradients together."""
-        stage_ids = {id(p) for p in self.pipelined.parameters()}
         params = list(self.strategy.precision_plugin.main_params(optimizer))
+        if self.graph is not None:  # a tied parameter counts once, on its first device
+            network = self.graph.network
+            counted = {id(p) for p in network.counted_parameters()}
+            outside = {id(p) for p in getattr(self.module, self.attr).parameters()}
+            features.clip_grad_norm_across_stages(
+                [p for p in params if id(p) in counted], clip_val,
+                shared_params=[p for p in params if id(p) not in outside],
+                count_shared=self.comm.rank == 0, group=self.comm.group,
+            )  # fmt: skip
+            return
+        stage_ids = {id(p) for p in self.pipelined.parameters()}
         features.clip_grad_norm_across_stages(
             [p for p in params if id(p) in stage_ids], clip_val,
             shared_params=[p for p in params if id(p) not in stage_ids],
@@ -219,12 +288,15 @@ class PipelineSplit(ModelSplitter):
                 )
             scale = 1.0 / self.module.trainer.accumulate_grad_batches
             loss_fn = getattr(self.module, self.loss_attr)
+            if self.graph is not None:  # the network's forward runs the schedule
+                self.graph.network.expect(batch[1], loss_fn, scale)
+                return
             with self.strategy.precision_plugin.train_step_context():
                 self.pipelined.train_1f1b(x, batch[1], loss_fn, scale)
 
     @contextmanager
     def running(self) -> Iterator[None]:
-        net = self.pipelined
+        net = self.graph.network if self.graph is not None else self.pipelined
         net.active = True  # every stage runs forward now
         try:
             yield
@@ -232,22 +304,29 @@ class PipelineSplit(ModelSplitter):
             net.active = False
 
     def after_backward(self) -> None:
+        if self.graph is not None:
+            self.graph.after_backward()
+            return
         self.pipelined.backward()  # GPipe's backward half (1F1B already ran its backwards)
         if self.deferred_batch_norm:
             commit_batch_norm(self.pipelined)  # the mini-batch's running statistics, once
 
     def micro_batched_runtime(self) -> Any:
-        return self.pipelined.runtime
+        return self.graph.network if self.graph is not None else self.pipelined.runtime
 
     def early_buckets_exact(self) -> bool:
-        return self.schedule == "gpipe"
+        # the graph path's backward is not cut at the last micro-batch: buckets wait for all
+        return self.schedule == "gpipe" and self.graph is None
 
     # ---- checkpoints: the full model on rank 0 ----------------------------------------------
     def full_state_dict(self, local: dict[str, Any]) -> dict[str, Any]:
         """The full model's state dict on rank 0 (every stage's layers, original names)."""
-        return gather_full_state_dict(
-            self.comm, local, f"{self.module_attr}.", self.strategy.root_device
-        )
+        if self.graph is not None:
+            local = self.graph.held(local)
+        return gather_full_state_dict(self.comm, local, f"{self.attr}.", self.strategy.root_device)
+
+    def piece_state_dict(self, full: Mapping[str, Any]) -> Mapping[str, Any]:
+        return self.graph.piece_state_dict(dict(full)) if self.graph is not None else full
 
     def _stage_names(self, optimizer: Any) -> tuple[list[str], list[list[str]]]:
         """This stage's parameter names, in module order and per optimiser group."""
@@ -259,17 +338,22 @@ class PipelineSplit(ModelSplitter):
     def full_optimizer_state(self, local: dict[str, Any], optimizer: Any) -> dict[str, Any]:
         """On rank 0, the optimiser state of the whole model in the format of the user's
         optimiser in one process (so it resumes under any strategy); ``{}`` elsewhere."""
+        if self.graph is not None:
+            return self.graph.full_optimizer_state(local, optimizer)
         names, groups = self._stage_names(getattr(optimizer, "_optimizer", optimizer))
         device = self.strategy.root_device
         stages = gather_objects(self.comm, (local, names, groups), device)
         if stages is None:
             return {}
-        order = model_order([s[1] for s in stages], f"{self.module_attr}.")
+        order = model_order([s[1] for s in stages], f"{self.attr}.")
         return merge_stage_states([s[0] for s in stages], [s[2] for s in stages], order)
 
     def load_optimizer_states(self, optimizers: list[Any], states: list[Any]) -> bool:
         """Each stage takes its part of a whole-model optimiser state (written by any
         strategy or one process; every rank must call this)."""
+        if self.graph is not None:
+            self.graph.load_optimizer_states(optimizers, states)
+            return True
         for optimizer, state in zip(optimizers, states):
             if "pipeline_stages" in state:  # the per-stage format of earlier versions
                 optimizer.load_state_dict(stage_optimizer_state(state, self.comm.rank))
@@ -279,7 +363,7 @@ class PipelineSplit(ModelSplitter):
             if dist.is_initialized() and self.size > 1:
                 everyone = [None] * self.size
                 dist.all_gather_object(everyone, mine, group=self.comm.group)
-            order = model_order([e[0] for e in everyone], f"{self.module_attr}.")
+            order = model_order([e[0] for e in everyone], f"{self.attr}.")
             part = stage_state(state, self.comm.rank, [e[1] for e in everyone], order)
             optimizer.load_state_dict(part)
         return True

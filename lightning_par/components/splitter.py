@@ -22,6 +22,7 @@ from contextlib import contextmanager
 from typing import Any
 
 import lightning.pytorch as pl
+from torch import nn
 
 from lightning_par.comm import Communicator
 
@@ -115,3 +116,23 @@ class ModelSplitter:
     def load_optimizer_states(self, optimizers: list[Any], states: list[Any]) -> bool:
         """Load this piece's part of whole-model optimiser states; False: not handled."""
         return False
+
+
+def find_network(module: pl.LightningModule, module_attr: str | None, who: str) -> str:
+    """The attribute holding the network: ``module_attr``, else ``net`` if there is one, else
+    the only child module with parameters; a clear error otherwise."""
+    if module_attr is not None:
+        if not isinstance(getattr(module, module_attr, None), nn.Module):
+            raise TypeError(
+                f"{who}: `{type(module).__name__}.{module_attr}` is not an nn.Module; pass "
+                "module_attr='<the attribute holding your network>'"
+            )
+        return module_attr
+    children = [n for n, c in module.named_children() if any(True for _ in c.parameters())]
+    if "net" in children or len(children) == 1:
+        return "net" if "net" in children else children[0]
+    raise TypeError(
+        f"{who} cuts one network of {type(module).__name__} into stages, but it holds "
+        f"{len(children)} modules with parameters ({', '.join(children) or 'none'}): pass "
+        "module_attr='<the attribute holding your network>'"
+    )

@@ -26,7 +26,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info
 
 from lightning_par import _compat
 from lightning_par.collectives import broadcast_parameters
-from lightning_par.components.splitter import ModelSplitter
+from lightning_par.components.splitter import ModelSplitter, find_network
 from lightning_par.pipeline.state import gather_objects
 from lightning_par.tensorparallel import (
     Plan,
@@ -54,14 +54,15 @@ class TensorParallelSplit(ModelSplitter):
     Args:
         plan: module name -> ``"column"``, ``"row"``, ``"column_gather"`` or ``"lstm"``;
             ``None``: the automatic plan.
-        module_attr: the attribute the automatic plan searches.
+        module_attr: the attribute holding the network the plan cuts (``None``: ``net``, or
+            the LightningModule's only child module with parameters).
         algorithm: the allreduce of ``f`` and ``g``, ``"ring"`` or ``"tree"``.
     """
 
     name = "tensor_parallel"
 
     def __init__(
-        self, plan: Mapping[str, str] | None = None, module_attr: str = "net",
+        self, plan: Mapping[str, str] | None = None, module_attr: str | None = None,
         algorithm: str = "ring",
     ) -> None:  # fmt: skip
         super().__init__()
@@ -81,16 +82,21 @@ class TensorParallelSplit(ModelSplitter):
         comm = self.strategy.split_comm
         return comm.rank if comm is not None else self.strategy.global_rank
 
+    @property
+    def attr(self) -> str:
+        """The LightningModule's attribute holding the network (``module_attr``, or found)."""
+        return find_network(self.module, self.module_attr, "tensor_parallel")
+
     def check_before_launch(self, trainer: pl.Trainer | None) -> None:
         """Refuse what would not train exactly as one process, before any rank starts."""
         module = self.module
         if module is None or module_shards(module):
             return
-        plan = resolve_plan(module, self.size, self.plan, self.module_attr)
+        plan = resolve_plan(module, self.size, self.plan, self.attr)
         if not plan.cuts:
             why = "; ".join(f"{k}: {v}" for k, v in plan.replicated.items()) or "no layers"
             raise ValueError(
-                f"tensor_parallel: nothing in `{type(module).__name__}.{self.module_attr}` can "
+                f"tensor_parallel: nothing in `{type(module).__name__}.{self.attr}` can "
                 f"be split over {self.size} devices ({why}); pass plan={{name: style}} or use "
                 "fewer devices"
             )
@@ -107,7 +113,7 @@ class TensorParallelSplit(ModelSplitter):
         # ... and draws rank 0's random numbers: dropout masks as one process's (random.py)
         share_random_state(self.comm, self.strategy.root_device)
         group = TPGroup(self.comm, self.algorithm)
-        self.tp_plan = parallelize(module, group, self.plan, root=self.module_attr)
+        self.tp_plan = parallelize(module, group, self.plan, root=self.attr)
         rank_zero_info(f"tensor_parallel plan over {self.size} ranks:\n  "
                        + self.tp_plan.describe().replace("\n", "\n  "))  # fmt: skip
 

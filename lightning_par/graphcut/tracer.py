@@ -116,8 +116,11 @@ class ShapeTracer(fx.Tracer):
         self._evaluating = False
 
     def is_leaf_module(self, m: nn.Module, module_qualified_name: str) -> bool:
-        return module_qualified_name in self.leaf_names or super().is_leaf_module(
-            m, module_qualified_name
+        # a BatchNorm subclass of ours (DeferredBatchNorm) is a layer, as torch's own are
+        return (
+            module_qualified_name in self.leaf_names
+            or isinstance(m, nn.modules.batchnorm._BatchNorm)
+            or super().is_leaf_module(m, module_qualified_name)
         )
 
     def call_module(self, m: nn.Module, forward: Any, args: Any, kwargs: Any) -> Any:

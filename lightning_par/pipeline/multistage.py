@@ -200,8 +200,11 @@ class DeviceStages:
             if output_grad is None:
                 raise ValueError("the device holding the last stage needs `output_grad`")
             grads = tuple(output_grad(i, self.results[i]))
-        else:
-            grads = self._receive(Kind.GRAD, s + 1, key, [t for t in out if t.is_floating_point()])
+        else:  # one gradient per floating output, in order; integer outputs get none
+            received = iter(
+                self._receive(Kind.GRAD, s + 1, key, [t for t in out if t.is_floating_point()])
+            )
+            grads = tuple(next(received) if t.is_floating_point() else None for t in out)
         pairs = [(o, g) for o, g in zip(out, grads) if o.requires_grad and g is not None]
         x = self._inputs.pop(key)
         wanted = [t for t in x if t.requires_grad]

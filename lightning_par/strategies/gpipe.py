@@ -49,7 +49,12 @@ class GPipeStrategy(ParStrategy):
             see :mod:`lightning_par.pipeline.schedules_v`.
         virtual_stages: stages per device under ``"interleaved"`` (``v``; ``balance`` then
             has ``devices * v`` entries and ``chunks`` must be a multiple of ``devices``).
-        module_attr: name of the ``nn.Sequential`` attribute of the LightningModule.
+        module_attr: the LightningModule's attribute holding the network (``None``: ``net``,
+            or its only child module with parameters).
+        split_points: module names to cut before, ``devices * stages_per_device - 1`` of them
+            (``["layer3"]``: torch's ``SplitPoint.BEGINNING``), for any network; ``None``:
+            an ``nn.Sequential`` is cut by ``balance``, any other network at points chosen
+            by ``balance_by``.
         loss_attr: name of its mean-reduced loss module (used by ``"1f1b"`` only).
         balance_by: automatic balance by ``"params"`` (parameter count) or ``"time"``
             (forward + backward time per layer on ``module.example_input_array``).
@@ -71,16 +76,17 @@ class GPipeStrategy(ParStrategy):
         chunks: int = 4,
         checkpoint: str | None = None,
         schedule: str = "gpipe",
-        module_attr: str = "net",
+        module_attr: str | None = None,
         loss_attr: str = "criterion",
         balance_by: str = "params",
         deferred_batch_norm: bool = False,
         virtual_stages: int = 2,
+        split_points: list[str] | None = None,
         **kwargs: Any,
     ) -> None:
         split = PipelineSplit(
             balance, chunks, checkpoint, schedule, module_attr, loss_attr, balance_by,
-            deferred_batch_norm, virtual_stages=virtual_stages,
+            deferred_batch_norm, virtual_stages=virtual_stages, split_points=split_points,
         )  # fmt: skip
         super().__init__(**kwargs)
         self.splitter = split

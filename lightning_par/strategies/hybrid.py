@@ -71,12 +71,13 @@ DEFAULT_KIND = "gpipe"
 
 def _layerwise(
     balance: list[int] | None = None, time_chunk: int | None = None,
-    balance_by: str = "params", module_attr: str = "net",
+    balance_by: str = "params", module_attr: str | None = None,
+    split_points: list[str] | None = None,
 ) -> PipelineSplit:  # fmt: skip
     """The layer-wise split: one micro-batch, no re-materialisation (``LayerwiseStrategy``)."""
     return PipelineSplit(
         balance, chunks=1, checkpoint="never", schedule="gpipe", module_attr=module_attr,
-        balance_by=balance_by, time_chunk=time_chunk,
+        balance_by=balance_by, time_chunk=time_chunk, split_points=split_points,
     )  # fmt: skip
 
 

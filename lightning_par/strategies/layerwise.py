@@ -1,6 +1,6 @@
 """Layer-wise model parallelism as a Lightning strategy: consecutive layers on K devices.
 
-The network ``module.<module_attr>`` (an ``nn.Sequential``) is cut into ``K = devices``
+The user's network ``module.<module_attr>`` (any ``nn.Module``) is cut into ``K = devices``
 stages, one process and device per stage (slides 004: "a set of layers or a layer can have
 a specific device"). Its purpose is memory per device, which it reports per stage
 (:meth:`LayerwiseStrategy.memory_report`): each device holds about 1/K of the parameters,
@@ -47,7 +47,10 @@ class LayerwiseStrategy(ParStrategy):
         time_chunk: time steps per message for recurrent stages (``1``: the slides' picture,
             one step at a time); ``None``: the naive split, the whole batch at once.
         balance_by: ``"params"`` or ``"time"`` (see :class:`GPipeStrategy`).
-        module_attr: name of the ``nn.Sequential`` attribute of the LightningModule.
+        module_attr: the LightningModule's attribute holding the network (``None``: ``net``,
+            or its only child module with parameters).
+        split_points: module names to cut before (``K - 1`` of them), for any network; see
+            :class:`~lightning_par.strategies.gpipe.GPipeStrategy`.
         **kwargs: ``trace``, ``trace_dir`` (per-rank traces and ``memory.json``),
             ``start_method``, ``process_group_backend``, ``timeout``.
     """
@@ -60,12 +63,13 @@ class LayerwiseStrategy(ParStrategy):
         balance: list[int] | None = None,
         time_chunk: int | None = None,
         balance_by: str = "params",
-        module_attr: str = "net",
+        module_attr: str | None = None,
+        split_points: list[str] | None = None,
         **kwargs: Any,
     ) -> None:
         split = PipelineSplit(
             balance, chunks=1, checkpoint="never", schedule="gpipe", module_attr=module_attr,
-            balance_by=balance_by, time_chunk=time_chunk,
+            balance_by=balance_by, time_chunk=time_chunk, split_points=split_points,
         )  # fmt: skip
         super().__init__(**kwargs)
         self.splitter = split
@@ -79,7 +83,7 @@ class LayerwiseStrategy(ParStrategy):
     @override
     def prepare_model(self, trainer: pl.Trainer) -> None:
         super().prepare_model(trainer)
-        self.splitter.pipelined.runtime.measure_memory()
+        self.splitter.held[1].measure_memory()
 
     # ---- memory per stage ----------------------------------------------------------------
     @override
@@ -94,8 +98,8 @@ class LayerwiseStrategy(ParStrategy):
         ``activation_bytes`` (saved for backward in the last step), gathered on rank 0 (logged,
         and saved as ``memory.json`` in ``trace_dir``); ``None`` on other ranks. Every rank
         must call it."""
-        piped = self.splitter.pipelined
-        saved = piped.runtime.saved
+        piped, runtime = self.splitter.held
+        saved = runtime.saved
         mine = stage_memory(piped, optimizer, saved.nbytes if saved is not None else None)
         mine["stage"] = self.split_comm.rank
         stages = gather_objects(self.split_comm, mine, self.root_device)

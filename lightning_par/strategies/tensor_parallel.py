@@ -30,6 +30,7 @@ from typing import Any
 
 import torch
 
+from lightning_par.components.splitter import find_network
 from lightning_par.components.tensor_split import (
     EXACT_ALGORITHMS,
     TensorParallelSplit,
@@ -60,7 +61,7 @@ class TensorParallelStrategy(ParStrategy):
     def __init__(
         self,
         plan: Mapping[str, str] | None = None,
-        module_attr: str = "net",
+        module_attr: str | None = None,
         algorithm: str = "ring",
         **kwargs: Any,
     ) -> None:
@@ -75,7 +76,8 @@ class TensorParallelStrategy(ParStrategy):
         """Bytes each rank sends per training step (for ``python -m lightning_par.compare``):
         :func:`~lightning_par.tensorparallel.cost.step_cost` of the plan on a batch of
         ``global_batch`` CIFAR images (or ``model.example_input_array``'s shape)."""
-        plan = resolve_plan(model, devices, options.get("plan"), options.get("module_attr", "net"))
+        attr = find_network(model, options.get("module_attr"), "tensor_parallel")
+        plan = resolve_plan(model, devices, options.get("plan"), attr)
         sample = getattr(model, "example_input_array", None)
         if not isinstance(sample, torch.Tensor):
             sample = torch.zeros(global_batch, 3, 32, 32)

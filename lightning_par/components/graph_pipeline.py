@@ -1,0 +1,250 @@
+"""The pipeline splitter's path for any network: cut from its traced graph, run in place.
+
+:class:`~lightning_par.components.pipeline_split.PipelineSplit` hands a network to
+:class:`GraphPipeline` when it is not an ``nn.Sequential`` of one-tensor layers or when the
+user names ``split_points``. Here the network is
+
+1. found on the LightningModule (``module_attr``, or the one child module with parameters:
+   :func:`find_network`);
+2. called once the way the user's code calls it, to learn its inputs: on
+   ``module.example_input_array`` through ``module.forward``, or else on the first batch
+   through the user's own step (:func:`capture_inputs`);
+3. traced and cut (:func:`lightning_par.graphcut.split_module`, before the named modules or
+   at points balanced by parameters or time), and run by
+   :class:`~lightning_par.pipeline.network.PipelinedNetwork`, which keeps the user's module
+   object (type, attributes, indexing, names) and empties what other devices hold.
+
+Checkpoints hold the whole network under its own names on rank 0, and the optimiser state in
+one process's format (every device's optimiser covers the whole parameter list, stepping
+only what it holds), so they load without the strategy and resume under any other.
+"""
+
+from __future__ import annotations
+
+import inspect
+import json
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+import torch.distributed as dist
+from lightning.pytorch.trainer.states import TrainerFn
+from torch import nn
+
+from lightning_par import _compat
+from lightning_par.comm import Communicator
+from lightning_par.graphcut import UnsplittableModel, auto_split_points, cut, trace
+from lightning_par.pipeline.batchnorm import commit_batch_norm, defer_batch_norm
+from lightning_par.pipeline.network import PipelinedNetwork
+from lightning_par.pipeline.state import gather_objects
+
+
+class _Captured(Exception):
+    """Raised by the recording forward once it has the network's inputs."""
+
+
+def capture_inputs(
+    module: pl.LightningModule, net: nn.Module, trainer: pl.Trainer | None, who: str
+) -> tuple[tuple, dict]:
+    """``(args, kwargs)`` of one call of ``net`` as the user's code makes it."""
+    seen: dict[str, Any] = {}
+
+    def record(*args: Any, **kwargs: Any) -> None:
+        seen["call"] = (args, kwargs)
+        raise _Captured
+
+    net.forward = record  # type: ignore[method-assign]
+    sample = getattr(module, "example_input_array", None)
+    try:
+        with torch.no_grad():
+            if sample is not None:
+                if isinstance(sample, dict):
+                    module(**sample)
+                else:
+                    module(*(sample if isinstance(sample, tuple) else (sample,)))
+            elif trainer is not None:
+                fn = trainer.state.fn
+                batch = _compat.first_batch(trainer)
+                step = {
+                    TrainerFn.VALIDATING: module.validation_step,
+                    TrainerFn.TESTING: module.test_step,
+                    TrainerFn.PREDICTING: module.predict_step,
+                }.get(fn, module.training_step)
+                step(batch, 0)
+    except _Captured:
+        pass
+    except Exception as error:  # the step failed before calling the network
+        raise ValueError(
+            f"{who} runs the network once to learn its inputs and could not ({error}): set "
+            "`self.example_input_array` in your LightningModule (a small batch of the inputs "
+            "forward() takes)"
+        ) from error
+    finally:
+        net.__dict__.pop("forward", None)
+    if "call" not in seen:
+        raise ValueError(
+            f"{who}: the network was never called by forward or the step; set "
+            "`self.example_input_array`"
+        )
+    return seen["call"]
+
+
+def _agree(comm: Communicator, points: list[str]) -> list[str]:
+    """Rank 0's split points on every rank of ``comm`` (as JSON bytes, not pickle)."""
+    if comm.world_size == 1:
+        return points
+    data = torch.tensor(list(json.dumps(points).encode()), dtype=torch.uint8)
+    size = torch.tensor([data.numel()])
+    dist.broadcast(size, comm.global_rank_of(0), group=comm.group)
+    buf = data if comm.rank == 0 else torch.empty(int(size), dtype=torch.uint8)
+    dist.broadcast(buf, comm.global_rank_of(0), group=comm.group)
+    return json.loads(bytes(buf.tolist()).decode())
+
+
+def try_cut(
+    module: pl.LightningModule,
+    attr: str,
+    split_points: list[str] | None,
+    stages: int,
+    balance_by: str,
+    who: str,
+) -> None:
+    """Before launch: trace and cut the network on ``example_input_array`` when the module has
+    one, so that a network that cannot be split is refused before any process starts."""
+    net = getattr(module, attr)
+    if type(net).forward is nn.Module.forward:  # ModuleList, ModuleDict: called piece by piece
+        raise TypeError(
+            f"{who} splits `{type(module).__name__}.{attr}`, a {type(net).__name__} without a "
+            "forward of its own: hold the network as a module whose forward runs it (e.g. an "
+            "nn.Sequential), or pass module_attr='<that module>'"
+        )
+    sample = getattr(module, "example_input_array", None)
+    if sample is None or split_points is None and balance_by == "time":
+        return
+    try:
+        args, _ = capture_inputs(module, net, None, who)
+        traced = trace(net, args)
+        points = split_points or auto_split_points(net, traced, stages, "parameters", args)
+        cut(traced, points)
+    except (UnsplittableModel, ValueError) as error:
+        raise ValueError(f"{who} cannot split {type(net).__name__}: {error}") from None
+
+
+class GraphPipeline:
+    """The network of ``module.<attr>`` cut into stages and run in place (see module doc)."""
+
+    def __init__(
+        self,
+        module: pl.LightningModule,
+        attr: str,
+        comm: Communicator,
+        *,
+        split_points: list[str] | None,
+        balance_by: str,
+        chunks: int,
+        schedule: str,
+        virtual_stages: int,
+        checkpoint: str,
+        deferred_batch_norm: bool,
+        trainer: pl.Trainer | None,
+        who: str,
+    ) -> None:
+        self.module, self.attr, self.comm = module, attr, comm
+        net = getattr(module, attr)
+        stages = comm.world_size * virtual_stages
+        if split_points is not None and len(split_points) + 1 != stages:
+            raise ValueError(
+                f"{who}: {len(split_points)} split points make {len(split_points) + 1} stages "
+                f"but {comm.world_size} devices x {virtual_stages} need {stages}"
+            )
+        args, kwargs = capture_inputs(module, net, trainer, who)
+        if kwargs:
+            names = list(_signature_names(net))
+            args = args + tuple(kwargs[n] for n in names[len(args) :] if n in kwargs)
+        n = args[0].shape[0] if args and isinstance(args[0], torch.Tensor) else 1
+        micro = -(-n // chunks)
+        example = tuple(a[:micro] if isinstance(a, torch.Tensor) and a.dim() else a for a in args)
+        if deferred_batch_norm:
+            defer_batch_norm(net)
+        try:
+            traced = trace(net, example)
+        except UnsplittableModel as error:
+            raise ValueError(f"{who} cannot split {type(net).__name__}: {error}") from None
+        points = split_points
+        if points is None:
+            by = "parameters" if balance_by == "params" else balance_by
+            points = auto_split_points(net, traced, stages, by, example)
+            if by == "time":  # measured: each rank's own timing would cut differently
+                points = _agree(comm, points)
+        split = cut(traced, points)
+        self.split_points = list(points)
+        with torch.no_grad():  # every device starts from rank 0's weights
+            for t in [*net.parameters(), *net.buffers()]:
+                if comm.world_size > 1:
+                    dist.broadcast(t.data, comm.global_rank_of(0), group=comm.group)
+        self.deferred_batch_norm = deferred_batch_norm
+        self.network = PipelinedNetwork(
+            net,
+            split,
+            comm,
+            chunks=chunks,
+            schedule=schedule,
+            virtual_stages=virtual_stages,
+            checkpoint=checkpoint,
+        )
+
+    @property
+    def prefix(self) -> str:
+        return f"{self.attr}."
+
+    def after_backward(self) -> None:
+        self.network.backward()
+        if self.deferred_batch_norm:
+            for stage in self.network.stages.stages.values():
+                commit_batch_norm(stage)
+
+    # ---- checkpoints -------------------------------------------------------------------------
+    def held(self, local: dict[str, Any]) -> dict[str, Any]:
+        """``local`` without the network's entries this device does not hold."""
+        names = self.network.local_names
+        return {
+            k: v
+            for k, v in local.items()
+            if not k.startswith(self.prefix) or k[len(self.prefix) :] in names
+        }
+
+    def piece_state_dict(self, full: dict[str, Any]) -> dict[str, Any]:
+        """``full`` with this device's empty tensors in place of what it does not hold."""
+        mine = self.module.state_dict()
+        return {k: (v if k in self.held({k: v}) else mine.get(k, v)) for k, v in full.items()}
+
+    def full_optimizer_state(self, local: dict[str, Any], optimizer: Any) -> dict[str, Any]:
+        """On rank 0: every parameter's state from the device holding it (all devices' optimisers
+        list the same parameters in the same order), in one process's format."""
+        opt = getattr(optimizer, "_optimizer", optimizer)
+        held = {id(p) for p in self.network.local_parameters()}
+        ids = [id(p) for g in opt.param_groups for p in g["params"]]
+        states = local.get("state", {})
+        mine = {i: s for i, s in states.items() if ids[i] in held}
+        device = next((p.device for p in self.network.local_parameters()), torch.device("cpu"))
+        everyone = gather_objects(self.comm, mine, device)
+        if everyone is None:
+            return {}
+        merged: dict[int, Any] = {}
+        for part in reversed(everyone):  # rank 0's copy of a tied parameter wins
+            merged.update(part)
+        return {**local, "state": dict(sorted(merged.items()))}
+
+    def load_optimizer_states(self, optimizers: list[Any], states: list[Any]) -> None:
+        """Each device loads the whole state, then drops what it does not hold."""
+        held = {id(p) for p in self.network.local_parameters()}
+        for optimizer, state in zip(optimizers, states):
+            optimizer.load_state_dict(state)
+            for group in optimizer.param_groups:
+                for p in group["params"]:
+                    if id(p) not in held:
+                        optimizer.state.pop(p, None)
+
+
+def _signature_names(net: nn.Module) -> list[str]:
+    return list(inspect.signature(net.forward).parameters)

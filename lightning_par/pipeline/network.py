@@ -1,0 +1,291 @@
+"""The user's own network, run as pipeline stages in place (any ``nn.Module``, no Lightning).
+
+:class:`PipelinedNetwork` takes a network cut by :func:`lightning_par.graphcut.split_module`
+and makes it run as this device's stages of the pipeline *without replacing it*: the
+network keeps its type, attributes, indexing (``net.layer1``, ``net[0]``), parameter names
+and state-dict keys. Only two things change on each device:
+
+* the parameters and buffers no stage of this device uses are emptied (their storage is
+  released, ``p.data`` becomes an empty tensor; the ``Parameter`` objects stay, so an
+  optimiser built over the whole network simply never steps them), so each device holds
+  about ``1/K`` of the weights (measured in ``benchmarks/``);
+* ``net.forward`` runs the pipeline: every device calls it with the same batch inside a
+  training/validation/... step; the device holding the first stage feeds the micro-batches
+  in, the last one's joined output is sent to every device and returned there, so the
+  user's loss, metrics and logging run unchanged on real values.
+
+Training under GPipe: ``forward`` runs the forward steps of the schedule and returns the
+output as a leaf; the user's ``loss.backward()`` fills its gradient, then :meth:`backward`
+runs the backward steps with it, cut per micro-batch (as
+:class:`~lightning_par.pipeline.sequential.PipelinedSequential`). Under the schedules that
+need the loss per micro-batch (1F1B, interleaved, zero bubble), ``forward`` runs the whole
+schedule at once with ``loss_fn(output_i, target_i)`` per micro-batch (:meth:`expect`
+gives the target and the loss) and :meth:`backward` hands over the gradients it computed.
+
+Tied parameters (used by stages on several devices, e.g. an embedding shared with the
+output layer) are held by every device that uses them; after each backward their gradients
+are summed over the devices (DeepSpeed's ``TiedLayerSpec``), so the copies stay equal.
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from lightning_par.comm import Communicator
+from lightning_par.graphcut import GraphSplit
+from lightning_par.pipeline.messages import HEADER_LEN, read_header, write_header
+from lightning_par.pipeline.microbatch import scatter
+from lightning_par.pipeline.multistage import DeviceStages
+from lightning_par.pipeline.step import checked_schedule
+
+LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+class PipelinedNetwork:
+    """This device's stages of ``net`` (cut as ``split``), installed as ``net.forward``.
+
+    Args:
+        net: the user's network (every device holds it whole until this call).
+        split: ``net`` cut into ``K * virtual_stages`` stages; device ``d`` runs stages
+            ``d, d + K, ...``.
+        comm: the devices' communicator (device = group rank).
+        chunks: micro-batches per batch; ``schedule``, ``virtual_stages``, ``checkpoint``:
+            see :mod:`lightning_par.pipeline.schedules_v` and :mod:`.checkpoint`.
+    """
+
+    def __init__(
+        self,
+        net: nn.Module,
+        split: GraphSplit,
+        comm: Communicator,
+        *,
+        chunks: int,
+        schedule: str = "gpipe",
+        virtual_stages: int = 1,
+        checkpoint: str = "never",
+    ) -> None:
+        k = comm.world_size
+        if len(split) != k * virtual_stages:
+            raise ValueError(f"{len(split)} stages for {k} devices x {virtual_stages}")
+        self.net, self.comm, self.chunks = net, comm, chunks
+        self.schedule, self.virtual_stages = schedule, virtual_stages
+        mine = {s.index: s.module for s in split.stages if s.index % k == comm.rank}
+        self.stages = DeviceStages(
+            mine, len(split), comm, split_backward=schedule == "zero_bubble", checkpoint=checkpoint
+        )
+        self.is_first, self.is_last = 0 in mine, len(split) - 1 in mine
+        self.input_names = split.stages[0].inputs
+        self._signature = inspect.signature(net.forward)
+        used = {id(t) for m in mine.values() for t in [*m.parameters(), *m.buffers()]}
+        self.local_names = {n for n, t in _tensors(net) if id(t) in used}
+        self.holders = _holders(net, split, k)  # tied parameter name -> devices holding it
+        self.tied_shapes = {n: p.shape for n, p in net.named_parameters() if n in self.holders}
+        self.active = False
+        self._pending: tuple[list, torch.Tensor] | None = None
+        self._precomputed: torch.Tensor | None = None
+        self._stash: list[tuple[nn.Parameter, torch.Tensor | None]] | None = None
+        self._loss: tuple[torch.Tensor, LossFn, float] | None = None
+        _release(net, self.local_names)
+        net.forward = self.forward  # type: ignore[method-assign]  # the instance's, not the class's
+
+    # ---- what this device holds ---------------------------------------------------------------
+    def local_parameters(self) -> list[nn.Parameter]:
+        """The parameters this device's stages use (tied ones included)."""
+        return [p for n, p in self.net.named_parameters() if n in self.local_names]
+
+    def counted_parameters(self) -> list[nn.Parameter]:
+        """The parameters whose gradients this device counts in a global norm: its own, and a
+        tied one only on the first device that holds it."""
+        first = {n for n, devices in self.holders.items() if devices[0] != self.comm.rank}
+        return [p for n, p in self.net.named_parameters() if n in self.local_names - first]
+
+    # ---- forward -----------------------------------------------------------------------------
+    def expect(self, target: torch.Tensor, loss_fn: LossFn, scale: float = 1.0) -> None:
+        """The next training forward runs the whole schedule with ``loss_fn`` per micro-batch
+        (schedules past GPipe); its gradients are scaled by ``scale``."""
+        self._loss = (target, loss_fn, scale)
+
+    def _inputs(self, args: tuple, kwargs: dict) -> tuple[torch.Tensor, ...]:
+        bound = self._signature.bind(*args, **kwargs)
+        bound.apply_defaults()
+        values = list(bound.arguments.values())
+        extra = [
+            n
+            for n, v in list(bound.arguments.items())[len(self.input_names) :]
+            if v is not self._signature.parameters[n].default
+        ]
+        if extra or not all(isinstance(v, torch.Tensor) for v in values[: len(self.input_names)]):
+            raise TypeError(
+                f"the pipelined network was cut for the inputs ({', '.join(self.input_names)}), "
+                f"all tensors; it was called with {', '.join(bound.arguments)}"
+            )
+        return tuple(values[: len(self.input_names)])
+
+    def forward(self, *args: Any, **kwargs: Any) -> torch.Tensor:
+        if self._precomputed is not None:
+            out, self._precomputed = self._precomputed, None
+            return out
+        if not self.active:
+            raise RuntimeError(
+                "this network is split into pipeline stages over processes; it can only run "
+                "inside the Trainer's training/validation/test/predict steps, where every stage "
+                "calls it with the same batch"
+            )
+        if self._pending is not None:  # a previous step never ran backward: drop it
+            self._pending = None
+            self.stages.finish()
+        xs = self._inputs(args, kwargs)
+        chunks = min(self.chunks, xs[0].shape[0])
+        training = torch.is_grad_enabled()
+        if training and self.schedule != "gpipe":
+            return self._run_scheduled(xs, chunks)
+        steps = checked_schedule("gpipe", self.comm.world_size, chunks, 1)[self.comm.rank]
+        self.stages.begin(tuple(xs[0].shape), chunks)
+        feed = list(zip(*(scatter(t, chunks) for t in xs))) if self.is_first else None
+        self.stages.run([s for s in steps if s.op == "fwd"], feed)
+        out = self._share(self._joined(chunks))
+        if not training:
+            self.stages.finish()
+            return out
+        leaf = out.detach().requires_grad_(out.is_floating_point())
+        self._pending = ([s for s in steps if s.op != "fwd"], leaf)
+        return leaf
+
+    def _joined(self, chunks: int) -> torch.Tensor | None:
+        if not self.is_last:
+            return None
+        return torch.cat([self.stages.results[i][0] for i in range(chunks)])
+
+    def _run_scheduled(self, xs: tuple[torch.Tensor, ...], chunks: int) -> torch.Tensor:
+        if self._loss is None:
+            raise RuntimeError(
+                f"schedule={self.schedule!r} computes the loss per micro-batch: "
+                "call expect(target, loss_fn) before the forward"
+            )
+        target, loss_fn, scale = self._loss
+        self._loss = None
+        k, rank = self.comm.world_size, self.comm.rank
+        steps = checked_schedule(self.schedule, k, chunks, self.virtual_stages)[rank]
+        batch = xs[0].shape[0]
+        targets = scatter(target, chunks) if self.is_last else None
+
+        def output_grad(i: int, outs: tuple[torch.Tensor, ...]) -> list[torch.Tensor | None]:
+            out = outs[0].detach().requires_grad_(True)
+            loss = loss_fn(out, targets[i]) * (targets[i].shape[0] / batch) * scale
+            return [torch.autograd.grad(loss, out)[0]] + [None] * (len(outs) - 1)
+
+        # Lightning zeroes the gradients between training_step and backward: keep this step's
+        # aside and hand them over in backward()
+        params = [p for p in self.local_parameters() if p.requires_grad]
+        before = [p.grad for p in params]
+        for p in params:
+            p.grad = None
+        self.stages.begin(tuple(xs[0].shape), chunks)
+        feed = list(zip(*(scatter(t, chunks) for t in xs))) if self.is_first else None
+        self.stages.run(steps, feed, output_grad=output_grad)
+        out = self._share(self._joined(chunks))
+        self.stages.finish()
+        self._stash = [(p, p.grad) for p in params]
+        for p, grad in zip(params, before):
+            p.grad = grad
+        return out.detach().requires_grad_(out.is_floating_point())
+
+    def _share(self, out: torch.Tensor | None) -> torch.Tensor:
+        """The last device's joined output, on every device (a header, then the tensor)."""
+        # the last stage, S - 1 = K * v - 1, lives on device K - 1
+        group, src = self.comm.group, self.comm.global_rank_of(self.comm.world_size - 1)
+        device = self.stages._device()
+        if self.comm.world_size == 1:
+            assert out is not None
+            return out
+        header = (
+            write_header((out,)).to(device)
+            if self.is_last
+            else torch.empty(HEADER_LEN, dtype=torch.int64, device=device)
+        )
+        dist.broadcast(header, src, group=group)
+        ((shape, dtype),) = read_header(header.cpu())
+        if self.is_last:
+            buf = out.detach().contiguous()
+        else:
+            buf = torch.empty(shape, dtype=dtype, device=device)
+        dist.broadcast(buf, src, group=group)
+        return buf
+
+    # ---- backward ----------------------------------------------------------------------------
+    def backward(self) -> None:
+        """After the user's ``loss.backward()``: GPipe's backward steps with the gradient the
+        loss left on the output, or the gradients the scheduled forward computed; then the
+        tied parameters' gradients summed over the devices holding them."""
+        if self._stash is not None:
+            for param, grad in self._stash:
+                if grad is not None:
+                    param.grad = grad if param.grad is None else param.grad.add_(grad)
+            self._stash = None
+        elif self._pending is not None:
+            steps, leaf = self._pending
+            self._pending = None
+            grads: list[torch.Tensor] = []
+            if self.is_last:
+                sizes = [
+                    self.stages.results[i][0].shape[0] for i in range(len(self.stages.results))
+                ]
+                grad = leaf.grad if leaf.grad is not None else torch.zeros_like(leaf)
+                grads = list(grad.split(sizes))
+
+            def output_grad(i: int, outs: tuple[torch.Tensor, ...]) -> list[torch.Tensor | None]:
+                return [grads[i]] + [None] * (len(outs) - 1)
+
+            self.stages.run(steps, output_grad=output_grad)
+            self.stages.finish()
+        self.sum_tied_gradients()
+
+    def sum_tied_gradients(self) -> None:
+        """Each tied parameter's gradient becomes the sum over the devices that use it (an
+        allreduce over the pipeline's devices: the others add zeros)."""
+        if not self.holders or self.comm.world_size == 1:
+            return
+        params = dict(self.net.named_parameters())
+        for name in sorted(self.holders):
+            p = params[name]
+            if not p.requires_grad:
+                continue
+            mine = name in self.local_names and p.grad is not None
+            grad = (
+                p.grad
+                if mine
+                else torch.zeros(self.tied_shapes[name], dtype=p.dtype, device=p.device)
+            )
+            dist.all_reduce(grad, group=self.comm.group)
+            if name in self.local_names and p.grad is None:  # its stages had no gradient
+                p.grad = grad
+
+
+def _tensors(net: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
+    yield from net.named_parameters(remove_duplicate=False)
+    yield from net.named_buffers(remove_duplicate=False)
+
+
+def _holders(net: nn.Module, split: GraphSplit, k: int) -> dict[str, tuple[int, ...]]:
+    """Tied parameters (by the network's name) -> the devices whose stages use them."""
+    named = {id(p): n for n, p in net.named_parameters()}
+    out = {}
+    for stage_name, stages in split.shared.items():
+        param = split.stages[stages[0]].module.get_parameter(stage_name)
+        devices = tuple(sorted({s % k for s in stages}))
+        if len(devices) > 1:
+            out[named[id(param)]] = devices
+    return out
+
+
+def _release(net: nn.Module, keep: set[str]) -> None:
+    """Empty every parameter and buffer of ``net`` not named in ``keep`` (storage freed)."""
+    for name, t in list(_tensors(net)):
+        if name not in keep and t.numel():
+            t.data = torch.empty(0, dtype=t.dtype, device=t.device)

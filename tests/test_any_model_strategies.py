@@ -1,0 +1,167 @@
+"""Networks no one here wrote, held the way their authors hold them (``self.model = ...`` in
+the LightningModule, Lightning's own demo ``LightningTransformer`` as it is), trained under
+the model-parallel strategies: the weights after k steps equal one process's on the same
+global batch, the user's module keeps its type and parameter names on every rank, and the
+checkpoint loads into the plain network.
+
+Each (strategy, world size) is one launch of ``run_on_ranks`` (torchrun's path) running
+every model in turn, so the matrix costs a few launches, not one per cell.
+"""
+
+from __future__ import annotations
+
+import os
+
+import lightning.pytorch as pl
+import pytest
+import torch
+import torchvision
+from _any_models import TinyGPT
+from lightning.pytorch.demos import LightningTransformer
+from torch import nn
+from torch.nn import functional as F
+from torch.utils.data import DataLoader, TensorDataset
+
+from lightning_par.comm import run_on_ranks
+from lightning_par.strategies.gpipe import GPipeStrategy
+from lightning_par.strategies.hybrid import HybridStrategy
+from lightning_par.strategies.layerwise import LayerwiseStrategy
+
+BATCH, STEPS, VOCAB, SEQ = 6, 2, 40, 6
+
+
+class SequenceNLL(nn.Module):
+    """The demo Transformer's loss as a mean-reduced module (1F1B calls it per micro-batch)."""
+
+    def forward(self, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        return F.nll_loss(output, target.reshape(-1))
+
+
+class DemoTransformer(LightningTransformer):
+    """Lightning's demo module as it is, plus the loss module the 1F1B schedule calls."""
+
+    def __init__(self) -> None:
+        torch.manual_seed(0)
+        super().__init__(vocab_size=VOCAB)
+        self.criterion = SequenceNLL()
+        # dropout draws its masks per micro-batch under a pipeline, per batch in one process:
+        # the same weights need the same masks, so the comparison runs without it
+        for module in self.modules():
+            if isinstance(module, nn.Dropout):
+                module.p = 0.0
+            elif isinstance(module, nn.MultiheadAttention):
+                module.dropout = 0.0
+
+    def prepare_data(self) -> None:  # the demo downloads WikiText-2; synthetic tokens here
+        pass
+
+    def train_dataloader(self) -> DataLoader:
+        g = torch.Generator().manual_seed(3)
+        tokens = torch.randint(0, VOCAB, (BATCH * STEPS, SEQ), generator=g)
+        return DataLoader(TensorDataset(tokens, tokens.roll(-1, dims=1)), batch_size=BATCH)
+
+
+class Holder(pl.LightningModule):
+    """A LightningModule holding someone else's network as ``self.model``."""
+
+    def __init__(self, name: str) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.name = name
+        if name == "tiny_gpt":
+            self.model: nn.Module = TinyGPT(vocab=VOCAB, width=16, layers=2)
+            self.criterion: nn.Module = TokenLoss()
+        else:
+            norm = None if name == "resnet18_bn" else (lambda c: nn.GroupNorm(4, c))
+            self.model = torchvision.models.resnet18(num_classes=5, norm_layer=norm)
+            self.criterion = nn.CrossEntropyLoss()
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        return self.criterion(self.model(x), y)
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.05, momentum=0.9)
+
+    def train_dataloader(self) -> DataLoader:
+        g = torch.Generator().manual_seed(3)
+        n = BATCH * STEPS
+        if self.name == "tiny_gpt":
+            tokens = torch.randint(0, VOCAB, (n, SEQ), generator=g)
+            return DataLoader(TensorDataset(tokens, tokens.roll(-1, dims=1)), batch_size=BATCH)
+        x, y = torch.randn(n, 3, 32, 32, generator=g), torch.randint(0, 5, (n,), generator=g)
+        return DataLoader(TensorDataset(x, y), batch_size=BATCH)
+
+
+class TokenLoss(nn.Module):
+    def forward(self, logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), target.reshape(-1))
+
+
+def make(name: str) -> pl.LightningModule:
+    return DemoTransformer() if name == "demo_transformer" else Holder(name)
+
+
+def trainer(strategy, devices: int) -> pl.Trainer:
+    return pl.Trainer(
+        strategy=strategy, accelerator="cpu", devices=devices, max_steps=STEPS, logger=False,
+        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+        use_distributed_sampler=False, num_sanity_val_steps=0, limit_val_batches=0,
+    )  # fmt: skip
+
+
+STRATEGIES = {
+    "gpipe": lambda: GPipeStrategy(chunks=3),
+    "1f1b": lambda: GPipeStrategy(chunks=3, schedule="1f1b"),
+    "layerwise": lambda: LayerwiseStrategy(),
+    "hybrid": lambda: HybridStrategy(dp=2, mp=2, mp_kind="gpipe", chunks=3),
+}
+
+
+def _train(rank: int, world: int, kind: str, names: list[str], tmp: str) -> dict:
+    seen = {}
+    for name in names:
+        model = make(name)
+        fit = trainer(STRATEGIES[kind](), world)
+        fit.fit(model)
+        seen[name] = (type(model.model).__name__, [n for n, _ in model.model.named_parameters()])
+        fit.save_checkpoint(os.path.join(tmp, f"{kind}-{name}.ckpt"))
+    return seen
+
+
+_reference: dict[str, dict[str, torch.Tensor]] = {}
+
+
+def one_process(name: str) -> dict[str, torch.Tensor]:
+    if name not in _reference:
+        model = make(name)
+        trainer("auto", 1).fit(model)
+        _reference[name] = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    return _reference[name]
+
+
+CELLS = [
+    ("gpipe", 2, ["resnet18_gn", "demo_transformer", "tiny_gpt"]),
+    ("gpipe", 3, ["resnet18_gn", "tiny_gpt"]),
+    ("1f1b", 2, ["resnet18_gn", "demo_transformer", "tiny_gpt"]),
+    ("1f1b", 3, ["demo_transformer", "tiny_gpt"]),
+    ("layerwise", 2, ["resnet18_bn", "demo_transformer", "tiny_gpt"]),
+    ("layerwise", 3, ["resnet18_gn", "demo_transformer"]),
+    ("hybrid", 4, ["resnet18_gn", "tiny_gpt"]),
+]
+
+
+@pytest.mark.parametrize("kind, world, names", CELLS, ids=[f"{k}-{w}" for k, w, _ in CELLS])
+def test_any_network_trains_like_one_process(kind, world, names, tmp_path):
+    seen = run_on_ranks(_train, world, kind, names, str(tmp_path), timeout=300)
+    for name in names:
+        plain = make(name)
+        expected_names = [n for n, _ in plain.model.named_parameters()]
+        for rank_seen in seen:  # the user's module, as the user built it, on every rank
+            assert rank_seen[name] == (type(plain.model).__name__, expected_names)
+        state = torch.load(tmp_path / f"{kind}-{name}.ckpt", weights_only=True)["state_dict"]
+        plain.load_state_dict(state)  # the checkpoint loads without the strategy
+        for key, value in one_process(name).items():
+            torch.testing.assert_close(
+                plain.state_dict()[key], value, rtol=1e-4, atol=2e-5, msg=f"{name}: {key}"
+            )
