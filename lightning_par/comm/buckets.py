@@ -151,7 +151,8 @@ class GradientBuckets:
     ) -> None:
         if not bucket_cap_mb > 0:
             raise ValueError(f"bucket_cap_mb must be > 0, got {bucket_cap_mb}")
-        params = [p for p in module.parameters() if p.requires_grad]
+        # an emptied parameter (a layer another pipeline stage holds) has nothing to average
+        params = [p for p in module.parameters() if p.requires_grad and p.numel()]
         self.communicate, self.finish, self.overlap = communicate, finish, overlap
         self.trace, self.rank, self.scale = trace, rank, scale
         self.buckets = make_buckets(list(reversed(params)), int(bucket_cap_mb * 2**20))

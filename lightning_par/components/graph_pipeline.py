@@ -130,6 +130,10 @@ def try_cut(
         raise ValueError(f"{who} cannot split {type(net).__name__}: {error}") from None
 
 
+#: The attribute of a split network that holds its :class:`PipelinedNetwork`.
+_RUN_BY = "_lightning_par_pipeline"
+
+
 class GraphPipeline:
     """The network of ``module.<attr>`` cut into stages and run in place (see module doc)."""
 
@@ -150,7 +154,13 @@ class GraphPipeline:
         who: str,
     ) -> None:
         self.module, self.attr, self.comm = module, attr, comm
+        self.deferred_batch_norm = deferred_batch_norm
         net = getattr(module, attr)
+        earlier = net.__dict__.get(_RUN_BY)
+        if earlier is not None:  # split by an earlier run (fit twice, fit then test)
+            earlier.rebind(comm)
+            self.network: PipelinedNetwork = earlier
+            return
         stages = comm.world_size * virtual_stages
         if split_points is not None and len(split_points) + 1 != stages:
             raise ValueError(
@@ -166,8 +176,11 @@ class GraphPipeline:
         example = tuple(a[:micro] if isinstance(a, torch.Tensor) and a.dim() else a for a in args)
         if deferred_batch_norm:
             defer_batch_norm(net)
+        # a Sequential is cut between its layers only: each layer stays a call, untraced, so
+        # no shape inside it is fixed at the example's
+        leaf = [n for n, _ in net.named_children()] if isinstance(net, nn.Sequential) else []
         try:
-            traced = trace(net, example)
+            traced = trace(net, example, leaf)
         except UnsplittableModel as error:
             raise ValueError(f"{who} cannot split {type(net).__name__}: {error}") from None
         points = split_points
@@ -182,7 +195,6 @@ class GraphPipeline:
             for t in [*net.parameters(), *net.buffers()]:
                 if comm.world_size > 1:
                     dist.broadcast(t.data, comm.global_rank_of(0), group=comm.group)
-        self.deferred_batch_norm = deferred_batch_norm
         self.network = PipelinedNetwork(
             net,
             split,
@@ -192,6 +204,19 @@ class GraphPipeline:
             virtual_stages=virtual_stages,
             checkpoint=checkpoint,
         )
+        net.__dict__[_RUN_BY] = self.network
+        if not leaf:
+            network = self.network
+
+            def recut(micro: tuple) -> Any:
+                own = net.__dict__.pop("forward")  # trace the network's own forward
+                try:
+                    return cut(trace(net, micro, leaf, network.full_shapes), points)
+                finally:
+                    net.forward = own  # type: ignore[method-assign]
+
+            self.network.recut = recut
+            self.network.traced_at(tuple(t for t in example if isinstance(t, torch.Tensor)))
 
     @property
     def prefix(self) -> str:

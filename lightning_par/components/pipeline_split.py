@@ -135,11 +135,11 @@ class PipelineSplit(ModelSplitter):
         return find_network(self.module, self.module_attr, self.name)
 
     def by_graph(self, net: Any) -> bool:
-        """Whether ``net`` is cut from its traced graph: anything but an ``nn.Sequential``
-        (whose layers split by ``balance``), or any network given ``split_points``."""
+        """Whether ``net`` is cut from its traced graph and run in place (every network but
+        the wavefront's ``nn.Sequential`` of recurrent layers)."""
         if self.graph is not None or isinstance(net, (PipelinedSequential, WavefrontSequential)):
             return self.graph is not None
-        return self.split_points is not None or not isinstance(net, nn.Sequential)
+        return self.time_chunk is None
 
     # ---- before launch ----------------------------------------------------------------------
     def check_before_launch(self, trainer: pl.Trainer | None) -> None:
@@ -157,6 +157,14 @@ class PipelineSplit(ModelSplitter):
         if isinstance(net, nn.Module) and not isinstance(net, PipelinedSequential):
             features.warn_batchnorm(net, self.chunks, self.name, self.deferred_batch_norm)
         if self.by_graph(net):
+            if isinstance(net, nn.Sequential) and self.split_points is None:
+                checks.check_before_launch(
+                    self.module, trainer, module_attr=self.attr, stages=self.size,
+                    balance=self.balance, balance_by=self.balance_by, schedule=self.schedule,
+                    loss_attr=self.loss_attr, devices=self.strategy.parallel_devices or [],
+                    backend=_compat.process_group_backend(self.strategy),
+                    virtual_stages=self.stages_per_device,
+                )  # fmt: skip
             schedules.check_chunks(self.name, self.schedule, self.chunks, self.size)
             backend = _compat.process_group_backend(self.strategy)
             devices = self.strategy.parallel_devices or []
@@ -196,8 +204,17 @@ class PipelineSplit(ModelSplitter):
         self.check_before_launch(self.module.trainer)
         device = self.strategy.root_device
         if self.by_graph(net):
+            points = self.split_points
+            if points is None and isinstance(net, nn.Sequential):  # by balance, as layers
+                balance = checks.resolve_balance(
+                    self.module, net, stages=self.size * self.stages_per_device,
+                    balance=self.balance, balance_by=self.balance_by,
+                    rank=self.strategy.global_rank, broadcast=self.strategy.broadcast,
+                )  # fmt: skip
+                names = [name for name, _ in net.named_children()]
+                points = [names[sum(balance[:i])] for i in range(1, len(balance))]
             self.graph = GraphPipeline(
-                self.module, self.attr, self.comm, split_points=self.split_points,
+                self.module, self.attr, self.comm, split_points=points,
                 balance_by=self.balance_by, chunks=self.chunks, schedule=self.schedule,
                 virtual_stages=self.stages_per_device, checkpoint=self.checkpoint,
                 deferred_batch_norm=self.deferred_batch_norm, trainer=trainer, who=self.name,

@@ -23,7 +23,7 @@ from __future__ import annotations
 import inspect
 import operator
 import traceback
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -109,9 +109,14 @@ class ShapeTracer(fx.Tracer):
             besides fx's default leaves, every ``torch.nn`` layer.
     """
 
-    def __init__(self, leaf_modules: Sequence[str] = ()) -> None:
+    def __init__(
+        self, leaf_modules: Sequence[str] = (), sizes: Mapping[int, torch.Size] | None = None
+    ) -> None:
         super().__init__()
         self.leaf_names = set(leaf_modules)
+        #: id(tensor) -> its real shape, for tensors whose storage was released (a pipeline
+        #: device empties the layers other devices hold, and may trace again later)
+        self.sizes = dict(sizes or {})
         self._examples: list[Any] = []
         self._evaluating = False
 
@@ -155,14 +160,14 @@ class ShapeTracer(fx.Tracer):
 
     def _run(self, node: fx.Node, args: Any, kwargs: Any) -> Any:
         if node.op == "get_attr":
-            return to_meta(_get_attr(self.root, node.target))
+            return self._meta(_get_attr(self.root, node.target))
         if node.op == "call_function":
             return node.target(*args, **kwargs)
         if node.op == "call_method":
             return getattr(args[0], node.target)(*args[1:], **kwargs)
         if node.op == "call_module":
             module = self.root.get_submodule(node.target)
-            state = {k: to_meta(v) for k, v in module.state_dict(keep_vars=True).items()}
+            state = {k: self._meta(v) for k, v in module.state_dict(keep_vars=True).items()}
             try:
                 return functional_call(module, state, tuple(args), kwargs)
             except (RuntimeError, NotImplementedError):
@@ -170,6 +175,11 @@ class ShapeTracer(fx.Tracer):
                 # on zeros of the example shapes, only to learn its output shapes
                 return to_meta(_run_on_zeros(module, args, kwargs))
         return None
+
+    def _meta(self, value: Any) -> Any:
+        if isinstance(value, torch.Tensor) and id(value) in self.sizes:
+            return torch.empty(self.sizes[id(value)], dtype=value.dtype, device="meta")
+        return to_meta(value)
 
     def _example_of(self, node: fx.Node) -> Any:
         # fx creates the get_attr nodes of parameters and constants without create_proxy
@@ -253,10 +263,14 @@ def _get_attr(root: nn.Module, target: str) -> Any:
 
 
 def trace(
-    model: nn.Module, example_inputs: Sequence[Any], leaf_modules: Sequence[str] = ()
+    model: nn.Module,
+    example_inputs: Sequence[Any],
+    leaf_modules: Sequence[str] = (),
+    sizes: Mapping[int, torch.Size] | None = None,
 ) -> fx.GraphModule:
     """``model`` as an ``fx.GraphModule`` over the same module objects, each node carrying its
-    example value (``node.meta["example"]``, a ``meta`` tensor) for ``example_inputs``."""
-    tracer = ShapeTracer(leaf_modules)
+    example value (``node.meta["example"]``, a ``meta`` tensor) for ``example_inputs``
+    (``sizes``: real shapes of released tensors, see :class:`ShapeTracer`)."""
+    tracer = ShapeTracer(leaf_modules, sizes)
     graph = tracer.trace_with(model, example_inputs)
     return fx.GraphModule(tracer.root, graph, type(model).__name__)

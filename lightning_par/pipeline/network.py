@@ -39,7 +39,7 @@ from torch import nn
 
 from lightning_par.comm import Communicator
 from lightning_par.graphcut import GraphSplit
-from lightning_par.pipeline.messages import HEADER_LEN, read_header, write_header
+from lightning_par.pipeline.messages import HEADER_LEN, Kind, read_header, write_header
 from lightning_par.pipeline.microbatch import scatter
 from lightning_par.pipeline.multistage import DeviceStages
 from lightning_par.pipeline.step import checked_schedule
@@ -86,7 +86,13 @@ class PipelinedNetwork:
         self.local_names = {n for n, t in _tensors(net) if id(t) in used}
         self.holders = _holders(net, split, k)  # tied parameter name -> devices holding it
         self.tied_shapes = {n: p.shape for n, p in net.named_parameters() if n in self.holders}
+        #: id(tensor) -> shape before release (to trace the network again: graphcut's sizes)
+        self.full_shapes = {id(t): t.shape for _, t in _tensors(net)}
         self.active = False
+        #: traces the network again for new micro-batch inputs (None: shapes never baked in)
+        self.recut: Callable[[tuple], GraphSplit] | None = None
+        self._cuts: dict[tuple, dict[int, nn.Module]] = {}
+        self._traced_for: tuple | None = None
         self._pending: tuple[list, torch.Tensor] | None = None
         self._precomputed: torch.Tensor | None = None
         self._stash: list[tuple[nn.Parameter, torch.Tensor | None]] | None = None
@@ -142,10 +148,14 @@ class PipelinedNetwork:
             self.stages.finish()
         xs = self._inputs(args, kwargs)
         chunks = min(self.chunks, xs[0].shape[0])
+        self._stages_for(xs, chunks)
         training = torch.is_grad_enabled()
         if training and self.schedule != "gpipe":
             return self._run_scheduled(xs, chunks)
-        steps = checked_schedule("gpipe", self.comm.world_size, chunks, 1)[self.comm.rank]
+        # forwards only (evaluation): any schedule's forward steps, in its order
+        schedule = "gpipe" if training else self.schedule
+        steps = checked_schedule(schedule, self.comm.world_size, chunks, self.virtual_stages)
+        steps = steps[self.comm.rank]
         self.stages.begin(tuple(xs[0].shape), chunks)
         feed = list(zip(*(scatter(t, chunks) for t in xs))) if self.is_first else None
         self.stages.run([s for s in steps if s.op == "fwd"], feed)
@@ -156,6 +166,45 @@ class PipelinedNetwork:
         leaf = out.detach().requires_grad_(out.is_floating_point())
         self._pending = ([s for s in steps if s.op != "fwd"], leaf)
         return leaf
+
+    def _stages_for(self, xs: tuple[torch.Tensor, ...], chunks: int) -> None:
+        """The stages traced for these micro-batches' shapes: a network whose code reads
+        shapes (``x.view(b, ...)``) is traced again for each new shape, as torch's pipelining
+        traces one micro-batch shape; its micro-batches must then all have that shape."""
+        if self.recut is None:
+            return
+        sizes = {t.shape[0] for t in scatter(xs[0], chunks)}
+        if len(sizes) > 1:
+            raise ValueError(
+                f"a batch of {xs[0].shape[0]} does not split into {chunks} equal micro-batches, "
+                "and this network was traced for one micro-batch shape: use a batch size "
+                f"divisible by chunks={chunks} (drop_last=True for the last batch)"
+            )
+        key = tuple((tuple(t.shape[1:]), t.dtype) for t in xs) + (sizes.pop(),)
+        if key == self._traced_for:
+            return
+        if key not in self._cuts:
+            micro = tuple(t[: key[-1]] for t in xs)
+            split = self.recut(micro)
+            self._cuts[key] = {s: split.stages[s].module for s in self.stages.stages}
+        self.stages.stages.update(self._cuts[key])
+        self._traced_for = key
+
+    def traced_at(self, example: tuple[torch.Tensor, ...]) -> None:
+        """The stages were cut for micro-batches like ``example``: no new trace for those."""
+        key = tuple((tuple(t.shape[1:]), t.dtype) for t in example) + (example[0].shape[0],)
+        self._cuts[key] = dict(self.stages.stages)
+        self._traced_for = key
+
+    def rebind(self, comm: Communicator) -> None:
+        """Use ``comm`` from now on (a new Trainer's process group, same ranks)."""
+        if (comm.world_size, comm.rank) != (self.comm.world_size, self.comm.rank):
+            raise ValueError(
+                f"this network was split over {self.comm.world_size} devices in an earlier "
+                f"run and cannot run as device {comm.rank} of {comm.world_size}: build the "
+                "model again"
+            )
+        self.comm = self.stages.comm = comm
 
     def _joined(self, chunks: int) -> torch.Tensor | None:
         if not self.is_last:
@@ -197,26 +246,29 @@ class PipelinedNetwork:
         return out.detach().requires_grad_(out.is_floating_point())
 
     def _share(self, out: torch.Tensor | None) -> torch.Tensor:
-        """The last device's joined output, on every device (a header, then the tensor)."""
-        # the last stage, S - 1 = K * v - 1, lives on device K - 1
-        group, src = self.comm.group, self.comm.global_rank_of(self.comm.world_size - 1)
-        device = self.stages._device()
-        if self.comm.world_size == 1:
+        """The last device's joined output, on every device (a header, then the tensor; both
+        traced messages, tag ``OUTPUT``/``HEADER``)."""
+        k, last = self.comm.world_size, self.comm.world_size - 1  # stage S - 1 is on K - 1
+        if k == 1:
             assert out is not None
             return out
-        header = (
-            write_header((out,)).to(device)
-            if self.is_last
-            else torch.empty(HEADER_LEN, dtype=torch.int64, device=device)
-        )
-        dist.broadcast(header, src, group=group)
-        ((shape, dtype),) = read_header(header.cpu())
+        meta = {"step": self.stages.step_index, "chunk": -1}
+        device = self.stages._device()
         if self.is_last:
-            buf = out.detach().contiguous()
-        else:
-            buf = torch.empty(shape, dtype=dtype, device=device)
-        dist.broadcast(buf, src, group=group)
-        return buf
+            assert out is not None
+            out = out.detach().contiguous()
+            header = write_header((out,)).to(device)
+            handles = []
+            for dst in range(last):
+                handles.append(self.comm.isend(header, dst, tag=Kind.HEADER, **meta))
+                handles.append(self.comm.isend(out, dst, tag=Kind.OUTPUT, **meta))
+            for handle in handles:
+                handle.wait()
+            return out
+        header = torch.empty(HEADER_LEN, dtype=torch.int64, device=device)
+        ((shape, dtype),) = read_header(self.comm.recv(header, last, tag=Kind.HEADER, **meta).cpu())
+        buf = torch.empty(shape, dtype=dtype, device=device)
+        return self.comm.recv(buf, last, tag=Kind.OUTPUT, **meta)
 
     # ---- backward ----------------------------------------------------------------------------
     def backward(self) -> None:
