@@ -90,9 +90,7 @@ class Tiny(pl.LightningModule):
 
     def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
         if self.feature == "unfreeze" and self.global_step == 2:
-            layer = dict(self.net.named_children()).get("0")  # a pipeline stage may lack it
-            if layer is not None:
-                layer.requires_grad_(True)
+            self.net[0].requires_grad_(True)  # as a user writes it, under every strategy
         if self.feature == "add_param_group" and self.global_step == 2:
             self.head.requires_grad_(True)
             self.trainer.optimizers[0].add_param_group({"params": list(self.head.parameters())})

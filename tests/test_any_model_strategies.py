@@ -26,6 +26,7 @@ from lightning_par.comm import run_on_ranks
 from lightning_par.strategies.gpipe import GPipeStrategy
 from lightning_par.strategies.hybrid import HybridStrategy
 from lightning_par.strategies.layerwise import LayerwiseStrategy
+from lightning_par.strategies.tensor_parallel import TensorParallelStrategy
 
 BATCH, STEPS, VOCAB, SEQ = 6, 2, 40, 6
 
@@ -115,6 +116,7 @@ STRATEGIES = {
     "1f1b": lambda: GPipeStrategy(chunks=3, schedule="1f1b"),
     "layerwise": lambda: LayerwiseStrategy(),
     "hybrid": lambda: HybridStrategy(dp=2, mp=2, mp_kind="gpipe", chunks=3),
+    "tensor_parallel": lambda: TensorParallelStrategy(),
 }
 
 
@@ -124,7 +126,9 @@ def _train(rank: int, world: int, kind: str, names: list[str], tmp: str) -> dict
         model = make(name)
         fit = trainer(STRATEGIES[kind](), world)
         fit.fit(model)
-        seen[name] = (type(model.model).__name__, [n for n, _ in model.model.named_parameters()])
+        held = sum(p.numel() for p in model.model.parameters())  # emptied: 0
+        seen[name] = (type(model.model).__name__, [n for n, _ in model.model.named_parameters()],
+                      held)  # fmt: skip
         fit.save_checkpoint(os.path.join(tmp, f"{kind}-{name}.ckpt"))
     return seen
 
@@ -148,6 +152,7 @@ CELLS = [
     ("layerwise", 2, ["resnet18_bn", "demo_transformer", "tiny_gpt"]),
     ("layerwise", 3, ["resnet18_gn", "demo_transformer"]),
     ("hybrid", 4, ["resnet18_gn", "tiny_gpt"]),
+    ("tensor_parallel", 2, ["resnet18_gn", "demo_transformer", "tiny_gpt"]),
 ]
 
 
@@ -158,7 +163,11 @@ def test_any_network_trains_like_one_process(kind, world, names, tmp_path):
         plain = make(name)
         expected_names = [n for n, _ in plain.model.named_parameters()]
         for rank_seen in seen:  # the user's module, as the user built it, on every rank
-            assert rank_seen[name] == (type(plain.model).__name__, expected_names)
+            assert rank_seen[name][:2] == (type(plain.model).__name__, expected_names)
+        if kind in ("gpipe", "1f1b", "layerwise"):  # each device holds its stages' weights
+            total = sum(p.numel() for p in plain.model.parameters())
+            held = [rank_seen[name][2] for rank_seen in seen]
+            assert max(held) < total <= sum(held), (name, held, total)
         state = torch.load(tmp_path / f"{kind}-{name}.ckpt", weights_only=True)["state_dict"]
         plain.load_state_dict(state)  # the checkpoint loads without the strategy
         for key, value in one_process(name).items():

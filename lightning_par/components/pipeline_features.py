@@ -142,3 +142,27 @@ def warn_batchnorm(net: nn.Module, chunks: int, strategy: str, deferred: bool = 
         "from one process on the whole batch. Use GroupNorm/LayerNorm, or chunks=1, to "
         "train exactly as one process"
     )
+
+
+def dropout_layers(net: nn.Module) -> list[str]:
+    """The names of the layers of ``net`` that drop activations at random when training."""
+    found = []
+    for name, m in net.named_modules():
+        rate = m.p if isinstance(m, nn.modules.dropout._DropoutNd) else getattr(m, "dropout", 0)
+        if isinstance(m, (nn.modules.dropout._DropoutNd, nn.MultiheadAttention)) and rate:
+            found.append(name or type(m).__name__)
+    return found
+
+
+def warn_dropout(net: nn.Module, strategy: str) -> None:
+    """Warn (before launch) that a pipeline draws other dropout masks than one process."""
+    layers = dropout_layers(net)
+    if layers:
+        shown = ", ".join(layers[:4]) + (", ..." if len(layers) > 4 else "")
+        rank_zero_warn(
+            f"{strategy}: the network drops activations at random ({shown}): each stage "
+            "draws its masks on its own device, per micro-batch, so they are not the masks "
+            "one process draws for the whole batch; training is still dropout training, but "
+            "its weights equal one process's only with dropout off (tensor_parallel draws one "
+            "process's masks)"
+        )

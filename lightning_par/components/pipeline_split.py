@@ -156,6 +156,8 @@ class PipelineSplit(ModelSplitter):
             )
         if isinstance(net, nn.Module) and not isinstance(net, PipelinedSequential):
             features.warn_batchnorm(net, self.chunks, self.name, self.deferred_batch_norm)
+            if trainer is None or trainer.state.fn == TrainerFn.FITTING:
+                features.warn_dropout(net, self.name)
         if self.by_graph(net):
             if isinstance(net, nn.Sequential) and self.split_points is None:
                 checks.check_before_launch(

@@ -34,9 +34,14 @@ def _units_in_order(model: nn.Module, traced: fx.GraphModule, num_stages: int) -
     nodes = list(traced.graph.nodes)
     first = {}
     for name in candidate_units(model, num_stages):
-        found = next((i for i, n in enumerate(nodes) if _belongs(n, name)), None)
-        if found is not None:
-            first[name] = found
+        # a unit inside a layer the trace calls whole (torch's TransformerEncoderLayer is a
+        # leaf) never appears: cut at that layer instead
+        parts = name.split(".")
+        for unit in (".".join(parts[:k]) for k in range(len(parts), 0, -1)):
+            found = next((i for i, n in enumerate(nodes) if _belongs(n, unit)), None)
+            if found is not None:
+                first.setdefault(unit, found)
+                break
     return sorted(first, key=first.__getitem__)
 
 
