@@ -105,6 +105,12 @@ def one_process(world: int, shuffled: bool = False) -> dict[str, torch.Tensor]:
     return model.state_dict()
 
 
+def largest(difference: torch.Tensor) -> float:
+    """The largest absolute entry (0 for the empty tensors a pipeline device keeps in place of
+    the layers other devices hold)."""
+    return difference.abs().max().item() if difference.numel() else 0.0
+
+
 def run(name: str, devices: int, nodes: int) -> dict:
     strategy = spec(name).create(**OPTIONS.get(name, {}))
     trainer = pl.Trainer(
@@ -129,7 +135,7 @@ def run(name: str, devices: int, nodes: int) -> dict:
     test = trainer.test(model, loader, verbose=False)[0]["test_loss"]
     # Lightning's run_model_test: validate and test must leave the weights as fit left them
     after = model.state_dict()
-    eval_changed = max((after[k].float() - v.float()).abs().max().item() for k, v in fitted.items())
+    eval_changed = max(largest(after[k].float() - v.float()) for k, v in fitted.items())
     world = trainer.world_size
     if grid is not None:
         reference = one_process(grid.dp, shuffled=True)
@@ -140,9 +146,9 @@ def run(name: str, devices: int, nodes: int) -> dict:
         weights[k].shape == reference[k].shape for k in reference
     )  # (model-split: the whole model on rank 0 only; tensor_parallel's rank 1 has slices)
     if whole:
-        diff = max((weights[k].float() - reference[k]).abs().max().item() for k in reference)
+        diff = max(largest(weights[k].float() - reference[k]) for k in reference)
         start = Tiny().state_dict()
-        moved = max((weights[k].float() - start[k]).abs().max().item() for k in start)
+        moved = max(largest(weights[k].float() - start[k]) for k in start)
     env = type(trainer.strategy.cluster_environment).__name__
     return {
         "strategy": name, "rank": trainer.global_rank, "world": world, "step": step,

@@ -30,7 +30,7 @@ from typing_extensions import override
 from lightning_par.comm.processes import run_bounded, time_limit
 
 RESULT_TAG = "COMPARE_RESULT "
-MODELS = ("CifarCNN", "CifarRNN")
+MODELS = ("CifarCNN", "CifarRNN", "resnet18")
 
 
 class Probe(pl.Callback):
@@ -76,8 +76,10 @@ class Probe(pl.Callback):
 
 def make_model(name: str) -> pl.LightningModule:
     """The compared model: small, so that every strategy finishes in seconds on a CPU."""
-    from lightning_par.models import CifarCNN, CifarRNN
+    from lightning_par.models import CifarCNN, CifarRNN, ResNet18
 
+    if name == "resnet18":  # torchvision's, as it comes: cut from its traced graph
+        return ResNet18(scheduler=None)
     if name == "CifarCNN":
         return CifarCNN(width=16, num_blocks=2, scheduler=None)
     if name == "CifarRNN":
@@ -88,7 +90,8 @@ def make_model(name: str) -> pl.LightningModule:
 def describe_model(name: str) -> str:
     """``CifarCNN(width=16, num_blocks=2), 23,210 parameters`` (for the report's title)."""
     model = make_model(name)
-    args = {"CifarCNN": "width=16, num_blocks=2", "CifarRNN": "hidden_size=64"}[name]
+    args = {"CifarCNN": "width=16, num_blocks=2", "CifarRNN": "hidden_size=64",
+            "resnet18": "torchvision, GroupNorm"}[name]  # fmt: skip
     return f"{name}({args}), {sum(p.numel() for p in model.parameters()):,} parameters"
 
 
