@@ -103,9 +103,13 @@ def make(name: str) -> pl.LightningModule:
     return DemoTransformer() if name == "demo_transformer" else Holder(name)
 
 
-def trainer(strategy, devices: int) -> pl.Trainer:
+def trainer(strategy, devices: int, epochs: int | None = None) -> pl.Trainer:
+    """``STEPS`` steps, or ``epochs`` whole epochs (of ``STEPS`` steps: checkpoints saved at
+    an epoch's end resume at the next epoch's first batch)."""
+    steps = STEPS if epochs is None else -1
     return pl.Trainer(
-        strategy=strategy, accelerator="cpu", devices=devices, max_steps=STEPS, logger=False,
+        strategy=strategy, accelerator="cpu", devices=devices, max_steps=steps,
+        max_epochs=epochs, logger=False,
         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
         use_distributed_sampler=False, num_sanity_val_steps=0, limit_val_batches=0,
     )  # fmt: skip
@@ -174,3 +178,26 @@ def test_any_network_trains_like_one_process(kind, world, names, tmp_path):
             torch.testing.assert_close(
                 plain.state_dict()[key], value, rtol=1e-4, atol=2e-5, msg=f"{name}: {key}"
             )
+
+
+def _resume(rank: int, world: int, kind: str, name: str, tmp: str) -> None:
+    """Two steps under ``kind`` from the one-process checkpoint, then a checkpoint."""
+    fit = trainer(STRATEGIES[kind](), world, epochs=2)
+    fit.fit(make(name), ckpt_path=os.path.join(tmp, "one.ckpt"))
+    fit.save_checkpoint(os.path.join(tmp, "resumed.ckpt"))
+
+
+@pytest.mark.parametrize("kind, name", [("1f1b", "tiny_gpt"), ("gpipe", "resnet18_gn")])
+def test_checkpoints_resume_across_the_pipeline_and_one_process(kind, name, tmp_path):
+    """one process -> ``kind`` -> one process, each resuming the last's checkpoint (weights
+    and momentum), ends where one process trained straight through ends."""
+    straight = make(name)
+    trainer("auto", 1, epochs=3).fit(straight)
+    first = trainer("auto", 1, epochs=1)
+    first.fit(make(name))
+    first.save_checkpoint(tmp_path / "one.ckpt")
+    run_on_ranks(_resume, 2, kind, name, str(tmp_path), timeout=300)
+    last = make(name)
+    trainer("auto", 1, epochs=3).fit(last, ckpt_path=tmp_path / "resumed.ckpt")
+    for key, value in straight.state_dict().items():
+        torch.testing.assert_close(last.state_dict()[key], value, rtol=1e-4, atol=2e-5, msg=key)

@@ -40,5 +40,10 @@ class ResNet18(ImageClassifier):
         if norm not in NORMS:
             raise ValueError(f"norm={norm!r}: choose one of {NORMS}")
         self.save_hyperparameters()
-        layer = (lambda c: nn.GroupNorm(8, c)) if norm == "group" else None
+        layer = group_norm if norm == "group" else None
         self.net = resnet18(num_classes=num_classes, norm_layer=layer)
+
+
+def group_norm(channels: int) -> nn.GroupNorm:
+    """GroupNorm with 8 groups (a module-level function: the model pickles to its ranks)."""
+    return nn.GroupNorm(8, channels)
