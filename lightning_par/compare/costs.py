@@ -28,6 +28,7 @@ from torch import nn
 
 from lightning_par.collectives.cost_model import bucketed_allreduce_bytes as allreduce_bytes
 from lightning_par.collectives.cost_model import predict
+from lightning_par.graphcut.cost import network_bytes
 from lightning_par.pipeline.cost import pipeline_bytes
 
 #: Why a strategy has no byte model (shown in the report).
@@ -56,7 +57,10 @@ def predicted_bytes(
     """(bytes per rank per step or ``None``, what the model counts)."""
     own = getattr(strategy_cls, "compare_bytes_per_step", None)
     if own is not None:
-        return list(own(model, devices, global_batch, options)), "the strategy's own model"
+        try:
+            return list(own(model, devices, global_batch, options)), "the strategy's own model"
+        except ValueError as error:  # e.g. no byte model for this network
+            return None, str(error)
     if name in NO_MODEL:
         return None, NO_MODEL[name]
     if name.endswith("_allreduce") and "algorithm" in options:
@@ -74,9 +78,13 @@ def predicted_bytes(
         )
     if name in ("gpipe", "layerwise") and options.get("time_chunk") is None:
         sample = torch.zeros(global_batch, 3, 32, 32)
-        return pipeline_bytes(model.net, devices, sample), (
-            "activations and gradients at the stage cuts, output to every stage"
+        net = model.net
+        sent = (
+            pipeline_bytes(net, devices, sample)
+            if isinstance(net, nn.Sequential)
+            else network_bytes(net, devices, sample)
         )
+        return sent, "activations and gradients at the stage cuts, output to every stage"
     if name in ("parameter_server", "async_sgd"):
         n = sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
         return [n] * devices, "the gradient pushed per worker (flags, headers excluded)"

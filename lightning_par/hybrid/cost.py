@@ -10,13 +10,15 @@ import torch
 from torch import nn
 
 from lightning_par.collectives.cost_model import bucketed_allreduce_bytes as allreduce_bytes
+from lightning_par.graphcut import split_module
+from lightning_par.graphcut.cost import split_bytes
 from lightning_par.hybrid.grid import Grid
 from lightning_par.pipeline.cost import pipeline_bytes
 from lightning_par.pipeline.partition import balance_by_params, split_sequential
 
 
 def hybrid_bytes_per_step(
-    net: nn.Sequential,
+    net: nn.Module,
     grid: Grid,
     global_batch: int,
     *,
@@ -27,8 +29,13 @@ def hybrid_bytes_per_step(
     """Per global rank: bytes sent in one step of a pipelined (``gpipe``, or ``layerwise``
     without ``time_chunk``) hybrid grid whose stages are balanced by parameters."""
     batch = torch.zeros(global_batch // grid.dp, *sample_shape)
-    pipeline = pipeline_bytes(net, grid.mp, batch)
-    stages = split_sequential(net, balance_by_params(net, grid.mp))
+    if isinstance(net, nn.Sequential):
+        pipeline = pipeline_bytes(net, grid.mp, batch)
+        stages: list[nn.Module] = split_sequential(net, balance_by_params(net, grid.mp))
+    else:  # any other network: cut from its traced graph, as the strategy cuts it
+        split = split_module(net, (batch,), num_stages=grid.mp)
+        pipeline = split_bytes(split, batch)
+        stages = [stage.module for stage in split.stages]
     rings = [allreduce_bytes(stage, dp_algorithm, grid.dp, bucket_cap_mb) for stage in stages]
     return [
         int(pipeline[m] + rings[m][d]) for d, m in (grid.coords(r) for r in range(grid.world_size))

@@ -92,6 +92,7 @@ class PipelinedNetwork:
         #: traces the network again for new micro-batch inputs (None: shapes never baked in)
         self.recut: Callable[[tuple], GraphSplit] | None = None
         self._cuts: dict[tuple, dict[int, nn.Module]] = {}
+        self._output_shapes: dict[tuple, tuple[torch.Size, torch.dtype]] = {}
         self._traced_for: tuple | None = None
         self._pending: tuple[list, torch.Tensor] | None = None
         self._precomputed: torch.Tensor | None = None
@@ -246,27 +247,35 @@ class PipelinedNetwork:
         return out.detach().requires_grad_(out.is_floating_point())
 
     def _share(self, out: torch.Tensor | None) -> torch.Tensor:
-        """The last device's joined output, on every device (a header, then the tensor; both
-        traced messages, tag ``OUTPUT``/``HEADER``)."""
+        """The last device's joined output, on every device: traced messages (tag
+        ``OUTPUT``), after a header the first time a batch shape is seen (both ends cache it,
+        as the activations' headers)."""
         k, last = self.comm.world_size, self.comm.world_size - 1  # stage S - 1 is on K - 1
         if k == 1:
             assert out is not None
             return out
         meta = {"step": self.stages.step_index, "chunk": -1}
         device = self.stages._device()
+        key = self.stages._key
         if self.is_last:
             assert out is not None
             out = out.detach().contiguous()
-            header = write_header((out,)).to(device)
             handles = []
-            for dst in range(last):
-                handles.append(self.comm.isend(header, dst, tag=Kind.HEADER, **meta))
-                handles.append(self.comm.isend(out, dst, tag=Kind.OUTPUT, **meta))
+            if key not in self._output_shapes:
+                header = write_header((out,)).to(device)
+                handles += [
+                    self.comm.isend(header, d, tag=Kind.HEADER, **meta) for d in range(last)
+                ]
+                self._output_shapes[key] = (out.shape, out.dtype)
+            handles += [self.comm.isend(out, d, tag=Kind.OUTPUT, **meta) for d in range(last)]
             for handle in handles:
                 handle.wait()
             return out
-        header = torch.empty(HEADER_LEN, dtype=torch.int64, device=device)
-        ((shape, dtype),) = read_header(self.comm.recv(header, last, tag=Kind.HEADER, **meta).cpu())
+        if key not in self._output_shapes:
+            header = torch.empty(HEADER_LEN, dtype=torch.int64, device=device)
+            header = self.comm.recv(header, last, tag=Kind.HEADER, **meta)
+            (self._output_shapes[key],) = read_header(header.cpu())
+        shape, dtype = self._output_shapes[key]
         buf = torch.empty(shape, dtype=dtype, device=device)
         return self.comm.recv(buf, last, tag=Kind.OUTPUT, **meta)
 

@@ -53,7 +53,7 @@ from lightning_par.comm import Communicator
 from lightning_par.comm.buckets import GradientBuckets
 from lightning_par.components.grad_sync import GradientSync
 from lightning_par.components.pipeline_split import PipelineSplit
-from lightning_par.components.splitter import ModelSplitter
+from lightning_par.components.splitter import ModelSplitter, find_network
 from lightning_par.components.tensor_split import TensorParallelSplit
 from lightning_par.hybrid.cost import hybrid_bytes_per_step
 from lightning_par.hybrid.grid import (
@@ -299,7 +299,8 @@ class HybridStrategy(ParStrategy):
             raise ValueError(f"hybrid: no byte model for mp_kind={kind!r} with these options")
         grid = make_grid(devices, options.get("dp"), options.get("mp"))
         return hybrid_bytes_per_step(
-            getattr(model, options.get("module_attr", "net")), grid, global_batch,
+            getattr(model, find_network(model, options.get("module_attr"), "hybrid")), grid,
+            global_batch,
             dp_algorithm=options.get("dp_algorithm", "ring"),
             bucket_cap_mb=options.get("bucket_cap_mb", 4.0),
         )  # fmt: skip
