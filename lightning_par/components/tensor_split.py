@@ -108,6 +108,7 @@ class TensorParallelSplit(ModelSplitter):
         if module_shards(module):  # already split (validate or test after fit)
             return
         check_trainer(trainer, self.strategy.precision_plugin)
+        self.check_before_launch(None)  # ranks started by torchrun/srun skip the launcher
         # Every rank cuts its slice of rank 0's weights (popen ranks built their own).
         broadcast_parameters(module, self.comm)
         # ... and draws rank 0's random numbers: dropout masks as one process's (random.py)
