@@ -81,3 +81,14 @@ def test_timeline_starts_at_the_first_forward():
     assert all(patch.get_x() >= 0.0 for patch in ax.patches)
     assert len(ax.get_legend().get_texts()) == 4
     plt.close(ax.figure)
+
+
+def test_each_device_holds_its_share_of_a_resnet():
+    """bench pipeline_memory: K devices hold the whole network's parameters and Adam state
+    between them, once each, and none holds more than two thirds of it at K = 2."""
+    from lightning_par.bench.pipeline_memory import measure
+
+    whole, *stages = measure("resnet18", [2])
+    assert sum(r["param_bytes"] for r in stages) == whole["param_bytes"]
+    assert sum(r["optimizer_bytes"] for r in stages) == whole["optimizer_bytes"]
+    assert all(0 < r["param_bytes"] < 2 / 3 * whole["param_bytes"] for r in stages)
