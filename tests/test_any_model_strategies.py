@@ -23,6 +23,7 @@ from torch.nn import functional as F
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_par.comm import run_on_ranks
+from lightning_par.pipeline.materialize import materialize
 from lightning_par.strategies.gpipe import GPipeStrategy
 from lightning_par.strategies.hybrid import HybridStrategy
 from lightning_par.strategies.layerwise import LayerwiseStrategy
@@ -210,3 +211,46 @@ def test_tensor_parallel_refuses_a_resnet_it_cannot_split():
     plan cannot pair them, and says so before the first step (not a replicated 'success')."""
     with pytest.raises(Exception, match="tensor_parallel: nothing in `Holder.model` can be split"):
         run_on_ranks(_train, 2, "tensor_parallel", ["resnet18_gn"], "", timeout=120)
+
+
+def _built_on_meta(rank: int, world: int, tmp: str) -> int:
+    fit = trainer(GPipeStrategy(chunks=3), world)
+    with fit.init_module(empty_init=True):  # no memory: each device fills its own stages
+        model = Holder("resnet18_gn")
+    assert all(p.is_meta for p in model.parameters())
+    fit.fit(model)
+    fit.save_checkpoint(os.path.join(tmp, "meta.ckpt"))
+    held = sum(p.numel() for p in model.model.parameters())
+    # built on meta again, the checkpoint's weights land in each device's stages (not in
+    # meta tensors before they have storage, then overwritten by a fresh initialisation)
+    again = trainer(GPipeStrategy(chunks=3), world, epochs=1)
+    with again.init_module(empty_init=True):
+        model = Holder("resnet18_gn")
+    again.fit(model, ckpt_path=os.path.join(tmp, "meta.ckpt"))  # already done: loads only
+    again.save_checkpoint(os.path.join(tmp, "again.ckpt"))
+    return held
+
+
+def test_a_network_built_on_the_meta_device_is_materialised_stage_by_stage(tmp_path):
+    held = run_on_ranks(_built_on_meta, 2, str(tmp_path), timeout=300)
+    with torch.device("meta"):
+        expected = Holder("resnet18_gn")
+    materialize(expected.model)  # one process: every module, from the same seeds
+    total = sum(p.numel() for p in expected.model.parameters())
+    assert max(held) < total == sum(held)  # no device ever held the whole network
+    trainer("auto", 1).fit(expected)
+    state = torch.load(tmp_path / "meta.ckpt", weights_only=True)["state_dict"]
+    for key, value in expected.state_dict().items():
+        torch.testing.assert_close(state[key], value, rtol=1e-4, atol=2e-5, msg=key)
+    again = torch.load(tmp_path / "again.ckpt", weights_only=True)["state_dict"]
+    for key, value in state.items():
+        torch.testing.assert_close(again[key], value, rtol=0, atol=0, msg=key)
+
+
+def test_a_meta_network_that_cannot_be_initialised_stage_by_stage_is_refused():
+    from _any_models import RawParameters
+
+    with torch.device("meta"):
+        model = RawParameters()
+    with pytest.raises(ValueError, match="mm_param.* has no reset_parameters"):
+        materialize(model, keep={"mm_param"})

@@ -35,6 +35,7 @@ from lightning_par import _compat
 from lightning_par.comm import Communicator
 from lightning_par.graphcut import UnsplittableModel, auto_split_points, cut, trace
 from lightning_par.pipeline.batchnorm import commit_batch_norm, defer_batch_norm
+from lightning_par.pipeline.materialize import has_meta
 from lightning_par.pipeline.network import PipelinedNetwork
 from lightning_par.pipeline.state import gather_objects
 
@@ -191,10 +192,11 @@ class GraphPipeline:
                 points = _agree(comm, points)
         split = cut(traced, points)
         self.split_points = list(points)
-        with torch.no_grad():  # every device starts from rank 0's weights
-            for t in [*net.parameters(), *net.buffers()]:
-                if comm.world_size > 1:
-                    dist.broadcast(t.data, comm.global_rank_of(0), group=comm.group)
+        if not has_meta(net):  # (a meta network is initialised alike on every device)
+            with torch.no_grad():  # every device starts from rank 0's weights
+                for t in [*net.parameters(), *net.buffers()]:
+                    if comm.world_size > 1:
+                        dist.broadcast(t.data, comm.global_rank_of(0), group=comm.group)
         self.network = PipelinedNetwork(
             net,
             split,

@@ -106,6 +106,10 @@ class PipelineSplit(ModelSplitter):
         self.graph: GraphPipeline | None = None  # the any-network path, once split
 
     @property
+    def materializes_meta(self) -> bool:  # type: ignore[override]
+        return self.time_chunk is None  # the graph path (the wavefront keeps a Sequential)
+
+    @property
     def stages_per_device(self) -> int:
         """``virtual_stages`` under ``"interleaved"``, else 1."""
         return self.virtual_stages if self.schedule == "interleaved" else 1

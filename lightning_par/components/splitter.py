@@ -36,6 +36,8 @@ class ModelSplitter:
 
     #: The name used in messages (the strategy's registered name once bound).
     name = "split"
+    #: Whether a model built on the meta device gets storage piece by piece here.
+    materializes_meta = False
 
     def __init__(self) -> None:
         self.strategy: Any = None

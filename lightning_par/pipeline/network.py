@@ -39,6 +39,7 @@ from torch import nn
 
 from lightning_par.comm import Communicator
 from lightning_par.graphcut import GraphSplit
+from lightning_par.pipeline.materialize import has_meta, materialize
 from lightning_par.pipeline.messages import HEADER_LEN, Kind, read_header, write_header
 from lightning_par.pipeline.microbatch import scatter
 from lightning_par.pipeline.multistage import DeviceStages
@@ -86,8 +87,7 @@ class PipelinedNetwork:
         self.local_names = {n for n, t in _tensors(net) if id(t) in used}
         self.holders = _holders(net, split, k)  # tied parameter name -> devices holding it
         self.tied_shapes = {n: p.shape for n, p in net.named_parameters() if n in self.holders}
-        #: id(tensor) -> shape before release (to trace the network again: graphcut's sizes)
-        self.full_shapes = {id(t): t.shape for _, t in _tensors(net)}
+        shapes = {n: t.shape for n, t in _tensors(net)}
         self.active = False
         #: traces the network again for new micro-batch inputs (None: shapes never baked in)
         self.recut: Callable[[tuple], GraphSplit] | None = None
@@ -98,7 +98,12 @@ class PipelinedNetwork:
         self._precomputed: torch.Tensor | None = None
         self._stash: list[tuple[nn.Parameter, torch.Tensor | None]] | None = None
         self._loss: tuple[torch.Tensor, LossFn, float] | None = None
+        if has_meta(net):  # built on the meta device: storage for this device's stages only
+            real = [t.device for _, t in _tensors(net) if not t.is_meta]
+            materialize(net, self.local_names, real[0] if real else "cpu")
         _release(net, self.local_names)
+        #: id(tensor) -> shape before release (to trace the network again: graphcut's sizes)
+        self.full_shapes = {id(t): shapes[n] for n, t in _tensors(net)}
         net.forward = self.forward  # type: ignore[method-assign]  # the instance's, not the class's
 
     # ---- what this device holds ---------------------------------------------------------------

@@ -141,6 +141,28 @@ class ParStrategy(DDPStrategy):
                         names.append(name)
         return names + list(PLUMBING_ARGUMENTS)
 
+    # ---- building the model ---------------------------------------------------------------------
+    @contextmanager
+    @override
+    def tensor_init_context(self, empty_init: bool | None = None) -> Generator[None, None, None]:
+        """``trainer.init_module(empty_init=True)`` under a strategy whose splitter builds
+        stage by stage: the model is built on the meta device, and each device gives storage
+        to its own stages only (:mod:`lightning_par.pipeline.materialize`)."""
+        if empty_init and self.splitter is not None and self.splitter.materializes_meta:
+            with torch.device("meta"):
+                yield
+            return
+        with super().tensor_init_context(empty_init):
+            yield
+
+    @property
+    @override
+    def restore_checkpoint_after_setup(self) -> bool:
+        # a model built on the meta device takes a checkpoint's weights once its stages have
+        # storage (before setup they would be copied into nothing)
+        module = self.lightning_module
+        return module is not None and any(p.is_meta for p in module.parameters())
+
     # ---- launching --------------------------------------------------------------------------
     @property
     @override
