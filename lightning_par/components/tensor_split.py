@@ -26,6 +26,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info
 
 from lightning_par import _compat
 from lightning_par.collectives import broadcast_parameters
+from lightning_par.components.graph_pipeline import capture_inputs
 from lightning_par.components.splitter import ModelSplitter, find_network
 from lightning_par.pipeline.state import gather_objects
 from lightning_par.tensorparallel import (
@@ -76,6 +77,7 @@ class TensorParallelSplit(ModelSplitter):
             raise TypeError(f"tensor_parallel: plan must be a dict of name -> style, got {plan!r}")
         self.plan, self.module_attr, self.algorithm = plan, module_attr, algorithm
         self.tp_plan: Plan | None = None
+        self._inputs: tuple | None = None
 
     @property
     def rank(self) -> int:
@@ -87,12 +89,26 @@ class TensorParallelSplit(ModelSplitter):
         """The LightningModule's attribute holding the network (``module_attr``, or found)."""
         return find_network(self.module, self.module_attr, "tensor_parallel")
 
+    def _example(self, trainer: pl.Trainer | None) -> tuple | None:
+        """A small batch of the network's inputs, to trace it for pairs outside any
+        ``nn.Sequential`` (a ResNet block's convolutions): ``example_input_array`` before
+        launch; in the ranks, the first batch through the user's own step."""
+        if self._inputs is None:
+            net = getattr(self.module, self.attr)
+            try:
+                args, _ = capture_inputs(self.module, net, trainer, "tensor_parallel")
+            except ValueError:  # no example and no data yet: Sequential pairs only
+                return None
+            self._inputs = tuple(a[:2] if isinstance(a, torch.Tensor) and a.dim() else a
+                                 for a in args)  # fmt: skip
+        return self._inputs
+
     def check_before_launch(self, trainer: pl.Trainer | None) -> None:
         """Refuse what would not train exactly as one process, before any rank starts."""
         module = self.module
         if module is None or module_shards(module):
             return
-        plan = resolve_plan(module, self.size, self.plan, self.attr)
+        plan = resolve_plan(module, self.size, self.plan, self.attr, self._example(None))
         if not plan.cuts:
             why = "; ".join(f"{k}: {v}" for k, v in plan.replicated.items()) or "no layers"
             raise ValueError(
@@ -108,13 +124,15 @@ class TensorParallelSplit(ModelSplitter):
         if module_shards(module):  # already split (validate or test after fit)
             return
         check_trainer(trainer, self.strategy.precision_plugin)
-        self.check_before_launch(None)  # ranks started by torchrun/srun skip the launcher
+        self._example(trainer)  # the first batch, to trace the network (before it is cut)
+        self.check_before_launch(trainer)  # ranks started by torchrun/srun skip the launcher
         # Every rank cuts its slice of rank 0's weights (popen ranks built their own).
         broadcast_parameters(module, self.comm)
         # ... and draws rank 0's random numbers: dropout masks as one process's (random.py)
         share_random_state(self.comm, self.strategy.root_device)
         group = TPGroup(self.comm, self.algorithm)
-        self.tp_plan = parallelize(module, group, self.plan, root=self.attr)
+        plan = resolve_plan(module, self.size, self.plan, self.attr, self._example(trainer))
+        self.tp_plan = parallelize(module, group, plan, root=self.attr)
         rank_zero_info(f"tensor_parallel plan over {self.size} ranks:\n  "
                        + self.tp_plan.describe().replace("\n", "\n  "))  # fmt: skip
 

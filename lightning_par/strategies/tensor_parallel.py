@@ -77,10 +77,10 @@ class TensorParallelStrategy(ParStrategy):
         :func:`~lightning_par.tensorparallel.cost.step_cost` of the plan on a batch of
         ``global_batch`` CIFAR images (or ``model.example_input_array``'s shape)."""
         attr = find_network(model, options.get("module_attr"), "tensor_parallel")
-        plan = resolve_plan(model, devices, options.get("plan"), attr)
         sample = getattr(model, "example_input_array", None)
         if not isinstance(sample, torch.Tensor):
             sample = torch.zeros(global_batch, 3, 32, 32)
+        plan = resolve_plan(model, devices, options.get("plan"), attr, (sample[:2],))
         algorithm = options.get("algorithm", "ring")
         return list(step_cost(model, plan, sample, algorithm=algorithm).bytes_sent)
 

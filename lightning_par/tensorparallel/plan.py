@@ -23,7 +23,7 @@ stay replicated); on :class:`~lightning_par.models.CifarRNN` every LSTM layer.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 
 import torch.distributed as dist
 from torch import nn
@@ -55,6 +55,10 @@ from lightning_par.tensorparallel.layers import (
 )
 from lightning_par.tensorparallel.mappings import TPGroup
 from lightning_par.tensorparallel.shard import unit_sizes
+from lightning_par.tensorparallel.traced import traced_pairs
+
+#: A traced column layer's partner: ((name, module) between, (name, module) of the row).
+TracedPair = tuple[list[tuple[str, nn.Module]], tuple[str, nn.Module]]
 
 
 def _lstm_reason(lstm: nn.LSTM, p: int) -> str:
@@ -65,7 +69,8 @@ def _lstm_reason(lstm: nn.LSTM, p: int) -> str:
     return ""
 
 
-def _auto(module: nn.Module, prefix: str, p: int, plan: Plan, tied: set[int]) -> None:
+def _auto(module: nn.Module, prefix: str, p: int, plan: Plan, tied: set[int],
+          traced: dict[str, TracedPair] | None = None) -> None:  # fmt: skip
     if auto_block(module, prefix, p, plan, tied):
         return
     if isinstance(module, nn.LSTM):
@@ -81,12 +86,21 @@ def _auto(module: nn.Module, prefix: str, p: int, plan: Plan, tied: set[int]) ->
         name, child = children[i]
         full = join(prefix, name)
         if not isinstance(child, WEIGHT_LAYERS):
-            _auto(child, full, p, plan, tied)
+            _auto(child, full, p, plan, tied, traced)
             i += 1
             continue
         j = _between(children, i)
         if not isinstance(module, nn.Sequential):
-            plan.replicated[full] = "not in an nn.Sequential, so its consumer is unknown"
+            if any(c.name == full for c in plan.cuts):  # the row of a traced pair
+                i += 1
+                continue
+            if traced is not None and full in traced:
+                _traced_pair(child, full, traced[full], p, plan)
+            else:
+                why = "the trace finds no layer of its kind fed only by it" if traced else (
+                    "not in an nn.Sequential, so its consumer is unknown (give the module "
+                    "an example_input_array to trace it)")  # fmt: skip
+                plan.replicated[full] = why
         elif j < len(children) and type(children[j][1]) is type(child):
             norms = [m for _, m in children[i + 1 : j] if isinstance(m, NORMS)]
             sizes, why = pair_sizes(child, norms, children[j][1], p)
@@ -101,6 +115,19 @@ def _auto(module: nn.Module, prefix: str, p: int, plan: Plan, tied: set[int]) ->
         else:
             plan.replicated[full] = "no layer of its kind right after it to pair with"
         i += 1
+
+
+def _traced_pair(first: nn.Module, full: str, pair: TracedPair, p: int, plan: Plan) -> None:
+    """Cut the column -> row pair the trace found from ``full``."""
+    between, (row, second) = pair
+    norms = [m for _, m in between if isinstance(m, NORMS)]
+    sizes, why = pair_sizes(first, norms, second, p)
+    if sizes is None:
+        plan.replicated[full] = why
+        return
+    plan.cuts.append(Cut(full, "column", sizes))
+    plan.cuts += between_cuts(between, first, sizes)
+    plan.cuts.append(Cut(row, "row", sizes))
 
 
 def _user(module: nn.Module, styles: Mapping[str, str], p: int) -> Plan:
@@ -166,7 +193,7 @@ def _user(module: nn.Module, styles: Mapping[str, str], p: int) -> Plan:
 
 
 def resolve_plan(module: nn.Module, world_size: int, plan: Mapping[str, str] | None = None,
-                 root: str = "net") -> Plan:  # fmt: skip
+                 root: str = "net", example_inputs: Sequence | None = None) -> Plan:  # fmt: skip
     """The cuts for ``world_size`` ranks: ``plan`` (names relative to ``module``) checked,
     or the automatic plan of ``module.<root>`` (``module`` itself if it has no ``root``).
     Raises ``ValueError`` naming the layer for a plan that cannot run exactly."""
@@ -178,8 +205,19 @@ def resolve_plan(module: nn.Module, world_size: int, plan: Mapping[str, str] | N
     for _, parameter in module.named_parameters(remove_duplicate=False):
         counts[id(parameter)] = counts.get(id(parameter), 0) + 1
     tied = {key for key, count in counts.items() if count > 1}
-    _auto(start if isinstance(start, nn.Module) else module,
-          root if isinstance(start, nn.Module) else "", world_size, resolved, tied)  # fmt: skip
+    net = start if isinstance(start, nn.Module) else module
+    prefix = root if isinstance(start, nn.Module) else ""
+    traced = None
+    if example_inputs is not None:  # pairs outside any nn.Sequential, from the graph
+        layers = dict(net.named_modules())
+        traced = {
+            join(prefix, column): (
+                [(join(prefix, b), layers[b]) for b in between],
+                (join(prefix, row), layers[row]),
+            )
+            for column, (between, row) in traced_pairs(net, example_inputs).items()
+        }
+    _auto(net, prefix, world_size, resolved, tied, traced)
     return resolved
 
 
