@@ -125,6 +125,7 @@ STRATEGIES = {
     "layerwise": lambda: LayerwiseStrategy(),
     "hybrid": lambda: HybridStrategy(dp=2, mp=2, mp_kind="gpipe", chunks=3),
     "tensor_parallel": lambda: TensorParallelStrategy(),
+    "hybrid_tp": lambda: HybridStrategy(dp=2, mp=2, mp_kind="tensor_parallel"),
 }
 
 
@@ -163,6 +164,8 @@ CELLS = [
     ("layerwise", 3, ["resnet18_gn", "demo_transformer"]),
     ("hybrid", 4, ["resnet18_gn", "tiny_gpt"]),
     ("tensor_parallel", 2, ["resnet18_gn", "demo_transformer", "tiny_gpt"]),
+    ("tensor_parallel", 3, ["resnet18_gn", "tiny_gpt"]),
+    ("hybrid_tp", 4, ["resnet18_gn", "demo_transformer"]),
 ]
 
 
