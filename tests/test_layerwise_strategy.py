@@ -119,3 +119,12 @@ def test_bad_configurations_fail_before_launch(kind, strategy, devices, message)
 def test_bad_arguments():
     with pytest.raises(ValueError, match="time_chunk must be an int >= 1"):
         LayerwiseStrategy(time_chunk=0)
+
+
+def test_the_wavefront_needs_a_sequential_of_recurrent_layers():
+    from lightning_par.models import ResNet18
+
+    with pytest.raises(
+        TypeError, match=r"time_chunk \(the wavefront\).*`ResNet18.net` is a ResNet"
+    ):
+        _trainer(LayerwiseStrategy(time_chunk=2), 2).fit(ResNet18(scheduler=None), _loader())

@@ -152,6 +152,13 @@ class PipelineSplit(ModelSplitter):
         net = getattr(self.module, self.attr, None)
         if isinstance(net, WavefrontSequential):
             return
+        if self.time_chunk is not None and not isinstance(net, nn.Sequential):
+            raise TypeError(
+                f"{self.name}: time_chunk (the wavefront) streams the sequence through an "
+                f"nn.Sequential of recurrent layers, and `{type(self.module).__name__}."
+                f"{self.attr}` is a {type(net).__name__}: leave time_chunk out to cut any "
+                "network layer-wise"
+            )
         if _compat.layer_sync(self.strategy) is not None:
             raise ValueError(
                 f"{self.name} refuses sync_batchnorm=True: it synchronises BatchNorm "
