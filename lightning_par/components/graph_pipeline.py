@@ -56,8 +56,11 @@ def capture_inputs(
 
     net.forward = record  # type: ignore[method-assign]
     sample = getattr(module, "example_input_array", None)
+    # the look must not draw random numbers the training would have drawn (a shuffling data
+    # loader seeds its sampler from torch's generator): dropout masks stay one process's
+    cuda = [torch.cuda.current_device()] if torch.cuda.is_initialized() else []  # (no init)
     try:
-        with torch.no_grad():
+        with torch.no_grad(), torch.random.fork_rng(devices=cuda):
             if sample is not None:
                 if isinstance(sample, dict):
                     module(**sample)
