@@ -68,7 +68,8 @@ def capture_inputs(
                     module(*(sample if isinstance(sample, tuple) else (sample,)))
             elif trainer is not None:
                 fn = trainer.state.fn
-                batch = _compat.first_batch(trainer)
+                # as the step will see it: floating tensors in the precision's dtype
+                batch = trainer.precision_plugin.convert_input(_compat.first_batch(trainer))
                 step = {
                     TrainerFn.VALIDATING: module.validation_step,
                     TrainerFn.TESTING: module.test_step,

@@ -29,6 +29,7 @@ import torch.distributed as dist
 from torch import nn
 
 from lightning_par.comm import Communicator
+from lightning_par.graphcut import UnsplittableModel
 from lightning_par.tensorparallel.attention import ParallelMultiheadAttention
 from lightning_par.tensorparallel.blocks import EXPECTED, auto_block, user_block
 from lightning_par.tensorparallel.cuts import (
@@ -210,12 +211,16 @@ def resolve_plan(module: nn.Module, world_size: int, plan: Mapping[str, str] | N
     traced = None
     if example_inputs is not None:  # pairs outside any nn.Sequential, from the graph
         layers = dict(net.named_modules())
+        try:
+            found = traced_pairs(net, example_inputs)
+        except UnsplittableModel:  # no graph: the pairs inside nn.Sequentials only
+            found = {}
         traced = {
             join(prefix, column): (
                 [(join(prefix, b), layers[b]) for b in between],
                 (join(prefix, row), layers[row]),
             )
-            for column, (between, row) in traced_pairs(net, example_inputs).items()
+            for column, (between, row) in found.items()
         }
     _auto(net, prefix, world_size, resolved, tied, traced)
     return resolved
