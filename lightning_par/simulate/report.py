@@ -132,7 +132,7 @@ def validation_table(rows: list[dict]) -> str:
         got, guess = r.get("measured_split"), r.get("predicted_split")
         parts = ["", ""]
         if got and guess:
-            rest = [s["communication"] + s["waiting"] for s in (got, guess)]
+            rest = [got["communication_and_waiting"], guess["communication"] + guess["waiting"]]
             parts = [f"{got['compute'] * 1e3:.1f} -> {guess['compute'] * 1e3:.1f}",
                      f"{rest[0] * 1e3:.1f} -> {rest[1] * 1e3:.1f}"]  # fmt: skip
         head = f"| {r['strategy']} | {r['kind']} | {_fmt(r['measured_s'], 1e3)} | "

@@ -14,9 +14,9 @@ and goes on a shared machine hits all alike) and keeps each (strategy, size)'s f
   has few cores, so 3 or 4 workers oversubscribe it: the prediction replays the graph with
   its ranks sharing this machine's cores (:mod:`~.cores`: only ranks computing at the same
   time share, with the threads Lightning gives each rank). Each scale row also carries the
-  predicted and the measured per-step ``compute`` / ``communication`` / ``waiting`` (mean
-  over ranks; measured = the larger run replayed on its own link), which says which part
-  of the step a miss comes from. The
+  predicted per-step ``compute`` / ``communication`` / ``waiting`` (mean over ranks) and
+  the measured run's compute and the rest of its step (:func:`measured_split`), which say
+  which part of the step a miss comes from. The
   loopback's latency is calibrated so that the model reproduces the p = 2 step (it then holds
   the interpreter's per-message overhead as well as the wire's), and held fixed at 3 and 4.
 
@@ -131,14 +131,14 @@ def rows(found: dict[tuple[str, int], Path], cores: int | None = None) -> list[d
 
 
 def measured_split(run: Run, pooled: Link) -> dict[str, float]:
-    """The run's per-step compute / communication / waiting, mean over its traced ranks:
-    its own graph replayed on its own link (the replay rows show that this reproduces the
-    run within a few per cent), so it can be set beside the scale-out's predicted split."""
-    own = own_link(run, pooled)
-    result = replay(run, Topology(own, own), link=own)
-    ranks = list(result.end)
-    return {k: sum(result.per_step_split(r)[k] for r in ranks) / len(ranks)
-            for k in ("compute", "communication", "waiting")}  # fmt: skip
+    """The run's per-step ``compute`` (its graph's compute spans, mean over ranks, as
+    :class:`~.profile.Profile` reads them) and the rest of its measured step,
+    ``communication_and_waiting``, to set beside the scale-out's predicted split."""
+    from lightning_par.simulate.profile import _per_step
+
+    compute = _per_step(run.graph(own_link(run, pooled)))
+    step = run.measured_step_s or 0.0
+    return {"compute": compute, "communication_and_waiting": max(step - compute, 0.0)}
 
 
 def own_link(run: Run, pooled: Link) -> Link:
