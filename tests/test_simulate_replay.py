@@ -84,3 +84,38 @@ def test_bad_options_fail_before_anything_runs(argv, words, capsys):
 def test_a_folder_without_traces_is_an_error_not_a_traceback(tmp_path, capsys):
     assert cli.main(["--replay", str(tmp_path)]) == 2
     assert "no traces (rank<N>.json)" in capsys.readouterr().err
+
+
+def test_a_plain_trace_dir_replays_as_one_step(report, tmp_path, capsys):
+    # what Trainer(strategy=AllReduceStrategy(algorithm="ring", trace_dir=...)) leaves:
+    # rank<N>.json files and nothing else (no probes, no row.json)
+    traces = tmp_path / "traces"
+    traces.mkdir()
+    for f in (report / "runs" / "ring_allreduce" / "trace").glob("rank*.json"):
+        (traces / f.name).write_bytes(f.read_bytes())
+    capsys.readouterr()
+    assert cli.main(["--replay", str(traces), "--link", "nvlink", "--out", str(tmp_path),
+                     "--json"]) == 0  # fmt: skip
+    doc = json.loads(capsys.readouterr().out)
+    assert doc["strategy"] == "traces" and doc["measured_step_s"] is None
+    assert set(doc["split"]) == {"0", "1"}  # both ranks, JSON keys
+    assert 0 < doc["predicted_step_s"]
+
+
+def test_validation_table_shows_where_a_scale_row_missed():
+    from lightning_par.simulate.report import validation_table
+
+    row = {"strategy": "ring_allreduce", "kind": "scale 2->4", "measured_s": 0.3,
+           "predicted_s": 0.2, "error": -1 / 3,
+           "measured_split": {"compute": 0.25, "communication_and_waiting": 0.05},
+           "predicted_split": {"compute": 0.15, "communication": 0.04,
+                               "waiting": 0.01}}  # fmt: skip
+    cells = validation_table([row]).splitlines()[-1].split(" | ")
+    assert cells[1:] == [
+        "scale 2->4",
+        "300.0",
+        "200.0",
+        "-33.3%",
+        "250.0 -> 150.0",
+        "50.0 -> 50.0 |",
+    ]

@@ -6,7 +6,7 @@ import pytest
 
 from lightning_par.simulate.links import Link, Topology
 from lightning_par.simulate.profile import Profile
-from lightning_par.simulate.scale import NotApplicable, cpu_factor, predict_step, scaling_row
+from lightning_par.simulate.scale import NotApplicable, predict_step, scaling_row
 
 LATENCY_ONLY = Topology(Link("a", alpha=1.0, beta=0.0), Link("a", alpha=1.0, beta=0.0))
 BANDWIDTH_ONLY = Topology(Link("b", alpha=0.0, beta=1e-3), Link("b", alpha=0.0, beta=1e-3))
@@ -64,11 +64,6 @@ def test_tensor_parallel_splits_compute_and_pays_ring_allreduces():
 def test_only_the_per_sample_part_of_compute_shrinks_with_the_batch():
     prof = dp(batch_s=6.0)  # 4 s per step whatever the batch
     assert predict_step(prof, 4, LATENCY_ONLY) == pytest.approx(4 + 6 * 2 / 4 + 2 * 3)
-
-
-def test_oversubscribed_cores_slow_compute():
-    assert cpu_factor(4, 2, cores=2) == 2.0 and cpu_factor(3, 3, cores=2) == 1.0
-    assert cpu_factor(64, 2, cores=None) == 1.0
 
 
 def test_efficiency_is_one_without_communication():

@@ -5,14 +5,17 @@
 * :mod:`.links` - link classes with their sources, topologies, the loopback fit;
 * :mod:`.replay` - load a run folder and replay it;
 * :mod:`.profile`, :mod:`.scale` - a small run's profile, each strategy's graph at ``p``;
-* :mod:`.validate`, :mod:`.report` - measured against predicted; tables and charts.
+* :mod:`.cores` - ranks sharing a machine's cores (processor sharing);
+* :mod:`.validate`, :mod:`.report` - measured against predicted; tables and charts;
+* :mod:`.by_hand` - :func:`predict_step`: one data-parallel step, to check a hand prediction.
 
 Plain Python on top of the traces (no Lightning). ``python -m lightning_par.simulate --help``.
 """
 
+from lightning_par.simulate.by_hand import predict_step, step_parts
 from lightning_par.simulate.engine import Graph, Result, simulate
 from lightning_par.simulate.links import PRESETS, Link, Topology, parse_topology
 from lightning_par.simulate.replay import Run, load_run, replay
 
 __all__ = ["PRESETS", "Graph", "Link", "Result", "Run", "Topology", "load_run",
-           "parse_topology", "replay", "simulate"]  # fmt: skip
+           "parse_topology", "predict_step", "replay", "simulate", "step_parts"]  # fmt: skip

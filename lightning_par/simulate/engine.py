@@ -22,7 +22,8 @@ is *waiting* while the peer had not posted its end yet, *communication* after.
 
 With ``contention=True``, transfers that overlap on one rank's port of a ``shared`` link class
 divide its bandwidth: each one's ``beta`` term is multiplied by the most transfers at once on
-either end, iterated to a fixed point (a fair-share approximation).
+either end, iterated to a fixed point (a fair-share approximation). With ``cores=N``, compute
+spans that overlap share ``N`` cores the same way (:mod:`.cores`: processor sharing).
 """
 
 from __future__ import annotations
@@ -96,6 +97,8 @@ class Graph:
     steps: int = 1
     #: Where each op ran in the measured run (graphs built from traces), for charts.
     measured: dict[Lane, list[tuple[float, float]]] = field(default_factory=dict)
+    #: How many identical ranks a rank's lanes stand for (default 1), for core sharing.
+    weight: dict[int, int] = field(default_factory=dict)
 
     def message(self, msg: Msg) -> int:
         self.messages.append(msg)
@@ -128,6 +131,8 @@ class Result:
     spans: list[Span]
     transfers: dict[int, tuple[float, float]]
     steps: int = 1
+    #: ``(lane, op) -> (start, end, own seconds)`` of every compute span (for core sharing).
+    computes: dict[tuple[Lane, int], tuple[float, float, float]] = field(default_factory=dict)
 
     def step_s(self, rank: int) -> float:
         return (self.end[rank] - self.start[rank]) / self.steps
@@ -151,7 +156,8 @@ def _speed(speed: float | dict[int, float], rank: int) -> float:
     return value
 
 
-def _run(graph: Graph, topo: Topology, speed, share: dict[int, float]) -> Result:
+def _run(graph: Graph, topo: Topology, speed, share: dict[int, float],
+         stretch: dict | None = None) -> Result:  # fmt: skip
     lanes = graph.lanes
     pc = {lane: 0 for lane in lanes}
     # a lane's start (the ranks' skew at the replayed window) is scaled like its compute
@@ -162,6 +168,8 @@ def _run(graph: Graph, topo: Topology, speed, share: dict[int, float]) -> Result
     done: dict[int, float] = {}
     transfers: dict[int, tuple[float, float]] = {}
     spans: list[Span] = []
+    computes: dict[tuple[Lane, int], tuple[float, float, float]] = {}
+    stretch = stretch or {}
     split = {r: {"compute": 0.0, "communication": 0.0, "waiting": 0.0} for r in graph.ranks}
 
     def complete(i: int) -> float | None:
@@ -196,7 +204,9 @@ def _run(graph: Graph, topo: Topology, speed, share: dict[int, float]) -> Result
             while pc[lane] < len(ops):
                 op, t = ops[pc[lane]], clock[lane]
                 if isinstance(op, Compute):
-                    new = t + op.seconds / _speed(speed, rank)
+                    own = op.seconds / _speed(speed, rank)
+                    new = t + own * stretch.get((lane, pc[lane]), 1.0)
+                    computes[(lane, pc[lane])] = (t, new, own)
                     record(lane, t, new, "compute", op.name)
                 elif isinstance(op, Comm):
                     new = t + op.seconds
@@ -242,6 +252,7 @@ def _run(graph: Graph, topo: Topology, speed, share: dict[int, float]) -> Result
         spans=spans,
         transfers=transfers,
         steps=graph.steps,
+        computes=computes,
     )
 
 
@@ -273,17 +284,26 @@ def simulate(
     speed: float | dict[int, float] = 1.0,
     contention: bool = False,
     rounds: int = 20,
+    cores: int | None = None,
+    threads: int = 1,
 ) -> Result:
     """Replay ``graph`` on ``topo`` with compute ``speed`` (a factor, or one per rank: 2.0 runs
-    that rank's compute twice as fast). See the module docstring for the rules."""
+    that rank's compute twice as fast). ``cores``: compute spans that overlap share that many
+    cores, each rank computing on ``threads`` threads (:mod:`.cores`); ``None``: every rank has
+    its own processor. See the module docstring for the rules."""
+    from lightning_par.simulate.cores import stretches
+
     result = _run(graph, topo, speed, {})
-    if not contention:
+    if not contention and cores is None:
         return result
     share: dict[int, float] = {}
+    stretch: dict = {}
     for _ in range(rounds):
-        new = _shares(graph, topo, result.transfers)
-        if new == share:
+        new = _shares(graph, topo, result.transfers) if contention else {}
+        more = stretches(result.computes, graph.weight, cores, threads) if cores else {}
+        moved = max((abs(v - stretch.get(k, 1.0)) for k, v in more.items()), default=0.0)
+        if new == share and moved < 1e-6:
             break
-        share = new
-        result = _run(graph, topo, speed, share)
+        share, stretch = new, more
+        result = _run(graph, topo, speed, share, stretch)
     return result

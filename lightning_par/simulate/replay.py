@@ -57,7 +57,12 @@ def load_run(folder: str | Path, warmup: int | None = None) -> Run:
     trace_dir = folder / "trace" if (folder / "trace").is_dir() else folder
     traces = load_traces(trace_dir)
     if not traces:
-        raise ValueError(f"no traces (rank<N>.json) in {trace_dir}")
+        raise ValueError(
+            f"no traces (rank<N>.json) in {trace_dir}: a lightning_par strategy "
+            "saves them when given trace_dir=, e.g. Trainer(strategy="
+            "AllReduceStrategy(algorithm='ring', trace_dir='traces')); "
+            "python -m lightning_par.compare keeps them in runs/<strategy>/trace/"
+        )
     row = json.loads((folder / "row.json").read_text()) if (folder / "row.json").exists() else {}
     windows = None
     probes = load_probes(folder) if (folder / "probe").is_dir() else {}

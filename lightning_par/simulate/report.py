@@ -123,11 +123,20 @@ def scaling_table(rows: list[dict]) -> str:
 
 
 def validation_table(rows: list[dict]) -> str:
-    lines = ["| strategy | kind | measured ms | predicted ms | error |", "|---|---|---|---|---|"]
+    """Measured against predicted; scale rows add compute / communication + waiting per
+    step, measured -> predicted (ms), to show which part of the step a miss comes from."""
+    lines = ["| strategy | kind | measured ms | predicted ms | error | compute ms | comm+wait ms |",
+             "|---|---|---|---|---|---|---|"]  # fmt: skip
     for r in rows:
         err = "-" if r["error"] is None else f"{r['error']:+.1%}"
-        lines.append(f"| {r['strategy']} | {r['kind']} | {_fmt(r['measured_s'], 1e3)} | "
-                     f"{_fmt(r['predicted_s'], 1e3)} | {err} |")  # fmt: skip
+        got, guess = r.get("measured_split"), r.get("predicted_split")
+        parts = ["", ""]
+        if got and guess:
+            rest = [got["communication_and_waiting"], guess["communication"] + guess["waiting"]]
+            parts = [f"{got['compute'] * 1e3:.1f} -> {guess['compute'] * 1e3:.1f}",
+                     f"{rest[0] * 1e3:.1f} -> {rest[1] * 1e3:.1f}"]  # fmt: skip
+        head = f"| {r['strategy']} | {r['kind']} | {_fmt(r['measured_s'], 1e3)} | "
+        lines.append(head + f"{_fmt(r['predicted_s'], 1e3)} | {err} | {parts[0]} | {parts[1]} |")
     return "\n".join(lines)
 
 

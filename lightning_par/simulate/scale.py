@@ -22,9 +22,13 @@ from the measured run:
   of the gradients.
 
 Compute: data-parallel ranks read ``global_batch / p`` samples, so their compute scales by
-``world / p``; model-parallel ranks hold ``1/p`` of the model. ``cores`` models this
-machine, where ``n`` processes on ``cores`` CPUs each run ``max(1, n / cores)`` times slower
-(ratio to the measured run); ``None`` gives every device its own processor.
+``world / p``; model-parallel ranks hold ``1/p`` of the model. ``cores`` models a machine
+whose ranks share that many CPU cores (this one, in the validation): the engine replays the
+graph with processor sharing (:mod:`.cores`), so only ranks that compute *at the same time*
+slow each other (a pipeline's idle stages and the servers' waits take no core), a lane that
+stands for ``p`` data-parallel ranks counts ``p`` times, and the measured compute is first
+divided by the sharing the same model finds in the measured run (its own ``world`` ranks on
+``cores``). ``None`` gives every device its own processor (the ``--from`` tables).
 """
 
 from __future__ import annotations
@@ -33,6 +37,7 @@ from dataclasses import replace
 
 from lightning_par.collectives.cost_model import predict
 from lightning_par.pipeline.schedule import stage_steps
+from lightning_par.simulate.cores import lightning_threads
 from lightning_par.simulate.engine import (
     After,
     Comm,
@@ -50,13 +55,6 @@ from lightning_par.simulate.profile import Profile
 
 class NotApplicable(ValueError):
     """The strategy cannot run at that many devices (the reason is the message)."""
-
-
-def cpu_factor(processes: int, measured: int, cores: int | None) -> float:
-    """How much slower compute runs with ``processes`` than with ``measured`` on ``cores``."""
-    if cores is None:
-        return 1.0
-    return max(1.0, processes / cores) / max(1.0, measured / cores)
 
 
 def _allreduce_s(algorithm: str, nbytes: int, p: int, topo: Topology) -> float:
@@ -77,10 +75,9 @@ def batch_share(prof: Profile, p: int, weak: bool) -> float:
 
 def data_parallel_graph(prof: Profile, p: int, topo: Topology, cores: int | None,
                         weak: bool = False) -> Graph:  # fmt: skip
-    factor = cpu_factor(p, prof.processes, cores)
-    work = prof.compute_s * batch_share(prof, p, weak) * factor
-    bwd = min(prof.backward_s, prof.batch_s) * (1.0 if weak else prof.world / p) * factor
-    g = Graph()
+    work = prof.compute_s * batch_share(prof, p, weak)
+    bwd = min(prof.backward_s, prof.batch_s) * (1.0 if weak else prof.world / p)
+    g = Graph(weight={0: p})
     main = g.lane(0)
     if prof.family == "local_sgd":
         period = int(prof.options.get("period") or 1)
@@ -103,7 +100,7 @@ def data_parallel_graph(prof: Profile, p: int, topo: Topology, cores: int | None
 def ps_graph(prof: Profile, p: int, topo: Topology, cores: int | None,
              weak: bool = False) -> Graph:  # fmt: skip
     s_count = prof.servers or 1
-    scale = batch_share(prof, p, weak) * cpu_factor(p + s_count, prof.processes, cores)
+    scale = batch_share(prof, p, weak)
     g = Graph()
     share = prof.grad_bytes // s_count
     push = [[g.message(Msg(w, p + s, share)) for s in range(s_count)] for w in range(p)]
@@ -112,7 +109,7 @@ def ps_graph(prof: Profile, p: int, topo: Topology, cores: int | None,
         g.lane(w).append(Compute(prof.compute_s * scale))
         g.lane(w).extend([*map(Post, push[w]), *map(Post, pull[w])])
         g.lane(w).extend([*map(Wait, push[w]), *map(Wait, pull[w])])
-    serve = Compute(prof.server_s * cpu_factor(p + s_count, prof.processes, cores), "update")
+    serve = Compute(prof.server_s, "update")
     for s in range(s_count):
         lane = g.lane(p + s)
         pushes, pulls = [push[w][s] for w in range(p)], [pull[w][s] for w in range(p)]
@@ -130,12 +127,11 @@ def pipeline_graph(prof: Profile, p: int, topo: Topology, cores: int | None,
     if prof.max_devices and p > prof.max_devices:
         raise NotApplicable(f"{p} stages > {prof.limit}")
     chunks = 1 if prof.family == "layerwise" else prof.chunks
-    factor = cpu_factor(p, prof.processes, cores)
-    fwd, bwd = prof.fwd_s / p * factor, prof.bwd_s / p * factor
-    rest = max(prof.compute_s - chunks * (prof.fwd_s + prof.bwd_s) / prof.world, 0.0) * factor
+    fwd, bwd = prof.fwd_s / p, prof.bwd_s / p
+    rest = max(prof.compute_s - chunks * (prof.fwd_s + prof.bwd_s) / prof.world, 0.0)
     if not fwd and not bwd:  # no fwd/bwd spans: all compute, backward twice the forward
         whole = prof.compute_s * prof.world / chunks
-        fwd, bwd, rest = whole / 3 / p * factor, 2 * whole / 3 / p * factor, 0.0
+        fwd, bwd, rest = whole / 3 / p, 2 * whole / 3 / p, 0.0
     g = Graph()
     act = {(s, i): g.message(Msg(s, s + 1, prof.act_bytes)) for s in range(p - 1)
            for i in range(chunks)}  # fmt: skip
@@ -171,9 +167,9 @@ def tp_graph(prof: Profile, p: int, topo: Topology, cores: int | None,
              weak: bool = False) -> Graph:  # fmt: skip
     if prof.max_devices and p > prof.max_devices:
         raise NotApplicable(f"{p}-way split > {prof.limit}")
-    work = prof.compute_s * prof.world / p * cpu_factor(p, prof.processes, cores)
+    work = prof.compute_s * prof.world / p
     each = _allreduce_s("ring", prof.collective_bytes, p, topo)
-    g = Graph()
+    g = Graph(weight={0: p})
     lane = g.lane(0)
     for _ in range(prof.collectives):
         lane.extend([Compute(work / (prof.collectives + 1)), Comm(each, "allreduce")])
@@ -187,8 +183,8 @@ def hybrid_graph(prof: Profile, p: int, topo: Topology, cores: int | None,
     if p % mp:
         raise NotApplicable(f"{p} devices do not split into replicas of mp = {mp}")
     dp, dp0 = p // mp, max(prof.world // mp, 1)
-    work = prof.compute_s * (1.0 if weak else dp0 / dp) * cpu_factor(p, prof.processes, cores)
-    g = Graph()
+    work = prof.compute_s * (1.0 if weak else dp0 / dp)
+    g = Graph(weight={0: p})
     g.lane(0).extend(
         [Compute(work), Comm(_allreduce_s("ring", prof.grad_bytes // mp, dp, topo), "dp ring")]
     )
@@ -214,13 +210,40 @@ def build(prof: Profile, p: int, topo: Topology, cores: int | None = None,
 def predict_step(prof: Profile, p: int, topo: Topology, speed: float = 1.0,
                  cores: int | None = None, weak: bool = False) -> float:  # fmt: skip
     """Predicted step seconds of ``prof``'s strategy at ``p`` devices (workers)."""
+    return predict_split(prof, p, topo, speed, cores, weak)[0]
+
+
+def predict_split(prof: Profile, p: int, topo: Topology, speed: float = 1.0,
+                  cores: int | None = None,
+                  weak: bool = False) -> tuple[float, dict[str, float]]:  # fmt: skip
+    """:func:`predict_step` and the per-step compute / communication / waiting split, mean
+    over the worker lanes (a lane that stands for ``p`` ranks counts once)."""
     graph = build(prof, p, topo, cores, weak)
-    if prof.family in ("ps", "async_ps"):
+    contention = prof.family in ("ps", "async_ps")
+    if contention:
         topo = Topology(replace(topo.intra, shared=True), replace(topo.inter, shared=True),
                         topo.per_node)  # fmt: skip
-        result = simulate(graph, topo, speed, contention=True)
-        return sum(result.step_s(w) for w in range(p)) / p
-    return simulate(graph, topo, speed).max_step_s
+    if cores is not None:  # the measured spans already hold the sharing of world ranks
+        speed = speed * measured_sharing(prof, topo, cores)
+    threads = lightning_threads(p, cores) if cores else 1
+    result = simulate(graph, topo, speed, contention, cores=cores, threads=threads)
+    workers = [w for w in range(p) if w in result.end]
+    step = (sum(result.step_s(w) for w in workers) / len(workers) if contention
+            else result.max_step_s)  # fmt: skip
+    split = {k: sum(result.per_step_split(w)[k] for w in workers) / len(workers)
+             for k in ("compute", "communication", "waiting")}  # fmt: skip
+    return step, split
+
+
+def measured_sharing(prof: Profile, topo: Topology, cores: int) -> float:
+    """How many times its own work the measured run's compute took by the model of
+    :mod:`.cores`: its graph at ``world`` ranks on ``cores``, compute with over without."""
+    graph = build(prof, prof.world, topo, cores, weak=False)
+    threads = lightning_threads(prof.world, cores)
+    shared = simulate(graph, topo, cores=cores, threads=threads)
+    alone = simulate(graph, topo)
+    own = sum(r["compute"] for r in alone.split.values())
+    return sum(r["compute"] for r in shared.split.values()) / own if own else 1.0
 
 
 DATA_PARALLEL = ("allreduce", "ddp", "local_sgd", "ps", "async_ps")

@@ -11,8 +11,12 @@ and goes on a shared machine hits all alike) and keeps each (strategy, size)'s f
   (:func:`~.replay.replay`) against its measured step;
 * ``scale 2->3`` / ``scale 2->4``: its :class:`~.profile.Profile` at p = 2 built at 3 and 4
   workers (:func:`~.scale.predict_step`) against the measured 3- and 4-worker runs. This box
-  has few cores, so 3 or 4 workers oversubscribe it: compute is slowed by
-  ``max(1, processes / cores)`` relative to the p = 2 run (:func:`~.scale.cpu_factor`). The
+  has few cores, so 3 or 4 workers oversubscribe it: the prediction replays the graph with
+  its ranks sharing this machine's cores (:mod:`~.cores`: only ranks computing at the same
+  time share, with the threads Lightning gives each rank). Each scale row also carries the
+  predicted per-step ``compute`` / ``communication`` / ``waiting`` (mean over ranks) and
+  the measured run's compute and the rest of its step (:func:`measured_split`), which say
+  which part of the step a miss comes from. The
   loopback's latency is calibrated so that the model reproduces the p = 2 step (it then holds
   the interpreter's per-message overhead as well as the wire's), and held fixed at 3 and 4.
 
@@ -28,7 +32,7 @@ from pathlib import Path
 from lightning_par.simulate.links import Link, Topology, fit_link
 from lightning_par.simulate.profile import profile
 from lightning_par.simulate.replay import Run, load_run, replay
-from lightning_par.simulate.scale import predict_step
+from lightning_par.simulate.scale import predict_split, predict_step
 
 #: The strategies the issue asks to validate: the allreduce family, servers, pipeline, tensor.
 VALIDATED = ("ring_allreduce", "tree_allreduce", "butterfly_allreduce", "round_robin_allreduce",
@@ -118,9 +122,23 @@ def rows(found: dict[tuple[str, int], Path], cores: int | None = None) -> list[d
         tuned = calibrate(prof, loop, cores)
         for p in SIZES[1:]:
             if (name, p) in runs:
-                guess = predict_step(prof, p, Topology(tuned, tuned), cores=cores)
-                out.append(_row(name, f"scale 2->{p}", runs[(name, p)].measured_step_s, guess))
+                big = runs[(name, p)]
+                guess, split = predict_split(prof, p, Topology(tuned, tuned), cores=cores)
+                row = _row(name, f"scale 2->{p}", big.measured_step_s, guess)
+                row.update(predicted_split=split, measured_split=measured_split(big, loop))
+                out.append(row)
     return out
+
+
+def measured_split(run: Run, pooled: Link) -> dict[str, float]:
+    """The run's per-step ``compute`` (its graph's compute spans, mean over ranks, as
+    :class:`~.profile.Profile` reads them) and the rest of its measured step,
+    ``communication_and_waiting``, to set beside the scale-out's predicted split."""
+    from lightning_par.simulate.profile import _per_step
+
+    compute = _per_step(run.graph(own_link(run, pooled)))
+    step = run.measured_step_s or 0.0
+    return {"compute": compute, "communication_and_waiting": max(step - compute, 0.0)}
 
 
 def own_link(run: Run, pooled: Link) -> Link:

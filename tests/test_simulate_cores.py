@@ -1,0 +1,77 @@
+"""Ranks that share a machine's cores (processor sharing), worked out by hand."""
+
+from __future__ import annotations
+
+import pytest
+
+from lightning_par.simulate.cores import lightning_threads, stretches
+from lightning_par.simulate.engine import Compute, Graph, Msg, Post, Wait, simulate
+from lightning_par.simulate.links import Link, Topology
+from lightning_par.simulate.profile import Profile
+from lightning_par.simulate.scale import predict_split, predict_step
+
+FREE = Topology(Link("free", 0.0, 0.0), Link("free", 0.0, 0.0))
+LATENCY_ONLY = Topology(Link("a", alpha=1.0, beta=0.0), Link("a", alpha=1.0, beta=0.0))
+
+
+def lanes(n: int, seconds: float = 1.0) -> Graph:
+    g = Graph()
+    for r in range(n):
+        g.lane(r).append(Compute(seconds))
+    return g
+
+
+def test_ranks_computing_at_once_share_the_cores():
+    assert simulate(lanes(3), FREE, cores=3).max_step_s == pytest.approx(1.0)
+    assert simulate(lanes(3), FREE, cores=2).max_step_s == pytest.approx(1.5)
+    assert simulate(lanes(4), FREE, cores=2).max_step_s == pytest.approx(2.0)
+    # one lane standing for four ranks counts four times; two threads each count twice
+    one = Graph(weight={0: 4})
+    one.lane(0).append(Compute(1.0))
+    assert simulate(one, FREE, cores=2).max_step_s == pytest.approx(2.0)
+    assert simulate(lanes(2), FREE, cores=2, threads=2).max_step_s == pytest.approx(2.0)
+
+
+def test_a_rank_blocked_in_a_receive_takes_no_core():
+    g = Graph()
+    m = g.message(Msg(0, 1, 0))
+    g.lane(0).extend([Compute(1.0), Post(m), Wait(m)])
+    g.lane(1).extend([Post(m), Wait(m), Compute(1.0)])
+    # rank 1 sleeps while rank 0 computes: one core is enough, nothing is stretched
+    assert simulate(g, FREE, cores=1).max_step_s == pytest.approx(2.0)
+
+
+def test_stretch_is_the_time_averaged_threads_over_cores():
+    lane0, lane1 = (0, "main"), (1, "main")
+    out = stretches({(lane0, 0): (0.0, 2.0, 2.0), (lane1, 0): (1.0, 2.0, 1.0)}, {}, cores=1)
+    assert out[(lane0, 0)] == pytest.approx(1.5) and out[(lane1, 0)] == pytest.approx(2.0)
+    with pytest.raises(ValueError, match="cores must be >= 1"):
+        stretches({}, {}, cores=0)
+
+
+def test_lightning_gives_each_rank_its_share_of_the_cores():
+    assert [lightning_threads(p, 2) for p in (1, 2, 3, 4)] == [2, 1, 1, 1]
+    assert lightning_threads(4, 16) == 4
+
+
+def test_scale_out_on_two_cores_slows_data_parallel_compute_by_p_over_cores():
+    prof = Profile("x", "allreduce", 2, 2, 8, 0.0, compute_s=10.0, batch_s=10.0,
+                   grad_bytes=4000)  # fmt: skip
+    # at 4 ranks each computes 10 x 2/4 = 5 s of work; 4 ranks on 2 cores take 2x: 10 s;
+    # the ring adds 2(p-1) = 6 latencies; the measured 2 ranks had a core each
+    assert predict_step(prof, 4, LATENCY_ONLY, cores=2) == pytest.approx(10 + 6)
+    assert predict_step(prof, 4, LATENCY_ONLY) == pytest.approx(5 + 6)
+    step, split = predict_split(prof, 4, LATENCY_ONLY, cores=2)
+    assert split == pytest.approx({"compute": 10.0, "communication": 6.0, "waiting": 0.0})
+    # measured at 4 ranks on 2 cores: its compute already held the 2x, removed first
+    measured_at_4 = Profile("x", "allreduce", 4, 4, 8, 0.0, compute_s=10.0, batch_s=10.0)
+    assert predict_step(measured_at_4, 4, LATENCY_ONLY, cores=2) == pytest.approx(10 + 6)
+
+
+def test_idle_parameter_servers_take_no_core():
+    prof = Profile("ps", "ps", 2, 3, 8, 0.0, compute_s=2.0, batch_s=2.0, servers=1,
+                   grad_bytes=0)  # fmt: skip
+    # two workers on two cores compute 2 s each; the server only waits for them
+    assert predict_step(prof, 2, FREE, cores=2) == pytest.approx(2.0)
+    # three workers: 2 x 2/3 s of work each, three at once on two cores
+    assert predict_step(prof, 3, FREE, cores=2) == pytest.approx(2.0 * 2 / 3 * 1.5)
