@@ -44,3 +44,31 @@ class MyColumnLinear(nn.Module):
     def forward(self, x):
         y = F.linear(AllReduceGrad.apply(x), self.weight, self.bias)
         return GatherColumns.apply(y, self.rank, self.world)
+
+
+class SumPartials(torch.autograd.Function):
+    """Megatron's g: allreduce of the partial outputs forward, identity backward."""
+
+    @staticmethod
+    def forward(ctx, partial):
+        total = partial.clone()
+        dist.all_reduce(total)  # each rank computed x_k W_k^T: the output is their sum
+        return total
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad  # every rank's partial output contributed to the sum with weight 1
+
+
+class MyMegatronMLP(nn.Module):
+    def __init__(self, fc1, fc2, rank, world):
+        super().__init__()
+        hidden = torch.arange(fc1.out_features).chunk(world)[rank]
+        self.w1 = nn.Parameter(fc1.weight.detach()[hidden].clone())  # fc1's output rows
+        self.b1 = nn.Parameter(fc1.bias.detach()[hidden].clone())
+        self.w2 = nn.Parameter(fc2.weight.detach()[:, hidden].clone())  # fc2's input columns
+        self.b2 = nn.Parameter(fc2.bias.detach().clone())  # whole: added once, after the sum
+
+    def forward(self, x):
+        h = F.gelu(F.linear(AllReduceGrad.apply(x), self.w1, self.b1))  # this rank's slice
+        return SumPartials.apply(F.linear(h, self.w2)) + self.b2

@@ -1,9 +1,7 @@
-def my_bytes_per_step(strategy, n, p, period=4):
-    """Bytes one worker sends per step (float32) to move ``n`` elements among ``p`` workers."""
-    if strategy == "ring_allreduce":  # reduce-scatter + all-gather: 2 (p - 1) chunks of n / p
-        return 2 * (p - 1) * (n // p) * 4
-    if strategy == "parameter_server":  # push the whole gradient; the pull comes back
-        return 4 * n
-    if strategy == "local_sgd":  # a ring allreduce of the weights, once every `period` steps
-        return 2 * (p - 1) * (n // p) * 4 / period
-    raise ValueError(f"no formula for {strategy!r}")
+def my_local_sgd_step_s(prof, p, topo, speed):
+    """Predicted seconds of one local_sgd step on p GPUs (weak scaling: each keeps its batch)."""
+    compute = prof.compute_s / speed  # each GPU keeps its batch: the measured compute, faster
+    link = topo.slowest(p)  # the ring's slowest hop sets the pace of every one of its steps
+    chunk = prof.grad_bytes / p  # reduce-scatter, then all-gather: p - 1 chunks of 1/p each
+    ring = 2 * (p - 1) * (link.alpha + link.beta * chunk)
+    return compute + ring / prof.options["period"]  # nothing overlaps it; once per period
