@@ -18,10 +18,6 @@ from lightning_par.strategies import strategy_specs
 
 PACKAGE = pathlib.Path(lightning_par.__file__).parent
 
-#: Registered strategies still deeper than two of our classes, with their depth: the test
-#: fails if one gets deeper, or shallower without this table being updated.
-DEEPER = {"async_sgd": 3}  # AsyncSGDStrategy -> ParameterServerStrategy -> ParStrategy
-
 
 def _ours(cls: type) -> list[type]:
     return [c for c in cls.__mro__ if c.__module__.startswith("lightning_par.")]
@@ -35,9 +31,7 @@ def _lightning(cls: type) -> list[type]:
 def test_a_registered_strategy_is_at_most_two_of_our_classes_above_lightnings(spec) -> None:
     ours = _ours(spec.cls)
     assert _lightning(spec.cls), f"{spec.name} is not a Lightning strategy"
-    assert len(ours) == DEEPER.get(spec.name, len(ours)), [c.__name__ for c in ours]
-    if spec.name not in DEEPER:
-        assert len(ours) <= 2, f"{spec.name}: {' -> '.join(c.__name__ for c in ours)}"
+    assert len(ours) <= 2, f"{spec.name}: {' -> '.join(c.__name__ for c in ours)}"
     assert "__new__" not in vars(spec.cls), f"{spec.name} swaps its class in __new__"
     lightning_bases = [b for b in spec.cls.__bases__ if b.__module__.startswith("lightning.")]
     assert len(spec.cls.__bases__) == 1 or not lightning_bases, "multiple inheritance"

@@ -31,7 +31,7 @@ class KillsServer1(CNN):
 
     def training_step(self, batch, batch_idx):
         if batch_idx == 1 and self.global_rank == 0:
-            victim = next(p for p in self.trainer.strategy._servers if p.server_index == 1)
+            victim = next(p for p in self.trainer.strategy.servers.processes if p.server_index == 1)
             os.kill(victim.pid, signal.SIGKILL)
         return super().training_step(batch, batch_idx)
 
