@@ -247,3 +247,11 @@ def test_the_import_check_tells_commented_from_uncommented() -> None:
         "    import torch\n"  # not ours
     )
     assert _scan(text) == {(3, False), (5, True), (6, True)}
+
+
+def test_launch_is_apart_from_messaging() -> None:
+    """``launch/`` (processes, stores, liveness) never imports ``comm/`` (messages)."""
+    imports = [(a, b) for a, b, _ in _imports()]
+    crossing = [(a, b) for a, b in imports if a.startswith("lightning_par.launch.") and
+                b.startswith("lightning_par.comm")]  # fmt: skip
+    assert not crossing, crossing

@@ -1,6 +1,14 @@
-"""One communication layer for every plugin: messages, traces, the launch policy."""
+"""One communication layer for every plugin: messages (:mod:`~lightning_par.comm.p2p`),
+traces (:mod:`~lightning_par.comm.trace`) and gradient buckets
+(:mod:`~lightning_par.comm.buckets`).
 
-from lightning_par.comm.launch import (
+Starting processes is :mod:`lightning_par.launch`; its public names are also importable
+from here, as the course notebooks and users' scripts do
+(``from lightning_par.comm import Communicator, run_on_ranks``)."""
+
+from lightning_par.comm.p2p import CommError, Communicator, Handle, wait_all
+from lightning_par.comm.trace import CommTrace, Event, Message
+from lightning_par.launch.policy import (
     LaunchError,
     LaunchPlan,
     ProcessState,
@@ -13,11 +21,9 @@ from lightning_par.comm.launch import (
     under_cluster_launcher,
     warn_if_oversubscribed,
 )
-from lightning_par.comm.p2p import CommError, Communicator, Handle, wait_all
-from lightning_par.comm.processes import stop_process_groups
-from lightning_par.comm.rendezvous import default_timeout, find_free_port, init_process_group
-from lightning_par.comm.run import RankFailed, run_on_ranks
-from lightning_par.comm.trace import CommTrace, Event, Message
+from lightning_par.launch.processes import stop_process_groups
+from lightning_par.launch.rendezvous import default_timeout, find_free_port, init_process_group
+from lightning_par.launch.run import RankFailed, run_on_ranks
 
 __all__ = [
     "CommError",

@@ -23,8 +23,9 @@ import torch.distributed as dist
 from lightning.pytorch.trainer.states import TrainerStatus
 
 from lightning_par import _compat
-from lightning_par.comm import Event, liveness
+from lightning_par.comm import Event
 from lightning_par.components.worker_group import WorkerGroup, check_positive
+from lightning_par.launch import liveness
 from lightning_par.paramserver import process as servers
 from lightning_par.paramserver.faults import explain
 from lightning_par.paramserver.messages import close_untrained
