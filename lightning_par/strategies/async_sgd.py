@@ -47,9 +47,8 @@ import lightning.pytorch as pl
 import torch
 from lightning.fabric.utilities.seed import reset_seed
 from lightning.pytorch.trainer.states import RunningStage, TrainerFn
-from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
+from lightning.pytorch.utilities import rank_zero_info
 from lightning.pytorch.utilities.exceptions import SIGTERMException
-from torch.utils.data import DataLoader, DistributedSampler
 from torchmetrics import Metric
 from typing_extensions import override
 
@@ -63,10 +62,9 @@ from lightning_par.paramserver.protocol import NONE
 from lightning_par.paramserver.remedies import Remedies
 from lightning_par.paramserver.work import SharedBatchSampler
 from lightning_par.strategies._async_loader import (
+    count_shared_batches,
     hold_final_lr,
-    rebuild_loader,
-    user_sampler_name,
-    worker_share,
+    shared_loader,
 )
 from lightning_par.strategies._async_progress import show_own_progress
 from lightning_par.strategies._base import ParStrategy
@@ -222,7 +220,9 @@ class AsyncSGDStrategy(ParStrategy):
     @override
     def setup(self, trainer: pl.Trainer) -> None:
         if trainer.state.fn == TrainerFn.FITTING:
-            self._count_shared_batches(trainer)
+            count_shared_batches(
+                trainer, lambda: self.sampler, lambda: self.client is not None, self.world_size
+            )
         self.check_before_launch(trainer)  # also under torchrun, where no launcher calls it
         super().setup(trainer)
         if trainer.state.fn == TrainerFn.FITTING:
@@ -282,52 +282,14 @@ class AsyncSGDStrategy(ParStrategy):
     @override
     def process_dataloader(self, dataloader: object) -> object:
         trainer = self.lightning_module.trainer
-        if not (self.share_work and trainer.state.stage == RunningStage.TRAINING):
+        shared = None
+        if self.share_work and trainer.state.stage == RunningStage.TRAINING:
+            shared = shared_loader(dataloader, self._next_batch)
+        if shared is None:
             return super().process_dataloader(dataloader)
-        own = user_sampler_name(dataloader) if isinstance(dataloader, DataLoader) else None
-        if own is not None:
-            rank_zero_warn(
-                f"async_sgd keeps your sampler {own}: the workers read Lightning's fixed "
-                "shards of it instead of sharing batches on demand (share_work)"
-            )
-            return super().process_dataloader(dataloader)
-        if not isinstance(dataloader, DataLoader) or not isinstance(
-            dataloader.sampler, DistributedSampler
-        ):
-            rank_zero_warn(
-                "async_sgd shares batches only over Lightning's distributed sampler "
-                "(use_distributed_sampler=True and a DataLoader with batch_size); this "
-                "train_dataloader keeps its own fixed shards"
-            )
-            return super().process_dataloader(dataloader)
-        old = dataloader.sampler
-        self.sampler = SharedBatchSampler(
-            len(old.dataset), dataloader.batch_size or 1, dataloader.drop_last, old.shuffle,
-            old.seed, self._next_batch,
-        )  # fmt: skip
+        loader, self.sampler = shared
         self._taken.clear()
-        return rebuild_loader(dataloader, self.sampler)
-
-    def _count_shared_batches(self, trainer: pl.Trainer) -> None:
-        """A shared sampler has no length (so that Lightning fetches one batch ahead and sees
-        the epoch's last): the loop may run up to the whole epoch, while
-        ``estimated_stepping_batches`` (schedulers, read before the servers start) counts a
-        worker's share, ``1/W`` of it (:func:`worker_share`)."""
-        loop = trainer.fit_loop
-
-        def after_setup_data() -> None:
-            if self.sampler is not None and loop.max_batches == float("inf"):
-                limit = trainer.limit_train_batches
-                total = self.sampler.num_batches
-                loop.max_batches = min(total, limit) if isinstance(limit, int) else total
-                if self.client is None:  # what a scheduler set up now should count
-                    loop.max_batches = worker_share(int(loop.max_batches), self.world_size)
-            if self.sampler is not None and self.client is None:
-                # set up early (a scheduler asked for the step count): Lightning already
-                # began epoch 0's iterator, which found no servers; build it again later
-                _compat.reset_combined_loader(loop)
-
-        _compat.wrap_setup_data(loop, after_setup_data)
+        return loader
 
     def _next_batch(self, epoch: int, num_batches: int) -> tuple[int, int]:
         if self.client is None:
