@@ -17,7 +17,7 @@ import os
 import sys
 import time
 
-from lightning_par.comm.processes import run_bounded, time_limit
+from lightning_par.launch.processes import run_bounded, time_limit
 
 RESULT_TAG = "CHECK_RESULT "
 MODELS = ("CifarCNN", "CifarRNN")

@@ -129,7 +129,7 @@ def run(name: str, devices: int, nodes: int) -> dict:
     else:
         weights = model.state_dict()  # data parallel, or rank 0's after a fork launch
     weights = {k: v.detach().clone() for k, v in weights.items()}
-    servers = getattr(trainer.strategy, "started_servers", [])
+    servers = getattr(getattr(trainer.strategy, "servers", None), "started", [])
     fitted = {k: v.detach().clone() for k, v in model.state_dict().items()}  # (this rank's)
     val = trainer.validate(model, loader, verbose=False)[0]["val_loss"]
     test = trainer.test(model, loader, verbose=False)[0]["test_loss"]

@@ -9,7 +9,7 @@ from pathlib import Path
 
 from lightning_par.bench.allreduce import default_repeats
 from lightning_par.collectives import ALGORITHMS
-from lightning_par.comm.processes import run_bounded
+from lightning_par.launch.processes import run_bounded
 
 
 def run_bench(*argv: str) -> dict:

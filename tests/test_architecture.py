@@ -18,10 +18,6 @@ from lightning_par.strategies import strategy_specs
 
 PACKAGE = pathlib.Path(lightning_par.__file__).parent
 
-#: Registered strategies still deeper than two of our classes, with their depth: the test
-#: fails if one gets deeper, or shallower without this table being updated.
-DEEPER = {"async_sgd": 3}  # AsyncSGDStrategy -> ParameterServerStrategy -> ParStrategy
-
 
 def _ours(cls: type) -> list[type]:
     return [c for c in cls.__mro__ if c.__module__.startswith("lightning_par.")]
@@ -35,9 +31,7 @@ def _lightning(cls: type) -> list[type]:
 def test_a_registered_strategy_is_at_most_two_of_our_classes_above_lightnings(spec) -> None:
     ours = _ours(spec.cls)
     assert _lightning(spec.cls), f"{spec.name} is not a Lightning strategy"
-    assert len(ours) == DEEPER.get(spec.name, len(ours)), [c.__name__ for c in ours]
-    if spec.name not in DEEPER:
-        assert len(ours) <= 2, f"{spec.name}: {' -> '.join(c.__name__ for c in ours)}"
+    assert len(ours) <= 2, f"{spec.name}: {' -> '.join(c.__name__ for c in ours)}"
     assert "__new__" not in vars(spec.cls), f"{spec.name} swaps its class in __new__"
     lightning_bases = [b for b in spec.cls.__bases__ if b.__module__.startswith("lightning.")]
     assert len(spec.cls.__bases__) == 1 or not lightning_bases, "multiple inheritance"
@@ -171,3 +165,93 @@ def _is_package(module: str) -> bool:
 def test_the_registry_holds_classes_not_names() -> None:
     for spec in strategy_specs():
         assert inspect.isclass(spec.cls), spec.name
+
+
+# ---- function-level imports -----------------------------------------------------------------
+def _scan(text: str) -> set[tuple[int, bool]]:
+    """(line, commented) for every import of one of our modules inside a function of
+    ``text``. An import counts as commented when a ``#`` comment is on its lines, or on the
+    comment lines and imports directly above it (one comment may explain a block)."""
+    lines = text.splitlines()
+    found = set()
+    for func in ast.walk(ast.parse(text)):
+        if not isinstance(func, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            continue
+        for node in ast.walk(func):
+            if isinstance(node, ast.ImportFrom):
+                names = [node.module or ""]
+            elif isinstance(node, ast.Import):
+                names = [a.name for a in node.names]
+            else:
+                continue
+            if not any(n.startswith("lightning_par") for n in names):
+                continue
+            own = lines[node.lineno - 1 : node.end_lineno]
+            above = node.lineno - 2
+            while above >= 0 and lines[above].strip().startswith(("#", "from ", "import ")):
+                own.append(lines[above])
+                above -= 1
+            found.add((node.lineno, any("#" in x for x in own)))
+    return found
+
+
+def _function_level_imports() -> list[tuple[str, int, bool]]:
+    """(module, line, commented) for every function-level import of our modules."""
+    return sorted(
+        (_module_name(path), line, commented)
+        for path in PACKAGE.rglob("*.py")
+        for line, commented in _scan(path.read_text())
+    )
+
+
+#: Function-level imports of our own modules without a comment saying why (slow, optional
+#: or a cycle), per module: the list may shrink, never grow (a new one needs its comment).
+UNCOMMENTED = {
+    "lightning_par.bench.layerwise": 1,
+    "lightning_par.bench.parity": 2,
+    "lightning_par.bench.pipeline": 1,
+    "lightning_par.bench.simulate": 1,
+    "lightning_par.check": 2,
+    "lightning_par.cli_checks": 4,
+    "lightning_par.cli_help": 2,
+    "lightning_par.compare.__main__": 9,
+    "lightning_par.compare.predicted": 6,
+    "lightning_par.compare.run": 2,
+    "lightning_par.gpucheck": 1,
+    "lightning_par.pipeline.schedules_v": 1,
+    "lightning_par.simulate.__main__": 13,
+    "lightning_par.simulate.profile": 3,
+    "lightning_par.simulate.validate": 3,
+}
+
+
+def test_function_level_imports_say_why() -> None:
+    counts: dict[str, int] = {}
+    for module, _, commented in _function_level_imports():
+        if not commented:
+            counts[module] = counts.get(module, 0) + 1
+    grown = {m: n for m, n in counts.items() if n > UNCOMMENTED.get(m, 0)}
+    assert not grown, f"function-level imports of our modules without a comment: {grown}"
+    shrunk = {m: n for m, n in UNCOMMENTED.items() if counts.get(m, 0) < n}
+    assert not shrunk, f"fewer uncommented imports than listed, update UNCOMMENTED: {shrunk}"
+
+
+def test_the_import_check_tells_commented_from_uncommented() -> None:
+    text = (
+        "import lightning_par\n"  # module level: not counted
+        "def f():\n"
+        "    from lightning_par.models import CifarCNN\n"  # line 3: no reason given
+        "    # slow: pulls in torchvision\n"
+        "    from lightning_par.data import CIFAR10DataModule\n"  # line 5: commented above
+        "    import lightning_par.bench  # optional\n"  # line 6: commented on its line
+        "    import torch\n"  # not ours
+    )
+    assert _scan(text) == {(3, False), (5, True), (6, True)}
+
+
+def test_launch_is_apart_from_messaging() -> None:
+    """``launch/`` (processes, stores, liveness) never imports ``comm/`` (messages)."""
+    imports = [(a, b) for a, b, _ in _imports()]
+    crossing = [(a, b) for a, b in imports if a.startswith("lightning_par.launch.") and
+                b.startswith("lightning_par.comm")]  # fmt: skip
+    assert not crossing, crossing

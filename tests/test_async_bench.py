@@ -11,7 +11,7 @@ import sys
 
 import pytest
 
-from lightning_par.comm.processes import run_bounded
+from lightning_par.launch.processes import run_bounded
 
 CONTENDERS = ["parameter_server", "async_sgd", "ring_allreduce"]
 

@@ -14,7 +14,7 @@ import pytest
 import torch
 from test_async_sgd_work import BATCH, EPOCHS, SAMPLES, Numbered
 
-from lightning_par.comm.processes import descendants
+from lightning_par.launch.processes import descendants
 from lightning_par.strategies.async_sgd import AsyncSGDStrategy
 
 
@@ -65,7 +65,7 @@ def no_children_left(deadline_s: float = 10.0) -> bool:
     # launches' store host live for the whole session: not ours)
     from multiprocessing import forkserver, resource_tracker
 
-    from lightning_par.comm import store_host
+    from lightning_par.launch import store_host
 
     helpers = {
         getattr(forkserver._forkserver, "_forkserver_pid", None),

@@ -164,7 +164,7 @@ def test_a_bounded_command_dies_with_the_process_that_ran_it(tmp_path):
     )
     runner = tmp_path / "runner.py"
     runner.write_text(
-        "import sys\nfrom lightning_par.comm.processes import run_bounded\n"
+        "import sys\nfrom lightning_par.launch.processes import run_bounded\n"
         f"run_bounded([sys.executable, '-c', {sleeper!r}], 300)\n"
     )
     parent = subprocess.Popen([sys.executable, str(runner)])

@@ -21,7 +21,7 @@ from urllib.parse import unquote, urlsplit
 
 import pytest
 
-from lightning_par.comm.processes import run_bounded
+from lightning_par.launch.processes import run_bounded
 
 ROOT = Path(__file__).resolve().parents[1]
 DOCS = ROOT / "docs"

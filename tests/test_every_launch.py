@@ -27,7 +27,7 @@ from conformance.launchers import (
     torchrun_static,
 )
 
-from lightning_par.comm.rendezvous import find_free_port
+from lightning_par.launch.rendezvous import find_free_port
 
 
 @pytest.mark.parametrize(

@@ -18,6 +18,7 @@ from _feature_cells import Tiny, cells_on_rank, dataset, rows, run_cell
 import lightning_par  # noqa: F401  (registers the strategy names)
 from lightning_par.comm import run_on_ranks
 from lightning_par.features import FEATURES, ROWS, expected, markdown_table, row, row_key
+from lightning_par.strategies.async_sgd import AsyncSGDStrategy
 from lightning_par.strategies.parameter_server import ParameterServerStrategy
 from lightning_par.strategies.registry import spec, strategy_specs
 
@@ -34,7 +35,7 @@ def reference(feature: str, tmp_path: Path) -> dict:
 
 
 def _launched_by_itself(name: str) -> bool:
-    return issubclass(spec(name).load(), ParameterServerStrategy)
+    return issubclass(spec(name).load(), (ParameterServerStrategy, AsyncSGDStrategy))
 
 
 def observe(name: str, tmp_path: Path) -> dict[str, dict]:

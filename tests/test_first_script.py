@@ -18,7 +18,7 @@ import sys
 from importlib import metadata
 from pathlib import Path
 
-from lightning_par.comm.processes import run_bounded
+from lightning_par.launch.processes import run_bounded
 
 ROOT = Path(__file__).resolve().parents[1]
 README = ROOT / "README.md"

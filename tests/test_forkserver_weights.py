@@ -9,7 +9,7 @@ import pytest
 import torch
 from torch.utils.data import DataLoader, TensorDataset
 
-from lightning_par.comm.run import run_on_ranks
+from lightning_par.launch.run import run_on_ranks
 from lightning_par.models import CifarCNN
 from lightning_par.strategies.allreduce import AllReduceStrategy
 from lightning_par.strategies.reference import LightningDDPStrategy
@@ -77,7 +77,7 @@ def test_run_on_ranks_under_a_forkserver_gives_each_rank_its_own_arguments(monke
 def test_own_copies_reaches_into_containers_and_frozen_dataclasses():
     import dataclasses
 
-    from lightning_par.comm.run import own_copies
+    from lightning_par.launch.run import own_copies
 
     @dataclasses.dataclass(frozen=True)
     class Frozen:

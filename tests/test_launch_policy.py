@@ -12,9 +12,10 @@ import warnings
 
 import pytest
 
-from lightning_par.comm import launch, run_on_ranks
-from lightning_par.comm.launch import LaunchError, ProcessState, plan_launch
-from lightning_par.comm.processes import run_bounded
+from lightning_par.comm import run_on_ranks
+from lightning_par.launch import policy as launch
+from lightning_par.launch.policy import LaunchError, ProcessState, plan_launch
+from lightning_par.launch.processes import run_bounded
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -123,7 +124,7 @@ def test_fork_launched_reference_ddp_survives_a_parent_openmp_pool_on_many_cores
         os.cpu_count = lambda: 16
         os.sched_getaffinity = lambda pid: set(range(16))  # what Lightning counts
         import lightning.pytorch as pl
-        from lightning_par.comm import launch
+        from lightning_par.launch import policy as launch
         from lightning_par.models import CifarCNN
         from lightning_par.data import CIFAR10DataModule
         from lightning_par.strategies import reference_ddp

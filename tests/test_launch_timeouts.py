@@ -20,8 +20,8 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from test_parameter_server import CNN, fit
 from torch.utils.data import DataLoader
 
-from lightning_par.comm.processes import kill_tree
-from lightning_par.comm.rendezvous import find_free_port
+from lightning_par.launch.processes import kill_tree
+from lightning_par.launch.rendezvous import find_free_port
 from lightning_par.strategies.allreduce import AllReduceStrategy
 from lightning_par.strategies.parameter_server import ParameterServerStrategy
 
@@ -31,7 +31,7 @@ class KillsServer1(CNN):
 
     def training_step(self, batch, batch_idx):
         if batch_idx == 1 and self.global_rank == 0:
-            victim = next(p for p in self.trainer.strategy._servers if p.server_index == 1)
+            victim = next(p for p in self.trainer.strategy.servers.processes if p.server_index == 1)
             os.kill(victim.pid, signal.SIGKILL)
         return super().training_step(batch, batch_idx)
 
@@ -157,7 +157,7 @@ def test_two_jobs_started_at_once_never_share_a_rendezvous(tmp_path):
 def _beats(dead_after: float):
     import torch.distributed as dist
 
-    from lightning_par.comm.liveness import Heartbeat
+    from lightning_par.launch.liveness import Heartbeat
 
     store, reports = dist.HashStore(), []
     beats = [Heartbeat(store, r, [0, 1], dead_after, on_dead=reports.append) for r in (0, 1)]

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from lightning_par.comm.processes import run_bounded
+from lightning_par.launch.processes import run_bounded
 
 HERE = Path(__file__).parent
 SCRIPT = HERE / "_one_worker_failure_script.py"

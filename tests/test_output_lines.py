@@ -8,7 +8,7 @@ import subprocess
 import sys
 import warnings
 
-from lightning_par.comm.launch import warn_if_oversubscribed
+from lightning_par.launch.policy import warn_if_oversubscribed
 from lightning_par.output import PACKAGE, format_bytes
 
 ARGS = [

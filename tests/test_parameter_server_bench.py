@@ -5,7 +5,7 @@ import json
 import os
 import sys
 
-from lightning_par.comm.processes import run_bounded
+from lightning_par.launch.processes import run_bounded
 
 
 def test_parameter_server_bench_runs(tmp_path):

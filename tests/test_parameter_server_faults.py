@@ -11,7 +11,7 @@ import pytest
 import torch
 from test_parameter_server import CNN, fit
 
-from lightning_par.comm.processes import descendants
+from lightning_par.launch.processes import descendants
 from lightning_par.paramserver.faults import TEST_EXIT_ENV
 from lightning_par.strategies.parameter_server import ParameterServerStrategy
 

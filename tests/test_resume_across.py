@@ -11,6 +11,7 @@ from _feature_cells import Tiny, checkpoints_on_rank, resume, resumes_on_rank, w
 import lightning_par  # noqa: F401  (registers the strategy names)
 from lightning_par.comm import run_on_ranks
 from lightning_par.features import RESUME_KINDS, resume_outcome, row
+from lightning_par.strategies.async_sgd import AsyncSGDStrategy
 from lightning_par.strategies.parameter_server import ParameterServerStrategy
 from lightning_par.strategies.registry import spec
 
@@ -21,7 +22,9 @@ TARGETS = [*PLUGINS, "lightning_ddp", "one process"]
 
 def _own_launch(name: str) -> bool:
     """Strategies that start their own processes (the parameter servers) run from here."""
-    return name != "one process" and issubclass(spec(name).load(), ParameterServerStrategy)
+    return name != "one process" and issubclass(
+        spec(name).load(), (ParameterServerStrategy, AsyncSGDStrategy)
+    )
 
 
 def _devices(name: str) -> int:

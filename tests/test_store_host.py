@@ -11,7 +11,7 @@ from datetime import timedelta
 
 import torch.distributed as dist
 
-from lightning_par.comm.rendezvous import host_job_store
+from lightning_par.launch.rendezvous import host_job_store
 
 
 def _listening_inodes(port: int) -> set[str]:
@@ -46,7 +46,7 @@ def test_the_store_is_served_by_its_own_process_and_keeps_launches_apart():
     client = dist.TCPStore(host, int(port), is_master=False, timeout=timedelta(seconds=20))
     client.set(f"{launch1}/k", "one")
     assert client.get(f"{launch1}/k") == b"one"
-    from lightning_par.comm.store_host import job_store_host
+    from lightning_par.launch.store_host import job_store_host
 
     listening = _listening_inodes(int(port))
     assert listening, "nothing listens on the store's port"
@@ -64,8 +64,8 @@ def _running(pid: int) -> bool:
 
 _LAUNCHER = """
 import sys, time
-from lightning_par.comm.rendezvous import host_job_store
-from lightning_par.comm.store_host import job_store_host
+from lightning_par.launch.rendezvous import host_job_store
+from lightning_par.launch.store_host import job_store_host
 host_job_store()
 print(job_store_host().process.pid, flush=True)
 time.sleep(60)

@@ -9,7 +9,7 @@ import warnings
 
 import pytest
 
-from lightning_par.comm.processes import run_bounded
+from lightning_par.launch.processes import run_bounded
 from lightning_par.quiet import quiet_from_environment, quiet_lightning
 
 SCRIPT = textwrap.dedent(

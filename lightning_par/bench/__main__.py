@@ -13,7 +13,7 @@ import pkgutil
 import sys
 
 import lightning_par.bench as bench_pkg
-from lightning_par.comm.processes import time_limit
+from lightning_par.launch.processes import time_limit
 from lightning_par.quiet import quiet_report
 
 

@@ -1,23 +1,15 @@
-"""One communication layer for every plugin: messages, traces, the launch policy."""
+"""One communication layer for every plugin: messages (:mod:`~lightning_par.comm.p2p`),
+traces (:mod:`~lightning_par.comm.trace`) and gradient buckets
+(:mod:`~lightning_par.comm.buckets`).
 
-from lightning_par.comm.launch import (
-    LaunchError,
-    LaunchPlan,
-    ProcessState,
-    choose_start_method,
-    is_interactive,
-    limit_threads_after_fork,
-    one_thread_after_fork,
-    plan_launch,
-    process_state,
-    under_cluster_launcher,
-    warn_if_oversubscribed,
-)
+Starting processes is :mod:`lightning_par.launch`; its public names are also importable
+from here, as the course notebooks and users' scripts do
+(``from lightning_par.comm import Communicator, run_on_ranks``)."""
+
+from lightning_par import launch as _launch
 from lightning_par.comm.p2p import CommError, Communicator, Handle, wait_all
-from lightning_par.comm.processes import stop_process_groups
-from lightning_par.comm.rendezvous import default_timeout, find_free_port, init_process_group
-from lightning_par.comm.run import RankFailed, run_on_ranks
 from lightning_par.comm.trace import CommTrace, Event, Message
+from lightning_par.launch import *  # noqa: F403 -- launch's public names, re-exported
 
 __all__ = [
     "CommError",
@@ -25,23 +17,7 @@ __all__ = [
     "Communicator",
     "Event",
     "Handle",
-    "LaunchError",
-    "LaunchPlan",
     "Message",
-    "ProcessState",
-    "RankFailed",
-    "choose_start_method",
-    "default_timeout",
-    "find_free_port",
-    "init_process_group",
-    "is_interactive",
-    "limit_threads_after_fork",
-    "one_thread_after_fork",
-    "plan_launch",
-    "process_state",
-    "run_on_ranks",
-    "stop_process_groups",
-    "under_cluster_launcher",
     "wait_all",
-    "warn_if_oversubscribed",
+    *_launch.__all__,
 ]

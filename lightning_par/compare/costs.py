@@ -26,6 +26,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from lightning_par.collectives.averaging import averaged_tensors
 from lightning_par.collectives.cost_model import bucketed_allreduce_bytes as allreduce_bytes
 from lightning_par.collectives.cost_model import predict
 from lightning_par.graphcut.cost import network_bytes
@@ -40,7 +41,6 @@ NO_MODEL = {
 
 def local_sgd_bytes(model: nn.Module, world: int, period: int, algorithm: str = "ring") -> list:
     """Per rank and step: one allreduce of the averaged tensors every ``period`` steps."""
-    from lightning_par.collectives.averaging import averaged_tensors
 
     numel = sum(t.numel() for t in averaged_tensors(model, buffers=True))
     return [b / period for b in predict(algorithm, numel, world).bytes_sent]

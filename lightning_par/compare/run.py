@@ -2,10 +2,10 @@
 
 The rows run one after the other in one subprocess (``python -m lightning_par.compare
 --run-rows``), as :mod:`lightning_par.check` runs its rows: start-up paid once, ranks
-through a clean forkserver, each row under :func:`~lightning_par.comm.processes.time_limit`, after
+through a clean forkserver, each row under :func:`~lightning_par.launch.processes.time_limit`, after
 which its ranks are stopped. A row that takes the subprocess down is reported as failed and
 the rows after it go on in a fresh one (:func:`run_all`, under
-:func:`~lightning_par.comm.processes.run_bounded`).
+:func:`~lightning_par.launch.processes.run_bounded`).
 
 On every rank :class:`Probe` writes ``probe/rank<N>.json``: step start and end times
 (``time.perf_counter``, the traces' clock), the training loss of each step, peak memory and
@@ -27,7 +27,7 @@ import torch
 from torch.utils.data import DataLoader, DistributedSampler
 from typing_extensions import override
 
-from lightning_par.comm.processes import run_bounded, time_limit
+from lightning_par.launch.processes import run_bounded, time_limit
 
 RESULT_TAG = "COMPARE_RESULT "
 MODELS = ("CifarCNN", "CifarRNN", "resnet18")

@@ -7,7 +7,7 @@ itself, so the server links do not all end on node 0. This works whichever way t
 workers were started (fork, forkserver, popen, torchrun, SLURM): a worker starts its
 servers with :func:`~lightning_par.comm.plan_launch` for processes of its own
 (``can_exec=False``): ``fork`` where safe, else a clean ``forkserver``. The servers meet
-the workers in the job's store (:mod:`lightning_par.comm.rendezvous`), under the group's
+the workers in the job's store (:mod:`lightning_par.launch.rendezvous`), under the group's
 own key prefix; gloo then connects every pair directly, on ports the OS gives each process.
 
 Ending with the job: a server is a daemon child of the worker that started it (killed
@@ -37,10 +37,10 @@ from typing import Any
 import torch.distributed as dist
 
 from lightning_par.comm import Communicator
-from lightning_par.comm.launch import FORKSERVER_PRELOAD, limit_threads_after_fork, plan_launch
-from lightning_par.comm.liveness import Heartbeat
-from lightning_par.comm.processes import die_with_parent
-from lightning_par.comm.rendezvous import StoreAddress, connect_group_store, dead_peer_timeout
+from lightning_par.launch.liveness import Heartbeat
+from lightning_par.launch.policy import FORKSERVER_PRELOAD, limit_threads_after_fork, plan_launch
+from lightning_par.launch.processes import die_with_parent
+from lightning_par.launch.rendezvous import StoreAddress, connect_group_store, dead_peer_timeout
 from lightning_par.paramserver.asynchronous import serve_async
 from lightning_par.paramserver.faults import record_fault, reported_fault, with_test_exit
 from lightning_par.paramserver.server import serve, synchronous_step

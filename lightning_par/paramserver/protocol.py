@@ -43,7 +43,8 @@ has posted the receive of its kind, not before. What follows a header, by comman
 Before the first header, worker 0 sends each server its
 :class:`~lightning_par.paramserver.spec.ServerSpec` (``OBJECT``, ``None`` when nothing is
 trained), then its initial weight slices (``INIT``), which the server sends to every
-worker (``INIT``). An ``OBJECT`` is two messages: its length (int64), then its pickled bytes.
+worker (``INIT``). An ``OBJECT`` is two messages: its length (int64), then its bytes in
+:mod:`~lightning_par.paramserver.wire` (tensors plus a JSON description, never pickle).
 """
 
 from __future__ import annotations

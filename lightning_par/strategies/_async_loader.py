@@ -11,17 +11,25 @@ takes, about ``1/W`` of every epoch, not the whole epoch:
   other argument (workers, ``prefetch_factor``, ``generator``, ``timeout``,
   ``multiprocessing_context``, ...);
 * :func:`user_sampler_name`: a sampler of the user's (which Lightning wraps in a
-  ``DistributedSamplerWrapper``) is honoured: that loader keeps Lightning's fixed shards.
+  ``DistributedSamplerWrapper``) is honoured: that loader keeps Lightning's fixed shards;
+* :func:`shared_loader`: the training loader over a shared sampler, or a warning why not;
+* :func:`count_shared_batches`: the loop's batch count for a sampler without a length.
 """
 
 from __future__ import annotations
 
 import inspect
 import math
+from collections.abc import Callable
 from typing import Any
 
+import lightning.pytorch as pl
 from lightning.fabric.utilities.distributed import DistributedSamplerWrapper
-from torch.utils.data import DataLoader, Sampler
+from lightning.pytorch.utilities import rank_zero_warn
+from torch.utils.data import DataLoader, DistributedSampler, Sampler
+
+from lightning_par import _compat
+from lightning_par.paramserver.work import SharedBatchSampler
 
 #: DataLoader arguments besides the data and how it is sampled and batched.
 _KEPT = tuple(
@@ -91,3 +99,62 @@ def hold_final_lr(scheduler: Any) -> None:
         return
     if not getattr(type(scheduler), "_lightning_par_held", False):
         scheduler.__class__ = _held_class(type(scheduler))
+
+
+def shared_loader(
+    dataloader: object, next_batch: Callable[[int, int], tuple[int, int]]
+) -> tuple[DataLoader, SharedBatchSampler] | None:
+    """``dataloader`` rebuilt over a :class:`SharedBatchSampler` that asks ``next_batch``,
+    and that sampler; ``None`` (with a warning saying why) where the loader keeps
+    Lightning's fixed shards: a sampler of the user's, or no distributed sampler."""
+    own = user_sampler_name(dataloader) if isinstance(dataloader, DataLoader) else None
+    if own is not None:
+        rank_zero_warn(
+            f"async_sgd keeps your sampler {own}: the workers read Lightning's fixed "
+            "shards of it instead of sharing batches on demand (share_work)"
+        )
+        return None
+    if not isinstance(dataloader, DataLoader) or not isinstance(
+        dataloader.sampler, DistributedSampler
+    ):
+        rank_zero_warn(
+            "async_sgd shares batches only over Lightning's distributed sampler "
+            "(use_distributed_sampler=True and a DataLoader with batch_size); this "
+            "train_dataloader keeps its own fixed shards"
+        )
+        return None
+    old = dataloader.sampler
+    sampler = SharedBatchSampler(
+        len(old.dataset), dataloader.batch_size or 1, dataloader.drop_last, old.shuffle,
+        old.seed, next_batch,
+    )  # fmt: skip
+    return rebuild_loader(dataloader, sampler), sampler
+
+
+def count_shared_batches(
+    trainer: pl.Trainer,
+    sampler: Callable[[], SharedBatchSampler | None],
+    connected: Callable[[], bool],
+    workers: int,
+) -> None:
+    """A shared sampler has no length (so that Lightning fetches one batch ahead and sees
+    the epoch's last): the loop may run up to the whole epoch, while
+    ``estimated_stepping_batches`` (schedulers, read before the servers start) counts a
+    worker's share, ``1/W`` of it (:func:`worker_share`). ``sampler()``: the current shared
+    sampler, if any; ``connected()``: whether the servers are up."""
+    loop = trainer.fit_loop
+
+    def after_setup_data() -> None:
+        shared = sampler()
+        if shared is not None and loop.max_batches == float("inf"):
+            limit = trainer.limit_train_batches
+            total = shared.num_batches
+            loop.max_batches = min(total, limit) if isinstance(limit, int) else total
+            if not connected():  # what a scheduler set up now should count
+                loop.max_batches = worker_share(int(loop.max_batches), workers)
+        if shared is not None and not connected():
+            # set up early (a scheduler asked for the step count): Lightning already
+            # began epoch 0's iterator, which found no servers; build it again later
+            _compat.reset_combined_loader(loop)
+
+    _compat.wrap_setup_data(loop, after_setup_data)

@@ -8,9 +8,9 @@ plugin needs done its own way:
   (:class:`~lightning_par.strategies._launchers.PolicyLauncher`), nothing launched when
   the ranks exist already (torchrun, SLURM, ``run_on_ranks``);
 * **the process group** met in a store no other job can take
-  (:mod:`lightning_par.comm.rendezvous`), waiting up to the ``timeout`` (30 min,
+  (:mod:`lightning_par.launch.rendezvous`), waiting up to the ``timeout`` (30 min,
   ``LIGHTNING_PAR_TIMEOUT``) for a live peer while a dead one is reported within seconds
-  (:mod:`lightning_par.comm.liveness`), announced by one line for the whole run;
+  (:mod:`lightning_par.launch.liveness`), announced by one line for the whole run;
 * **one trace option**: ``trace=True`` records every message and compute span in
   :attr:`trace` (a :class:`~lightning_par.comm.CommTrace`; after a fork launch the main
   process receives rank 0's), ``trace_dir=...`` also saves each rank's trace as
@@ -47,12 +47,13 @@ from lightning.pytorch.trainer.states import TrainerFn
 from typing_extensions import override
 
 from lightning_par import _compat
-from lightning_par.comm import CommTrace, Communicator, default_timeout, liveness
+from lightning_par.comm import CommTrace, Communicator
 from lightning_par.comm.buckets import GradientBuckets
-from lightning_par.comm.launch import START_METHODS, LaunchPlan
-from lightning_par.comm.rendezvous import StoreAddress, group_store
 from lightning_par.comm.trace import save_trace
 from lightning_par.components.splitter import ModelSplitter
+from lightning_par.launch import default_timeout, liveness
+from lightning_par.launch.policy import START_METHODS, LaunchPlan
+from lightning_par.launch.rendezvous import StoreAddress, group_store
 from lightning_par.strategies._launchers import (
     ExistingRanksLauncher,
     PolicyLauncher,
@@ -227,7 +228,7 @@ class ParStrategy(DDPStrategy):
         return _compat.strategy_timeout(self)
 
     def watched_ranks(self) -> list[int]:
-        """Ranks whose silence ends the job (:mod:`lightning_par.comm.liveness`): all."""
+        """Ranks whose silence ends the job (:mod:`lightning_par.launch.liveness`): all."""
         return list(range(self.world_size))
 
     def rank_name(self, rank: int) -> str:
@@ -235,7 +236,7 @@ class ParStrategy(DDPStrategy):
         return f"rank {rank}"
 
     def group_store(self) -> tuple[Any, StoreAddress]:
-        """The store the next process group meets in (see :mod:`lightning_par.comm.rendezvous`):
+        """The store the next process group meets in (see :mod:`lightning_par.launch.rendezvous`):
         the one this project's launcher holds, else the cluster's (``srun`` sets no
         ``MASTER_PORT``: Lightning's ``SLURMEnvironment`` derives it from the job id)."""
         env = self.cluster_environment

@@ -8,7 +8,7 @@
   configuration fails once, with its own message, before any process starts;
 * warns when more ranks than cores (or GPUs) are asked for;
 * on one machine, binds the job's rendezvous store on a port the OS gives it before any
-  rank starts (:func:`~lightning_par.comm.rendezvous.host_job_store`), so two jobs started
+  rank starts (:func:`~lightning_par.launch.rendezvous.host_job_store`), so two jobs started
   at once never meet in one store;
 * forked ranks compute on the threads the plan allows and lead their own process group;
 * an interrupt of the main process (Ctrl-C, Jupyter's "interrupt kernel", SIGTERM from a
@@ -43,7 +43,8 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from typing_extensions import override
 
 from lightning_par import _compat
-from lightning_par.comm.launch import (
+from lightning_par.comm.trace import trace_from_dict, trace_to_dict
+from lightning_par.launch.policy import (
     FORKSERVER_PRELOAD,
     LaunchPlan,
     limit_threads_after_fork,
@@ -51,9 +52,8 @@ from lightning_par.comm.launch import (
     process_state,
     warn_if_oversubscribed,
 )
-from lightning_par.comm.processes import die_with_parent, stop_process_groups
-from lightning_par.comm.rendezvous import STORE_ENV, host_job_store
-from lightning_par.comm.trace import trace_from_dict, trace_to_dict
+from lightning_par.launch.processes import die_with_parent, stop_process_groups
+from lightning_par.launch.rendezvous import STORE_ENV, host_job_store
 from lightning_par.strategies._lost_workers import tolerate_lost_workers
 from lightning_par.strategies._rank_errors import RankErrors
 

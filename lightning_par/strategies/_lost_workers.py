@@ -11,7 +11,7 @@ before, with a message that says so.
 
 Every fork launch also joins with a short grace period (:data:`GRACE_S`): once a rank
 failed, torch waits 30 s after SIGTERM for the others by default, and a frozen rank (see
-:mod:`lightning_par.comm.liveness`) ignores SIGTERM.
+:mod:`lightning_par.launch.liveness`) ignores SIGTERM.
 """
 
 from __future__ import annotations

@@ -2,7 +2,8 @@
 
 The servers and the update rule are in :mod:`lightning_par.paramserver.asynchronous`; the
 processes, checkpoints and refusals are those of
-:class:`~lightning_par.strategies.parameter_server.ParameterServerStrategy`. What changes:
+:class:`~lightning_par.strategies.parameter_server.ParameterServerStrategy`, through the same
+component (:class:`~lightning_par.components.server_group.ServerGroup`). What changes:
 
 * each worker pushes its whole gradient after backward and the servers apply it at once
   with the user's optimiser; the worker takes back the newest weights and goes on;
@@ -39,31 +40,40 @@ from __future__ import annotations
 
 import dataclasses
 from collections import Counter, deque
+from collections.abc import Mapping
 from typing import Any
 
 import lightning.pytorch as pl
+import torch
+from lightning.fabric.utilities.seed import reset_seed
 from lightning.pytorch.trainer.states import RunningStage, TrainerFn
-from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
+from lightning.pytorch.utilities import rank_zero_info
 from lightning.pytorch.utilities.exceptions import SIGTERMException
-from torch.utils.data import DataLoader, DistributedSampler
 from torchmetrics import Metric
 from typing_extensions import override
 
 from lightning_par import _compat
 from lightning_par.comm import CommTrace
+from lightning_par.components.server_group import ServerGroup, gloo_only
 from lightning_par.paramserver.async_client import ONE_BUCKET_MB, AsyncParameterClient
 from lightning_par.paramserver.clipping import GradClip
+from lightning_par.paramserver.process import role_name
 from lightning_par.paramserver.protocol import NONE
 from lightning_par.paramserver.remedies import Remedies
 from lightning_par.paramserver.work import SharedBatchSampler
 from lightning_par.strategies._async_loader import (
+    count_shared_batches,
     hold_final_lr,
-    rebuild_loader,
-    user_sampler_name,
-    worker_share,
+    shared_loader,
 )
 from lightning_par.strategies._async_progress import show_own_progress
-from lightning_par.strategies.parameter_server import ParameterServerStrategy
+from lightning_par.strategies._base import ParStrategy
+from lightning_par.strategies._late_params import (
+    refuse_frozen_in_optimizer,
+    refuse_late_parameters,
+)
+from lightning_par.strategies._launchers import log_startup
+from lightning_par.strategies._ps_features import check_features, trainer_clip
 
 #: The servers' momentum cap of ``momentum="auto"`` (Mitliagkas et al. 2016; measured best).
 AUTO_MOMENTUM = 0.5
@@ -95,7 +105,7 @@ def staleness_histogram(traces: CommTrace | list[CommTrace]) -> dict[int, int]:
     return dict(sorted(counts.items()))
 
 
-class AsyncSGDStrategy(ParameterServerStrategy):
+class AsyncSGDStrategy(ParStrategy):
     """Asynchronous (or stale synchronous) SGD through ``num_servers`` parameter servers.
 
     Args:
@@ -123,7 +133,6 @@ class AsyncSGDStrategy(ParameterServerStrategy):
     strategy_name = "async_sgd"
     #: a fork launch goes on when a worker other than rank 0 dies (the servers drop it)
     survives_lost_workers = True
-    client_cls = AsyncParameterClient
 
     def __init__(
         self,
@@ -159,8 +168,35 @@ class AsyncSGDStrategy(ParameterServerStrategy):
                 "async_sgd pushes the whole gradient in one message after backward; "
                 "bucket_cap_mb does not apply"
             )
-        super().__init__(num_servers, bucket_cap_mb=ONE_BUCKET_MB, split_mb=split_mb, **kwargs)
+        gloo_only(kwargs)
+        self.servers = ServerGroup(self, num_servers, ONE_BUCKET_MB, split_mb, AsyncParameterClient)
+        super().__init__(process_group_backend="gloo", **kwargs)
+        self.num_servers, self.bucket_cap_mb, self.split_mb = num_servers, ONE_BUCKET_MB, split_mb
         self._logged = 0
+
+    @property
+    def client(self) -> AsyncParameterClient | None:
+        """This worker's client of the servers (after ``setup`` while fitting)."""
+        client = self.servers.client
+        return client if isinstance(client, AsyncParameterClient) else None
+
+    # ---- refusing what we cannot do exactly (as parameter_server) -----------------------------
+    @override
+    def check_before_launch(self, trainer: pl.Trainer | None) -> None:
+        check_features(self.strategy_name, self.lightning_module, trainer, _compat.layer_sync(self))
+
+    # ---- processes ----------------------------------------------------------------------------
+    @override
+    def setup_distributed(self) -> None:
+        reset_seed()
+        self.set_world_ranks()
+        self.servers.start(self._server_options(), self.watched_ranks())
+        name = f"{self.strategy_name} ({self.num_servers} server(s))"
+        log_startup(name, self.world_size, self.launch_plan, "gloo")
+
+    @override
+    def rank_name(self, rank: int) -> str:
+        return role_name(self.world_size, rank)
 
     @override
     def watched_ranks(self) -> list[int]:
@@ -184,9 +220,16 @@ class AsyncSGDStrategy(ParameterServerStrategy):
     @override
     def setup(self, trainer: pl.Trainer) -> None:
         if trainer.state.fn == TrainerFn.FITTING:
-            self._count_shared_batches(trainer)
+            count_shared_batches(
+                trainer, lambda: self.sampler, lambda: self.client is not None, self.world_size
+            )
+        self.check_before_launch(trainer)  # also under torchrun, where no launcher calls it
         super().setup(trainer)
         if trainer.state.fn == TrainerFn.FITTING:
+            self.servers.connect(
+                self._client_options(trainer_clip(trainer)),
+                lambda opt: refuse_frozen_in_optimizer(self.model, opt, self.strategy_name),
+            )
             _compat.replace_sigterm_broadcast(trainer, self._own_sigterm)
             if self.share_work:
                 show_own_progress(trainer)  # this worker's batches, no false total
@@ -233,61 +276,23 @@ class AsyncSGDStrategy(ParameterServerStrategy):
     @property
     def updates(self) -> list[tuple[int, int, int]]:
         """``(step, staleness, lead)`` of this worker's applied updates so far."""
-        return list(self.client.updates) if isinstance(self.client, AsyncParameterClient) else []
+        return list(self.client.updates) if self.client is not None else []
 
     # ---- dynamic work sharing ---------------------------------------------------------------
     @override
     def process_dataloader(self, dataloader: object) -> object:
         trainer = self.lightning_module.trainer
-        if not (self.share_work and trainer.state.stage == RunningStage.TRAINING):
+        shared = None
+        if self.share_work and trainer.state.stage == RunningStage.TRAINING:
+            shared = shared_loader(dataloader, self._next_batch)
+        if shared is None:
             return super().process_dataloader(dataloader)
-        own = user_sampler_name(dataloader) if isinstance(dataloader, DataLoader) else None
-        if own is not None:
-            rank_zero_warn(
-                f"async_sgd keeps your sampler {own}: the workers read Lightning's fixed "
-                "shards of it instead of sharing batches on demand (share_work)"
-            )
-            return super().process_dataloader(dataloader)
-        if not isinstance(dataloader, DataLoader) or not isinstance(
-            dataloader.sampler, DistributedSampler
-        ):
-            rank_zero_warn(
-                "async_sgd shares batches only over Lightning's distributed sampler "
-                "(use_distributed_sampler=True and a DataLoader with batch_size); this "
-                "train_dataloader keeps its own fixed shards"
-            )
-            return super().process_dataloader(dataloader)
-        old = dataloader.sampler
-        self.sampler = SharedBatchSampler(
-            len(old.dataset), dataloader.batch_size or 1, dataloader.drop_last, old.shuffle,
-            old.seed, self._next_batch,
-        )  # fmt: skip
+        loader, self.sampler = shared
         self._taken.clear()
-        return rebuild_loader(dataloader, self.sampler)
-
-    def _count_shared_batches(self, trainer: pl.Trainer) -> None:
-        """A shared sampler has no length (so that Lightning fetches one batch ahead and sees
-        the epoch's last): the loop may run up to the whole epoch, while
-        ``estimated_stepping_batches`` (schedulers, read before the servers start) counts a
-        worker's share, ``1/W`` of it (:func:`worker_share`)."""
-        loop = trainer.fit_loop
-
-        def after_setup_data() -> None:
-            if self.sampler is not None and loop.max_batches == float("inf"):
-                limit = trainer.limit_train_batches
-                total = self.sampler.num_batches
-                loop.max_batches = min(total, limit) if isinstance(limit, int) else total
-                if self.client is None:  # what a scheduler set up now should count
-                    loop.max_batches = worker_share(int(loop.max_batches), self.world_size)
-            if self.sampler is not None and self.client is None:
-                # set up early (a scheduler asked for the step count): Lightning already
-                # began epoch 0's iterator, which found no servers; build it again later
-                _compat.reset_combined_loader(loop)
-
-        _compat.wrap_setup_data(loop, after_setup_data)
+        return loader
 
     def _next_batch(self, epoch: int, num_batches: int) -> tuple[int, int]:
-        if not isinstance(self.client, AsyncParameterClient):
+        if self.client is None:
             return epoch, NONE  # iterated before the servers are up (see above)
         epoch = self.lightning_module.trainer.current_epoch  # whether or not set_epoch was called
         item = self.client.next_batch(epoch, num_batches)
@@ -309,14 +314,14 @@ class AsyncSGDStrategy(ParameterServerStrategy):
     @override
     def barrier(self, *args: Any, **kwargs: Any) -> None:
         if not self._apart():  # after a checkpoint only worker 0 writes: no one need wait
-            super().barrier(*args, **kwargs)
+            self.servers.workers.barrier()
 
     @override
     def reduce(self, tensor: Any, group: Any | None = None, reduce_op: Any | None = "mean") -> Any:
         """While fitting, this worker's own value (``sync_dist=True`` logs it unreduced)."""
         if self._apart():
             return tensor
-        return super().reduce(tensor, group=group, reduce_op=reduce_op)
+        return super().reduce(tensor, group=group or self.worker_group, reduce_op=reduce_op)
 
     @override
     def reduce_boolean_decision(self, decision: bool, all: bool = True) -> bool:
@@ -331,8 +336,10 @@ class AsyncSGDStrategy(ParameterServerStrategy):
 
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
-        if self._taken and isinstance(self.client, AsyncParameterClient):
-            self.client.trained = self._taken.popleft()  # batches train in the order taken
+        if self.client is not None:  # before this step pushes or pulls anything
+            refuse_late_parameters(self.lightning_module, self.client.params, self.strategy_name)
+            if self._taken:
+                self.client.trained = self._taken.popleft()  # batches train in the order taken
         output = super().training_step(*args, **kwargs)
         updates = self.updates  # the forward above took back the last step's answer
         if len(updates) > self._logged:
@@ -346,6 +353,84 @@ class AsyncSGDStrategy(ParameterServerStrategy):
 
     @override
     def lightning_module_state_dict(self) -> dict[str, Any]:
-        if isinstance(self.client, AsyncParameterClient):
+        if self.client is not None:
             self.client.refresh()  # the servers' newest weights, not this worker's last pull
         return super().lightning_module_state_dict()
+
+    # ---- as parameter_server: the workers' collectives, the step, checkpoints, the end -------
+    @property
+    def worker_group(self) -> Any:
+        """The workers' process group (ranks ``0 .. W-1``; the servers are not in it)."""
+        return self.servers.workers.group
+
+    @override
+    def broadcast(self, obj: Any, src: int = 0) -> Any:
+        return self.servers.workers.broadcast(obj, src)
+
+    @override
+    def all_gather(self, tensor: torch.Tensor, group: Any | None = None, sync_grads: bool = False):
+        group = group or self.worker_group
+        return super().all_gather(tensor, group=group, sync_grads=sync_grads)
+
+    @override
+    def sync_model_states(self) -> None:
+        assert self.model is not None
+        self.servers.workers.sync_model_states(self.model)
+
+    @override
+    def gradient_buckets(self) -> Any:
+        return self.client.buckets if self.client is not None else None
+
+    @override
+    def pre_backward(self, closure_loss: torch.Tensor) -> None:
+        self.servers.pre_backward()
+
+    @override
+    def post_backward(self, closure_loss: torch.Tensor) -> None:
+        self.servers.post_backward()
+
+    @override
+    def optimizer_step(self, optimizer: Any, closure: Any, model: Any = None, **kwargs: Any):
+        if self.client is None:
+            return super().optimizer_step(optimizer, closure, model, **kwargs)
+        return self.servers.step(optimizer, closure, model)
+
+    @override
+    def validation_step(self, *args: Any, **kwargs: Any) -> Any:
+        self.servers.settle()
+        return super().validation_step(*args, **kwargs)
+
+    @override
+    def test_step(self, *args: Any, **kwargs: Any) -> Any:
+        self.servers.settle()
+        return super().test_step(*args, **kwargs)
+
+    @override
+    def predict_step(self, *args: Any, **kwargs: Any) -> Any:
+        self.servers.settle()
+        return super().predict_step(*args, **kwargs)
+
+    @override
+    def optimizer_state(self, optimizer: Any) -> dict[str, Any]:
+        if self.client is None:
+            return super().optimizer_state(optimizer)
+        return self.client.gather_state()  # complete on worker 0, which writes the file
+
+    @override
+    def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
+        if self.client is None:
+            return super().load_optimizer_state_dict(checkpoint)
+        self.client.load_state(checkpoint["optimizer_states"][0])
+
+    @override
+    def on_exception(self, exception: BaseException) -> None:
+        self.servers.on_exception(exception)
+
+    @override
+    def describe_failure(self, error: BaseException) -> None:
+        self.servers.describe_failure(error)
+
+    @override
+    def teardown(self) -> None:
+        self.servers.close()
+        super().teardown()

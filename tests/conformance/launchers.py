@@ -39,7 +39,7 @@ from pathlib import Path
 
 import pytest
 
-from lightning_par.comm.processes import kill_tree
+from lightning_par.launch.processes import kill_tree
 from lightning_par.strategies.registry import strategy_specs
 
 TESTS = Path(__file__).resolve().parents[1]

@@ -25,7 +25,7 @@ from collections.abc import Callable, Iterable
 from datetime import timedelta
 from typing import Any
 
-from lightning_par.comm.rendezvous import dead_peer_timeout
+from lightning_par.launch.rendezvous import dead_peer_timeout
 
 #: Added to a rank's count when it finished a stage (counts stay far below it).
 _DONE = 1 << 40
@@ -139,7 +139,7 @@ def watch_group(
     name: Callable[[int], str] = lambda r: f"rank {r}",
 ) -> Heartbeat:
     """Start the heartbeat of the group this process just joined (ending the previous
-    group's); peers silent for :func:`~lightning_par.comm.rendezvous.dead_peer_timeout`
+    group's); peers silent for :func:`~lightning_par.launch.rendezvous.dead_peer_timeout`
     seconds (at most the group's ``timeout``) end the job."""
     global _current
     if _current is not None:

@@ -1,6 +1,6 @@
 """Processes that must not outlive their limit or their parent.
 
-Plumbing shared by :func:`~lightning_par.comm.run.run_on_ranks`, the strategies' launcher,
+Plumbing shared by :func:`~lightning_par.launch.run.run_on_ranks`, the strategies' launcher,
 the parameter-server processes, the benchmarks and the tests: kill a process with every
 process it started, make a child die with its parent, run a command or a block of code
 under a wall-clock limit.

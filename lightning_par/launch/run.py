@@ -1,7 +1,7 @@
 """``run_on_ranks``: run a function on n local ranks and get each rank's result back.
 
 Used by the tests, the benchmarks and the notebooks. Ranks start as the launch policy says
-(:func:`~lightning_par.comm.launch.plan_launch`: ``fork`` when it is safe, else a clean
+(:func:`~lightning_par.launch.policy.plan_launch`: ``fork`` when it is safe, else a clean
 ``forkserver``); each rank leads its own process group, so that a rank that raises, dies
 or hangs is stopped together with every process it started, and no rank outlives the
 process that started it.
@@ -20,9 +20,9 @@ from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
 
-from lightning_par.comm.launch import FORKSERVER_PRELOAD, limit_threads_after_fork, plan_launch
-from lightning_par.comm.processes import die_with_parent, stop_process_groups
-from lightning_par.comm.rendezvous import (
+from lightning_par.launch.policy import FORKSERVER_PRELOAD, limit_threads_after_fork, plan_launch
+from lightning_par.launch.processes import die_with_parent, stop_process_groups
+from lightning_par.launch.rendezvous import (
     RUN_TIMEOUT_S,
     default_timeout,
     find_free_port,

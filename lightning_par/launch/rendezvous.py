@@ -8,7 +8,7 @@ reads the keys of the first:
 * a launch by this project (fork, forkserver, popen on one machine): the launching
   process binds the store's socket on a port the OS gives it (port 0) *before* any rank
   starts, has a small process of its own serve the store on it for the launcher's whole
-  life (:mod:`~lightning_par.comm.store_host`: why not a thread), then tells the ranks its
+  life (:mod:`~lightning_par.launch.store_host`: why not a thread), then tells the ranks its
   address in ``LIGHTNING_PAR_STORE``. A port found free and bound later by a rank can be
   taken in between by another job started at the same moment; a port bound from the start
   cannot;
@@ -20,7 +20,7 @@ reads the keys of the first:
 **How long.** :func:`default_timeout` (30 min, as torch's, or ``LIGHTNING_PAR_TIMEOUT``)
 bounds how long a collective waits for a peer that is alive but busy (a rank writing a
 checkpoint, compiling its first step). A peer that *died* is reported within seconds:
-gloo fails at once when its connection closes, and :mod:`lightning_par.comm.liveness`
+gloo fails at once when its connection closes, and :mod:`lightning_par.launch.liveness`
 reports a peer that stopped answering (frozen, its machine gone) after
 :func:`dead_peer_timeout`.
 """
@@ -37,7 +37,7 @@ from datetime import timedelta
 
 import torch.distributed as dist
 
-from lightning_par.comm.store_host import StoreHost, job_store_host
+from lightning_par.launch.store_host import StoreHost, job_store_host
 
 #: Seconds a collective or receive may wait for a live peer. Override with the environment
 #: variable ``LIGHTNING_PAR_TIMEOUT`` or a strategy's ``timeout`` option.
@@ -97,7 +97,7 @@ atexit.register(_release_stores)
 
 def host_job_store(host: str = "127.0.0.1") -> str:
     """Launcher side: the address of a store bound on a port the OS picked, served by a
-    process of its own (:mod:`~lightning_par.comm.store_host`), for the ranks:
+    process of its own (:mod:`~lightning_par.launch.store_host`), for the ranks:
     ``host:port/launch-id`` (a new launch id per call keeps each launch's keys apart)."""
     served = job_store_host(host)
     return f"{host}:{served.port}/{uuid.uuid4().hex[:8]}"
