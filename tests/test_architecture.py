@@ -221,7 +221,6 @@ UNCOMMENTED = {
     "lightning_par.pipeline.schedules_v": 1,
     "lightning_par.simulate.__main__": 13,
     "lightning_par.simulate.profile": 3,
-    "lightning_par.simulate.validate": 3,
 }
 
 

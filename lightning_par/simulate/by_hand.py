@@ -20,6 +20,7 @@ from __future__ import annotations
 from lightning_par.collectives.cost_model import predict
 from lightning_par.simulate.links import PRESETS, Link, Topology
 from lightning_par.simulate.profile import Profile
+from lightning_par.simulate.scale import predict_step as scaled
 
 
 def _link(link: str | Link) -> Link:
@@ -46,7 +47,6 @@ def predict_step(compute_s: float, grad_bytes: int, devices: int, link: str | Li
                  buckets: int = 1) -> float:  # fmt: skip
     """Seconds of one data-parallel step, as the simulator predicts it (see the module
     docstring). ``link``: a preset name (``"nvlink"``, ``"ib"``, ...) or a :class:`Link`."""
-    from lightning_par.simulate.scale import predict_step as scaled
 
     own = _link(link)
     prof = _profile(compute_s, grad_bytes, devices, algorithm, backward_s, buckets)

@@ -32,6 +32,7 @@ import bisect
 from collections import defaultdict
 from dataclasses import dataclass, field
 
+from lightning_par.simulate.cores import stretches
 from lightning_par.simulate.links import Topology
 
 Lane = tuple[int, str]
@@ -291,7 +292,6 @@ def simulate(
     that rank's compute twice as fast). ``cores``: compute spans that overlap share that many
     cores, each rank computing on ``threads`` threads (:mod:`.cores`); ``None``: every rank has
     its own processor. See the module docstring for the rules."""
-    from lightning_par.simulate.cores import stretches
 
     result = _run(graph, topo, speed, {})
     if not contention and cores is None:

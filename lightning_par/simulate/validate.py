@@ -29,8 +29,11 @@ import json
 import os
 from pathlib import Path
 
+from lightning_par.compare.analyse import analyse
+from lightning_par.compare.run import run_all
+from lightning_par.simulate.graph import transfer_samples
 from lightning_par.simulate.links import Link, Topology, fit_link
-from lightning_par.simulate.profile import profile
+from lightning_par.simulate.profile import _per_step, profile
 from lightning_par.simulate.replay import Run, load_run, replay
 from lightning_par.simulate.scale import predict_split, predict_step
 
@@ -44,7 +47,6 @@ SIZES = (2, 3, 4)
 def measure(work: Path, strategies=VALIDATED, rounds: int = 2, steps: int = 10, warmup: int = 4,
             batch: int = 48, timeout: float = 180) -> dict[tuple[str, int], Path]:  # fmt: skip
     """Run every (strategy, size) ``rounds`` times, interleaved; the fastest round's folder."""
-    from lightning_par.compare.run import run_all
 
     rows = []
     for round_ in range(rounds):
@@ -66,7 +68,6 @@ def measure(work: Path, strategies=VALIDATED, rounds: int = 2, steps: int = 10, 
 def fastest(work: Path) -> dict[tuple[str, int], Path]:
     """The fastest round of each (strategy, workers) among the run folders :func:`measure`
     kept in ``work`` (``--validate --reuse DIR`` reads them again without training)."""
-    from lightning_par.compare.analyse import analyse
 
     best: dict[tuple[str, int], tuple[float, Path]] = {}
     for marker in sorted(work.glob("*/row.json")):
@@ -82,7 +83,6 @@ def fastest(work: Path) -> dict[tuple[str, int], Path]:
 
 def pooled_loopback(runs: list[Run]) -> Link:
     """One loopback link fitted to the transfers of every run (sizes from 80 B to MBs)."""
-    from lightning_par.simulate.graph import transfer_samples
 
     return fit_link([s for run in runs for s in transfer_samples(run.traces)])
 
@@ -134,7 +134,6 @@ def measured_split(run: Run, pooled: Link) -> dict[str, float]:
     """The run's per-step ``compute`` (its graph's compute spans, mean over ranks, as
     :class:`~.profile.Profile` reads them) and the rest of its measured step,
     ``communication_and_waiting``, to set beside the scale-out's predicted split."""
-    from lightning_par.simulate.profile import _per_step
 
     compute = _per_step(run.graph(own_link(run, pooled)))
     step = run.measured_step_s or 0.0
