@@ -59,12 +59,14 @@ def problems(fig: Any) -> list[str]:
             found.append(f"{where}: no title (set the axes title or the figure's suptitle)")
         if not ax.axison:
             continue  # a diagram or a picture: no axes to label
-        for axis, label in (("x", ax.get_xlabel()), ("y", ax.get_ylabel())):
-            shared = getattr(ax, f"get_shared_{axis}_axes")().get_siblings(ax)
-            labels = [label] + [getattr(s, f"get_{axis}label")() for s in shared if s is not ax]
-            label = next((text for text in labels if text), "")
-            ticks = getattr(ax, f"get_{axis}ticklabels")()
-            categorical = any(t.get_text() and not _numeric(t.get_text()) for t in ticks)
+        for axis in ("x", "y"):
+            group = getattr(ax, f"get_shared_{axis}_axes")().get_siblings(ax)  # ax included
+            label = next((t for a in group if (t := getattr(a, f"get_{axis}label")())), "")
+            categorical = any(
+                t.get_text() and not _numeric(t.get_text())
+                for a in group
+                for t in getattr(a, f"get_{axis}ticklabels")()
+            )
             if not label and not categorical:
                 found.append(f"{where}: no {axis} label")
             elif label and NEEDS_UNIT.search(label) and not UNIT.search(label):
@@ -75,9 +77,14 @@ def problems(fig: Any) -> list[str]:
 
 
 def _numeric(text: str) -> bool:
-    return bool(re.fullmatch(r"[\s−\-+0-9.,eE×^$\\{}%a-z_]*", text)) and any(
-        c.isdigit() for c in text
-    )
+    """Whether a tick label is a number (mathtext and a unicode minus allowed)."""
+    plain = re.sub(r"[$\\{}%\s]|mathdefault", "", text).replace("−", "-").replace("^", "e")
+    plain = plain.replace("10e", "1e") if plain.startswith("10e") else plain
+    try:
+        float(plain)
+    except ValueError:
+        return False
+    return True
 
 
 class FigureIncomplete(AssertionError):

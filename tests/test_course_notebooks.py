@@ -189,4 +189,11 @@ def test_the_figure_check_names_each_missing_part():
     ax.set_title("a diagram")
     ax.axis("off")
     assert problems(diagram) == []  # no axes to label
+    rows, ax = plt.subplots()
+    ax.barh([0, 1], [3, 4])
+    ax.set_yticks([0, 1], ["rank 0", "rank 1"])  # named rows need no y label
+    ax.set(title="rows", xlabel="time (ms)")
+    assert problems(rows) == []
+    ax.set_yticks([0, 1], ["0", "1"])
+    assert problems(rows) == ["figure 'rows', axes 0 'rows': no y label"]
     plt.close("all")
