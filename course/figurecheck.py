@@ -49,7 +49,8 @@ def problems(fig: Any) -> list[str]:
     """What the figure lacks, one line each (empty: it is complete)."""
     found: list[str] = []
     suptitle = fig._suptitle.get_text() if getattr(fig, "_suptitle", None) else ""
-    figure_legend = bool(fig.legends)
+    # small multiples that share their colours need one legend, on the figure or one panel
+    figure_legend = bool(fig.legends) or any(a.get_legend() is not None for a in fig.axes)
     name = suptitle or next((a.get_title() for a in fig.axes if a.get_title()), "") or "untitled"
     for i, ax in enumerate(fig.axes):
         if not ax.get_visible() or not _has_data(ax) or ax.get_label() == "<colorbar>":

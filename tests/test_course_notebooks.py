@@ -170,7 +170,7 @@ def test_the_figure_check_names_each_missing_part():
     good.plot([1, 2], [3, 4], label="a")
     good.plot([1, 2], [4, 5], label="b")
     good.set(title="good", xlabel="step", ylabel="time per step (ms)")
-    good.legend()
+    good.legend()  # one legend serves panels that share their colours
     bad.plot([1, 2], [3, 4])
     bad.plot([1, 2], [4, 5])
     bad.set(ylabel="wall time")
@@ -178,12 +178,19 @@ def test_the_figure_check_names_each_missing_part():
         "figure 'good', axes 1: no title (set the axes title or the figure's suptitle)",
         "figure 'good', axes 1: no x label",
         "figure 'good', axes 1: the y label 'wall time' names no unit",
-        "figure 'good', axes 1: 2 colours but no legend",
     ]
     fig.suptitle("both titled")
     bad.set(xlabel="step", ylabel="wall time (s)")
-    fig.legend()
     assert problems(fig) == []
+    colours, ax = plt.subplots()
+    ax.plot([1, 2], [3, 4])
+    ax.plot([1, 2], [4, 5])
+    ax.set(title="two curves", xlabel="step", ylabel="loss")
+    assert problems(colours) == [
+        "figure 'two curves', axes 0 'two curves': 2 colours but no legend"
+    ]
+    colours.legend()
+    assert problems(colours) == []
     diagram, ax = plt.subplots()
     ax.add_patch(matplotlib.patches.Rectangle((0, 0), 1, 1))
     ax.set_title("a diagram")
