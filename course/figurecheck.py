@@ -21,6 +21,8 @@ from typing import Any
 NEEDS_UNIT = re.compile(
     r"\b(time|latency|duration|wall|bandwidth|throughput|memory|bytes|traffic)\b", re.I
 )
+#: A ratio of two like quantities has no unit.
+RATIO = re.compile(r"/|\bratio\b|\brelative\b|\bfraction\b|\bshare\b|\bspeed-?up\b", re.I)
 #: What counts as a unit: a bracketed unit or a unit word/symbol.
 UNIT = re.compile(
     r"(\(|\[)[^)\]]+(\)|\])|\b(s|ms|µs|us|ns|seconds?|B|KB|MB|GB|KiB|MiB|GiB|bytes|"
@@ -70,7 +72,11 @@ def problems(fig: Any) -> list[str]:
             )
             if not label and not categorical:
                 found.append(f"{where}: no {axis} label")
-            elif label and NEEDS_UNIT.search(label) and not UNIT.search(label):
+            elif (
+                label
+                and NEEDS_UNIT.search(label)
+                and not (UNIT.search(label) or RATIO.search(label))
+            ):
                 found.append(f"{where}: the {axis} label {label!r} names no unit")
         if _colours_with_meaning(ax) > 1 and ax.get_legend() is None and not figure_legend:
             found.append(f"{where}: {_colours_with_meaning(ax)} colours but no legend")

@@ -182,6 +182,8 @@ def test_the_figure_check_names_each_missing_part():
     fig.suptitle("both titled")
     bad.set(xlabel="step", ylabel="wall time (s)")
     assert problems(fig) == []
+    bad.set(ylabel="ring time / butterfly time")  # a ratio has no unit
+    assert problems(fig) == []
     colours, ax = plt.subplots()
     ax.plot([1, 2], [3, 4])
     ax.plot([1, 2], [4, 5])
