@@ -185,8 +185,8 @@ def test_the_figure_check_names_each_missing_part():
     bad.set(ylabel="ring time / butterfly time")  # a ratio has no unit
     assert problems(fig) == []
     colours, ax = plt.subplots()
-    ax.plot([1, 2], [3, 4])
-    ax.plot([1, 2], [4, 5])
+    ax.plot([1, 2], [3, 4], label="a")
+    ax.plot([1, 2], [4, 5], label="b")
     ax.set(title="two curves", xlabel="step", ylabel="loss")
     assert problems(colours) == [
         "figure 'two curves', axes 0 'two curves': 2 colours but no legend"
