@@ -134,3 +134,75 @@ except KeyError:
     assert "Break it (sum, not mean): caught by the mean check: not the mean" in run.stdout
     assert "survivor: mutation 'harmless' passed a loose check" in run.stdout
     assert "other errors propagate" in run.stdout
+
+
+@pytest.mark.parametrize("nb", NOTEBOOKS, ids=lambda p: p.stem)
+def test_every_notebook_ends_by_breaking_what_it_taught(nb):
+    """A cell tagged ``break-it`` runs the lesson's own checks on at least two named
+    mutations (``breakit.broken``); the notebook's test run then fails if one survives."""
+    cells = _cells(nb)
+    tagged = [c for c in cells if "break-it" in c["metadata"].get("tags", [])]
+    assert tagged, f"{nb.name}: no cell tagged 'break-it'"
+    calls = [
+        node
+        for cell in tagged
+        for node in ast.walk(ast.parse(_text(cell["source"])))
+        if isinstance(node, ast.Call) and getattr(node.func, "id", "") == "broken"
+    ]
+    assert len(calls) >= 2, f"{nb.name}: {len(calls)} broken(...) mutations, want two or more"
+    for call in calls:
+        assert call.args and isinstance(call.args[0], ast.Constant), "name the mutation"
+        assert any(k.arg == "caught_by" for k in call.keywords), "say which check catches it"
+
+
+def test_the_figure_check_names_each_missing_part():
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    sys.path.insert(0, str(COURSE))
+    try:
+        from figurecheck import problems
+    finally:
+        sys.path.remove(str(COURSE))
+    fig, (good, bad) = plt.subplots(1, 2)
+    good.plot([1, 2], [3, 4], label="a")
+    good.plot([1, 2], [4, 5], label="b")
+    good.set(title="good", xlabel="step", ylabel="time per step (ms)")
+    good.legend()  # one legend serves panels that share their colours
+    bad.plot([1, 2], [3, 4])
+    bad.plot([1, 2], [4, 5])
+    bad.set(ylabel="wall time")
+    assert problems(fig) == [
+        "figure 'good', axes 1: no title (set the axes title or the figure's suptitle)",
+        "figure 'good', axes 1: no x label",
+        "figure 'good', axes 1: the y label 'wall time' names no unit",
+    ]
+    fig.suptitle("both titled")
+    bad.set(xlabel="step", ylabel="wall time (s)")
+    assert problems(fig) == []
+    bad.set(ylabel="ring time / butterfly time")  # a ratio has no unit
+    assert problems(fig) == []
+    colours, ax = plt.subplots()
+    ax.plot([1, 2], [3, 4], label="a")
+    ax.plot([1, 2], [4, 5], label="b")
+    ax.set(title="two curves", xlabel="step", ylabel="loss")
+    assert problems(colours) == [
+        "figure 'two curves', axes 0 'two curves': 2 colours but no legend"
+    ]
+    colours.legend()
+    assert problems(colours) == []
+    diagram, ax = plt.subplots()
+    ax.add_patch(matplotlib.patches.Rectangle((0, 0), 1, 1))
+    ax.set_title("a diagram")
+    ax.axis("off")
+    assert problems(diagram) == []  # no axes to label
+    rows, ax = plt.subplots()
+    ax.barh([0, 1], [3, 4])
+    ax.set_yticks([0, 1], ["rank 0", "rank 1"])  # named rows need no y label
+    ax.set(title="rows", xlabel="time (ms)")
+    assert problems(rows) == []
+    ax.set_yticks([0, 1], ["0", "1"])
+    assert problems(rows) == ["figure 'rows', axes 0 'rows': no y label"]
+    plt.close("all")
