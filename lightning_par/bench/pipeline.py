@@ -55,8 +55,8 @@ from lightning_par.pipeline import (
     forward_backward,
     split_sequential,
 )
-from lightning_par.pipeline.schedules_v import NEW_SCHEDULES, formula_bubble
-from lightning_par.pipeline.timeline import measured_bubble
+from lightning_par.pipeline.schedules_v import NEW_SCHEDULES, device_schedule, formula_bubble
+from lightning_par.pipeline.timeline import mean_costs, measured_bubble, replayed_bubble
 
 
 def linear_workload() -> tuple[nn.Sequential, torch.Tensor, torch.Tensor, nn.Module]:
@@ -208,6 +208,20 @@ def _kind(name: str) -> str:
     return peers.get(name, "gpipe" if name == "naive" else name)
 
 
+def _with_measured_costs(traces: list, steps: range, kind: str, k: int, m: int,
+                         v: int) -> dict:  # fmt: skip
+    """The row's schedule replayed with the costs its steps measured (free messages):
+    ``theory_bubble_measured_costs``, beside the formula's ``theory_bubble`` (which assumes
+    the textbook costs), and the mean span per op, ``mean_step_ms``."""
+    schedule = device_schedule(kind, k, m, v)
+    replayed = [replayed_bubble(traces, n, schedule, k * v) for n in steps]
+    costs = [mean_costs(traces, n) for n in steps]
+    return {
+        "theory_bubble_measured_costs": sum(replayed) / len(replayed),
+        "mean_step_ms": {op: 1e3 * sum(c[op] for c in costs) / len(costs) for op in costs[0]},
+    }
+
+
 def run(workload: str, chunks: list[int], warmup: int, steps: int, rounds: int,
         single_threads: tuple[int, ...] = (1, 2), stages: int = 2,
         virtual: int = 2) -> dict:  # fmt: skip
@@ -234,6 +248,16 @@ def run(workload: str, chunks: list[int], warmup: int, steps: int, rounds: int,
             first = run0["first_step"]
             bubbles = [measured_bubble(traces, first + k) for k in range(steps)]
             row["measured_bubble"] = sum(bubbles) / len(bubbles)
+            row.update(
+                _with_measured_costs(
+                    traces,
+                    range(first, first + steps),
+                    _kind(run0["name"]),
+                    stages,
+                    run0["chunks"],
+                    row["virtual_stages"],
+                )
+            )
         rows.append(row)
     best_torch = min(r["step_ms"] for r in rows if r["name"].startswith("torch"))
     by_name = {(r["name"], r["chunks"]): r["step_ms"] for r in rows}

@@ -104,6 +104,8 @@ class DeviceStages:
         self._captured: dict[tuple[int, int], list] = {}
         self._w_grads: dict[tuple[int, int], list] = {}
         self._sends: list[Handle] = []
+        self._posted: dict[tuple[Kind, tuple[int, int]], list[Handle]] = {}
+        self._queues: dict[Kind, list[tuple[int, int]]] = {}
         self.results: dict[int, Tensors] = {}  # last stage: detached outputs per micro-batch
 
     def _capture(self, module: nn.Module, args, output) -> None:
@@ -151,6 +153,8 @@ class DeviceStages:
             output_grad: OutputGrad | None = None) -> None:  # fmt: skip
         """Run ``steps`` in order; ``inputs[i]``: micro-batch i (needed if this device holds
         stage 0); ``output_grad``: needed if it holds the last stage and runs backwards."""
+        self._queues = queues = self._receive_queues(steps)
+        self._post_ready(queues)
         for step in steps:
             key = (step.stage, step.micro_batch)
             if step.op == "fwd":
@@ -160,6 +164,51 @@ class DeviceStages:
                     self._weight_grads(key)
             else:
                 self._backward(key, output_grad, split=step.op == "bwd_input")
+            self._post_ready(queues)
+
+    # ---- receives posted ahead ------------------------------------------------------------
+    def _receive_queues(self, steps: Sequence[Step]) -> dict[Kind, list[tuple[int, int]]]:
+        """The (stage, micro-batch) of each message ``steps`` will receive from another
+        device, per kind, in the order the steps consume them."""
+        queues: dict[Kind, list[tuple[int, int]]] = {Kind.ACT: [], Kind.GRAD: []}
+        me, last = self.comm.rank, self.num_stages - 1
+        for step in steps:
+            s = step.stage
+            if step.op == "fwd" and s > 0 and self.device_of(s - 1) != me:
+                queues[Kind.ACT].append((s, step.micro_batch))
+            elif step.op in ("bwd", "bwd_input") and s < last and self.device_of(s + 1) != me:
+                queues[Kind.GRAD].append((s, step.micro_batch))
+        return queues
+
+    def _post_ready(self, queues: dict[Kind, list[tuple[int, int]]]) -> None:
+        # Post each receive as soon as its buffer's shape is known (activations: from an
+        # earlier step's header; gradients: once the forward ran), in consumption order:
+        # messages of one kind from one peer match receives in the order they are posted, so
+        # a receive waits for every earlier one of its kind to be posted. Waiting for a
+        # message that was posted ahead costs nothing when it has already arrived; a receive
+        # posted only when needed makes gloo's sender wait for it (the notes' early-receive
+        # lead; torch's schedules also post a step's receives before its compute).
+        for kind, queue in queues.items():
+            while queue:
+                key = queue[0]
+                if kind == Kind.ACT:
+                    specs = self._shapes.get(self._key + (kind, *key))
+                else:
+                    out = self._outputs.get(key)
+                    specs = None if out is None else [(t.shape, t.dtype) for t in out
+                                                      if t.is_floating_point()]  # fmt: skip
+                if specs is None:
+                    break
+                queue.pop(0)
+                src = self.device_of(key[0] - 1 if kind == Kind.ACT else key[0] + 1)
+                self._posted[(kind, key)] = self._post(kind, key, src, specs)
+
+    def _post(self, kind: Kind, key: tuple[int, int], src: int,
+              specs: Sequence[tuple[torch.Size, torch.dtype]]) -> list[Handle]:  # fmt: skip
+        meta = {"step": self.step_index, "chunk": key[1]}
+        dev = self._device()
+        return [self.comm.irecv(self._buffer(kind, key, n, sh, dt, dev), src, tag=kind, **meta)
+                for n, (sh, dt) in enumerate(specs)]  # fmt: skip
 
     def _forward(self, key: tuple[int, int], inputs: Sequence[Tensors] | None) -> None:
         s, i = key
@@ -258,6 +307,12 @@ class DeviceStages:
         s, i = key
         if src == self.comm.rank:
             return self._local.pop((kind, s, i))
+        posted = self._posted.pop((kind, key), None)
+        if posted is not None:  # a new tensor on each kept buffer (see below)
+            return tuple(h.wait().detach() for h in posted)
+        queue = self._queues.get(kind, [])
+        if queue and queue[0] == key:  # not posted ahead (shape unknown yet): posted now
+            queue.pop(0)
         meta = {"step": self.step_index, "chunk": i}
         dev = self._device()
         if kind == Kind.ACT:
@@ -269,8 +324,7 @@ class DeviceStages:
             specs = self._shapes[hkey]
         else:  # gradients of this stage's floating outputs, shaped like them
             specs = [(t.shape, t.dtype) for t in like]
-        handles = [self.comm.irecv(self._buffer(kind, key, n, sh, dt, dev), src, tag=kind, **meta)
-                   for n, (sh, dt) in enumerate(specs)]  # fmt: skip
+        handles = self._post(kind, key, src, specs)
         # a new tensor on each kept buffer: its own requires_grad and .grad every step
         return tuple(h.wait().detach() for h in handles)
 
