@@ -15,7 +15,10 @@ run:
 * our interleaved 1F1B (``v`` stages per device) and zero bubble (ZB-H1 order, B/W split)
   on :class:`~lightning_par.pipeline.multistage.DeviceStages` (:mod:`.pipeline_v`), each
   row's ``theory_bubble`` its own formula (:func:`~lightning_par.pipeline.schedules_v.
-  formula_bubble`) beside the bubble measured from the traces;
+  formula_bubble`) beside the bubble measured from the traces and the schedule replayed
+  with the step costs the traces measured (``theory_bubble_measured_costs``,
+  :func:`~lightning_par.pipeline.timeline.replayed_bubble`: the formula's idle time without
+  its equal-cost assumption; ``mean_step_ms``: the mean F, B, W spans);
 * torch's ``ScheduleGPipe``, ``Schedule1F1B``, ``ScheduleInterleaved1F1B`` and
   ``ScheduleInterleavedZeroBubble`` on the same stages, each the peer of our schedule of the
   same kind at the same ``M`` (``speedup_vs_torch_peer``);
@@ -289,16 +292,20 @@ def report(result: dict) -> str:
     lines += [f"one process: {single}", ""]
     lines.append(
         "| run | M | step (ms) | vs naive | vs torch peer | vs best torch | bubble measured "
-        "| theory | CPU/stage (ms) | peak saved/stage (MiB) | messages/stage |"
+        "| theory | theory (measured costs) | CPU/stage (ms) | peak saved/stage (MiB) "
+        "| messages/stage |"
     )
-    lines.append("|---|---|---|---|---|---|---|---|---|---|---|")
+    lines.append("|---|---|---|---|---|---|---|---|---|---|---|---|")
     for r in result["rows"]:
         measured = f"{r['measured_bubble']:.0%}" if "measured_bubble" in r else "-"
         peer = f"{r['speedup_vs_torch_peer']:.2f}x" if "speedup_vs_torch_peer" in r else "-"
+        replayed = r.get("theory_bubble_measured_costs")
+        replayed = "-" if replayed is None else f"{replayed:.0%}"
         lines.append(
             f"| {r['name']} | {r['chunks']} | {r['step_ms']:.1f} | {r['speedup_vs_naive']:.2f}x "
             f"| {peer} | {r['speedup_vs_torch_best']:.2f}x | {measured} "
-            f"| {r['theory_bubble']:.0%} | {'/'.join(f'{c:.0f}' for c in r['stage_cpu_ms'])} "
+            f"| {r['theory_bubble']:.0%} | {replayed} "
+            f"| {'/'.join(f'{c:.0f}' for c in r['stage_cpu_ms'])} "
             f"| {'/'.join(f'{b / 2**20:.1f}' for b in r.get('peak_saved_bytes', [])) or '-'} "
             f"| {'/'.join(f'{n:g}' for n in r.get('messages_per_step', [])) or '-'} |"
         )
