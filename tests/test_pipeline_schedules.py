@@ -122,7 +122,7 @@ def _net() -> nn.Sequential:
     layers: list[nn.Module] = []
     for i in range(6):
         layers += [nn.Linear(10, 10), nn.Tanh()] if i % 2 == 0 else [nn.Linear(10, 10)]
-    # a normalisation layer: zero bubble computes its weight gradient in B, not in a W
+    # a normalisation layer: its W, like a Linear's, must reach the one-process weights
     return nn.Sequential(*layers, nn.LayerNorm(10), nn.Linear(10, 4))
 
 

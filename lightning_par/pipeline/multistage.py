@@ -23,12 +23,13 @@ parameters, retain_graph=True)``: the stage input's gradient (sent at once) and,
 the gradient w.r.t. each parameter-owning module's output, kept for W. W is then, per such
 module, ``torch.autograd.backward(module output, its gradient, inputs=its own parameters)``,
 which runs only that module's weight-gradient kernels (e.g. ``dW = dY^T X`` of a Linear),
-not the input-gradient chain again. Normalisation layers are the exception: B asks for
-their parameters' gradients directly (their backward kernel yields the input and weight
-gradients in one pass, so a deferred W would run it twice). Both halves need the forward's
-saved activations, so re-materialisation (``torch.utils.checkpoint``) would recompute the
-forward for B and again for W: the split refuses checkpointing, and a parameter tied between
-two modules of one stage (whose W would count the other module's path twice) is refused too.
+not the input-gradient chain again. (Computing normalisation layers' weight gradients in B
+instead saves about 10 % of the split's CPU on the CIFAR CNN, but their saved tensors then
+stay until the step ends, doubling the peak activations: see benchmarks/pipeline.md.) Both
+halves need the forward's saved activations, so re-materialisation
+(``torch.utils.checkpoint``) would recompute the forward for B and again for W: the split
+refuses checkpointing, and a parameter tied between two modules of one stage (whose W would
+count the other module's path twice) is refused too.
 
 **Receives** are posted ahead of the compute that needs them (:mod:`.receives`).
 """
@@ -223,27 +224,12 @@ class DeviceStages(ReceiveAhead):
                 x_grads = [None] * len(wanted)
             elif split:
                 captured = self._captured.pop(key, [])
-                deferred = [(m, t) for m, t in captured if not isinstance(m, _NORMS)]
-                now = list(
-                    {
-                        id(p): p
-                        for m, _ in captured
-                        if isinstance(m, _NORMS)
-                        for p in m.parameters(recurse=False)
-                        if p.requires_grad
-                    }.values()
-                )
-                got = torch.autograd.grad([o for o, _ in pairs],
-                                          wanted + [t for _, t in deferred] + now,
+                got = torch.autograd.grad([o for o, _ in pairs], wanted + [t for _, t in captured],
                                           [g for _, g in pairs], retain_graph=True,
                                           allow_unused=True)  # fmt: skip
                 x_grads = list(got[: len(wanted)])
-                w_got = got[len(wanted) : len(wanted) + len(deferred)]
-                self._w_grads[key] = [(m, t, g) for (m, t), g in zip(deferred, w_got)
+                self._w_grads[key] = [(m, t, g) for (m, t), g in zip(captured, got[len(wanted):])
                                       if g is not None]  # fmt: skip
-                for p, g in zip(now, got[len(wanted) + len(deferred) :]):
-                    if g is not None:  # accumulated as autograd would
-                        p.grad = g if p.grad is None else p.grad.add_(g)
             else:
                 torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
                 x_grads = [t.grad for t in wanted]
@@ -303,15 +289,6 @@ class DeviceStages(ReceiveAhead):
         handles = self._post(kind, key, src, specs)
         # a new tensor on each kept buffer: its own requires_grad and .grad every step
         return tuple(h.wait().detach() for h in handles)
-
-
-#: normalisation layers: their weight gradient comes out of the same kernel as their input
-#: gradient (one pass over the saved statistics), so B computes it at once instead of
-#: deferring a W that would run the layer's backward a second time (measured on the CIFAR
-#: CNN, one thread: B + W 44-45 ms CPU per batch-8 micro-batch with every GroupNorm's W
-#: deferred, 40 ms with them in B; one whole backward 37-41 ms)
-_NORMS = (nn.GroupNorm, nn.LayerNorm, nn.modules.batchnorm._NormBase,
-          nn.modules.instancenorm._InstanceNorm)  # fmt: skip
 
 
 def _parameter_owners(module: nn.Module, stage: int) -> list[nn.Module]:
