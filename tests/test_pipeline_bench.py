@@ -43,6 +43,11 @@ def test_pipeline_bench_counts_the_schedules_messages(capsys):
         assert row["messages_per_step"] == [cuts * m, cuts * m], (name, m)
         assert row["bytes_per_step"] == [cuts * cut_bytes] * 2, (name, m)
         assert all(b > 0 for b in row["peak_saved_bytes"])
+        # the schedule replayed with its measured step costs and free messages can only be
+        # faster than the run: its bubble is at most the measured one
+        assert 0 <= row["theory_bubble_measured_costs"] <= row["measured_bubble"] + 1e-9
+        split = {"bwd_input", "bwd_weight"} if name == "zero_bubble" else {"bwd"}
+        assert set(row["mean_step_ms"]) == {"fwd"} | split, name
         peer = rows.get((peers.get(name), m))
         if peer is not None:
             assert row["speedup_vs_torch_peer"] == peer["step_ms"] / row["step_ms"]

@@ -122,7 +122,8 @@ def _net() -> nn.Sequential:
     layers: list[nn.Module] = []
     for i in range(6):
         layers += [nn.Linear(10, 10), nn.Tanh()] if i % 2 == 0 else [nn.Linear(10, 10)]
-    return nn.Sequential(*layers, nn.Linear(10, 4))
+    # a normalisation layer: its W, like a Linear's, must reach the one-process weights
+    return nn.Sequential(*layers, nn.LayerNorm(10), nn.Linear(10, 4))
 
 
 def _data(step: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -15,7 +15,10 @@ run:
 * our interleaved 1F1B (``v`` stages per device) and zero bubble (ZB-H1 order, B/W split)
   on :class:`~lightning_par.pipeline.multistage.DeviceStages` (:mod:`.pipeline_v`), each
   row's ``theory_bubble`` its own formula (:func:`~lightning_par.pipeline.schedules_v.
-  formula_bubble`) beside the bubble measured from the traces;
+  formula_bubble`) beside the bubble measured from the traces and the schedule replayed
+  with the step costs the traces measured (``theory_bubble_measured_costs``,
+  :func:`~lightning_par.pipeline.timeline.replayed_bubble`: the formula's idle time without
+  its equal-cost assumption; ``mean_step_ms``: the mean F, B, W spans);
 * torch's ``ScheduleGPipe``, ``Schedule1F1B``, ``ScheduleInterleaved1F1B`` and
   ``ScheduleInterleavedZeroBubble`` on the same stages, each the peer of our schedule of the
   same kind at the same ``M`` (``speedup_vs_torch_peer``);
@@ -55,8 +58,8 @@ from lightning_par.pipeline import (
     forward_backward,
     split_sequential,
 )
-from lightning_par.pipeline.schedules_v import NEW_SCHEDULES, formula_bubble
-from lightning_par.pipeline.timeline import measured_bubble
+from lightning_par.pipeline.schedules_v import NEW_SCHEDULES, device_schedule, formula_bubble
+from lightning_par.pipeline.timeline import mean_costs, measured_bubble, replayed_bubble
 
 
 def linear_workload() -> tuple[nn.Sequential, torch.Tensor, torch.Tensor, nn.Module]:
@@ -208,6 +211,20 @@ def _kind(name: str) -> str:
     return peers.get(name, "gpipe" if name == "naive" else name)
 
 
+def _with_measured_costs(traces: list, steps: range, kind: str, k: int, m: int,
+                         v: int) -> dict:  # fmt: skip
+    """The row's schedule replayed with the costs its steps measured (free messages):
+    ``theory_bubble_measured_costs``, beside the formula's ``theory_bubble`` (which assumes
+    the textbook costs), and the mean span per op, ``mean_step_ms``."""
+    schedule = device_schedule(kind, k, m, v)
+    replayed = [replayed_bubble(traces, n, schedule, k * v) for n in steps]
+    costs = [mean_costs(traces, n) for n in steps]
+    return {
+        "theory_bubble_measured_costs": sum(replayed) / len(replayed),
+        "mean_step_ms": {op: 1e3 * sum(c[op] for c in costs) / len(costs) for op in costs[0]},
+    }
+
+
 def run(workload: str, chunks: list[int], warmup: int, steps: int, rounds: int,
         single_threads: tuple[int, ...] = (1, 2), stages: int = 2,
         virtual: int = 2) -> dict:  # fmt: skip
@@ -234,6 +251,16 @@ def run(workload: str, chunks: list[int], warmup: int, steps: int, rounds: int,
             first = run0["first_step"]
             bubbles = [measured_bubble(traces, first + k) for k in range(steps)]
             row["measured_bubble"] = sum(bubbles) / len(bubbles)
+            row.update(
+                _with_measured_costs(
+                    traces,
+                    range(first, first + steps),
+                    _kind(run0["name"]),
+                    stages,
+                    run0["chunks"],
+                    row["virtual_stages"],
+                )
+            )
         rows.append(row)
     best_torch = min(r["step_ms"] for r in rows if r["name"].startswith("torch"))
     by_name = {(r["name"], r["chunks"]): r["step_ms"] for r in rows}
@@ -265,16 +292,20 @@ def report(result: dict) -> str:
     lines += [f"one process: {single}", ""]
     lines.append(
         "| run | M | step (ms) | vs naive | vs torch peer | vs best torch | bubble measured "
-        "| theory | CPU/stage (ms) | peak saved/stage (MiB) | messages/stage |"
+        "| theory | theory (measured costs) | CPU/stage (ms) | peak saved/stage (MiB) "
+        "| messages/stage |"
     )
-    lines.append("|---|---|---|---|---|---|---|---|---|---|---|")
+    lines.append("|---|---|---|---|---|---|---|---|---|---|---|---|")
     for r in result["rows"]:
         measured = f"{r['measured_bubble']:.0%}" if "measured_bubble" in r else "-"
         peer = f"{r['speedup_vs_torch_peer']:.2f}x" if "speedup_vs_torch_peer" in r else "-"
+        replayed = r.get("theory_bubble_measured_costs")
+        replayed = "-" if replayed is None else f"{replayed:.0%}"
         lines.append(
             f"| {r['name']} | {r['chunks']} | {r['step_ms']:.1f} | {r['speedup_vs_naive']:.2f}x "
             f"| {peer} | {r['speedup_vs_torch_best']:.2f}x | {measured} "
-            f"| {r['theory_bubble']:.0%} | {'/'.join(f'{c:.0f}' for c in r['stage_cpu_ms'])} "
+            f"| {r['theory_bubble']:.0%} | {replayed} "
+            f"| {'/'.join(f'{c:.0f}' for c in r['stage_cpu_ms'])} "
             f"| {'/'.join(f'{b / 2**20:.1f}' for b in r.get('peak_saved_bytes', [])) or '-'} "
             f"| {'/'.join(f'{n:g}' for n in r.get('messages_per_step', [])) or '-'} |"
         )

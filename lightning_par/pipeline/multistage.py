@@ -23,10 +23,15 @@ parameters, retain_graph=True)``: the stage input's gradient (sent at once) and,
 the gradient w.r.t. each parameter-owning module's output, kept for W. W is then, per such
 module, ``torch.autograd.backward(module output, its gradient, inputs=its own parameters)``,
 which runs only that module's weight-gradient kernels (e.g. ``dW = dY^T X`` of a Linear),
-not the input-gradient chain again. Both halves need the forward's saved activations, so
-re-materialisation (``torch.utils.checkpoint``) would recompute the forward for B and again
-for W: the split refuses checkpointing, and a parameter tied between two modules of one
-stage (whose W would count the other module's path twice) is refused too.
+not the input-gradient chain again. (Computing normalisation layers' weight gradients in B
+instead saves about 10 % of the split's CPU on the CIFAR CNN, but their saved tensors then
+stay until the step ends, doubling the peak activations: see benchmarks/pipeline.md.) Both
+halves need the forward's saved activations, so re-materialisation
+(``torch.utils.checkpoint``) would recompute the forward for B and again for W: the split
+refuses checkpointing, and a parameter tied between two modules of one stage (whose W would
+count the other module's path twice) is refused too.
+
+**Receives** are posted ahead of the compute that needs them (:mod:`.receives`).
 """
 
 from __future__ import annotations
@@ -41,6 +46,7 @@ from torch.utils.checkpoint import checkpoint
 from lightning_par.comm import Communicator, Event, Handle
 from lightning_par.pipeline.checkpoint import SavedActivations, check_mode, recomputes
 from lightning_par.pipeline.messages import HEADER_LEN, Kind, read_header, write_header
+from lightning_par.pipeline.receives import ReceiveAhead
 from lightning_par.pipeline.schedule import Step
 
 Tensors = tuple[torch.Tensor, ...]
@@ -57,7 +63,7 @@ def as_tuple(value: torch.Tensor | Sequence[torch.Tensor], stage: int) -> Tensor
                     "tensors to a tensor or a tuple of tensors")  # fmt: skip
 
 
-class DeviceStages:
+class DeviceStages(ReceiveAhead):
     """The stages one device holds, and the loop that runs its steps.
 
     Args:
@@ -104,6 +110,8 @@ class DeviceStages:
         self._captured: dict[tuple[int, int], list] = {}
         self._w_grads: dict[tuple[int, int], list] = {}
         self._sends: list[Handle] = []
+        self._posted: dict[tuple[Kind, tuple[int, int]], list[Handle]] = {}
+        self._queues: dict[Kind, list[tuple[int, int]]] = {}
         self.results: dict[int, Tensors] = {}  # last stage: detached outputs per micro-batch
 
     def _capture(self, module: nn.Module, args, output) -> None:
@@ -151,6 +159,8 @@ class DeviceStages:
             output_grad: OutputGrad | None = None) -> None:  # fmt: skip
         """Run ``steps`` in order; ``inputs[i]``: micro-batch i (needed if this device holds
         stage 0); ``output_grad``: needed if it holds the last stage and runs backwards."""
+        self._queues = queues = self._receive_queues(steps)
+        self._post_ready(queues)
         for step in steps:
             key = (step.stage, step.micro_batch)
             if step.op == "fwd":
@@ -160,6 +170,7 @@ class DeviceStages:
                     self._weight_grads(key)
             else:
                 self._backward(key, output_grad, split=step.op == "bwd_input")
+            self._post_ready(queues)
 
     def _forward(self, key: tuple[int, int], inputs: Sequence[Tensors] | None) -> None:
         s, i = key
@@ -258,6 +269,12 @@ class DeviceStages:
         s, i = key
         if src == self.comm.rank:
             return self._local.pop((kind, s, i))
+        posted = self._posted.pop((kind, key), None)
+        if posted is not None:  # a new tensor on each kept buffer (see below)
+            return tuple(h.wait().detach() for h in posted)
+        queue = self._queues.get(kind, [])
+        if queue and queue[0] == key:  # not posted ahead (shape unknown yet): posted now
+            queue.pop(0)
         meta = {"step": self.step_index, "chunk": i}
         dev = self._device()
         if kind == Kind.ACT:
@@ -269,20 +286,9 @@ class DeviceStages:
             specs = self._shapes[hkey]
         else:  # gradients of this stage's floating outputs, shaped like them
             specs = [(t.shape, t.dtype) for t in like]
-        handles = [self.comm.irecv(self._buffer(kind, key, n, sh, dt, dev), src, tag=kind, **meta)
-                   for n, (sh, dt) in enumerate(specs)]  # fmt: skip
+        handles = self._post(kind, key, src, specs)
         # a new tensor on each kept buffer: its own requires_grad and .grad every step
         return tuple(h.wait().detach() for h in handles)
-
-    def _buffer(self, kind: Kind, key: tuple[int, int], n: int, shape: torch.Size,
-                dtype: torch.dtype, dev: torch.device) -> torch.Tensor:  # fmt: skip
-        # One receive buffer per (kind, stage, micro-batch, tensor), kept from step to step
-        # (a fresh one per message costs page faults every step: see runtime.PipelineStage).
-        # The next step's receive rewrites it only after this step's backward used it.
-        buf = self._buffers.get((kind, key, n))
-        if buf is None or buf.shape != shape or buf.dtype != dtype or buf.device != dev:
-            buf = self._buffers[(kind, key, n)] = torch.empty(shape, dtype=dtype, device=dev)
-        return buf
 
 
 def _parameter_owners(module: nn.Module, stage: int) -> list[nn.Module]:

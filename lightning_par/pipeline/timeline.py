@@ -10,6 +10,14 @@ trace's ``origin`` (``time.perf_counter``, one clock for all processes of a mach
 The measured bubble of a step is the idle share of the stages over the step's window,
 ``1 - sum(busy time of each stage) / (K * window)``, to compare with GPipe's
 ``(K - 1) / (M + K - 1)``, which assumes equal stages and free communication.
+
+The formulas also assume textbook step costs (``t_B = 2 t_F``; zero bubble's
+``t_F = t_B = t_W``); a CPU stage does not keep them (measured on the CNN: B and W are
+not equal halves, the stages of a cut are not equal). :func:`replayed_bubble` evaluates the
+schedule with the *measured* cost of every step instead: it replays the step lists (the
+validator's :func:`~lightning_par.pipeline.validate.simulate`) with each step's duration
+from the trace and free messages. What the measured bubble exceeds the replay by is time
+the runtime lost outside compute: messages, the loop's own Python, other processes.
 """
 
 from __future__ import annotations
@@ -18,6 +26,8 @@ import json
 from pathlib import Path
 
 from lightning_par.comm import CommTrace, Event, Message
+from lightning_par.pipeline.schedule import Step
+from lightning_par.pipeline.validate import simulate, simulated_bubble
 
 COLOURS = {"fwd": "tab:blue", "bwd": "tab:orange", "bwd_input": "tab:red",
            "bwd_weight": "tab:purple", "send": "tab:green", "recv": "tab:gray"}  # fmt: skip
@@ -62,6 +72,40 @@ def measured_bubble(traces: list[CommTrace], step: int) -> float:
     start, end = step_window(traces, step)
     busy = sum(e.end - e.start for t in traces for e in step_events(t, step))
     return 1.0 - busy / (len(traces) * (end - start))
+
+
+def _durations(traces: list[CommTrace], step: int,
+               schedule: list[list[Step]]) -> list[list[float]]:  # fmt: skip
+    """Each device's measured step durations, aligned with its step list (a device runs its
+    steps in list order, so its compute spans come in that order)."""
+    out = []
+    for trace, steps in zip(traces, schedule, strict=True):
+        events = sorted(step_events(trace, step), key=lambda e: e.start)
+        names = [e.name for e in events]
+        if names != [s.op for s in steps]:
+            raise ValueError(f"stage {trace.rank}'s spans of step {step} ({len(names)}) are not "
+                             f"the schedule's {len(steps)} steps in order")  # fmt: skip
+        out.append([e.end - e.start for e in events])
+    return out
+
+
+def replayed_bubble(traces: list[CommTrace], step: int, schedule: list[list[Step]],
+                    num_stages: int) -> float:  # fmt: skip
+    """The bubble ``schedule`` (one step list per device) has when every step costs what it
+    cost in ``step`` of the traces and messages are free: the formula's idle time with the
+    measured costs instead of the textbook's (see the module docstring)."""
+    durations = _durations(traces, step, schedule)
+    return simulated_bubble(simulate(schedule, num_stages, durations=durations), len(traces))
+
+
+def mean_costs(traces: list[CommTrace], step: int) -> dict[str, float]:
+    """Mean seconds of one span per compute op (``fwd``, ``bwd``, ``bwd_input``,
+    ``bwd_weight``) in ``step``, over every stage and micro-batch."""
+    spans: dict[str, list[float]] = {}
+    for trace in traces:
+        for e in step_events(trace, step):
+            spans.setdefault(e.name, []).append(e.end - e.start)
+    return {op: sum(v) / len(v) for op, v in spans.items()}
 
 
 def last_step(traces: list[CommTrace]) -> int:

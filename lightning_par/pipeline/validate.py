@@ -153,11 +153,16 @@ def _check_message_order(steps: Sequence[Sequence[Step]], num_stages: int,
 
 
 def simulate(steps: Sequence[Sequence[Step]], num_stages: int,
-             costs: dict[str, float] | None = None) -> list[Timed]:  # fmt: skip
+             costs: dict[str, float] | None = None,
+             durations: Sequence[Sequence[float]] | None = None) -> list[Timed]:  # fmt: skip
     """Start and end time of every step: a device runs its list in order, each step as soon
     as the device is free and the step it depends on ended (messages take no time).
+    A step costs ``costs[op]``, or, given ``durations`` (one list per device, aligned with
+    its steps, e.g. measured from a trace), its own duration.
     Raises :class:`ScheduleError` on a deadlock."""
     costs = {**COSTS, **(costs or {})}
+    if durations is not None and [len(d) for d in durations] != [len(lst) for lst in steps]:
+        raise ValueError("durations must hold one number per step of each device")
     end: dict[tuple[str, int, int], float] = {}
     free, pos = [0.0] * len(steps), [0] * len(steps)
     timed: list[Timed] = []
@@ -174,7 +179,7 @@ def simulate(steps: Sequence[Sequence[Step]], num_stages: int,
                         break
                     ready = end[dep]
                 start = max(free[d], ready)
-                free[d] = start + costs[step.op]
+                free[d] = start + (costs[step.op] if durations is None else durations[d][pos[d]])
                 key = ("bwd" if step.op == "bwd_input" else step.op, step.stage, step.micro_batch)
                 end[key] = end[(step.op, step.stage, step.micro_batch)] = free[d]
                 timed.append(Timed(d, step, start, free[d]))
