@@ -129,3 +129,21 @@ def test_a_task_whose_rank_0_never_starts_stops_with_a_named_error(tmp_path):
     (out,) = run_all([(cmd, env)], tmp_path, limit=150, ok=False)
     expected = f"RendezvousTimeout: rank 1: no job store at 127.0.0.1:{slurm_port(job)} after 5 s"
     assert expected in out, out[-3000:]
+
+
+def test_launch_limits_grow_with_server_starts_and_load_but_stay_bounded(monkeypatch):
+    """The forkserver launch of the server strategies took 237 s at load 17 (every RESULT
+    printed) and was killed at 210 s: limits count each Trainer call's server start and the
+    machine's load, up to ``MAX_LOAD_FACTOR`` times the unloaded limit."""
+    import conformance.launchers as launchers
+
+    monkeypatch.setattr(launchers.os, "getloadavg", lambda: (0.5, 0.5, 0.5))
+    ring = launchers.limit_for(["ring_allreduce"])
+    servers = launchers.limit_for([*SERVERS, "ring_allreduce"])
+    assert servers == launchers.limit_for(["a", "b", "ring_allreduce"]) + 2 * (
+        launchers.SERVER_START_S
+    )
+    assert servers > 237 and ring < servers
+    monkeypatch.setattr(launchers.os, "cpu_count", lambda: 2)
+    monkeypatch.setattr(launchers.os, "getloadavg", lambda: (40.0, 40.0, 40.0))
+    assert launchers.limit_for(["ring_allreduce"]) == ring * launchers.MAX_LOAD_FACTOR
