@@ -1,5 +1,6 @@
-"""Receives posted ahead of the compute that needs them, for :class:`~lightning_par.
-pipeline.multistage.DeviceStages`.
+"""Receives posted ahead of the compute that needs them, for ``DeviceStages``.
+
+(:class:`~lightning_par.pipeline.multistage.DeviceStages`.)
 
 At the start of a step list the device knows every message it will receive from another
 device, in the order its steps consume them (:meth:`ReceiveAhead._receive_queues`). It posts

@@ -26,11 +26,16 @@ from conformance.run_model import run_model, run_models_on_rank
 import lightning_par  # noqa: F401  (registers the strategy names)
 from lightning_par.comm import run_on_ranks
 from lightning_par.features import row
+from lightning_par.strategies.async_sgd import AsyncSGDStrategy
 from lightning_par.strategies.parameter_server import ParameterServerStrategy
 from lightning_par.strategies.registry import strategy_specs
 
 ALL = [s.name for s in strategy_specs()]
-OWN_LAUNCH = [s.name for s in strategy_specs() if issubclass(s.load(), ParameterServerStrategy)]
+OWN_LAUNCH = [
+    s.name
+    for s in strategy_specs()
+    if issubclass(s.load(), (ParameterServerStrategy, AsyncSGDStrategy))
+]
 MIN_CHANGE = 0.03  # Lightning's min_change_ratio
 ATOL = 2e-5
 
