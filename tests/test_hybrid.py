@@ -131,7 +131,7 @@ def _loader(dp: int) -> DataLoader:
     return DataLoader(SyntheticCIFAR10(SIZE, seed=1), batch_size=GLOBAL_BATCH // dp)
 
 
-def _single_process(model: pl.LightningModule, dp: int) -> dict[str, torch.Tensor]:
+def _single_process(model: pl.LightningModule, dp: int, **kw) -> dict[str, torch.Tensor]:
     """One process on the global batches the dp replicas read together: Lightning shuffles
     the training data with a DistributedSampler per replica, so replay the same shards."""
     data = SyntheticCIFAR10(SIZE, seed=1)
@@ -140,7 +140,7 @@ def _single_process(model: pl.LightningModule, dp: int) -> dict[str, torch.Tenso
     steps = range(len(shards[0]) // per)
     order = [i for k in steps for shard in shards for i in shard[k * per : (k + 1) * per]]
     reference = copy.deepcopy(model)
-    _trainer("auto", 1, precision=PRECISION).fit(
+    _trainer("auto", 1, precision=PRECISION, **kw).fit(
         reference, DataLoader(data, batch_size=GLOBAL_BATCH, sampler=order)
     )
     return reference.state_dict()
@@ -229,6 +229,18 @@ def test_other_model_parallel_kinds_train_like_one_process(tmp_path, kind, optio
     # the checkpoint holds the full model, however it was cut
     ckpt = torch.load(tmp_path / "hybrid.ckpt", weights_only=False)
     _assert_same_weights(ckpt["state_dict"], expected)
+
+
+@pytest.mark.parametrize("mp_kind", ["tensor_parallel", "gpipe"])
+def test_clipping_by_norm_uses_one_replicas_norm(mp_kind):
+    """Every replica holds the same averaged gradient: the norm is one replica's (its row's
+    slices or stages summed), not the sum over the whole grid, which would clip less."""
+    model = _model("cnn")
+    clip = {"gradient_clip_val": 0.05}
+    expected = _single_process(model, dp=2, **clip)
+    strategy = HybridStrategy(mp_kind=mp_kind)
+    _trainer(strategy, 4, precision=PRECISION, **clip).fit(model, _loader(dp=2))
+    _assert_same_weights(model.state_dict(), expected)
 
 
 def test_four_stage_rows_and_four_replica_columns_train_like_one_process():

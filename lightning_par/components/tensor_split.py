@@ -143,9 +143,10 @@ class TensorParallelSplit(ModelSplitter):
             )
 
     def _clip_by_whole_norm(self, optimizer: Any, clip_val: float) -> None:
-        """Clip by the norm of the whole model's gradient, not of this rank's slices."""
-        comm = self.strategy.comm
-        assert comm is not None
+        """Clip by the norm of the whole model's gradient, not of this rank's slices: summed
+        over the ranks of one model (under ``hybrid`` one row: every replica holds the same
+        averaged gradient, so summing over the whole grid would count it ``dp`` times)."""
+        comm = self.comm
         module = self.module
         shards = module_shards(module)
         split = {id(p) for name, p in module.named_parameters() if name in shards}
