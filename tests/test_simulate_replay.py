@@ -11,10 +11,11 @@ import pytest
 from lightning_par.compare import __main__ as compare_cli
 from lightning_par.simulate import __main__ as cli
 from lightning_par.simulate.links import Topology
+from lightning_par.simulate.profile import profile
 from lightning_par.simulate.replay import load_run, replay
 from lightning_par.simulate.validate import own_link, pooled_loopback
 
-STRATEGIES = ["ring_allreduce", "gpipe"]
+STRATEGIES = ["ring_allreduce", "gpipe", "tensor_parallel"]
 
 
 @pytest.fixture(scope="module")
@@ -36,6 +37,17 @@ def test_replay_on_the_fitted_loopback_reproduces_each_measured_step(report):
         assert result.mean_step_s == pytest.approx(run.measured_step_s, rel=0.10), run.name
         split = result.per_step_split(0)
         assert sum(split.values()) == pytest.approx(result.step_s(0), rel=1e-6)
+
+
+def test_tensor_parallel_traces_its_model_apart_from_the_steps_overhead(report):
+    run = load_run(report / "runs" / "tensor_parallel")
+    for trace in run.traces:
+        names = {e.name for e in trace.events}
+        assert {"tp forward", "tp backward"} <= names, trace.rank
+    prof = profile(run)
+    # forward and backward without their collectives: a part of the step's compute, not all
+    assert prof.model == "CifarCNN"
+    assert 0 < prof.model_s < prof.compute_s
 
 
 def test_a_faster_network_and_device_shorten_the_replayed_step(report):
@@ -61,6 +73,7 @@ def test_scale_table_and_the_reports_predicted_section(report, capsys):
     rows = {(r["strategy"], r["devices"]): r for r in doc["rows"]}
     assert set(rows) == {(s, p) for s in STRATEGIES for p in (8, 64)}
     assert rows[("gpipe", 8)]["step_s"] is None  # CifarCNN has 4 layers to split
+    assert "no layer the automatic plan cuts 8 ways" in rows[("tensor_parallel", 8)]["note"]
     assert 0 < rows[("ring_allreduce", 64)]["efficiency"] <= 1.0
 
 

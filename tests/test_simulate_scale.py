@@ -2,11 +2,17 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
+import torch
+from torch import nn
 
 from lightning_par.simulate.links import Link, Topology
 from lightning_par.simulate.profile import Profile
-from lightning_par.simulate.scale import NotApplicable, predict_step, scaling_row
+from lightning_par.simulate.scale import NotApplicable, busiest_share, predict_step, scaling_row
+from lightning_par.tensorparallel.cost import busiest_rank_share
+from lightning_par.tensorparallel.plan import Plan, resolve_plan
 
 LATENCY_ONLY = Topology(Link("a", alpha=1.0, beta=0.0), Link("a", alpha=1.0, beta=0.0))
 BANDWIDTH_ONLY = Topology(Link("b", alpha=0.0, beta=1e-3), Link("b", alpha=0.0, beta=1e-3))
@@ -42,6 +48,17 @@ def test_parameter_server_link_is_shared_by_the_workers():
         assert predict_step(prof, p, BANDWIDTH_ONLY) == pytest.approx(2 * p * 1.0)
 
 
+def test_the_servers_turn_overlaps_the_workers_time_between_steps():
+    free = Topology(Link("free", 0.0, 0.0), Link("free", 0.0, 0.0))
+    # 4 s of each step is not forward/backward (optimiser, next batch): the server's update
+    # (3 s) hides behind it; a 5 s update shows 1 s of it
+    hidden = dp("ps", servers=1, processes=3, compute_s=10.0, batch_s=6.0, server_s=3.0)
+    assert predict_step(hidden, 2, free) == pytest.approx(10.0)
+    assert predict_step(replace(hidden, server_s=5.0), 2, free) == pytest.approx(11.0)
+    # at 4 workers the per-sample 6 s halves, the 4 s between steps does not
+    assert predict_step(hidden, 4, free) == pytest.approx(4.0 + 3.0)
+
+
 def test_pipeline_follows_the_gpipe_schedule():
     prof = Profile("gpipe", "pipeline", 2, 2, 8, 0.0, compute_s=6.0, chunks=2, fwd_s=1.0,
                    bwd_s=2.0, act_bytes=0, max_devices=4, limit="4 layers")  # fmt: skip
@@ -59,6 +76,34 @@ def test_tensor_parallel_splits_compute_and_pays_ring_allreduces():
     prof = Profile("tp", "tp", 2, 2, 8, 0.0, compute_s=6.0, collectives=3, collective_bytes=400)
     # compute 6 x 2/4 = 3; each allreduce: ring 2(p-1) = 6 latencies
     assert predict_step(prof, 4, LATENCY_ONLY) == pytest.approx(3 + 3 * 6)
+
+
+def test_tensor_parallel_splits_only_what_the_plan_cuts_at_p():
+    free = Topology(Link("free", 0.0, 0.0), Link("free", 0.0, 0.0))
+    # 6 s of the measured 10 s is the model (forward, backward); 4 s is not split
+    prof = Profile("tp", "tp", 2, 2, 8, 0.0, compute_s=10.0, model="CifarCNN", model_s=6.0,
+                   max_devices=16, limit="")  # fmt: skip
+    at_2 = busiest_share("CifarCNN", 2)
+    for p in (3, 4):  # at 3 and 4 only the second block's pair splits (16 channels: 8 | 4 + 4)
+        expected = 4.0 + 6.0 * busiest_share("CifarCNN", p) / at_2
+        assert predict_step(prof, p, free) == pytest.approx(expected)
+    assert predict_step(prof, 3, free) > predict_step(prof, 2, free)  # the first block whole
+    with pytest.raises(NotApplicable, match="no layer the automatic plan cuts 8 ways"):
+        predict_step(prof, 8, free)
+
+
+def test_busiest_rank_share_weighs_each_cut_by_its_flops_and_largest_slice():
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 6), nn.ReLU(), nn.Linear(6, 6))
+    x = torch.randn(5, 4)
+    flops = [2 * 5 * 4 * 8, 2 * 5 * 8 * 6, 2 * 5 * 6 * 6]  # the pair 0 -> 2, then 4 whole
+    for p in (2, 3):
+        plan = resolve_plan(net, p, root="")
+        sizes = [cut.sizes for cut in plan.cuts if cut.name == "0"][0]
+        largest = max(sizes) / sum(sizes)
+        expected = ((flops[0] + flops[1]) * largest + flops[2]) / sum(flops)
+        assert busiest_rank_share(net, plan, x) == pytest.approx(expected)
+    assert busiest_rank_share(net, Plan(1), x) == pytest.approx(1.0)
 
 
 def test_only_the_per_sample_part_of_compute_shrinks_with_the_batch():

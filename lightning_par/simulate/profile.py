@@ -50,6 +50,11 @@ class Profile:
     max_devices: int | None = None
     limit: str = ""
     traced: bool = True
+    model: str = ""  # the compare's model name (``make_model``), "" for a user's own run
+    #: tensor parallel: the model's forward and backward per step without their collectives
+    #: (the ``tp forward`` / ``tp backward`` spans less the messages inside them); the rest of
+    #: ``compute_s`` is the step's overhead, which no rank splits.
+    model_s: float = 0.0
 
 
 FAMILIES = {
@@ -124,6 +129,8 @@ def profile(run: Run, graph: Graph | None = None) -> Profile:
         prof.act_bytes = int(statistics.median(acts)) if acts else 0
         prof.max_devices, prof.limit = layers or None, f"{layers} layers in module.net"
     if family == "tp":
+        prof.model = run.row.get("model") or ""
+        prof.model_s = _model_compute(run, events, messages) / n_ranks / steps
         scatters = [m for m in messages if m.op == "send" and m.tag.endswith("reduce-scatter")]
         prof.collectives = round(len(scatters) / n_ranks / steps)
         # at p ranks a ring allreduce's reduce-scatter step carries 1/p of the tensor
@@ -133,6 +140,18 @@ def profile(run: Run, graph: Graph | None = None) -> Profile:
         prof.traced, prof.compute_s = False, step_s  # untraced: the step is all compute
         prof.batch_s = step_s
     return prof
+
+
+def _model_compute(run: Run, events, messages) -> float:
+    """Seconds inside ``tp forward`` / ``tp backward`` spans, less the time a rank blocked on
+    a message inside them (all ranks together)."""
+    spans = [(e.rank, e.start, e.end) for e in events if e.name in ("tp forward", "tp backward")]
+    total = sum(b - a for _, a, b in spans)
+    for m in messages:
+        blocked = max(m.start, m.wait_start if m.wait_start is not None else m.start)
+        if any(r == m.rank and a <= blocked and m.end <= b for r, a, b in spans):
+            total -= m.end - blocked
+    return max(total, 0.0)
 
 
 def profile_from_report(row: dict, model_name: str) -> Profile | None:

@@ -11,13 +11,20 @@ from the measured run:
   parameters once every ``period`` steps, after the step.
 * **parameter servers**: ``p`` worker lanes and ``S`` server lanes with explicit push and
   pull messages, the servers' ports shared (contention): ``S`` links carry ``p`` workers'
-  traffic. ``async_sgd`` has no barrier: a server answers each push on its own.
+  traffic. A step runs from the pushes to the end of the next backward: the servers'
+  turn overlaps the worker's work between steps (optimiser, next batch: the part of its
+  compute that is not forward and backward), then the forward waits for the pulls.
+  ``async_sgd`` has no barrier: a server answers each push on its own.
 * **gpipe / layerwise**: ``K = p`` stage lanes running
   :func:`lightning_par.pipeline.schedule.stage_steps` for ``M`` micro-batches (layerwise: 1),
   activations and gradients as messages between neighbours; forward and backward per stage
   are the measured ones over ``K`` (an even partition).
-* **tensor_parallel**: each rank computes ``1/p`` of every layer; each of the step's
-  allreduces (measured count and size) is a ring allreduce at ``p``.
+* **tensor_parallel**: the busiest rank computes its slice of every layer the automatic plan
+  cuts at ``p`` (the plan changes with ``p``: a layer whose width does not split is left
+  whole, a cut may be uneven) and every other layer whole, weighed by FLOPs
+  (:func:`busiest_share`); the step's overhead outside forward and backward is not split;
+  each of the step's allreduces (measured count and size) is a ring allreduce at ``p``.
+  A user's own run (no compare model to plan) assumes every layer split evenly.
 * **hybrid**: its ``mp`` stays as measured, ``dp = p / mp`` replicas ring-allreduce ``1/mp``
   of the gradients.
 
@@ -33,9 +40,13 @@ divided by the sharing the same model finds in the measured run (its own ``world
 
 from __future__ import annotations
 
+import functools
 from dataclasses import replace
 
+import torch
+
 from lightning_par.collectives.cost_model import predict
+from lightning_par.compare.run import make_model
 from lightning_par.pipeline.schedule import stage_steps
 from lightning_par.simulate.cores import lightning_threads
 from lightning_par.simulate.engine import (
@@ -51,6 +62,8 @@ from lightning_par.simulate.engine import (
 )
 from lightning_par.simulate.links import Topology
 from lightning_par.simulate.profile import Profile
+from lightning_par.tensorparallel.cost import busiest_rank_share
+from lightning_par.tensorparallel.plan import resolve_plan
 
 
 class NotApplicable(ValueError):
@@ -105,10 +118,14 @@ def ps_graph(prof: Profile, p: int, topo: Topology, cores: int | None,
     share = prof.grad_bytes // s_count
     push = [[g.message(Msg(w, p + s, share)) for s in range(s_count)] for w in range(p)]
     pull = [[g.message(Msg(p + s, w, share)) for s in range(s_count)] for w in range(p)]
+    # one step from the pushes on: the server's turn overlaps the worker's loop between
+    # steps (optimiser, next batch); the next forward waits for the pulls
+    between = max(prof.compute_s - prof.batch_s, 0.0)
     for w in range(p):
-        g.lane(w).append(Compute(prof.compute_s * scale))
-        g.lane(w).extend([*map(Post, push[w]), *map(Post, pull[w])])
-        g.lane(w).extend([*map(Wait, push[w]), *map(Wait, pull[w])])
+        lane = g.lane(w)
+        lane.extend([*map(Post, push[w]), *map(Post, pull[w]), *map(Wait, push[w])])
+        lane.extend([Compute(between, "between steps"), *map(Wait, pull[w])])
+        lane.append(Compute(prof.compute_s * scale - between))
     serve = Compute(prof.server_s, "update")
     for s in range(s_count):
         lane = g.lane(p + s)
@@ -167,7 +184,13 @@ def tp_graph(prof: Profile, p: int, topo: Topology, cores: int | None,
              weak: bool = False) -> Graph:  # fmt: skip
     if prof.max_devices and p > prof.max_devices:
         raise NotApplicable(f"{p}-way split > {prof.limit}")
-    work = prof.compute_s * prof.world / p
+    if prof.model and prof.model_s:
+        # the busiest rank's share of the model at p over the measured one; the step's
+        # overhead (loop, optimiser, data) is not split
+        ratio = busiest_share(prof.model, p) / busiest_share(prof.model, prof.world)
+        work = prof.compute_s - prof.model_s + prof.model_s * ratio
+    else:  # a user's own run: every layer assumed split evenly
+        work = prof.compute_s * prof.world / p
     each = _allreduce_s("ring", prof.collective_bytes, p, topo)
     g = Graph(weight={0: p})
     lane = g.lane(0)
@@ -175,6 +198,24 @@ def tp_graph(prof: Profile, p: int, topo: Topology, cores: int | None,
         lane.extend([Compute(work / (prof.collectives + 1)), Comm(each, "allreduce")])
     lane.append(Compute(work / (prof.collectives + 1)))
     return g
+
+
+@functools.cache
+def busiest_share(model_name: str, p: int) -> float:
+    """:func:`~lightning_par.tensorparallel.cost.busiest_rank_share` of the compare model
+    ``model_name`` under the automatic plan at ``p`` ranks (:class:`NotApplicable` where that
+    plan cuts nothing: the strategy refuses such a run)."""
+    model = make_model(model_name)
+    example = getattr(model, "example_input_array", None)
+    if not isinstance(example, torch.Tensor):
+        example = torch.zeros(2, 3, 32, 32)  # a CIFAR batch, as the compare feeds
+    try:
+        plan = resolve_plan(model, p, example_inputs=(example[:2],))
+    except ValueError as err:
+        raise NotApplicable(f"{model_name} at {p} ranks: {err}") from err
+    if p > 1 and not any(cut.style != "norm" for cut in plan.cuts):
+        raise NotApplicable(f"{model_name} has no layer the automatic plan cuts {p} ways")
+    return busiest_rank_share(model, plan, example)
 
 
 def hybrid_graph(prof: Profile, p: int, topo: Topology, cores: int | None,

@@ -25,10 +25,12 @@ This class is :class:`~lightning_par.strategies._base.ParStrategy` with a
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager, nullcontext
 from typing import Any
 
 import torch
+from typing_extensions import override
 
 from lightning_par.components.splitter import find_network
 from lightning_par.components.tensor_split import (
@@ -69,6 +71,24 @@ class TensorParallelStrategy(ParStrategy):
         super().__init__(**kwargs)
         self.splitter = split
         split.bind(self)
+
+    @override
+    def training_step(self, *args: Any, **kwargs: Any) -> Any:
+        with self._model_span("tp forward"):
+            return super().training_step(*args, **kwargs)
+
+    @override
+    def backward(self, closure_loss: torch.Tensor, optimizer: Any, *args: Any, **kwargs: Any):
+        with self._model_span("tp backward"):
+            return super().backward(closure_loss, optimizer, *args, **kwargs)
+
+    @contextmanager
+    def _model_span(self, name: str) -> Iterator[None]:
+        """The forward (loss included) and backward of each training step as trace events:
+        the what-if simulator weighs the model's own compute apart from the step's overhead
+        (:mod:`lightning_par.simulate.profile`). Their collectives stay on the main lane."""
+        with self.trace.span(name) if self.trace is not None else nullcontext():
+            yield
 
     @classmethod
     def compare_bytes_per_step(cls, model: Any, devices: int, global_batch: int,

@@ -75,6 +75,46 @@ def step_cost(module: nn.Module, plan: Plan, example_input: Any, element_size: i
     return tensor_parallel_cost(ops, plan.world_size, element_size, algorithm)
 
 
+def busiest_rank_share(module: nn.Module, plan: Plan, example_input: Any) -> float:
+    """The share of one process's forward FLOPs that the busiest rank computes under ``plan``:
+    each cut layer's FLOPs times its largest slice (``max(sizes) / sum(sizes)``: a plan may
+    cut unevenly, e.g. GroupNorm's whole groups), every layer left whole in full. Backward
+    costs about twice the forward in each weight layer (Kaplan et al., 2020, arXiv:2001.08361,
+    section 2.1), so the share holds for a training step's compute. FLOPs are counted by
+    torch's ``FlopCounterMode`` on one forward of a copy of ``module``."""
+    from torch.utils.flop_counter import FlopCounterMode  # torch's counter, only needed here
+
+    probe = copy.deepcopy(module)
+    counter = FlopCounterMode(display=False)
+    cut_flops: dict[str, list[int]] = {}
+
+    def watch(name: str):
+        def before(_mod, _args):
+            cut_flops.setdefault(name, []).append(-counter.get_total_flops())
+
+        def after(_mod, _args, _out):
+            cut_flops[name][-1] += counter.get_total_flops()
+
+        return before, after
+
+    handles = []
+    for cut in plan.cuts:
+        if cut.style != "norm":
+            before, after = watch(cut.name)
+            layer = probe.get_submodule(cut.name)
+            handles += [layer.register_forward_pre_hook(before), layer.register_forward_hook(after)]
+    with torch.no_grad(), counter:
+        probe(example_input)
+    for handle in handles:
+        handle.remove()
+    total = counter.get_total_flops()
+    if not total:
+        return 1.0
+    saved = sum(sum(cut_flops.get(cut.name, [0])) * (1 - max(cut.sizes) / sum(cut.sizes))
+                for cut in plan.cuts if cut.style != "norm" and sum(cut.sizes))  # fmt: skip
+    return max(total - saved, 0) / total
+
+
 def all_gather_cost(sizes: Sequence[int], rest: int = 1, element_size: int = 4) -> Cost:
     """The ring all-gather of :func:`lightning_par.tensorparallel.all_gather`: rank ``r``'s
     slice is ``sizes[r] * rest`` elements; rank ``r`` sends every slice but its right
