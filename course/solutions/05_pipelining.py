@@ -28,7 +28,6 @@ def two_stage_gpipe(comm, stage, x, y, loss_fn, chunks):
             comm.send(act.grad, 0)
 
 
-
 def two_stage_1f1b(comm, stage, x, y, loss_fn, chunks):
     """Your GPipe step in 1F1B order: the same gradients, at most K - s micro-batches held on
     stage s (see part b)."""
@@ -52,6 +51,7 @@ def two_stage_1f1b(comm, stage, x, y, loss_fn, chunks):
             act = comm.recv(torch.empty(len(xi), stage[0].in_features), 0).requires_grad_()
             (loss_fn(stage(act), yi) * len(xi) / len(x)).backward()  # its share of the mean
             comm.send(act.grad, 0)
+
 
 def interleaved_order(device, num_devices, v, chunks):
     """Device ``device``'s steps under interleaved 1F1B: Step(stage, "fwd" or "bwd", micro_batch)
