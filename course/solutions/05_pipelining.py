@@ -28,9 +28,34 @@ def two_stage_gpipe(comm, stage, x, y, loss_fn, chunks):
             comm.send(act.grad, 0)
 
 
+def two_stage_1f1b(comm, stage, x, y, loss_fn, chunks):
+    """Your GPipe step in 1F1B order: the same gradients, at most K - s micro-batches held on
+    stage s (see part b)."""
+    xs, ys = x.tensor_split(chunks), y.tensor_split(chunks)
+    if comm.rank == 0:
+        waiting, sends = [], []  # outputs whose gradient has not come back yet; posted sends
+        for xi in xs:
+            out = stage(xi)
+            # not comm.send: rank 1 may be sending a gradient now, and waits for our receive
+            sends.append(comm.isend(out.detach(), 1))
+            waiting.append(out)
+            if len(waiting) == 2:  # the warm-up forward is done: a backward after each forward
+                oldest = waiting.pop(0)
+                oldest.backward(comm.recv(torch.empty_like(oldest), 1))
+        for out in waiting:  # cool-down: the backwards still owed
+            out.backward(comm.recv(torch.empty_like(out), 1))
+        for handle in sends:
+            handle.wait()
+    else:
+        for xi, yi in zip(xs, ys):  # the last stage: no warm-up, each backward right away
+            act = comm.recv(torch.empty(len(xi), stage[0].in_features), 0).requires_grad_()
+            (loss_fn(stage(act), yi) * len(xi) / len(x)).backward()  # its share of the mean
+            comm.send(act.grad, 0)
+
+
 def interleaved_order(device, num_devices, v, chunks):
     """Device ``device``'s steps under interleaved 1F1B: Step(stage, "fwd" or "bwd", micro_batch)
-    for its stages device, device + K, ..., in Megatron-LM's order (see part b)."""
+    for its stages device, device + K, ..., in Megatron-LM's order (see part c)."""
     k = num_devices
     forwards, backwards = [], []
     for first in range(0, chunks, k):  # groups of K micro-batches ...
