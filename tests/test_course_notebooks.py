@@ -42,11 +42,12 @@ def test_the_course_is_numbered_in_reading_order():
 
 @pytest.mark.parametrize("nb", NOTEBOOKS, ids=lambda p: p.stem)
 def test_one_checked_exercise_with_its_solution(nb):
+    """One exercise per notebook, in one or more parts (02 and 03 add a part that builds on
+    the previous notebook's): each part a cell tagged ``exercise`` whose stub the solution
+    file fills in, followed by the cell that checks it."""
     cells = _cells(nb)
     tagged = [i for i, c in enumerate(cells) if "exercise" in c["metadata"].get("tags", [])]
-    assert len(tagged) == 1, f"{nb.name}: {len(tagged)} cells tagged 'exercise', want one"
-    stub = _text(cells[tagged[0]]["source"])
-    assert cells[tagged[0]]["cell_type"] == "code" and "NotImplementedError" in stub
+    assert 1 <= len(tagged) <= 2, f"{nb.name}: {len(tagged)} cells tagged 'exercise', want 1-2"
     solution = COURSE / "solutions" / f"{nb.stem}.py"
     assert solution.exists(), f"{nb.name}: no {solution.relative_to(COURSE.parent)}"
     answer = solution.read_text()
@@ -56,9 +57,15 @@ def test_one_checked_exercise_with_its_solution(nb):
         tree = ast.parse(source)
         return {n.name for n in tree.body if isinstance(n, ast.FunctionDef | ast.ClassDef)}
 
-    assert defined(stub) and defined(stub) == defined(answer), "the solution fills in the stub"
-    after = [c for c in cells[tagged[0] + 1 :] if c["cell_type"] == "code"]
-    assert after and "checking(" in _text(after[0]["source"]), "the next cell checks it"
+    stubs: set[str] = set()
+    for part, index in enumerate(tagged):
+        stub = _text(cells[index]["source"])
+        assert cells[index]["cell_type"] == "code" and "NotImplementedError" in stub
+        assert defined(stub) and not defined(stub) & stubs, f"{nb.name}: part {part} redefines"
+        stubs |= defined(stub)
+        after = [c for c in cells[index + 1 :] if c["cell_type"] == "code"]
+        assert after and "checking(" in _text(after[0]["source"]), "the next cell checks it"
+    assert stubs == defined(answer), "the solution fills in every part's stub, nothing else"
 
 
 @pytest.mark.parametrize("nb", NOTEBOOKS, ids=lambda p: p.stem)
