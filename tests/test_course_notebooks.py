@@ -68,6 +68,28 @@ def test_one_checked_exercise_with_its_solution(nb):
     assert stubs == defined(answer), "the solution fills in every part's stub, nothing else"
 
 
+#: The exercise path (issue 30): a ring from send/recv (01) -> gradient buckets summed by that
+#: ring during backward (02, part b) -> a Lightning strategy from both (03, part b). Each step
+#: loads the earlier answers (the model answers, or the student's own pasted in their place).
+CHAIN = {
+    "02_parameter_server": {"01_allreduce"},
+    "03_async_sgd": {"01_allreduce", "02_parameter_server"},
+}
+LOADED = re.compile(r'runpy\.run_path\("solutions/(\w+)\.py"\)\["(\w+)"\]')
+
+
+@pytest.mark.parametrize("stem", sorted(CHAIN))
+def test_the_exercise_path_builds_on_the_earlier_answers(stem):
+    cells = _cells(COURSE / f"{stem}.ipynb")
+    last = max(i for i, c in enumerate(cells) if "exercise" in c["metadata"].get("tags", []))
+    before = "\n".join(_text(c["source"]) for c in cells[:last] if c["cell_type"] == "code")
+    loaded = LOADED.findall(before)
+    assert {name for name, _ in loaded} == CHAIN[stem], f"{stem} loads {loaded} before its exercise"
+    for name, symbol in loaded:
+        tree = ast.parse((COURSE / "solutions" / f"{name}.py").read_text())
+        assert symbol in {n.name for n in tree.body if hasattr(n, "name")}, (name, symbol)
+
+
 @pytest.mark.parametrize("nb", NOTEBOOKS, ids=lambda p: p.stem)
 def test_stored_outputs_show_no_machine_paths_or_chatter(nb):
     for i, cell in enumerate(_cells(nb)):
