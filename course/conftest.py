@@ -1,5 +1,6 @@
-"""The course's test run executes every notebook with its exercise solved: the cell tagged
-``exercise`` is replaced by ``solutions/<notebook>.py``, so the check after it is real.
+"""The course's test run executes every notebook with its exercise solved: each cell tagged
+``exercise`` is replaced by ``solutions/<notebook>.py`` (which fills in every part of the
+exercise), so the check after it is real.
 
 Each notebook's kernel also checks every figure it shows (``figurecheck.py``): an IPython
 startup file in a private ``IPYTHONDIR`` registers the check, and a figure without a title,

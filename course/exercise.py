@@ -1,7 +1,8 @@
 """Checked exercises for the course notebooks.
 
 Each notebook has one exercise: a code cell (tagged ``exercise``) with a function for you to
-fill in, followed by a cell that checks it against the library or against one process::
+fill in, followed by a cell that checks it against the library or against one process (02 and
+03 add a second such pair that builds on the earlier notebooks' answers)::
 
     with checking("the ring's reduce-scatter"):
         assert torch.equal(my_reduce_scatter(...), expected)

@@ -42,11 +42,12 @@ def test_the_course_is_numbered_in_reading_order():
 
 @pytest.mark.parametrize("nb", NOTEBOOKS, ids=lambda p: p.stem)
 def test_one_checked_exercise_with_its_solution(nb):
+    """One exercise per notebook, in one or more parts (02 and 03 add a part that builds on
+    the previous notebook's): each part a cell tagged ``exercise`` whose stub the solution
+    file fills in, followed by the cell that checks it."""
     cells = _cells(nb)
     tagged = [i for i, c in enumerate(cells) if "exercise" in c["metadata"].get("tags", [])]
-    assert len(tagged) == 1, f"{nb.name}: {len(tagged)} cells tagged 'exercise', want one"
-    stub = _text(cells[tagged[0]]["source"])
-    assert cells[tagged[0]]["cell_type"] == "code" and "NotImplementedError" in stub
+    assert 1 <= len(tagged) <= 2, f"{nb.name}: {len(tagged)} cells tagged 'exercise', want 1-2"
     solution = COURSE / "solutions" / f"{nb.stem}.py"
     assert solution.exists(), f"{nb.name}: no {solution.relative_to(COURSE.parent)}"
     answer = solution.read_text()
@@ -56,9 +57,37 @@ def test_one_checked_exercise_with_its_solution(nb):
         tree = ast.parse(source)
         return {n.name for n in tree.body if isinstance(n, ast.FunctionDef | ast.ClassDef)}
 
-    assert defined(stub) and defined(stub) == defined(answer), "the solution fills in the stub"
-    after = [c for c in cells[tagged[0] + 1 :] if c["cell_type"] == "code"]
-    assert after and "checking(" in _text(after[0]["source"]), "the next cell checks it"
+    stubs: set[str] = set()
+    for part, index in enumerate(tagged):
+        stub = _text(cells[index]["source"])
+        assert cells[index]["cell_type"] == "code" and "NotImplementedError" in stub
+        assert defined(stub) and not defined(stub) & stubs, f"{nb.name}: part {part} redefines"
+        stubs |= defined(stub)
+        after = [c for c in cells[index + 1 :] if c["cell_type"] == "code"]
+        assert after and "checking(" in _text(after[0]["source"]), "the next cell checks it"
+    assert stubs == defined(answer), "the solution fills in every part's stub, nothing else"
+
+
+#: The exercise path (issue 30): a ring from send/recv (01) -> gradient buckets summed by that
+#: ring during backward (02, part b) -> a Lightning strategy from both (03, part b). Each step
+#: loads the earlier answers (the model answers, or the student's own pasted in their place).
+CHAIN = {
+    "02_parameter_server": {"01_allreduce"},
+    "03_async_sgd": {"01_allreduce", "02_parameter_server"},
+}
+LOADED = re.compile(r'runpy\.run_path\("solutions/(\w+)\.py"\)\["(\w+)"\]')
+
+
+@pytest.mark.parametrize("stem", sorted(CHAIN))
+def test_the_exercise_path_builds_on_the_earlier_answers(stem):
+    cells = _cells(COURSE / f"{stem}.ipynb")
+    last = max(i for i, c in enumerate(cells) if "exercise" in c["metadata"].get("tags", []))
+    before = "\n".join(_text(c["source"]) for c in cells[:last] if c["cell_type"] == "code")
+    loaded = LOADED.findall(before)
+    assert {name for name, _ in loaded} == CHAIN[stem], f"{stem} loads {loaded} before its exercise"
+    for name, symbol in loaded:
+        tree = ast.parse((COURSE / "solutions" / f"{name}.py").read_text())
+        assert symbol in {n.name for n in tree.body if hasattr(n, "name")}, (name, symbol)
 
 
 @pytest.mark.parametrize("nb", NOTEBOOKS, ids=lambda p: p.stem)
