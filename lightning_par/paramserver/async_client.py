@@ -10,12 +10,13 @@ push with an ``INFO`` message (the update's staleness), worker 0 asks server 0 f
 from __future__ import annotations
 
 import threading
+from collections import Counter
 from typing import Any
 
 import torch
 from torch import nn
 
-from lightning_par.comm import Event, Handle
+from lightning_par.comm import CommTrace, Event, Handle
 from lightning_par.paramserver import protocol
 from lightning_par.paramserver.clipping import GradClip, clip_flat
 from lightning_par.paramserver.messages import post_headers
@@ -142,3 +143,12 @@ class AsyncParameterClient(ParameterClient):
             self.optimizer.load_state_dict({**state_dict, "state": {}})
             return
         super().load_state(state_dict)
+
+
+def staleness_histogram(traces: CommTrace | list[CommTrace]) -> dict[int, int]:
+    """How many applied updates had each staleness, from one or more workers' traces."""
+    traces = [traces] if isinstance(traces, CommTrace) else traces
+    counts = Counter(
+        e.micro_batch for t in traces for e in t.events if e.name == "staleness"
+    )  # fmt: skip
+    return dict(sorted(counts.items()))

@@ -63,6 +63,23 @@ from lightning_par.paramserver.work import WorkQueue
 _ANSWERED = (Command.STEP, Command.NEXT, Command.PULL)
 
 
+def check_staleness(staleness: object) -> int | None:
+    """``staleness`` if it is ``None`` or an int >= 0; otherwise a clear error."""
+    if staleness is None:
+        return None
+    if isinstance(staleness, bool) or not isinstance(staleness, int):
+        raise TypeError(
+            f"staleness must be a whole number of steps >= 0 or None (fully asynchronous), "
+            f"got {staleness!r}"
+        )
+    if staleness < 0:
+        raise ValueError(
+            f"staleness must be >= 0 (0: synchronous; s: at most s steps ahead of the "
+            f"slowest worker) or None, got {staleness}"
+        )
+    return staleness
+
+
 class AsyncServer:
     """One server's asynchronous (or stale synchronous) update loop."""
 
