@@ -115,11 +115,8 @@ class ParStrategy(DDPStrategy):
         """``trainer.init_module(empty_init=True)`` under a strategy whose splitter builds
         stage by stage: the model is built on the meta device, and each device gives storage
         to its own stages only (:mod:`lightning_par.pipeline.materialize`)."""
-        if empty_init and self.splitter.materializes_meta:
-            with torch.device("meta"):
-                yield
-            return
-        with super().tensor_init_context(empty_init):
+        meta = empty_init and self.splitter.materializes_meta
+        with torch.device("meta") if meta else super().tensor_init_context(empty_init):
             yield
 
     @property
@@ -288,11 +285,7 @@ class ParStrategy(DDPStrategy):
         """Gradient accumulation: no communication on the accumulating micro-steps (the
         buckets' ``no_sync``; without buckets, DDPStrategy's: torch DDP's ``no_sync``)."""
         buckets = self.gradient_buckets()
-        if buckets is None:
-            with super().block_backward_sync():
-                yield
-            return
-        with buckets.no_sync():
+        with super().block_backward_sync() if buckets is None else buckets.no_sync():
             yield
 
     # ---- checkpoints ----------------------------------------------------------------------------
