@@ -18,6 +18,8 @@ import sys
 import time
 
 from lightning_par.launch.processes import run_bounded, time_limit
+from lightning_par.quiet import quiet_report
+from lightning_par.strategies import plugin_names
 
 RESULT_TAG = "CHECK_RESULT "
 MODELS = ("CifarCNN", "CifarRNN")
@@ -25,8 +27,6 @@ MODELS = ("CifarCNN", "CifarRNN")
 
 def registered_strategies() -> list[str]:
     """Lightning's DDP (the reference, under our launch policy), then every plugin."""
-    from lightning_par.strategies import plugin_names
-
     return ["lightning_ddp", *plugin_names()]
 
 
@@ -149,7 +149,6 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--run-row", nargs=4, metavar=("STRATEGY", "MODEL", "ACCEL", "DEVICES"))
     parser.add_argument("--run-rows", metavar="JSON", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
-    from lightning_par.quiet import quiet_report
 
     quiet_report()  # here and in each row's subprocess, which runs main() too
     if args.run_row:

@@ -12,6 +12,10 @@ import textwrap
 from collections.abc import Iterable, Sequence
 from typing import Any
 
+import lightning_par.models as models
+from lightning_par.models.classifier import OPTIMIZERS, SCHEDULERS
+from lightning_par.strategies import strategy_specs
+
 
 class UsageError(Exception):
     """A value the user typed is invalid; the message says which, and what would work."""
@@ -19,8 +23,6 @@ class UsageError(Exception):
 
 def our_strategy_names() -> list[str]:
     """The strategy names lightning_par registers, in registry order (the reference last)."""
-    from lightning_par.strategies import strategy_specs
-
     return [spec.name for spec in strategy_specs()]
 
 
@@ -45,8 +47,6 @@ def accelerator_names() -> list[str]:
 
 def model_names() -> list[str]:
     """Short class names ``--model`` accepts: every ImageClassifier subclass imported."""
-    import lightning_par.models as models
-
     found, todo = [], list(models.ImageClassifier.__subclasses__())
     while todo:
         cls = todo.pop(0)
@@ -179,8 +179,7 @@ def _get(ns: Any, key: str, default: Any = None) -> Any:
 
 def check_config(cfg: Any) -> None:
     """Check a subcommand's parsed configuration (jsonargparse ``Namespace``)."""
-    from lightning_par.data import SOURCES
-    from lightning_par.models.classifier import OPTIMIZERS, SCHEDULERS
+    from lightning_par.data import SOURCES  # slow: the data package loads torchvision
 
     trainer = _get(cfg, "trainer")
     strategy = _get(trainer, "strategy")

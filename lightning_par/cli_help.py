@@ -20,13 +20,13 @@ import re
 import textwrap
 from typing import Any
 
+from lightning_par.cli_checks import lightning_strategy_names, our_strategy_names
+
 HELP_FLAG = "--trainer.strategy.help"
 
 
 def description() -> str:
     """What ``lightning-par --help`` says before its options."""
-    from lightning_par.cli_checks import our_strategy_names
-
     return (
         "lightning_par: PyTorch Lightning strategies that teach and run the classic ways to "
         "parallelise training (allreduce data parallelism, parameter servers, asynchronous "
@@ -72,8 +72,6 @@ class DefaultsFormatter(argparse.RawDescriptionHelpFormatter):
 
 def strategy_names_help() -> str:
     """The text of ``--trainer.strategy`` in ``fit --help``: names, not class paths."""
-    from lightning_par.cli_checks import lightning_strategy_names, our_strategy_names
-
     lightning = [n for n in lightning_strategy_names() if "find_unused_parameters" not in n]
     return (
         f"A strategy name. lightning_par: {', '.join(our_strategy_names())}. Lightning: "

@@ -23,6 +23,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+from lightning_par import check
+
 REFUSED = 2
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -88,7 +90,6 @@ def main(argv: list[str] | None = None) -> int:
     if args.accelerator == "gpu" and cuda_devices() == 0:
         print(no_cuda_message(), file=sys.stderr)
         return REFUSED
-    from lightning_par import check
 
     accel = "cuda" if args.accelerator == "gpu" else "cpu"
     tests = None

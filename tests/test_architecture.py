@@ -205,23 +205,8 @@ def _function_level_imports() -> list[tuple[str, int, bool]]:
 
 
 #: Function-level imports of our own modules without a comment saying why (slow, optional
-#: or a cycle), per module: the list may shrink, never grow (a new one needs its comment).
-UNCOMMENTED = {
-    "lightning_par.bench.layerwise": 1,
-    "lightning_par.bench.parity": 2,
-    "lightning_par.bench.pipeline": 1,
-    "lightning_par.bench.simulate": 1,
-    "lightning_par.check": 2,
-    "lightning_par.cli_checks": 4,
-    "lightning_par.cli_help": 2,
-    "lightning_par.compare.__main__": 9,
-    "lightning_par.compare.predicted": 6,
-    "lightning_par.compare.run": 2,
-    "lightning_par.gpucheck": 1,
-    "lightning_par.pipeline.schedules_v": 1,
-    "lightning_par.simulate.__main__": 13,
-    "lightning_par.simulate.profile": 3,
-}
+#: or a cycle), per module: none; a new one needs its comment (or belongs at the top).
+UNCOMMENTED: dict[str, int] = {}
 
 
 def test_function_level_imports_say_why() -> None:

@@ -10,7 +10,7 @@ from torch import nn
 
 from lightning_par.paramserver.asynchronous import AsyncServer
 from lightning_par.paramserver.plan import plan_shards
-from lightning_par.paramserver.protocol import Command, Header, push_message
+from lightning_par.paramserver.protocol import Command, Header, encode_push
 from lightning_par.paramserver.remedies import (
     Remedies,
     adaptive_lambda,
@@ -66,7 +66,7 @@ def make_server(remedies: Remedies, momentum: float = 0.0):
 def push(server: AsyncServer, worker: int, grad: torch.Tensor, hyper) -> None:
     header = Header(Command.STEP, 0, tuple(hyper))
     flags = [torch.tensor(1.0), torch.tensor(1.0)]
-    server._handle(worker, header, [push_message([grad[:6], grad[6:]], flags)])
+    server._handle(worker, header, [encode_push([grad[:6], grad[6:]], flags)])
 
 
 def three_pushes(remedies: Remedies, momentum: float = 0.0):

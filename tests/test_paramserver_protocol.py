@@ -12,11 +12,14 @@ from lightning_par.paramserver.messages import recv_header, send_headers
 from lightning_par.paramserver.protocol import (
     MAGIC,
     NONE,
+    Info,
+    decode_info,
+    decode_push,
+    decode_work,
+    encode_info,
+    encode_push,
+    encode_work,
     header_size,
-    info_message,
-    push_message,
-    split_push,
-    work_message,
 )
 
 
@@ -41,7 +44,7 @@ def test_commands_and_kinds_are_distinct_and_named():
 
 def test_a_message_of_another_kind_is_refused_not_misread():
     # a push (gradient floats) received where a header was expected
-    push = push_message([torch.randn(5)], [torch.tensor(1.0)]).double()
+    push = encode_push([torch.randn(5)], [torch.tensor(1.0)]).double()
     with pytest.raises(ProtocolError, match="not a parameter-server header"):
         Header.decode(torch.cat([push, torch.zeros(header_size(2) - push.numel())]), 2)
     # the old synchronous layout [command, step, *hyper], zero-padded as gloo leaves it
@@ -76,11 +79,12 @@ def test_communicator_tags():
 
 
 def test_payload_layouts():
-    message = push_message([torch.arange(3.0), torch.arange(2.0)], [torch.tensor(1.0)] * 2)
-    grad, used = split_push(message, 5)
+    message = encode_push([torch.arange(3.0), torch.arange(2.0)], [torch.tensor(1.0)] * 2)
+    grad, used = decode_push(message, 5, 2)
     assert grad.tolist() == [0, 1, 2, 0, 1] and used.tolist() == [True, True]
-    assert info_message(2, 1, 9).tolist() == [2.0, 1.0, 9.0]
-    assert work_message(3, NONE).dtype == torch.int64
+    assert decode_info(encode_info(Info(2, 1, 9))) == Info(2, 1, 9)
+    assert encode_work(3, NONE).dtype == torch.int64
+    assert decode_work(encode_work(3, NONE)) == (3, NONE)
 
 
 def _out_of_order(rank, world_size):

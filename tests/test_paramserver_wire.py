@@ -6,17 +6,18 @@ from __future__ import annotations
 
 import os
 import pickle
+from collections.abc import Callable
 
 import pytest
 import torch
 from torch import nn
 
 from lightning_par.comm import Communicator, RankFailed, run_on_ranks
-from lightning_par.paramserver import wire
+from lightning_par.paramserver import protocol, wire
 from lightning_par.paramserver.clipping import GradClip
 from lightning_par.paramserver.messages import recv_object, send_object
 from lightning_par.paramserver.plan import ShardPlan
-from lightning_par.paramserver.protocol import Kind
+from lightning_par.paramserver.protocol import Header, Kind
 from lightning_par.paramserver.spec import server_spec
 
 
@@ -134,3 +135,33 @@ def test_a_server_refuses_a_pickled_spec(tmp_path) -> None:
         run_on_ranks(_pickle_spec_to_serve, 2, marker, timeout=30)
     assert "WireError" in str(err.value) and "no pickled objects" in str(err.value)
     assert not os.path.exists(marker)
+
+
+def _decoders() -> dict[str, Callable[[torch.Tensor], object]]:
+    """Every decoder of the protocol module, called as a receiver would."""
+    return {
+        "Header.decode": lambda m: Header.decode(m, 2),
+        "decode_slices": lambda m: protocol.decode_slices(m, [m.numel()]),
+        "decode_push": lambda m: protocol.decode_push(m, m.numel() - 1, 1),
+        "decode_info": protocol.decode_info,
+        "decode_work": protocol.decode_work,
+        "decode_norm": protocol.decode_norm,
+        "decode_object_size": lambda m: protocol.decode_object_size(m, "rank 0"),
+        "decode_object": protocol.decode_object,
+        "decode_spec": protocol.decode_spec,
+        "decode_state": protocol.decode_state,
+    }
+
+
+def test_the_list_below_holds_every_decoder_of_the_protocol() -> None:
+    names = {n for n in dir(protocol) if n.startswith("decode")} | {"Header.decode"}
+    assert names == set(_decoders())
+
+
+@pytest.mark.parametrize("name", sorted(_decoders()))
+def test_every_decoder_refuses_a_pickled_payload(name, tmp_path) -> None:
+    marker = tmp_path / "ran"
+    payload = torch.frombuffer(bytearray(pickle.dumps(_Payload(str(marker)))), dtype=torch.uint8)
+    with pytest.raises((protocol.ProtocolError, wire.WireError), match="pickled objects"):
+        _decoders()[name](payload)
+    assert not marker.exists()

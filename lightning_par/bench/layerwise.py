@@ -45,6 +45,7 @@ from lightning_par.modelparallel import (
     wavefront_utilisation,
 )
 from lightning_par.modelparallel.memory import predicted_param_bytes, stage_memory
+from lightning_par.models import CifarCNN, CifarRNN
 from lightning_par.pipeline.partition import balance_by_params
 from lightning_par.pipeline.timeline import measured_bubble, step_events, step_window
 
@@ -195,7 +196,6 @@ def run(time_chunks: list[int], warmup: int, steps: int, rounds: int) -> dict:
         rows.append(row)
     for row in rows:
         row["cpu_model_speedup_over_naive"] = rows[0]["cpu_model_step_s"] / row["cpu_model_step_s"]
-    from lightning_par.models import CifarCNN, CifarRNN
 
     torch.manual_seed(0)
     cnn, rnn = CifarCNN().net, CifarRNN().net

@@ -30,6 +30,9 @@ from torch.nn import functional as F
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 from typing_extensions import override
 
+from lightning_par.comm import run_on_ranks
+from lightning_par.strategies.registry import spec
+
 #: Plugins that train inside ranks that exist (the torchrun path), with the options that
 #: make them synchronous SGD.
 PLUGINS: dict[str, dict] = {
@@ -123,8 +126,6 @@ def train_torch_ddp(rank: int, world: int, steps: int) -> tuple[dict, list[float
 
 def train_plugin(name: str, rank: int, world: int, steps: int) -> tuple[dict, list[float]]:
     """The plugin ``name`` under a Trainer in the existing ranks, same start, same batches."""
-    from lightning_par.strategies.registry import spec
-
     module, timer = ParityModule(initial_net()), _StepTimes()
     trainer = pl.Trainer(
         strategy=spec(name).create(**PLUGINS[name]), accelerator="cpu", devices=world,
@@ -155,8 +156,6 @@ def parity(rank: int, world: int, names: list[str], steps: int) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from lightning_par.comm import run_on_ranks
-
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--devices", type=int, default=2)
     parser.add_argument("--steps", type=int, default=120)

@@ -50,6 +50,7 @@ from lightning_par.bench.pipeline_v import (
     virtual_of,
 )
 from lightning_par.comm import CommTrace, Communicator, run_on_ranks
+from lightning_par.models import CifarCNN
 from lightning_par.pipeline import (
     CHECKPOINT_MODES,
     PipelineStage,
@@ -74,8 +75,6 @@ def linear_workload() -> tuple[nn.Sequential, torch.Tensor, torch.Tensor, nn.Mod
 
 def cnn_workload(batch: int = 64) -> tuple[nn.Sequential, torch.Tensor, torch.Tensor, nn.Module]:
     """The course's CIFAR CNN (width 32, 4 residual blocks), batch 64."""
-    from lightning_par.models import CifarCNN
-
     torch.manual_seed(0)
     x, y = torch.randn(batch, 3, 32, 32), torch.randint(0, 10, (batch,))
     return CifarCNN().net, x, y, nn.CrossEntropyLoss()

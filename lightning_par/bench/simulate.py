@@ -16,6 +16,8 @@ from __future__ import annotations
 
 import argparse
 
+from lightning_par.simulate.__main__ import main as simulate
+
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m lightning_par.bench simulate",
@@ -24,7 +26,6 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--work", help="keep the runs here (default: a temporary folder)")
     parser.add_argument("--reuse", metavar="DIR", help="the runs a --work DIR kept (no training)")
     args = parser.parse_args(argv)
-    from lightning_par.simulate.__main__ import main as simulate
 
     extra = ["--work", args.work] if args.work else []
     if args.reuse:

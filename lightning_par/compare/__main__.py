@@ -16,7 +16,13 @@ import sys
 import tempfile
 from pathlib import Path
 
+from lightning_par.cli_help import DefaultsFormatter, plain
+from lightning_par.compare import report, run
+from lightning_par.compare.predicted import predicted_section
+from lightning_par.compare.rows import build_row, combine
 from lightning_par.compare.run import MODELS
+from lightning_par.quiet import quiet_lightning
+from lightning_par.strategies.registry import strategy_specs
 
 #: Devices a strategy needs other than ``--devices`` (a strategy class may say so itself with
 #: a ``compare_devices`` class attribute, which wins). Names not here use ``--devices``.
@@ -29,8 +35,6 @@ def devices_for(name: str, cls: type, default: int) -> int:
 
 
 def parse(argv: list[str] | None) -> argparse.Namespace:
-    from lightning_par.cli_help import DefaultsFormatter, plain
-
     parser = argparse.ArgumentParser(
         prog="python -m lightning_par.compare",
         description=plain(__doc__ or ""),
@@ -52,7 +56,6 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     args = parser.parse_args(argv)
     if args.run_rows:
         return args
-    from lightning_par.strategies.registry import strategy_specs
 
     known = [s.name for s in strategy_specs()]
     unknown = [s for s in args.strategies or [] if s not in known]
@@ -66,7 +69,7 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
         parser.error(f"--batch-size {args.batch_size} must split evenly over {args.devices} "
                      "workers (each data-parallel rank reads an equal share)")  # fmt: skip
     if args.data == "cifar10-mini":
-        from lightning_par.data.sources import find_cifar10_mini
+        from lightning_par.data.sources import find_cifar10_mini  # slow: loads torchvision
 
         if find_cifar10_mini() is None:
             parser.error("cifar10-mini not found (see the README's data section); or run "
@@ -81,8 +84,6 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
 
 
 def plan(args: argparse.Namespace, work: Path) -> list[dict]:
-    from lightning_par.strategies.registry import strategy_specs
-
     specs = [s for s in strategy_specs() if not args.strategies or s.name in args.strategies]
     rows = []
     for round_ in range(args.rounds):  # interleaved: every strategy once per round
@@ -113,15 +114,11 @@ def keep_runs(rows: list[dict], built: list[dict], dest: Path, warmup: int) -> N
 
 def main(argv: list[str] | None = None) -> int:
     args = parse(argv)
-    from lightning_par.quiet import quiet_lightning
 
     quiet_lightning()
-    from lightning_par.compare import run
 
     if args.run_rows:
         return run.run_rows(json.loads(args.run_rows), args.timeout)
-    from lightning_par.compare import report
-    from lightning_par.compare.rows import build_row, combine
 
     machine = report.machine_info(args.accelerator)
     out = Path(args.out)
@@ -143,7 +140,6 @@ def main(argv: list[str] | None = None) -> int:
                                                               else sys.argv[1:])  # fmt: skip
     doc = {"command": command.strip(), "machine": machine, "settings": settings, "rows": built}
     pictures = report.figures(built, out)
-    from lightning_par.compare.predicted import predicted_section
 
     (out / "report.md").write_text(report.markdown(doc, pictures, predicted_section(out)))
     (out / "report.json").write_text(json.dumps(doc, indent=1))

@@ -10,6 +10,13 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from lightning_par.simulate.links import parse_topology
+from lightning_par.simulate.profile import profile
+from lightning_par.simulate.replay import load_run
+from lightning_par.simulate.report import scaling_figure, scaling_table
+from lightning_par.simulate.scale import scaling_row
+from lightning_par.simulate.validate import own_link, pooled_loopback
+
 #: Links of the prediction: NVLink inside 8-GPU nodes, InfiniBand NDR between them.
 LINK = "nvlink+ib"
 #: Compute this many times faster than measured here (a stand-in for a GPU).
@@ -20,13 +27,6 @@ CURVE = tuple(2**k for k in range(1, 11))
 
 def predicted_section(out: Path) -> list[str]:
     """Markdown lines (and ``predicted_scaling.png`` in ``out``); empty without runs."""
-    from lightning_par.simulate.links import parse_topology
-    from lightning_par.simulate.profile import profile
-    from lightning_par.simulate.replay import load_run
-    from lightning_par.simulate.report import scaling_figure, scaling_table
-    from lightning_par.simulate.scale import scaling_row
-    from lightning_par.simulate.validate import own_link, pooled_loopback
-
     folders = sorted(p for p in (out / "runs").glob("*") if (p / "trace").is_dir())
     runs = [load_run(f) for f in folders]
     if not runs:

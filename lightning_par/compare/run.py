@@ -28,6 +28,8 @@ from torch.utils.data import DataLoader, DistributedSampler
 from typing_extensions import override
 
 from lightning_par.launch.processes import run_bounded, time_limit
+from lightning_par.modelparallel.memory import stage_memory
+from lightning_par.models import CifarCNN, CifarRNN, ResNet18
 
 RESULT_TAG = "COMPARE_RESULT "
 MODELS = ("CifarCNN", "CifarRNN", "resnet18")
@@ -54,8 +56,6 @@ class Probe(pl.Callback):
 
     @override
     def on_train_end(self, trainer, pl_module) -> None:
-        from lightning_par.modelparallel.memory import stage_memory
-
         optimizer = trainer.optimizers[0] if trainer.optimizers else None
         state = stage_memory(pl_module, optimizer)
         device = trainer.strategy.root_device
@@ -76,8 +76,6 @@ class Probe(pl.Callback):
 
 def make_model(name: str) -> pl.LightningModule:
     """The compared model: small, so that every strategy finishes in seconds on a CPU."""
-    from lightning_par.models import CifarCNN, CifarRNN, ResNet18
-
     if name == "resnet18":  # torchvision's, as it comes: cut from its traced graph
         return ResNet18(scheduler=None)
     if name == "CifarCNN":

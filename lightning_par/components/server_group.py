@@ -28,7 +28,6 @@ from lightning_par.components.worker_group import WorkerGroup, check_positive
 from lightning_par.launch import liveness
 from lightning_par.paramserver import process as servers
 from lightning_par.paramserver.faults import explain
-from lightning_par.paramserver.messages import close_untrained
 from lightning_par.paramserver.worker import ParameterClient
 
 
@@ -202,7 +201,7 @@ class ServerGroup:
                 self.client.close()
             self.client = None
         elif clean and host.global_rank == 0 and host.comm is not None:
-            close_untrained(host.comm, host.world_size, self.num_servers)
+            self.client_cls.close_untrained(host.comm, host.world_size, self.num_servers)
         if self._watch is not None:
             self._watch.set()  # the servers end now: no longer news
         if self.processes:

@@ -1,10 +1,12 @@
 """Sharded parameter servers, synchronous and asynchronous, free of Lightning.
 
-* :mod:`~lightning_par.paramserver.protocol`: every command, message kind (gloo tag) and the
-  header layout, in one place;
+* :mod:`~lightning_par.paramserver.protocol`: every command, message kind (gloo tag) and
+  the encoder and decoder of every kind (header, init, push, pull, info, work, norm, state,
+  stop), in one place (:mod:`~lightning_par.paramserver.wire`: objects without pickle);
 * :mod:`~lightning_par.paramserver.plan`: which server holds which parameter slices;
 * :mod:`~lightning_par.paramserver.spec`: what a server knows of the model and optimiser;
-* :mod:`~lightning_par.paramserver.messages`: headers and objects over a Communicator;
+* :mod:`~lightning_par.paramserver.messages`: the exchanges of several messages (headers to
+  every server, objects, squared norms) over a Communicator;
 * :mod:`~lightning_par.paramserver.server`: the update rule and the synchronous serve loop;
 * :mod:`~lightning_par.paramserver.clipping`: gradient clipping over sharded gradients (by
   norm: the servers exchange their shards' squared norms);

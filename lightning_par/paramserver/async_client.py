@@ -10,21 +10,17 @@ push with an ``INFO`` message (the update's staleness), worker 0 asks server 0 f
 from __future__ import annotations
 
 import threading
+from collections import Counter
 from typing import Any
 
 import torch
 from torch import nn
 
-from lightning_par.comm import Event, Handle
+from lightning_par.comm import CommTrace, Event, Handle
+from lightning_par.paramserver import protocol
 from lightning_par.paramserver.clipping import GradClip, clip_flat
 from lightning_par.paramserver.messages import post_headers
-from lightning_par.paramserver.protocol import (
-    IDLE_TIMEOUT,
-    Command,
-    Kind,
-    info_buffer,
-    work_buffer,
-)
+from lightning_par.paramserver.protocol import IDLE_TIMEOUT, Command, Kind
 from lightning_par.paramserver.worker import ParameterClient
 
 #: A bucket size larger than any model: the whole gradient in one push.
@@ -78,14 +74,14 @@ class AsyncParameterClient(ParameterClient):
 
         The answer comes on its own tag (``WORK``), so it cannot be taken for weights the
         communication thread waits for from server 0."""
-        reply = work_buffer()
+        reply = protocol.work_buffer()
         handle = self.comm.irecv(reply, self.servers[0], tag=Kind.WORK)
         with self._post:
             header = self.header(Command.NEXT, step=epoch, count=num_batches)
             sent = post_headers(self.comm, self.servers[:1], header)
         sent[0].wait()
         handle.wait(IDLE_TIMEOUT)
-        return int(reply[0]), int(reply[1])
+        return protocol.decode_work(reply)
 
     def _open_step(self) -> list[tuple[int, Handle]]:
         return self._headers(Command.STEP)  # waited for with the push
@@ -100,17 +96,17 @@ class AsyncParameterClient(ParameterClient):
         if bucket == len(self.buckets.buckets) - 1:  # buckets go in index order
             self._info_step = self.step
             self._info = [
-                (s, self.comm.irecv(info_buffer(), server, step=self.step, tag=Kind.INFO))
+                (s, self.comm.irecv(protocol.info_buffer(), server, step=self.step, tag=Kind.INFO))
                 for s, server in enumerate(self.servers)
             ]
 
     def wait_bucket(self, b: int) -> None:
         super().wait_bucket(b)
         if not self.links.pending and self._info:
-            values = [handle.wait() for _, handle in self._info]
+            infos = [protocol.decode_info(handle.wait()) for _, handle in self._info]
             self._info = []
-            staleness = max(int(v[0]) for v in values)
-            self.updates.append((self._info_step, staleness, max(int(v[1]) for v in values)))
+            staleness = max(info.staleness for info in infos)
+            self.updates.append((self._info_step, staleness, max(info.lead for info in infos)))
             if self._trace is not None:  # the staleness rides in the event's number field
                 now = self._trace.now()
                 self._trace.events.append(Event(self.rank, "staleness", now, now, staleness))
@@ -147,3 +143,12 @@ class AsyncParameterClient(ParameterClient):
             self.optimizer.load_state_dict({**state_dict, "state": {}})
             return
         super().load_state(state_dict)
+
+
+def staleness_histogram(traces: CommTrace | list[CommTrace]) -> dict[int, int]:
+    """How many applied updates had each staleness, from one or more workers' traces."""
+    traces = [traces] if isinstance(traces, CommTrace) else traces
+    counts = Counter(
+        e.micro_batch for t in traces for e in t.events if e.name == "staleness"
+    )  # fmt: skip
+    return dict(sorted(counts.items()))

@@ -44,16 +44,15 @@ import threading
 import torch
 
 from lightning_par.comm import CommError, Communicator, wait_all
+from lightning_par.paramserver import protocol
 from lightning_par.paramserver.messages import recv_header, recv_object, send_object
 from lightning_par.paramserver.protocol import (
     IDLE_TIMEOUT,
     Command,
     Header,
+    Info,
     Kind,
     ProtocolError,
-    info_message,
-    split_push,
-    work_message,
 )
 from lightning_par.paramserver.remedies import Remedies, StaleUpdate, cap_momentum
 from lightning_par.paramserver.server import ShardOptimizer, apply_averaged
@@ -62,6 +61,23 @@ from lightning_par.paramserver.work import WorkQueue
 
 #: Commands a worker may die during, before taking the answer: it is dropped, not fatal.
 _ANSWERED = (Command.STEP, Command.NEXT, Command.PULL)
+
+
+def check_staleness(staleness: object) -> int | None:
+    """``staleness`` if it is ``None`` or an int >= 0; otherwise a clear error."""
+    if staleness is None:
+        return None
+    if isinstance(staleness, bool) or not isinstance(staleness, int):
+        raise TypeError(
+            f"staleness must be a whole number of steps >= 0 or None (fully asynchronous), "
+            f"got {staleness!r}"
+        )
+    if staleness < 0:
+        raise ValueError(
+            f"staleness must be >= 0 (0: synchronous; s: at most s steps ahead of the "
+            f"slowest worker) or None, got {staleness}"
+        )
+    return staleness
 
 
 class AsyncServer:
@@ -124,7 +140,7 @@ class AsyncServer:
                         raise ProtocolError(
                             f"worker {w} (rank {w}) sent SET_STATE: only worker 0 may"
                         )
-                    payload = recv_object(self.comm, w)
+                    payload = recv_object(self.comm, w, protocol.decode_state)
                 self.inbox.put((w, header, payload))
                 if header.command == Command.STOP:
                     return
@@ -137,7 +153,7 @@ class AsyncServer:
             self.work.trained(w, *header.trained)
             self._push(w, payload, list(header.hyper))
         elif command == Command.NEXT:  # step: the epoch; count: its number of batches
-            reply = work_message(*self.work.take(w, header.step, header.count))
+            reply = protocol.encode_work(*self.work.take(w, header.step, header.count))
             self.comm.send(reply, w, tag=Kind.WORK)
         elif command == Command.GET_STATE:
             send_object(self.comm, self.shard.state_slices(), w)
@@ -186,7 +202,7 @@ class AsyncServer:
             cap_momentum(shard.optimizer.param_groups, self.remedies.momentum, self.remedies.strict)
         staleness = self.version - self.pulled[w]
         for b, buf in zip(shard.active, bufs):  # clipped by the worker, if at all
-            grad, used = split_push(buf, shard.flat[b].numel())
+            grad, used = shard.decode_push(b, buf)
             shard.apply(b, self.stale.gradient(w, b, grad, staleness), used)
         self.waiting[w] = staleness
         self.version += 1
@@ -216,7 +232,7 @@ class AsyncServer:
             total = self.held[order[0]][0][i].clone()
             for w in order[1:]:
                 total += self.held[w][0][i]  # worker order: the same sum as synchronous_step
-            grad, used = split_push(total, shard.flat[b].numel())
+            grad, used = shard.decode_push(b, total)
             grads[b] = (grad.div_(len(order)), used)
         # clipped as synchronous_step does (by norm: over every server's shard of the mean);
         # every server applies the same rounds in the same order
@@ -228,15 +244,15 @@ class AsyncServer:
             self._reply(w, 0, 0)
 
     def _send_weights(self, workers: list[int]) -> None:
-        wait_all([self.comm.isend(self.shard.flat[b], w, chunk=b, tag=Kind.PULL)
+        wait_all([self.comm.isend(self.shard.slices(b), w, chunk=b, tag=Kind.PULL)
                   for w in workers for b in self.shard.active])  # fmt: skip
         for w in workers:  # what the worker now computes on (a checkpoint's refresh)
             self.pulled[w] = self.version
             self.stale.sent(w, self.shard.active)
 
     def _reply(self, w: int, staleness: int, lead: int) -> None:
-        info = info_message(staleness, lead, self.version)
-        sends = [self.comm.isend(self.shard.flat[b], w, chunk=b, tag=Kind.PULL)
+        info = protocol.encode_info(Info(staleness, lead, self.version))
+        sends = [self.comm.isend(self.shard.slices(b), w, chunk=b, tag=Kind.PULL)
                  for b in self.shard.active]  # fmt: skip
         sends.append(self.comm.isend(info, w, tag=Kind.INFO))
         try:
@@ -255,7 +271,7 @@ def serve_async(
     """Run server ``server`` asynchronously until every worker has sent ``STOP``."""
     role = f"asynchronous parameter server {server} (rank {comm.rank})"
     try:
-        spec: ServerSpec | None = recv_object(comm, 0, IDLE_TIMEOUT)
+        spec: ServerSpec | None = recv_object(comm, 0, protocol.decode_spec, IDLE_TIMEOUT)
         if spec is None:
             return None
         shard = ShardOptimizer(spec, server)

@@ -8,7 +8,8 @@ exists only as shards, one per server, so:
 * **by value** (elementwise ``clamp(-c, c)``) each server clamps its own shard: the same
   numbers as one process;
 * **by norm** each server computes the squared norm of its shard of the averaged
-  gradient, sends it to every other server (``NORM``) and sums all of them in server
+  gradient, sends it to every other server (``NORM``,
+  :func:`~lightning_par.paramserver.messages.exchange_squared_norms`) and sums all of them in server
   order, so every server scales its shard by the same factor ``min(1, c / (‖g‖ + 1e-6))``,
   torch's (Pascanu et al., "On the difficulty of training recurrent neural networks",
   ICML 2013, clip the whole gradient's norm).
@@ -23,9 +24,6 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
-
-from lightning_par.comm import Communicator, wait_all
-from lightning_par.paramserver.protocol import Kind
 
 #: torch's ``clip_grad_norm_`` adds this to the norm before dividing.
 EPS = 1e-6
@@ -65,19 +63,6 @@ def squared_norm(grads: Sequence[torch.Tensor]) -> float:
 def norm_factor(total_squared: float, max_norm: float) -> float:
     """torch's ``clip_grad_norm_`` factor from the whole gradient's squared norm."""
     return min(1.0, max_norm / (total_squared**0.5 + EPS))
-
-
-def exchange_squared_norms(
-    comm: Communicator, servers: Sequence[int], me: int, mine: float, step: int
-) -> float:
-    """The whole gradient's squared norm: this server's (``servers[me]``) sent to every
-    other server, theirs received, all summed in server order (the same on every server)."""
-    own = torch.tensor([mine], dtype=torch.float64)
-    theirs = {s: torch.zeros(1, dtype=torch.float64) for s in range(len(servers)) if s != me}
-    handles = [comm.irecv(buf, servers[s], step=step, tag=Kind.NORM) for s, buf in theirs.items()]
-    handles += [comm.isend(own, servers[s], step=step, tag=Kind.NORM) for s in theirs]
-    wait_all(handles)
-    return sum(float(theirs[s]) if s != me else mine for s in range(len(servers)))
 
 
 def clip_value(grad: torch.Tensor, clip: GradClip) -> None:

@@ -14,9 +14,10 @@ from torch import nn
 
 from lightning_par.comm import CommError, Communicator, Handle
 from lightning_par.comm.buckets import Bucket
+from lightning_par.paramserver import protocol
 from lightning_par.paramserver.client_plan import ClientPlan
 from lightning_par.paramserver.faults import explain
-from lightning_par.paramserver.protocol import Kind, push_message
+from lightning_par.paramserver.protocol import Kind
 
 
 class ServerLinks:
@@ -46,8 +47,8 @@ class ServerLinks:
         """Worker 0: every server's initial slices (``INIT``)."""
         for b, per_server in enumerate(self.plan.slices):
             for s in self.plan.servers_of(b):
-                flat = torch.cat([self.params[pc.param].detach().flatten()[pc.start : pc.stop]
-                                  for _, pc in per_server[s]])  # fmt: skip
+                flat = protocol.encode_slices([self.params[pc.param].flatten()[pc.start : pc.stop]
+                                               for _, pc in per_server[s]])  # fmt: skip
                 self.comm.send(flat, self.servers[s], chunk=b, tag=Kind.INIT)
 
     def post_pulls(self, kind: Kind = Kind.PULL) -> None:
@@ -67,7 +68,7 @@ class ServerLinks:
         for s in self.plan.servers_of(b):
             sl = self.plan.slices[b][s]
             grads = [bucket.views[i].flatten()[pc.start : pc.stop] for i, pc in sl]
-            message = push_message(grads, [bucket.flags[i] for i, _ in sl])
+            message = protocol.encode_push(grads, [bucket.flags[i] for i, _ in sl])
             server = self.servers[s]
             sends.append((s, self.comm.isend(message, server, step=step, chunk=b, tag=Kind.PUSH)))
             pulls.append(
@@ -101,11 +102,10 @@ class ServerLinks:
                         f"worker {self.rank}: no update from parameter server {s} "
                         f"(rank {self.servers[s]}): {err}"
                     )) from err  # fmt: skip
-                offset = 0
-                for _, pc in self.plan.slices[b][s]:
-                    target = self.params[pc.param].data.view(-1)[pc.start : pc.stop]
-                    target.copy_(flat[offset : offset + pc.numel])
-                    offset += pc.numel
+                pieces = [pc for _, pc in self.plan.slices[b][s]]
+                received = protocol.decode_slices(flat, [pc.numel for pc in pieces])
+                for pc, values in zip(pieces, received):
+                    self.params[pc.param].data.view(-1)[pc.start : pc.stop].copy_(values)
 
     def settle(self) -> None:
         """Wait for every outstanding pull."""

@@ -1,17 +1,20 @@
-"""Headers and objects over a :class:`~lightning_par.comm.Communicator` (the layouts and
-tags are in :mod:`~lightning_par.paramserver.protocol`; objects are encoded without pickle
-by :mod:`~lightning_par.paramserver.wire`)."""
+"""Moving the parameter-server messages that need more than one send or receive over a
+:class:`~lightning_par.comm.Communicator`: headers to every server, objects (length, then
+bytes), the servers' exchange of squared norms. Every tensor sent here comes from an encoder
+of :mod:`~lightning_par.paramserver.protocol` and every one received goes through its
+decoder; no layout is built or read here."""
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from datetime import timedelta
 from typing import Any
 
 import torch
 
-from lightning_par.comm import CommError, Communicator, Handle
-from lightning_par.paramserver import wire
-from lightning_par.paramserver.protocol import Command, Header, Kind, server_rank
+from lightning_par.comm import CommError, Communicator, Handle, wait_all
+from lightning_par.paramserver import protocol
+from lightning_par.paramserver.protocol import Header, Kind
 
 
 def post_headers(comm: Communicator, servers: list[int], header: Header) -> list[Handle]:
@@ -70,36 +73,38 @@ def recv_headers(
 
 
 def send_object(comm: Communicator, obj: Any, dst: int) -> None:
-    """Send a spec or an optimiser state as its length, then its bytes
-    (:func:`lightning_par.paramserver.wire.encode`: JSON and tensor data, no pickle)."""
-    data = torch.frombuffer(bytearray(wire.encode(obj)), dtype=torch.uint8)
-    comm.send(torch.tensor([data.numel()], dtype=torch.int64), dst, tag=Kind.OBJECT)
+    """Send a spec or an optimiser state (:func:`.protocol.encode_object`)."""
+    size, data = protocol.encode_object(obj)
+    comm.send(size, dst, tag=Kind.OBJECT)
     comm.send(data, dst, tag=Kind.OBJECT)
 
 
-def recv_object(comm: Communicator, src: int, timeout: timedelta | None = None) -> Any:
-    """An object :func:`send_object` sent (waits up to ``timeout`` for its length); bytes
-    in any other format (a pickle) are refused
-    (:class:`~lightning_par.paramserver.wire.WireError`)."""
-    size = torch.zeros(1, dtype=torch.int64)
+def recv_object(
+    comm: Communicator, src: int, decode: Callable[[torch.Tensor], Any] = protocol.decode_object,
+    timeout: timedelta | None = None,
+) -> Any:  # fmt: skip
+    """The next object from ``src`` (waits up to ``timeout`` for its length), read by
+    ``decode`` (:func:`~lightning_par.paramserver.protocol.decode_spec`, ``decode_state``)."""
+    size = protocol.object_size_buffer()
     comm.irecv(size, src, tag=Kind.OBJECT).wait(timeout)
-    if not 0 <= int(size) <= MAX_OBJECT_BYTES:
-        raise wire.WireError(f"refused an object of {int(size)} bytes from rank {src}")
-    data = torch.empty(int(size), dtype=torch.uint8)
+    data = torch.empty(protocol.decode_object_size(size, f"rank {src}"), dtype=torch.uint8)
     comm.recv(data, src, tag=Kind.OBJECT)
-    return wire.decode(data.numpy().tobytes())
+    return decode(data)
 
 
-#: The largest object a rank accepts (an optimiser state of a few GiB models fits).
-MAX_OBJECT_BYTES = 1 << 36
+def exchange_squared_norms(
+    comm: Communicator, servers: Sequence[int], me: int, mine: float, step: int
+) -> float:
+    """The whole gradient's squared norm: this server's (``servers[me]``) sent to every
+    other server (``NORM``), theirs received, all summed in server order (the same on every
+    server; :mod:`~lightning_par.paramserver.clipping`)."""
+    theirs = {s: protocol.norm_buffer() for s in range(len(servers)) if s != me}
+    handles = [comm.irecv(buf, servers[s], step=step, tag=Kind.NORM) for s, buf in theirs.items()]
+    own = protocol.encode_norm(mine)
+    handles += [comm.isend(own, servers[s], step=step, tag=Kind.NORM) for s in theirs]
+    wait_all(handles)
+    return sum(protocol.decode_norm(theirs[s]) if s != me else mine for s in range(len(servers)))
 
 
-def close_untrained(comm: Communicator, num_workers: int, num_servers: int) -> None:
-    """Worker 0, when nothing was trained (``fit`` ended before any step): tell every server
-    to end. The servers wait for a spec first; ``None`` in its place means "stop"."""
-    for s in range(num_servers):
-        send_object(comm, None, server_rank(num_workers, s))
-
-
-__all__ = ["Command", "close_untrained", "post_headers", "recv_header", "recv_headers",
+__all__ = ["exchange_squared_norms", "post_headers", "recv_header", "recv_headers",
            "recv_object", "send_headers", "send_object"]  # fmt: skip

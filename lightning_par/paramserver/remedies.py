@@ -23,6 +23,7 @@ sent that worker), so every remedy lives here, before the user's optimiser step:
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
@@ -145,3 +146,63 @@ class StaleUpdate:
         if r.staleness_lr:
             grad = grad * staleness_scale(staleness)
         return grad
+
+
+#: The servers' momentum cap of ``momentum="auto"`` (Mitliagkas et al. 2016; measured best
+#: by ``python -m lightning_par.bench async``, ``benchmarks/async.md``).
+AUTO_MOMENTUM = 0.5
+
+
+def choose_remedies(
+    staleness: int | None, staleness_lr: bool, dc_lambda: float, dc_mean_square: float | None,
+    momentum: float | str | None,
+) -> Remedies:  # fmt: skip
+    """``async_sgd``'s remedy options as :class:`Remedies`: ``momentum="auto"`` is
+    :data:`AUTO_MOMENTUM` (not strict: no cap where the optimiser has no momentum), none at
+    ``staleness=0``, where no update is stale and any other remedy is an error."""
+    auto = momentum == "auto"
+    if auto:
+        momentum = None if staleness == 0 else AUTO_MOMENTUM
+    remedies = Remedies(staleness_lr, dc_lambda, dc_mean_square, momentum, not auto)  # type: ignore[arg-type]
+    if staleness == 0 and remedies != Remedies(strict=not auto):
+        raise ValueError(
+            f"async_sgd(staleness=0) is the synchronous parameter server: no update is "
+            f"stale, so the remedies ({remedies}) do not apply; use staleness >= 1 or None"
+        )
+    return remedies
+
+
+def for_workers(remedies: Remedies, num_workers: int) -> Remedies:
+    """The remedies the servers run with ``num_workers`` workers: the automatic momentum cap
+    is off with one (one process's SGD, no asynchrony to add momentum: Mitliagkas et al.,
+    ``1 - 1/W``), so the model's momentum stays."""
+    if not remedies.strict and num_workers < 2:
+        return dataclasses.replace(remedies, momentum=None)
+    return remedies
+
+
+def check_momentum(remedies: Remedies, optimizers: list[torch.optim.Optimizer]) -> str | None:
+    """Refuse an explicit momentum cap for an optimiser that has no momentum (before the
+    servers learn the optimiser, so that they do not fail at the first push); for the
+    automatic cap, the line that says what it changes (None: nothing)."""
+    cap = remedies.momentum
+    if cap is None:
+        return None
+    if remedies.strict:
+        for opt in optimizers:
+            if any("momentum" not in group for group in opt.param_groups):
+                raise ValueError(
+                    f"async_sgd(momentum={cap}) sets the servers' momentum, but "
+                    f"{type(opt).__name__} has none; use SGD (or RMSprop) or leave "
+                    'momentum="auto" (no cap without one) or None'
+                )
+        return None
+    above = sorted({g["momentum"] for o in optimizers for g in o.param_groups
+                    if g.get("momentum", 0) > cap})  # fmt: skip
+    if not above:
+        return None
+    return (
+        f"async_sgd: the servers step with momentum {cap} instead of the optimiser's "
+        f'{", ".join(map(str, above))} (momentum="auto": asynchrony adds momentum of its own, '
+        "Mitliagkas et al. 2016); pass momentum=None to keep it"
+    )

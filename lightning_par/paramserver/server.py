@@ -24,21 +24,20 @@ import torch
 from torch import nn
 
 from lightning_par.comm import CommError, Communicator, Handle, wait_all
-from lightning_par.paramserver.clipping import (
-    clip_value,
+from lightning_par.paramserver import protocol
+from lightning_par.paramserver.clipping import clip_value, norm_factor, squared_norm
+from lightning_par.paramserver.messages import (
     exchange_squared_norms,
-    norm_factor,
-    squared_norm,
+    recv_headers,
+    recv_object,
+    send_object,
 )
-from lightning_par.paramserver.messages import recv_headers, recv_object, send_object
 from lightning_par.paramserver.protocol import (
     IDLE_TIMEOUT,
     Command,
     Kind,
     ProtocolError,
-    push_size,
     server_rank,
-    split_push,
 )
 from lightning_par.paramserver.spec import ServerSpec, set_hyper
 
@@ -77,19 +76,34 @@ class ShardOptimizer:
         """Take worker 0's initial slices and send them to every worker (``INIT``)."""
         for b in self.active:
             comm.recv(self.flat[b], 0, chunk=b, tag=Kind.INIT)
-        wait_all([comm.isend(self.flat[b], w, chunk=b, tag=Kind.INIT)
+            protocol.decode_slices(self.flat[b], self.sizes(b), Kind.INIT)  # (checks it)
+        wait_all([comm.isend(self.slices(b), w, chunk=b, tag=Kind.INIT)
                   for b in self.active for w in range(self.spec.num_workers)])  # fmt: skip
+
+    def sizes(self, bucket: int) -> list[int]:
+        """The elements of each of this server's slices of ``bucket``."""
+        return [piece.numel for piece in self.layout[bucket]]
+
+    def slices(self, bucket: int) -> torch.Tensor:
+        """``bucket``'s slices as an ``INIT``/``PULL`` (``self.flat[bucket]`` itself: the
+        optimiser's views live in it)."""
+        return protocol.encode_slices([self.flat[bucket]])
 
     def push_buffer(self, bucket: int) -> torch.Tensor:
         """An empty ``PUSH`` of ``bucket`` from one worker, to receive into."""
         n, slices = self.flat[bucket].numel(), len(self.layout[bucket])
-        return torch.empty(push_size(n, slices), dtype=self.spec.dtype)
+        return protocol.push_buffer(n, slices, self.spec.dtype)
+
+    def decode_push(self, bucket: int, message: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The gradient and "has a gradient" mask of a (summed) ``PUSH`` of ``bucket``."""
+        n, slices = self.flat[bucket].numel(), len(self.layout[bucket])
+        return protocol.decode_push(message, n, slices)
 
     def send_slices(
         self, comm: Communicator, bucket: int, workers: Iterable[int], step: int
     ) -> list[Handle]:
         """Post ``bucket``'s updated slices to ``workers`` (``PULL``)."""
-        return [comm.isend(self.flat[bucket], w, step=step, chunk=bucket, tag=Kind.PULL)
+        return [comm.isend(self.slices(bucket), w, step=step, chunk=bucket, tag=Kind.PULL)
                 for w in workers]  # fmt: skip
 
     def set_hyper(self, values: list[float]) -> None:
@@ -185,7 +199,7 @@ def synchronous_step(comm: Communicator, shard: ShardOptimizer, step: int) -> No
         total = recvs[b][0].wait().clone()
         for handle in recvs[b][1:]:
             total += handle.wait()  # worker order: the same sum every run
-        grad, used = split_push(total, shard.flat[b].numel())
+        grad, used = shard.decode_push(b, total)
         waiting[b] = (grad.div_(workers), used)
         if whole:
             continue
@@ -205,7 +219,7 @@ def serve(comm: Communicator, server: int, rule: StepRule = synchronous_step) ->
     """Run server ``server`` (group rank ``W + server``) until the workers send ``STOP``."""
     role = f"parameter server {server} (rank {comm.rank})"
     try:
-        spec: ServerSpec | None = recv_object(comm, 0, IDLE_TIMEOUT)
+        spec: ServerSpec | None = recv_object(comm, 0, protocol.decode_spec, IDLE_TIMEOUT)
         if spec is None:  # nothing to train (validate/test/predict)
             return
         shard = ShardOptimizer(spec, server)
@@ -220,7 +234,7 @@ def serve(comm: Communicator, server: int, rule: StepRule = synchronous_step) ->
             elif header.command == Command.GET_STATE:
                 send_object(comm, shard.state_slices(), 0)
             elif header.command == Command.SET_STATE:
-                shard.load_full(recv_object(comm, 0))
+                shard.load_full(recv_object(comm, 0, protocol.decode_state))
             else:
                 raise ProtocolError(
                     f"{role}: command {header.command.name} is for the asynchronous server"

@@ -25,6 +25,7 @@ from torch import nn
 
 from lightning_par.comm import CommError, CommTrace, Communicator, Handle
 from lightning_par.comm.buckets import Bucket, GradientBuckets
+from lightning_par.paramserver import protocol
 from lightning_par.paramserver.client_plan import plan_client
 from lightning_par.paramserver.clipping import GradClip
 from lightning_par.paramserver.faults import explain
@@ -168,7 +169,8 @@ class ParameterClient:
             return result
         full: dict[int, dict[str, Any]] = {}
         for server in self.servers:
-            for (param, start, stop), state in recv_object(self.comm, server).items():
+            slices = recv_object(self.comm, server, protocol.decode_state)
+            for (param, start, stop), state in slices.items():
                 p = self.params[param]
                 entry = full.setdefault(param, {})
                 for k, v in state.items():
@@ -201,6 +203,13 @@ class ParameterClient:
         for hook in self._hooks:
             hook.remove()
         self.buckets.close()
+
+    @staticmethod
+    def close_untrained(comm: Communicator, num_workers: int, num_servers: int) -> None:
+        """Worker 0, when no client was built (``fit`` ended before any step): tell every
+        server to end. The servers wait for a spec first; ``None`` in its place means stop."""
+        for s in range(num_servers):
+            send_object(comm, None, server_rank(num_workers, s))
 
     def close(self) -> None:
         """Wait for the last pulls and stop the servers (every worker calls this)."""

@@ -37,7 +37,7 @@ own construction, checked by :mod:`lightning_par.pipeline.validate`.
 
 from __future__ import annotations
 
-from lightning_par.pipeline.schedule import Step, one_f_one_b_steps
+from lightning_par.pipeline.schedule import SCHEDULES, Step, one_f_one_b_steps, schedule_steps
 
 NEW_SCHEDULES = ("interleaved", "zero_bubble")
 OPS = ("fwd", "bwd", "bwd_input", "bwd_weight")
@@ -145,8 +145,6 @@ def device_schedule(
 ) -> list[list[Step]]:
     """Every device's step list under ``schedule`` (``"gpipe"``, ``"1f1b"``,
     ``"interleaved"`` or ``"zero_bubble"``); stages are ``device_of``-dealt."""
-    from lightning_par.pipeline.schedule import SCHEDULES, schedule_steps
-
     if schedule in SCHEDULES:
         return schedule_steps(schedule, num_devices, chunks)
     if schedule == "interleaved":

@@ -23,6 +23,21 @@ import os
 import sys
 from pathlib import Path
 
+from lightning_par.quiet import quiet_lightning
+from lightning_par.simulate.engine import simulate
+from lightning_par.simulate.links import PRESETS, parse_topology
+from lightning_par.simulate.profile import profile
+from lightning_par.simulate.replay import load_run
+from lightning_par.simulate.report import (
+    scaling_figure,
+    scaling_table,
+    side_by_side,
+    split_table,
+    validation_table,
+)
+from lightning_par.simulate.scale import scaling_row
+from lightning_par.simulate.validate import fastest, measure, own_link, pooled_loopback, rows
+
 DEFAULT_DEVICES = "8,64,512"
 CURVE = [2**k for k in range(1, 11)]
 
@@ -115,8 +130,6 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
 
 
 def _topology(args, loopback):
-    from lightning_par.simulate.links import parse_topology
-
     return parse_topology(args.link, args.per_node, loopback)
 
 
@@ -130,12 +143,6 @@ def _run_folders(source: Path) -> list[Path]:
 
 
 def scale_main(args) -> int:
-    from lightning_par.simulate.profile import profile
-    from lightning_par.simulate.replay import load_run
-    from lightning_par.simulate.report import scaling_figure, scaling_table
-    from lightning_par.simulate.scale import scaling_row
-    from lightning_par.simulate.validate import own_link, pooled_loopback
-
     runs = [load_run(f) for f in _run_folders(Path(args.source))]
     loop = pooled_loopback([r for r in runs if r.traces])
     topo = _topology(args, loop)
@@ -163,16 +170,10 @@ def scale_main(args) -> int:
 
 
 def replay_main(args) -> int:
-    from lightning_par.simulate.engine import simulate
-    from lightning_par.simulate.replay import load_run
-    from lightning_par.simulate.report import side_by_side, split_table
-
     run = load_run(args.replay)
     try:
         own = run.loopback()
     except ValueError:
-        from lightning_par.simulate.links import PRESETS
-
         own = PRESETS["loopback"]
     topo = _topology(args, own)
     speed = {r: args.speedup * args.rank_speed.get(r, 1.0) for r in range(run.world)}
@@ -202,10 +203,6 @@ def replay_main(args) -> int:
 
 def validate_main(args) -> int:
     import tempfile
-
-    from lightning_par.quiet import quiet_lightning
-    from lightning_par.simulate.report import validation_table
-    from lightning_par.simulate.validate import fastest, measure, rows
 
     quiet_lightning()
     load = os.getloadavg()[0]

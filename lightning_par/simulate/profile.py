@@ -14,8 +14,10 @@ from __future__ import annotations
 import statistics
 from dataclasses import dataclass, field
 
+from lightning_par.compare.run import make_model
 from lightning_par.simulate.engine import Compute, Graph
 from lightning_par.simulate.replay import Run
+from lightning_par.strategies.registry import spec
 
 ALLREDUCE_KIND = "allreduce"
 
@@ -70,8 +72,6 @@ def _model_limits(model_name: str | None) -> tuple[int, int, int]:
         return 0, 0, 0
     from torch import nn
 
-    from lightning_par.compare.run import make_model
-
     model = make_model(model_name)
     widths = [m.out_channels for m in model.modules() if isinstance(m, nn.Conv2d)]
     widths += [m.out_features for m in model.modules() if isinstance(m, nn.Linear)]
@@ -89,8 +89,6 @@ def _per_step(graph: Graph) -> float:
 
 def profile(run: Run, graph: Graph | None = None) -> Profile:
     """The :class:`Profile` of ``run`` (its ``row.json`` names the strategy and model)."""
-    from lightning_par.strategies.registry import spec
-
     name = run.row.get("strategy", run.name)
     options = dict(spec(name).options) if name else {}
     family = FAMILIES.get(name, ALLREDUCE_KIND if name.endswith("_allreduce") else "")
@@ -159,8 +157,6 @@ def profile_from_report(row: dict, model_name: str) -> Profile | None:
     compute and bytes per step only, so no overlap with backward and no per-step compute
     split. ``None`` for strategies whose scale-out needs the traces (tensor parallel,
     hybrid, layerwise) or that failed."""
-    from lightning_par.strategies.registry import spec
-
     name = row["strategy"]
     family = FAMILIES.get(name, ALLREDUCE_KIND if name.endswith("_allreduce") else "")
     if row.get("status") != "ok" or family in ("", "tp", "hybrid", "layerwise"):

@@ -269,6 +269,17 @@ def _device_count(device: str) -> int | None:
     return count() if callable(count) else None
 
 
+def make_launcher(strategy: Any, requested: str | None) -> Any:
+    """The launcher of ``strategy``: none where its cluster starts the ranks (torchrun,
+    SLURM, ``run_on_ranks``), else one by the launch policy (``requested``: the user's
+    ``start_method``, or None)."""
+    env = strategy.cluster_environment
+    assert env is not None
+    if env.creates_processes_externally:
+        return ExistingRanksLauncher(env, strategy.num_processes, strategy.num_nodes)
+    return PolicyLauncher(strategy, requested=requested)
+
+
 def log_startup(name: str, world_size: int, plan: LaunchPlan | None, backend: str) -> None:
     """One line for the whole run (rank 0), instead of one per rank."""
     how = "started by an external launcher" if plan is None else plan.method

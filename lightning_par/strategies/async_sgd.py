@@ -38,13 +38,10 @@ clipped on the servers).
 
 from __future__ import annotations
 
-import dataclasses
-from collections import Counter, deque
-from collections.abc import Mapping
+from collections import deque
 from typing import Any
 
 import lightning.pytorch as pl
-import torch
 from lightning.fabric.utilities.seed import reset_seed
 from lightning.pytorch.trainer.states import RunningStage, TrainerFn
 from lightning.pytorch.utilities import rank_zero_info
@@ -53,13 +50,21 @@ from torchmetrics import Metric
 from typing_extensions import override
 
 from lightning_par import _compat
-from lightning_par.comm import CommTrace
 from lightning_par.components.server_group import ServerGroup, gloo_only
-from lightning_par.paramserver.async_client import ONE_BUCKET_MB, AsyncParameterClient
+from lightning_par.paramserver.async_client import (
+    ONE_BUCKET_MB,
+    AsyncParameterClient,
+    staleness_histogram,
+)
+from lightning_par.paramserver.asynchronous import check_staleness
 from lightning_par.paramserver.clipping import GradClip
-from lightning_par.paramserver.process import role_name
 from lightning_par.paramserver.protocol import NONE
-from lightning_par.paramserver.remedies import Remedies
+from lightning_par.paramserver.remedies import (
+    AUTO_MOMENTUM,
+    check_momentum,
+    choose_remedies,
+    for_workers,
+)
 from lightning_par.paramserver.work import SharedBatchSampler
 from lightning_par.strategies._async_loader import (
     count_shared_batches,
@@ -73,38 +78,11 @@ from lightning_par.strategies._late_params import (
     refuse_late_parameters,
 )
 from lightning_par.strategies._launchers import log_startup
-from lightning_par.strategies._ps_features import check_features, trainer_clip
-
-#: The servers' momentum cap of ``momentum="auto"`` (Mitliagkas et al. 2016; measured best).
-AUTO_MOMENTUM = 0.5
+from lightning_par.strategies._ps_features import trainer_clip
+from lightning_par.strategies._ps_hooks import server_group_hooks
 
 
-def check_staleness(staleness: Any) -> int | None:
-    """``staleness`` if it is ``None`` or an int >= 0; otherwise a clear error."""
-    if staleness is None:
-        return None
-    if isinstance(staleness, bool) or not isinstance(staleness, int):
-        raise TypeError(
-            f"staleness must be a whole number of steps >= 0 or None (fully asynchronous), "
-            f"got {staleness!r}"
-        )
-    if staleness < 0:
-        raise ValueError(
-            f"staleness must be >= 0 (0: synchronous; s: at most s steps ahead of the "
-            f"slowest worker) or None, got {staleness}"
-        )
-    return staleness
-
-
-def staleness_histogram(traces: CommTrace | list[CommTrace]) -> dict[int, int]:
-    """How many applied updates had each staleness, from one or more workers' traces."""
-    traces = [traces] if isinstance(traces, CommTrace) else traces
-    counts = Counter(
-        e.micro_batch for t in traces for e in t.events if e.name == "staleness"
-    )  # fmt: skip
-    return dict(sorted(counts.items()))
-
-
+@server_group_hooks
 class AsyncSGDStrategy(ParStrategy):
     """Asynchronous (or stale synchronous) SGD through ``num_servers`` parameter servers.
 
@@ -147,16 +125,9 @@ class AsyncSGDStrategy(ParStrategy):
         **kwargs: Any,
     ) -> None:
         self.staleness = check_staleness(staleness)
-        auto = momentum == "auto"
-        if auto:
-            momentum = None if self.staleness == 0 else AUTO_MOMENTUM
-        self.remedies = Remedies(staleness_lr, dc_lambda, dc_mean_square, momentum, not auto)
-        if self.staleness == 0 and self.remedies != Remedies(strict=not auto):
-            raise ValueError(
-                f"async_sgd(staleness=0) is the synchronous parameter server: no update is "
-                f"stale, so the remedies ({self.remedies}) do not apply; use staleness >= 1 "
-                "or None"
-            )
+        self.remedies = choose_remedies(
+            self.staleness, staleness_lr, dc_lambda, dc_mean_square, momentum
+        )
         if share_work is not None and not isinstance(share_work, bool):
             raise TypeError(f"share_work must be True, False or None, got {share_work!r}")
         # staleness=0 is the synchronous server, with its fixed shards, by default
@@ -180,11 +151,6 @@ class AsyncSGDStrategy(ParStrategy):
         client = self.servers.client
         return client if isinstance(client, AsyncParameterClient) else None
 
-    # ---- refusing what we cannot do exactly (as parameter_server) -----------------------------
-    @override
-    def check_before_launch(self, trainer: pl.Trainer | None) -> None:
-        check_features(self.strategy_name, self.lightning_module, trainer, _compat.layer_sync(self))
-
     # ---- processes ----------------------------------------------------------------------------
     @override
     def setup_distributed(self) -> None:
@@ -195,20 +161,12 @@ class AsyncSGDStrategy(ParStrategy):
         log_startup(name, self.world_size, self.launch_plan, "gloo")
 
     @override
-    def rank_name(self, rank: int) -> str:
-        return role_name(self.world_size, rank)
-
-    @override
     def watched_ranks(self) -> list[int]:
         """Worker 0 and the servers: the others may be lost and the job goes on."""
         return [0, *range(self.world_size, self.world_size + self.num_servers)]
 
     def _server_options(self) -> dict[str, Any]:
-        remedies = self.remedies
-        if not remedies.strict and self.world_size < 2:
-            # the automatic cap: one worker is one process's SGD, with no asynchrony to
-            # add momentum (Mitliagkas et al.: 1 - 1/W), so the model's momentum stays
-            remedies = dataclasses.replace(remedies, momentum=None)
+        remedies = for_workers(self.remedies, self.world_size)
         return {"asynchronous": True, "staleness": self.staleness, "remedies": remedies}
 
     def _client_options(self, clip: GradClip | None) -> dict[str, Any]:
@@ -241,32 +199,12 @@ class AsyncSGDStrategy(ParStrategy):
     @override
     def setup_optimizers(self, trainer: pl.Trainer) -> None:
         """The momentum remedy needs an optimiser that has one: checked here, before the
-        servers learn the optimiser, so that they do not fail at the first push."""
+        servers learn the optimiser (:func:`~lightning_par.paramserver.remedies.check_momentum`)."""
         super().setup_optimizers(trainer)
-        if self.remedies.momentum is None:
-            return
-        if not self.remedies.strict:  # the automatic cap: say so where it changes something
-            if self.world_size >= 2:
-                self._announce_momentum_cap()
-            return
-        for opt in self.optimizers:
-            if any("momentum" not in group for group in opt.param_groups):
-                raise ValueError(
-                    f"async_sgd(momentum={self.remedies.momentum}) sets the servers' "
-                    f"momentum, but {type(opt).__name__} has none; use SGD (or RMSprop) "
-                    'or leave momentum="auto" (no cap without one) or None'
-                )
-
-    def _announce_momentum_cap(self) -> None:
-        cap = self.remedies.momentum
-        above = sorted({g["momentum"] for o in self.optimizers for g in o.param_groups
-                        if g.get("momentum", 0) > cap})  # fmt: skip
-        if above:
-            rank_zero_info(
-                f"async_sgd: the servers step with momentum {cap} instead of the optimiser's "
-                f'{", ".join(map(str, above))} (momentum="auto": asynchrony adds momentum of '
-                "its own, Mitliagkas et al. 2016); pass momentum=None to keep it"
-            )
+        remedies = for_workers(self.remedies, self.world_size)
+        note = check_momentum(remedies, self.optimizers)
+        if note is not None:
+            rank_zero_info(note)
 
     def _own_sigterm(self) -> None:
         """No broadcast: a worker stops on its own signal only."""
@@ -357,80 +295,5 @@ class AsyncSGDStrategy(ParStrategy):
             self.client.refresh()  # the servers' newest weights, not this worker's last pull
         return super().lightning_module_state_dict()
 
-    # ---- as parameter_server: the workers' collectives, the step, checkpoints, the end -------
-    @property
-    def worker_group(self) -> Any:
-        """The workers' process group (ranks ``0 .. W-1``; the servers are not in it)."""
-        return self.servers.workers.group
 
-    @override
-    def broadcast(self, obj: Any, src: int = 0) -> Any:
-        return self.servers.workers.broadcast(obj, src)
-
-    @override
-    def all_gather(self, tensor: torch.Tensor, group: Any | None = None, sync_grads: bool = False):
-        group = group or self.worker_group
-        return super().all_gather(tensor, group=group, sync_grads=sync_grads)
-
-    @override
-    def sync_model_states(self) -> None:
-        assert self.model is not None
-        self.servers.workers.sync_model_states(self.model)
-
-    @override
-    def gradient_buckets(self) -> Any:
-        return self.client.buckets if self.client is not None else None
-
-    @override
-    def pre_backward(self, closure_loss: torch.Tensor) -> None:
-        self.servers.pre_backward()
-
-    @override
-    def post_backward(self, closure_loss: torch.Tensor) -> None:
-        self.servers.post_backward()
-
-    @override
-    def optimizer_step(self, optimizer: Any, closure: Any, model: Any = None, **kwargs: Any):
-        if self.client is None:
-            return super().optimizer_step(optimizer, closure, model, **kwargs)
-        return self.servers.step(optimizer, closure, model)
-
-    @override
-    def validation_step(self, *args: Any, **kwargs: Any) -> Any:
-        self.servers.settle()
-        return super().validation_step(*args, **kwargs)
-
-    @override
-    def test_step(self, *args: Any, **kwargs: Any) -> Any:
-        self.servers.settle()
-        return super().test_step(*args, **kwargs)
-
-    @override
-    def predict_step(self, *args: Any, **kwargs: Any) -> Any:
-        self.servers.settle()
-        return super().predict_step(*args, **kwargs)
-
-    @override
-    def optimizer_state(self, optimizer: Any) -> dict[str, Any]:
-        if self.client is None:
-            return super().optimizer_state(optimizer)
-        return self.client.gather_state()  # complete on worker 0, which writes the file
-
-    @override
-    def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
-        if self.client is None:
-            return super().load_optimizer_state_dict(checkpoint)
-        self.client.load_state(checkpoint["optimizer_states"][0])
-
-    @override
-    def on_exception(self, exception: BaseException) -> None:
-        self.servers.on_exception(exception)
-
-    @override
-    def describe_failure(self, error: BaseException) -> None:
-        self.servers.describe_failure(error)
-
-    @override
-    def teardown(self) -> None:
-        self.servers.close()
-        super().teardown()
+__all__ = ["AUTO_MOMENTUM", "AsyncSGDStrategy", "check_staleness", "staleness_histogram"]

@@ -54,6 +54,7 @@ from lightning_par.comm.buckets import GradientBuckets
 from lightning_par.components.grad_sync import GradientSync
 from lightning_par.components.pipeline_split import PipelineSplit
 from lightning_par.components.splitter import ModelSplitter, find_network
+from lightning_par.components.strategy_options import PLUMBING_ARGUMENTS
 from lightning_par.components.tensor_split import TensorParallelSplit
 from lightning_par.hybrid.cost import hybrid_bytes_per_step
 from lightning_par.hybrid.grid import (
@@ -64,7 +65,7 @@ from lightning_par.hybrid.grid import (
     groups_across_nodes,
     make_grid,
 )
-from lightning_par.strategies._base import PLUMBING_ARGUMENTS, ParStrategy
+from lightning_par.strategies._base import ParStrategy
 
 DEFAULT_KIND = "gpipe"
 

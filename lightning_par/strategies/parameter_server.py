@@ -31,18 +31,14 @@ that are not element-wise.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
 from typing import Any
 
 import lightning.pytorch as pl
-import torch
 from lightning.fabric.utilities.seed import reset_seed
 from lightning.pytorch.trainer.states import TrainerFn
 from typing_extensions import override
 
-from lightning_par import _compat
 from lightning_par.components.server_group import ServerGroup, gloo_only
-from lightning_par.paramserver.process import role_name
 from lightning_par.paramserver.worker import ParameterClient
 from lightning_par.strategies._base import ParStrategy
 from lightning_par.strategies._late_params import (
@@ -50,9 +46,11 @@ from lightning_par.strategies._late_params import (
     refuse_late_parameters,
 )
 from lightning_par.strategies._launchers import log_startup
-from lightning_par.strategies._ps_features import check_features, trainer_clip
+from lightning_par.strategies._ps_features import trainer_clip
+from lightning_par.strategies._ps_hooks import server_group_hooks
 
 
+@server_group_hooks
 class ParameterServerStrategy(ParStrategy):
     """Data parallelism through ``num_servers`` sharded, synchronous parameter servers.
 
@@ -84,11 +82,6 @@ class ParameterServerStrategy(ParStrategy):
         """This worker's client of the servers (after ``setup`` while fitting)."""
         return self.servers.client
 
-    # ---- refusing what we cannot do exactly ---------------------------------------------------
-    @override
-    def check_before_launch(self, trainer: pl.Trainer | None) -> None:
-        check_features(self.strategy_name, self.lightning_module, trainer, _compat.layer_sync(self))
-
     # ---- processes -----------------------------------------------------------------------------
     @override
     def setup_distributed(self) -> None:
@@ -110,75 +103,21 @@ class ParameterServerStrategy(ParStrategy):
             lambda opt: refuse_frozen_in_optimizer(self.model, opt, self.strategy_name),
         )
 
-    # ---- Lightning's collectives: among the workers -------------------------------------------
-    @property
-    def worker_group(self) -> Any:
-        """The workers' process group (ranks ``0 .. W-1``; the servers are not in it)."""
-        return self.servers.workers.group
-
+    # ---- Lightning's collectives: among the workers (the rest: _ps_hooks) ---------------------
     @override
     def barrier(self, *args: Any, **kwargs: Any) -> None:
         self.servers.workers.barrier()
 
     @override
-    def broadcast(self, obj: Any, src: int = 0) -> Any:
-        return self.servers.workers.broadcast(obj, src)
-
-    @override
     def reduce(self, tensor: Any, group: Any | None = None, reduce_op: Any | None = "mean") -> Any:
         return super().reduce(tensor, group=group or self.worker_group, reduce_op=reduce_op)
 
-    @override
-    def all_gather(self, tensor: torch.Tensor, group: Any | None = None, sync_grads: bool = False):
-        group = group or self.worker_group
-        return super().all_gather(tensor, group=group, sync_grads=sync_grads)
-
-    @override
-    def sync_model_states(self) -> None:
-        assert self.model is not None
-        self.servers.workers.sync_model_states(self.model)
-
-    # ---- the step ------------------------------------------------------------------------------
-    @override
-    def gradient_buckets(self) -> Any:
-        """Gradient accumulation: no push on the accumulating micro-steps."""
-        return self.client.buckets if self.client is not None else None
-
-    @override
-    def pre_backward(self, closure_loss: torch.Tensor) -> None:
-        self.servers.pre_backward()
-
-    @override
-    def post_backward(self, closure_loss: torch.Tensor) -> None:
-        self.servers.post_backward()
-
-    @override
-    def optimizer_step(self, optimizer: Any, closure: Any, model: Any = None, **kwargs: Any):
-        """The servers step the optimiser (:meth:`ServerGroup.step`)."""
-        if self.client is None:
-            return super().optimizer_step(optimizer, closure, model, **kwargs)
-        return self.servers.step(optimizer, closure, model)
-
+    # ---- the step (the rest: _ps_hooks) ---------------------------------------------------------
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
         if self.client is not None:  # before this step pushes or pulls anything
             refuse_late_parameters(self.lightning_module, self.client.params, self.strategy_name)
         return super().training_step(*args, **kwargs)
-
-    @override
-    def validation_step(self, *args: Any, **kwargs: Any) -> Any:
-        self.servers.settle()
-        return super().validation_step(*args, **kwargs)
-
-    @override
-    def test_step(self, *args: Any, **kwargs: Any) -> Any:
-        self.servers.settle()
-        return super().test_step(*args, **kwargs)
-
-    @override
-    def predict_step(self, *args: Any, **kwargs: Any) -> Any:
-        self.servers.settle()
-        return super().predict_step(*args, **kwargs)
 
     # ---- checkpoints ---------------------------------------------------------------------------
     @override
@@ -187,36 +126,5 @@ class ParameterServerStrategy(ParStrategy):
         return super().lightning_module_state_dict()
 
     @override
-    def optimizer_state(self, optimizer: Any) -> dict[str, Any]:
-        if self.client is None:
-            return super().optimizer_state(optimizer)
-        return self.client.gather_state()  # complete on worker 0, which writes the file
-
-    @override
-    def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
-        if self.client is None:
-            return super().load_optimizer_state_dict(checkpoint)
-        self.client.load_state(checkpoint["optimizer_states"][0])
-
-    # ---- the end -------------------------------------------------------------------------------
-    @override
-    def on_exception(self, exception: BaseException) -> None:
-        # under torchrun Lightning calls this in the rank (a fork launch: in the main process)
-        self.servers.on_exception(exception)
-
-    @override
     def watched_ranks(self) -> list[int]:
         return self.servers.all_ranks()
-
-    @override
-    def rank_name(self, rank: int) -> str:
-        return role_name(self.world_size, rank)
-
-    @override
-    def describe_failure(self, error: BaseException) -> None:
-        self.servers.describe_failure(error)
-
-    @override
-    def teardown(self) -> None:
-        self.servers.close()
-        super().teardown()
