@@ -253,6 +253,28 @@ def test_a_network_built_on_the_meta_device_is_materialised_stage_by_stage(tmp_p
         torch.testing.assert_close(again[key], value, rtol=0, atol=0, msg=key)
 
 
+def _meta_whole(rank: int, world: int, kind: str, tmp: str) -> None:
+    fit = trainer(kind, world)
+    with torch.device("meta"):  # built without memory, as a user may build a large network
+        model = Holder("resnet18_gn")
+    fit.fit(model)
+    fit.save_checkpoint(os.path.join(tmp, f"{kind}.ckpt"))
+
+
+@pytest.mark.parametrize("kind", ["ring_allreduce", "tensor_parallel"])
+def test_a_meta_network_is_materialised_whole_under_the_other_strategies(kind, tmp_path):
+    """Not only the pipelines: data-parallel and tensor-parallel ranks give a meta network
+    storage as one process would (module by module, name-derived seeds), then train it."""
+    run_on_ranks(_meta_whole, 2, kind, str(tmp_path), timeout=300)
+    with torch.device("meta"):
+        expected = Holder("resnet18_gn")
+    materialize(expected.model)
+    trainer("auto", 1).fit(expected)
+    state = torch.load(tmp_path / f"{kind}.ckpt", weights_only=True)["state_dict"]
+    for key, value in expected.state_dict().items():
+        torch.testing.assert_close(state[key], value, rtol=1e-4, atol=2e-5, msg=key)
+
+
 def test_a_meta_network_that_cannot_be_initialised_stage_by_stage_is_refused():
     from _any_models import RawParameters
 

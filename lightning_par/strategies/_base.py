@@ -51,6 +51,7 @@ from lightning_par.components.strategy_options import (
 from lightning_par.launch import default_timeout, liveness
 from lightning_par.launch.policy import LaunchPlan
 from lightning_par.launch.rendezvous import StoreAddress
+from lightning_par.pipeline.materialize import has_meta, materialize
 from lightning_par.strategies._launchers import log_startup, make_launcher
 
 
@@ -207,7 +208,16 @@ class ParStrategy(DDPStrategy):
             self.trace.clear()  # keep only what training, testing, ... send
 
     def prepare_model(self, trainer: pl.Trainer) -> None:
-        """Change the model before it moves to its device (default: the splitter cuts it)."""
+        """Change the model before it moves to its device: a model built on the meta device
+        gets storage (a pipeline's splitter gives it stage by stage instead), then the
+        splitter cuts it."""
+        module = self.lightning_module
+        if module is not None and not self.splitter.materializes_meta and has_meta(module):
+            # each network by its own names, as the pipelines do: seeds derived from them give
+            # the values one process's materialize(network) gives
+            for child in module.children():
+                materialize(child)
+            materialize(module)
         self.splitter.split(trainer)
 
     def sync_model_states(self) -> None:
