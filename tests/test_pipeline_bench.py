@@ -5,7 +5,10 @@ column is each schedule's bubble formula."""
 
 import json
 
-from lightning_par.bench.pipeline import main
+import pytest
+
+from lightning_par.bench.pipeline import linear_workload, main
+from lightning_par.pipeline import balance_by_params
 
 
 def test_pipeline_bench_counts_the_schedules_messages(capsys):
@@ -18,19 +21,22 @@ def test_pipeline_bench_counts_the_schedules_messages(capsys):
     assert list(rows) == [
         ("naive", 1), ("gpipe", 2), ("gpipe", 4), ("1f1b", 2), ("1f1b", 4),
         ("interleaved", 2), ("interleaved", 4), ("zero_bubble", 2), ("zero_bubble", 4),
-        ("torch ScheduleGPipe", 2), ("torch ScheduleGPipe", 4),
+        ("zbv", 2), ("zbv", 4), ("torch ScheduleGPipe", 2), ("torch ScheduleGPipe", 4),
         ("torch Schedule1F1B", 2), ("torch Schedule1F1B", 4),
         ("torch ScheduleInterleaved1F1B", 2), ("torch ScheduleInterleaved1F1B", 4),
         ("torch ScheduleInterleavedZeroBubble", 2), ("torch ScheduleInterleavedZeroBubble", 4),
+        ("torch ScheduleZBVZeroBubble", 2), ("torch ScheduleZBVZeroBubble", 4),
     ]  # fmt: skip
     # the Linear stack is cut between two Linear(1024) layers: a 256 x 1024 float batch
     cut_bytes = 256 * 1024 * 4
     peers = {"gpipe": "torch ScheduleGPipe", "1f1b": "torch Schedule1F1B",
              "interleaved": "torch ScheduleInterleaved1F1B",
-             "zero_bubble": "torch ScheduleInterleavedZeroBubble"}  # fmt: skip
+             "zero_bubble": "torch ScheduleInterleavedZeroBubble",
+             "zbv": "torch ScheduleZBVZeroBubble"}  # fmt: skip
     for (name, m), row in rows.items():
         kind = {v: k for k, v in peers.items()}.get(name, name)
-        expected = {"interleaved": 1 / (2 * m + 1), "zero_bubble": 1 / (3 * m + 1)}
+        expected = {"interleaved": 1 / (2 * m + 1), "zero_bubble": 1 / (3 * m + 1),
+                    "zbv": 1 / (6 * m + 1)}  # fmt: skip
         assert row["theory_bubble"] == expected.get(kind, 1 / (m + 1)), (name, m)
         assert len(row["stage_cpu_ms"]) == 2
         if name.startswith("torch"):
@@ -38,18 +44,30 @@ def test_pipeline_bench_counts_the_schedules_messages(capsys):
             continue
         # each device sends one activation or gradient per micro-batch and cut it sits at,
         # every timed step (shape headers went once, in the first warm-up step): GPipe's
-        # one cut carries the whole batch each way; interleaving (v = 2, 3 cuts) thrice
-        cuts = 3 if name == "interleaved" else 1
+        # one cut carries the whole batch each way; interleaving (v = 2, 3 cuts) thrice;
+        # ZBV's V (stages 0, 3 | 1, 2) twice: its middle cut stays on device 1
+        cuts = {"interleaved": 3, "zbv": 2}.get(name, 1)
         assert row["messages_per_step"] == [cuts * m, cuts * m], (name, m)
         assert row["bytes_per_step"] == [cuts * cut_bytes] * 2, (name, m)
         assert all(b > 0 for b in row["peak_saved_bytes"])
         # the schedule replayed with its measured step costs and free messages can only be
         # faster than the run: its bubble is at most the measured one
         assert 0 <= row["theory_bubble_measured_costs"] <= row["measured_bubble"] + 1e-9
-        split = {"bwd_input", "bwd_weight"} if name == "zero_bubble" else {"bwd"}
+        split = {"bwd_input", "bwd_weight"} if name in ("zero_bubble", "zbv") else {"bwd"}
+        # the gap to the formula is the replay's (costs) plus the run's own (runtime)
+        assert row["bubble_gap_costs"] + row["bubble_gap_runtime"] == pytest.approx(
+            row["measured_bubble"] - row["theory_bubble"]
+        )
         assert set(row["mean_step_ms"]) == {"fwd"} | split, name
         peer = rows.get((peers.get(name), m))
         if peer is not None:
             assert row["speedup_vs_torch_peer"] == peer["step_ms"] / row["step_ms"]
+    # each layout's cut, shared by ours and torch's rows of that layout
+    net = linear_workload()[0]
+    assert result["balances"] == {"pipeline": balance_by_params(net, 2),
+                                  "interleaved": balance_by_params(net, 4),
+                                  "zbv": balance_by_params(net, 4)}  # fmt: skip
+    assert rows[("zbv", 2)]["balance"] == rows[("torch ScheduleZBVZeroBubble", 2)]["balance"]
+    assert rows[("gpipe", 2)]["balance"] == result["balance"] == [7, 9]
     saved = result["saved_activation_bytes_per_stage"]
     assert all(a < n for a, n in zip(saved["always"], saved["never"]))

@@ -13,7 +13,12 @@ from lightning_par.comm import CommTrace, Communicator, run_on_ranks
 from lightning_par.pipeline import balance_by_params, split_sequential
 from lightning_par.pipeline.multistage import DeviceStages
 from lightning_par.pipeline.schedule import Step, max_in_flight
-from lightning_par.pipeline.schedules_v import device_schedule, formula_bubble
+from lightning_par.pipeline.schedules_v import (
+    SPLIT_SCHEDULES,
+    device_schedule,
+    formula_bubble,
+    placement,
+)
 from lightning_par.pipeline.step import scheduled_step
 from lightning_par.pipeline.validate import ScheduleError, simulated_bubble, validate
 
@@ -146,9 +151,12 @@ def _train_one_process(net: nn.Module, steps: int, forward=None):
 
 
 def _device_stages(rank: int, k: int, v: int, schedule: str, modules: list[nn.Module]):
-    mine = {s: modules[s] for s in range(rank, k * v, k)}
+    where = placement(schedule, k)  # round-robin, or ZBV's V
+    mine = {s: modules[s] for s in range(k * v) if where(s) == rank}
     comm = Communicator(trace=CommTrace(rank))
-    return DeviceStages(mine, k * v, comm, split_backward=schedule == "zero_bubble"), mine
+    device = DeviceStages(mine, k * v, comm, device_of=where,
+                          split_backward=schedule in SPLIT_SCHEDULES)  # fmt: skip
+    return device, mine
 
 
 def _exact(rank: int, world_size: int, configs) -> list[tuple]:
@@ -178,7 +186,8 @@ def _exact(rank: int, world_size: int, configs) -> list[tuple]:
 @pytest.mark.parametrize("k", [2, 3])
 def test_new_schedules_match_one_process(k):
     configs = [("interleaved", 2, k), ("interleaved", 2, 2 * k), ("zero_bubble", 1, k),
-               ("zero_bubble", 1, 4), ("zero_bubble", 1, 1), ("1f1b", 1, 4)]  # fmt: skip
+               ("zero_bubble", 1, 4), ("zero_bubble", 1, 1), ("1f1b", 1, 4),
+               ("zbv", 2, k), ("zbv", 2, 2 * k), ("zbv", 2, 1)]  # fmt: skip
     if k == 2:
         configs += [("interleaved", 3, 4), ("gpipe", 1, 3)]
     for rank_results in run_on_ranks(_exact, k, configs, timeout=120):
@@ -186,7 +195,7 @@ def test_new_schedules_match_one_process(k):
             where = f"K={k} v={v} M={m} {schedule}"
             assert weight_err < 1e-5, where
             assert loss_err < 1e-5, where
-            if schedule == "zero_bubble":  # the split really ran
+            if schedule in SPLIT_SCHEDULES:  # the split really ran
                 assert {"fwd", "bwd_input", "bwd_weight"} <= ops, where
 
 

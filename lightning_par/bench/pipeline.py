@@ -12,16 +12,23 @@ run:
 * the naive split (``M = 1``: one stage works while the other waits);
 * our GPipe and 1F1B for several ``M`` (``checkpoint="never"``: no recomputation, like
   torch's schedule), with the measured bubble from the trace next to (K-1)/(M+K-1);
-* our interleaved 1F1B (``v`` stages per device) and zero bubble (ZB-H1 order, B/W split)
-  on :class:`~lightning_par.pipeline.multistage.DeviceStages` (:mod:`.pipeline_v`), each
+* our interleaved 1F1B (``v`` stages per device), zero bubble (ZB-H1 order, B/W split)
+  and ZBV (two stages per device in a V, B/W split) on
+  :class:`~lightning_par.pipeline.multistage.DeviceStages` (:mod:`.pipeline_v`), each
   row's ``theory_bubble`` its own formula (:func:`~lightning_par.pipeline.schedules_v.
   formula_bubble`) beside the bubble measured from the traces and the schedule replayed
   with the step costs the traces measured (``theory_bubble_measured_costs``,
   :func:`~lightning_par.pipeline.timeline.replayed_bubble`: the formula's idle time without
-  its equal-cost assumption; ``mean_step_ms``: the mean F, B, W spans);
-* torch's ``ScheduleGPipe``, ``Schedule1F1B``, ``ScheduleInterleaved1F1B`` and
-  ``ScheduleInterleavedZeroBubble`` on the same stages, each the peer of our schedule of the
-  same kind at the same ``M`` (``speedup_vs_torch_peer``);
+  its equal-cost assumption; ``mean_step_ms``: the mean F, B, W spans) and the gap between
+  measured and formula split in two, ``bubble_gap_costs`` (replay - formula: unequal
+  stages and step costs) and ``bubble_gap_runtime`` (measured - replay: time lost between
+  steps);
+* each layout's cut (``balances``; ``balance`` per row), chosen so that the busiest device
+  is as cheap as possible (:func:`~lightning_par.pipeline.partition.balance_for_devices`;
+  torch's rows run on the same cut as ours of the same layout);
+* torch's ``ScheduleGPipe``, ``Schedule1F1B``, ``ScheduleInterleaved1F1B``,
+  ``ScheduleInterleavedZeroBubble`` and ``ScheduleZBVZeroBubble`` on the same stages, each
+  the peer of our schedule of the same kind at the same ``M`` (``speedup_vs_torch_peer``);
 * per stage of ours, the peak bytes of activations saved for backward during one step
   (``peak_saved_bytes``, counted with ``saved_tensors_hooks``);
 * each stage's CPU time per step (nearly blind to load from other processes) and, for our
@@ -42,8 +49,10 @@ import torch.distributed as dist
 from torch import nn
 
 from lightning_par.bench.pipeline_v import (
+    OURS_V,
     PEERS_V,
     TORCH_V_SCHEDULES,
+    layout_of,
     ours_v,
     runs,
     theirs_v,
@@ -54,11 +63,11 @@ from lightning_par.pipeline import (
     CHECKPOINT_MODES,
     PipelineStage,
     balance_by_params,
-    balance_by_time,
     forward_backward,
     split_sequential,
 )
-from lightning_par.pipeline.schedules_v import NEW_SCHEDULES, device_schedule, formula_bubble
+from lightning_par.pipeline.partition import balance_for_devices, layer_times
+from lightning_par.pipeline.schedules_v import device_schedule, formula_bubble, placement
 from lightning_par.pipeline.timeline import mean_costs, measured_bubble, replayed_bubble
 
 
@@ -128,22 +137,28 @@ def _stage_input(net: nn.Sequential, balance: list[int], stage: int, x: torch.Te
         return net[: sum(balance[:stage])](x) if stage else x
 
 
-def _balance(workload: str, base: nn.Sequential, x: torch.Tensor, stages: int, rank: int):
+def _balances(workload: str, base: nn.Sequential, x: torch.Tensor, k: int, v: int,
+              rank: int) -> dict[str, list[int]]:  # fmt: skip
+    """The cut of each layout (``"pipeline"``: one stage per device, ``"interleaved"``: ``v``
+    dealt round-robin, ``"zbv"``: two in a V), each making its busiest device as cheap as
+    possible; ours and torch's rows of one layout share it."""
+    layouts = {"pipeline": (k, lambda s: s), "interleaved": (k * v, placement("interleaved", k)),
+               "zbv": (2 * k, placement("zbv", k))}  # fmt: skip
     if workload == "linear":  # identical layers: equal parameter counts are equal work
-        return balance_by_params(base, stages)
-    # measured on rank 0, shared so that every rank cuts at the same place
-    box = [balance_by_time(base, x, stages, repeat=5) if rank == 0 else None]
+        return {name: balance_by_params(base, n) for name, (n, _) in layouts.items()}
+    # forward + backward per layer, measured on rank 0 and shared so every rank cuts alike
+    box = [layer_times(base, x, repeat=5) if rank == 0 else None]
     dist.broadcast_object_list(box, 0)
-    return box[0]
+    return {name: balance_for_devices(box[0], n, where) for name, (n, where) in layouts.items()}
 
 
 def _pipelines(rank: int, world_size: int, workload: str, chunks: list[int], warmup: int,
                steps: int, rounds: int, virtual: int = 2) -> dict:  # fmt: skip
     torch.set_num_threads(1)
     base, x, y, loss_fn = WORKLOADS[workload]()
-    balances = {v: _balance(workload, base, x, world_size * v, rank) for v in sorted({1, virtual})}
-    balance = balances[1]
-    results: dict = {"balance": balance, "runs": [], "saved_bytes": {}}
+    balances = _balances(workload, base, x, world_size, virtual, rank)
+    balance = balances["pipeline"]
+    results: dict = {"balance": balance, "balances": balances, "runs": [], "saved_bytes": {}}
     same = (base, balances, rank, world_size, virtual, x, y, loss_fn)
 
     def ours(schedule: str, m: int, mode: str = "never"):
@@ -168,7 +183,7 @@ def _pipelines(rank: int, world_size: int, workload: str, chunks: list[int], war
 
     contenders = [("naive", 1, ours("gpipe", 1))]
     contenders += [(s, m, ours(s, m)) for s in ("gpipe", "1f1b") for m in chunks]
-    contenders += [(s, m, ours_v(s, m, *same)) for s in NEW_SCHEDULES for m in chunks
+    contenders += [(s, m, ours_v(s, m, *same)) for s in OURS_V for m in chunks
                    if runs(s, m, world_size, virtual)]  # fmt: skip
     contenders += [(f"torch {k}", m, theirs(k, m)) for k in TORCH_SCHEDULES for m in chunks]
     contenders += [(f"torch {k}", m, theirs_v(k, m, *same)) for k in TORCH_V_SCHEDULES
@@ -241,6 +256,7 @@ def run(workload: str, chunks: list[int], warmup: int, steps: int, rounds: int,
                "speedup_vs_naive": naive / step_s,
                "stage_cpu_ms": [r["runs"][i]["cpu_s"] * 1e3 for r in ranks],
                "virtual_stages": virtual_of(run0["name"], virtual),
+               "balance": ranks[0]["balances"][layout_of(run0["name"])],
                "theory_bubble": formula_bubble(_kind(run0["name"]), stages, run0["chunks"],
                                                virtual_of(run0["name"], virtual))}  # fmt: skip
         if "trace" in run0:
@@ -261,6 +277,11 @@ def run(workload: str, chunks: list[int], warmup: int, steps: int, rounds: int,
                     row["virtual_stages"],
                 )
             )
+            # the distance to the formula, in two parts: what the schedule loses with the
+            # measured step costs (unequal stages, B/W not equal thirds), and what the run
+            # lost on top of that replay (messages, the loop, other processes)
+            row["bubble_gap_costs"] = row["theory_bubble_measured_costs"] - row["theory_bubble"]
+            row["bubble_gap_runtime"] = row["measured_bubble"] - row["theory_bubble_measured_costs"]
         rows.append(row)
     best_torch = min(r["step_ms"] for r in rows if r["name"].startswith("torch"))
     by_name = {(r["name"], r["chunks"]): r["step_ms"] for r in rows}
@@ -273,6 +294,7 @@ def run(workload: str, chunks: list[int], warmup: int, steps: int, rounds: int,
         "workload": workload,
         "stages": stages,
         "balance": ranks[0]["balance"],
+        "balances": ranks[0]["balances"],
         "single_process_ms": {
             f"{t}_thread{'s' if t > 1 else ''}": s * 1e3 for t, s in single.items()
         },
@@ -285,26 +307,29 @@ def run(workload: str, chunks: list[int], warmup: int, steps: int, rounds: int,
 
 
 def report(result: dict) -> str:
-    lines = [f"## {result['workload']} (balance {result['balance']})", ""]
+    cuts = ", ".join(f"{k} {v}" for k, v in result.get("balances", {}).items())
+    lines = [f"## {result['workload']} (balance {result['balance']}; cuts: {cuts})", ""]
     single = ", ".join(
         f"{k.replace('_', ' ')} {v:.1f} ms" for k, v in result["single_process_ms"].items()
     )
     lines += [f"one process: {single}", ""]
     lines.append(
         "| run | M | step (ms) | vs naive | vs torch peer | vs best torch | bubble measured "
-        "| theory | theory (measured costs) | CPU/stage (ms) | peak saved/stage (MiB) "
-        "| messages/stage |"
+        "| theory | theory (measured costs) | gap: costs / runtime | CPU/stage (ms) "
+        "| peak saved/stage (MiB) | messages/stage |"
     )
-    lines.append("|---|---|---|---|---|---|---|---|---|---|---|---|")
+    lines.append("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for r in result["rows"]:
         measured = f"{r['measured_bubble']:.0%}" if "measured_bubble" in r else "-"
         peer = f"{r['speedup_vs_torch_peer']:.2f}x" if "speedup_vs_torch_peer" in r else "-"
         replayed = r.get("theory_bubble_measured_costs")
         replayed = "-" if replayed is None else f"{replayed:.0%}"
+        gaps = (f"{r['bubble_gap_costs']:+.3f} / {r['bubble_gap_runtime']:+.3f}"
+                if "bubble_gap_costs" in r else "-")  # fmt: skip
         lines.append(
             f"| {r['name']} | {r['chunks']} | {r['step_ms']:.1f} | {r['speedup_vs_naive']:.2f}x "
             f"| {peer} | {r['speedup_vs_torch_best']:.2f}x | {measured} "
-            f"| {r['theory_bubble']:.0%} | {replayed} "
+            f"| {r['theory_bubble']:.0%} | {replayed} | {gaps} "
             f"| {'/'.join(f'{c:.0f}' for c in r['stage_cpu_ms'])} "
             f"| {'/'.join(f'{b / 2**20:.1f}' for b in r.get('peak_saved_bytes', [])) or '-'} "
             f"| {'/'.join(f'{n:g}' for n in r.get('messages_per_step', [])) or '-'} |"
