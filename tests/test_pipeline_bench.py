@@ -69,5 +69,12 @@ def test_pipeline_bench_counts_the_schedules_messages(capsys):
                                   "zbv": balance_by_params(net, 4)}  # fmt: skip
     assert rows[("zbv", 2)]["balance"] == rows[("torch ScheduleZBVZeroBubble", 2)]["balance"]
     assert rows[("gpipe", 2)]["balance"] == result["balance"] == [7, 9]
+    # the goals: our fastest row over torch's fastest ScheduleGPipe row and fastest row
+    goals, ours = result["goals"], [r for r in rows.values() if not r["name"].startswith("t")]
+    best = min(r["step_ms"] for r in ours if r["name"] != "naive")
+    gpipe = min(rows[("torch ScheduleGPipe", m)]["step_ms"] for m in (2, 4))
+    assert goals["best_vs_torch_gpipe"] == pytest.approx(gpipe / best)
+    bound = min(max(r["stage_cpu_ms"]) for r in ours if r["name"] != "naive")
+    assert goals["cpu_bound_ms"][2] == bound
     saved = result["saved_activation_bytes_per_stage"]
     assert all(a < n for a, n in zip(saved["always"], saved["never"]))

@@ -293,6 +293,7 @@ def run(workload: str, chunks: list[int], warmup: int, steps: int, rounds: int,
     return {
         "workload": workload,
         "stages": stages,
+        "goals": _goals(rows),
         "balance": ranks[0]["balance"],
         "balances": ranks[0]["balances"],
         "single_process_ms": {
@@ -306,6 +307,29 @@ def run(workload: str, chunks: list[int], warmup: int, steps: int, rounds: int,
     }
 
 
+def _goals(rows: list[dict]) -> dict:
+    """The issue's speed goals from one run: our fastest row against torch's fastest
+    ``ScheduleGPipe`` row and torch's fastest row, and how far CPU time lets any schedule of
+    ours go: ``cpu_bound_ms``, the busiest device's CPU per step (a step cannot be shorter
+    even with no bubble and free messages) of our row whose busiest device is cheapest."""
+    ours = [r for r in rows if not r["name"].startswith("torch") and r["name"] != "naive"]
+    theirs = [r for r in rows if r["name"].startswith("torch")]
+    best = min(ours, key=lambda r: r["step_ms"])
+    gpipe = min((r for r in theirs if r["name"] == "torch ScheduleGPipe"),
+                key=lambda r: r["step_ms"])  # fmt: skip
+    top = min(theirs, key=lambda r: r["step_ms"])
+    bound = min(ours, key=lambda r: max(r["stage_cpu_ms"]))
+    return {
+        "ours_best": [best["name"], best["chunks"], best["step_ms"]],
+        "torch_gpipe_best": [gpipe["chunks"], gpipe["step_ms"]],
+        "torch_best": [top["name"], top["chunks"], top["step_ms"]],
+        "best_vs_torch_gpipe": gpipe["step_ms"] / best["step_ms"],
+        "best_vs_torch_best": top["step_ms"] / best["step_ms"],
+        "cpu_bound_ms": [bound["name"], bound["chunks"], max(bound["stage_cpu_ms"])],
+        "cpu_bound_vs_torch_gpipe": gpipe["step_ms"] / max(bound["stage_cpu_ms"]),
+    }
+
+
 def report(result: dict) -> str:
     cuts = ", ".join(f"{k} {v}" for k, v in result.get("balances", {}).items())
     lines = [f"## {result['workload']} (balance {result['balance']}; cuts: {cuts})", ""]
@@ -313,6 +337,23 @@ def report(result: dict) -> str:
         f"{k.replace('_', ' ')} {v:.1f} ms" for k, v in result["single_process_ms"].items()
     )
     lines += [f"one process: {single}", ""]
+    g = result["goals"]
+    best, gpipe, top, bound = (
+        g["ours_best"],
+        g["torch_gpipe_best"],
+        g["torch_best"],
+        g["cpu_bound_ms"],
+    )
+    lines += [
+        f"our best: {best[0]} M={best[1]} {best[2]:.1f} ms; {g['best_vs_torch_gpipe']:.2f}x "
+        f"torch's best ScheduleGPipe (M={gpipe[0]}, {gpipe[1]:.1f} ms; goal >= 1.15x); "
+        f"{g['best_vs_torch_best']:.2f}x torch's best ({top[0]} M={top[1]}; goal >= 1.0x)",
+        "",
+        f"CPU bound: {bound[0]} M={bound[1]}'s busiest device, {bound[2]:.0f} ms per step, "
+        f"{g['cpu_bound_vs_torch_gpipe']:.2f}x torch's best ScheduleGPipe step (a step is "
+        "never shorter than its busiest device's CPU time: quiet, this caps our speed-up)",
+        "",
+    ]
     lines.append(
         "| run | M | step (ms) | vs naive | vs torch peer | vs best torch | bubble measured "
         "| theory | theory (measured costs) | gap: costs / runtime | CPU/stage (ms) "
