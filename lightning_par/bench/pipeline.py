@@ -23,9 +23,10 @@ run:
   measured and formula split in two, ``bubble_gap_costs`` (replay - formula: unequal
   stages and step costs) and ``bubble_gap_runtime`` (measured - replay: time lost between
   steps);
-* each layout's cut (``balances``; ``balance`` per row), chosen so that the busiest device
-  is as cheap as possible (:func:`~lightning_par.pipeline.partition.balance_for_devices`;
-  torch's rows run on the same cut as ours of the same layout);
+* each layout's cut (``balances``; ``balance`` per row), the one whose schedules replayed
+  with the measured per-layer costs step fastest
+  (:func:`~lightning_par.pipeline.partition.balance_by_replay`; torch's rows run on the
+  same cut as ours of the same layout);
 * torch's ``ScheduleGPipe``, ``Schedule1F1B``, ``ScheduleInterleaved1F1B``,
   ``ScheduleInterleavedZeroBubble`` and ``ScheduleZBVZeroBubble`` on the same stages, each
   the peer of our schedule of the same kind at the same ``M`` (``speedup_vs_torch_peer``);
@@ -66,7 +67,7 @@ from lightning_par.pipeline import (
     forward_backward,
     split_sequential,
 )
-from lightning_par.pipeline.partition import balance_for_devices, layer_times
+from lightning_par.pipeline.partition import balance_by_replay, layer_times
 from lightning_par.pipeline.schedules_v import device_schedule, formula_bubble, placement
 from lightning_par.pipeline.timeline import mean_costs, measured_bubble, replayed_bubble
 
@@ -138,25 +139,35 @@ def _stage_input(net: nn.Sequential, balance: list[int], stage: int, x: torch.Te
 
 
 def _balances(workload: str, base: nn.Sequential, x: torch.Tensor, k: int, v: int,
-              rank: int) -> dict[str, list[int]]:  # fmt: skip
+              chunks: list[int], rank: int) -> dict[str, list[int]]:  # fmt: skip
     """The cut of each layout (``"pipeline"``: one stage per device, ``"interleaved"``: ``v``
-    dealt round-robin, ``"zbv"``: two in a V), each making its busiest device as cheap as
-    possible; ours and torch's rows of one layout share it."""
-    layouts = {"pipeline": (k, lambda s: s), "interleaved": (k * v, placement("interleaved", k)),
-               "zbv": (2 * k, placement("zbv", k))}  # fmt: skip
+    dealt round-robin, ``"zbv"``: two in a V): the one whose schedules, replayed at this
+    run's ``chunks`` with the measured per-layer costs, step fastest
+    (:func:`~lightning_par.pipeline.partition.balance_by_replay`); ours and torch's rows of
+    one layout share it."""
+    layouts = {
+        "pipeline": (k, lambda s: s, [("gpipe", 1), ("1f1b", 1), ("zero_bubble", 1)]),
+        "interleaved": (k * v, placement("interleaved", k), [("interleaved", v)]),
+        "zbv": (2 * k, placement("zbv", k), [("zbv", 2)]),
+    }
     if workload == "linear":  # identical layers: equal parameter counts are equal work
-        return {name: balance_by_params(base, n) for name, (n, _) in layouts.items()}
+        return {name: balance_by_params(base, n) for name, (n, _, _) in layouts.items()}
     # forward + backward per layer, measured on rank 0 and shared so every rank cuts alike
     box = [layer_times(base, x, repeat=5) if rank == 0 else None]
     dist.broadcast_object_list(box, 0)
-    return {name: balance_for_devices(box[0], n, where) for name, (n, where) in layouts.items()}
+    cuts = {}
+    for name, (n, where, kinds) in layouts.items():
+        plans = [device_schedule(s, k, m, vv) for s, vv in kinds for m in chunks
+                 if runs(s, m, k, vv)]  # fmt: skip
+        cuts[name] = balance_by_replay(box[0], plans, n, where)
+    return cuts
 
 
 def _pipelines(rank: int, world_size: int, workload: str, chunks: list[int], warmup: int,
                steps: int, rounds: int, virtual: int = 2) -> dict:  # fmt: skip
     torch.set_num_threads(1)
     base, x, y, loss_fn = WORKLOADS[workload]()
-    balances = _balances(workload, base, x, world_size, virtual, rank)
+    balances = _balances(workload, base, x, world_size, virtual, chunks, rank)
     balance = balances["pipeline"]
     results: dict = {"balance": balance, "balances": balances, "runs": [], "saved_bytes": {}}
     same = (base, balances, rank, world_size, virtual, x, y, loss_fn)

@@ -8,9 +8,9 @@ takes several) and ``ScheduleZBVZeroBubble`` (two stages per rank in a V, as our
 by :mod:`lightning_par.bench.pipeline`.
 
 Each layout has its own cut (``balances``: ``"pipeline"`` one stage per device,
-``"interleaved"`` round-robin, ``"zbv"`` the V), chosen for the busiest device
-(:func:`~lightning_par.pipeline.partition.balance_for_devices`); ours and torch's rows of
-one layout share it.
+``"interleaved"`` round-robin, ``"zbv"`` the V), chosen by replaying the schedules with
+the measured layer costs (:func:`~lightning_par.pipeline.partition.balance_by_replay`);
+ours and torch's rows of one layout share it.
 """
 
 from __future__ import annotations
