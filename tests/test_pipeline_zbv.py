@@ -62,6 +62,14 @@ def test_zbv_refuses_other_virtual_stages_and_round_robin_placement():
         validate(device_schedule("zbv", 2, 4, 2), 4, 4)  # round-robin: stage 2 is not on 0
 
 
+def test_the_strategy_refuses_zbv_with_the_fix():
+    from lightning_par.strategies.gpipe import GPipeStrategy
+
+    with pytest.raises(ValueError, match=r"GPipeStrategy does not run schedule='zbv'.*"
+                                         r"use schedule='zero_bubble'"):  # fmt: skip
+        GPipeStrategy(schedule="zbv", chunks=4)
+
+
 def test_balance_for_devices_minimises_the_busiest_device():
     costs = [2.0, 9.0, 7.5, 7.3, 6.2, 0.1]  # the CIFAR CNN's layers, roughly
     round_robin, v_shape = placement("interleaved", 2), placement("zbv", 2)
