@@ -152,8 +152,9 @@ def _balances(workload: str, base: nn.Sequential, x: torch.Tensor, k: int, v: in
     }
     if workload == "linear":  # identical layers: equal parameter counts are equal work
         return {name: balance_by_params(base, n) for name, (n, _, _) in layouts.items()}
-    # forward + backward per layer, measured on rank 0 and shared so every rank cuts alike
-    box = [layer_times(base, x, repeat=5) if rank == 0 else None]
+    # forward + backward per layer in CPU time (wall time moves with other processes' load),
+    # measured on rank 0 and shared so every rank cuts alike
+    box = [layer_times(base, x, repeat=7, clock=time.thread_time) if rank == 0 else None]
     dist.broadcast_object_list(box, 0)
     cuts = {}
     for name, (n, where, kinds) in layouts.items():
