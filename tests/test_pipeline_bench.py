@@ -15,7 +15,8 @@ def test_pipeline_bench_counts_the_schedules_messages(capsys):
     argv = ["--workload", "linear", "--chunks", "2,4", "--steps", "1", "--rounds", "1"]
     # one thread only: earlier tests started OpenMP threads in this process, which a forked
     # child cannot use
-    assert main(argv + ["--warmup", "1", "--single-threads", "1", "--json"]) == 0
+    assert main(argv + ["--warmup", "1", "--single-threads", "1", "--json",
+                        "--keep-freed-memory"]) == 0  # fmt: skip
     (result,) = json.loads(capsys.readouterr().out)
     rows = {(row["name"], row["chunks"]): row for row in result["rows"]}
     assert list(rows) == [
@@ -39,6 +40,8 @@ def test_pipeline_bench_counts_the_schedules_messages(capsys):
                     "zbv": 1 / (6 * m + 1)}  # fmt: skip
         assert row["theory_bubble"] == expected.get(kind, 1 / (m + 1)), (name, m)
         assert len(row["stage_cpu_ms"]) == 2
+        cpu = row["stage_cpu_ms"]
+        assert row["imbalance_floor"] == pytest.approx(1 - (cpu[0] + cpu[1]) / (2 * max(cpu)))
         if name.startswith("torch"):
             assert "messages_per_step" not in row
             continue
@@ -76,5 +79,35 @@ def test_pipeline_bench_counts_the_schedules_messages(capsys):
     assert goals["best_vs_torch_gpipe"] == pytest.approx(gpipe / best)
     bound = min(max(r["stage_cpu_ms"]) for r in ours if r["name"] != "naive")
     assert goals["cpu_bound_ms"][2] == bound
+    assert result["keep_freed_memory"] is True
     saved = result["saved_activation_bytes_per_stage"]
     assert all(a < n for a, n in zip(saved["always"], saved["never"]))
+
+
+_FAULTS = """
+import resource, sys, torch
+from lightning_par.bench.malloc import keep_freed_memory
+if sys.argv[1] == "keep":
+    assert keep_freed_memory()
+for _ in range(3):  # a step's activations: six 8 MiB blocks, all freed at its end
+    [torch.ones(2**21) for _ in range(6)]
+before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+for _ in range(20):
+    [torch.ones(2**21) for _ in range(6)]
+print(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
+"""
+
+
+def test_keeping_freed_memory_removes_the_page_faults_of_reallocating():
+    import subprocess
+    import sys
+
+    def faults(mode: str) -> int:
+        out = subprocess.run([sys.executable, "-c", _FAULTS, mode], capture_output=True,
+                             text=True, check=True, timeout=120)  # fmt: skip
+        return int(out.stdout.split()[-1])
+
+    # glibc trims the 48 MiB freed at the heap's top each "step", and faults it in again
+    # (about 12,000 pages a step)
+    assert faults("default") > 20 * 5000
+    assert faults("keep") < 1000

@@ -22,7 +22,8 @@ run:
   its equal-cost assumption; ``mean_step_ms``: the mean F, B, W spans) and the gap between
   measured and formula split in two, ``bubble_gap_costs`` (replay - formula: unequal
   stages and step costs) and ``bubble_gap_runtime`` (measured - replay: time lost between
-  steps);
+  steps), and ``imbalance_floor``, the bubble unequal devices leave under any schedule
+  (``1 - mean/max`` of the devices' CPU per step);
 * each layout's cut (``balances``; ``balance`` per row), the one whose schedules replayed
   with the measured per-layer costs step fastest
   (:func:`~lightning_par.pipeline.partition.balance_by_replay`; torch's rows run on the
@@ -36,6 +37,10 @@ run:
   rows, the messages and bytes each stage sent per step;
 * activation bytes each stage stores between forward and backward per re-materialisation
   mode at the largest ``M`` (counted with ``saved_tensors_hooks``).
+
+``--keep-freed-memory``: every process keeps freed memory mapped (:mod:`.malloc`), which
+removes the page faults of re-allocating each step's activations (10-15 % of the stages' CPU
+on the CNN) for every contender alike.
 """
 
 from __future__ import annotations
@@ -49,6 +54,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from lightning_par.bench.malloc import keep_freed_memory
 from lightning_par.bench.pipeline_v import (
     OURS_V,
     PEERS_V,
@@ -126,7 +132,9 @@ def _time_steps(step, optimizer, warmup: int, steps: int, rounds: int = 1) -> tu
 
 
 def _single(rank: int, world_size: int, workload: str, threads: int, warmup: int, steps: int,
-            rounds: int):  # fmt: skip
+            rounds: int, keep_memory: bool = False):  # fmt: skip
+    if keep_memory:
+        keep_freed_memory()
     torch.set_num_threads(threads)
     net, x, y, loss_fn = WORKLOADS[workload]()
     opt = torch.optim.SGD(net.parameters(), lr=1e-3)
@@ -165,7 +173,10 @@ def _balances(workload: str, base: nn.Sequential, x: torch.Tensor, k: int, v: in
 
 
 def _pipelines(rank: int, world_size: int, workload: str, chunks: list[int], warmup: int,
-               steps: int, rounds: int, virtual: int = 2) -> dict:  # fmt: skip
+               steps: int, rounds: int, virtual: int = 2,
+               keep_memory: bool = False) -> dict:  # fmt: skip
+    if keep_memory:  # every contender of this process alike, ours and torch's
+        keep_freed_memory()
     torch.set_num_threads(1)
     base, x, y, loss_fn = WORKLOADS[workload]()
     balances = _balances(workload, base, x, world_size, virtual, chunks, rank)
@@ -232,6 +243,13 @@ def _pipelines(rank: int, world_size: int, workload: str, chunks: list[int], war
     return results
 
 
+def _imbalance_floor(device_cpu: list[float]) -> float:
+    """The bubble that unequal devices leave even under a perfect schedule: while the
+    busiest device works, the others finish their share and wait,
+    ``1 - mean / max`` of the devices' CPU per step (``imbalance_floor``)."""
+    return 1.0 - sum(device_cpu) / (len(device_cpu) * max(device_cpu))
+
+
 def _kind(name: str) -> str:
     """Our schedule a row's bubble formula is that of (torch's rows: their peer's)."""
     peers = {v: k for k, v in {**PEERS, **PEERS_V}.items()}
@@ -254,12 +272,14 @@ def _with_measured_costs(traces: list, steps: range, kind: str, k: int, m: int,
 
 def run(workload: str, chunks: list[int], warmup: int, steps: int, rounds: int,
         single_threads: tuple[int, ...] = (1, 2), stages: int = 2,
-        virtual: int = 2) -> dict:  # fmt: skip
+        virtual: int = 2, keep_memory: bool = False) -> dict:  # fmt: skip
     timing = (warmup, steps, rounds)
     single = {
-        t: run_on_ranks(_single, 1, workload, t, *timing, timeout=900)[0] for t in single_threads
+        t: run_on_ranks(_single, 1, workload, t, *timing, keep_memory, timeout=900)[0]
+        for t in single_threads
     }
-    ranks = run_on_ranks(_pipelines, stages, workload, chunks, *timing, virtual, timeout=1800)
+    ranks = run_on_ranks(_pipelines, stages, workload, chunks, *timing, virtual, keep_memory,
+                         timeout=1800)  # fmt: skip
     naive = ranks[0]["runs"][0]["step_s"]
     rows = []
     for i, run0 in enumerate(ranks[0]["runs"]):
@@ -267,6 +287,7 @@ def run(workload: str, chunks: list[int], warmup: int, steps: int, rounds: int,
         row = {"name": run0["name"], "chunks": run0["chunks"], "step_ms": step_s * 1e3,
                "speedup_vs_naive": naive / step_s,
                "stage_cpu_ms": [r["runs"][i]["cpu_s"] * 1e3 for r in ranks],
+               "imbalance_floor": _imbalance_floor([r["runs"][i]["cpu_s"] for r in ranks]),
                "virtual_stages": virtual_of(run0["name"], virtual),
                "balance": ranks[0]["balances"][layout_of(run0["name"])],
                "theory_bubble": formula_bubble(_kind(run0["name"]), stages, run0["chunks"],
@@ -305,6 +326,7 @@ def run(workload: str, chunks: list[int], warmup: int, steps: int, rounds: int,
     return {
         "workload": workload,
         "stages": stages,
+        "keep_freed_memory": keep_memory,
         "goals": _goals(rows),
         "balance": ranks[0]["balance"],
         "balances": ranks[0]["balances"],
@@ -344,7 +366,8 @@ def _goals(rows: list[dict]) -> dict:
 
 def report(result: dict) -> str:
     cuts = ", ".join(f"{k} {v}" for k, v in result.get("balances", {}).items())
-    lines = [f"## {result['workload']} (balance {result['balance']}; cuts: {cuts})", ""]
+    kept = "; freed memory kept" if result.get("keep_freed_memory") else ""
+    lines = [f"## {result['workload']} (balance {result['balance']}; cuts: {cuts}{kept})", ""]
     single = ", ".join(
         f"{k.replace('_', ' ')} {v:.1f} ms" for k, v in result["single_process_ms"].items()
     )
@@ -368,10 +391,11 @@ def report(result: dict) -> str:
     ]
     lines.append(
         "| run | M | step (ms) | vs naive | vs torch peer | vs best torch | bubble measured "
-        "| theory | theory (measured costs) | gap: costs / runtime | CPU/stage (ms) "
+        "| theory | theory (measured costs) | gap: costs / runtime | imbalance floor "
+        "| CPU/stage (ms) "
         "| peak saved/stage (MiB) | messages/stage |"
     )
-    lines.append("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+    lines.append("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for r in result["rows"]:
         measured = f"{r['measured_bubble']:.0%}" if "measured_bubble" in r else "-"
         peer = f"{r['speedup_vs_torch_peer']:.2f}x" if "speedup_vs_torch_peer" in r else "-"
@@ -382,7 +406,7 @@ def report(result: dict) -> str:
         lines.append(
             f"| {r['name']} | {r['chunks']} | {r['step_ms']:.1f} | {r['speedup_vs_naive']:.2f}x "
             f"| {peer} | {r['speedup_vs_torch_best']:.2f}x | {measured} "
-            f"| {r['theory_bubble']:.0%} | {replayed} | {gaps} "
+            f"| {r['theory_bubble']:.0%} | {replayed} | {gaps} | {r['imbalance_floor']:.3f} "
             f"| {'/'.join(f'{c:.0f}' for c in r['stage_cpu_ms'])} "
             f"| {'/'.join(f'{b / 2**20:.1f}' for b in r.get('peak_saved_bytes', [])) or '-'} "
             f"| {'/'.join(f'{n:g}' for n in r.get('messages_per_step', [])) or '-'} |"
@@ -416,6 +440,10 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--stages", type=int, default=2, help="pipeline devices K (processes)")
     parser.add_argument("--virtual-stages", type=int, default=2,
                         help="stages per device of the interleaved schedules, v")  # fmt: skip
+    parser.add_argument("--keep-freed-memory", action="store_true",
+                        help="every process keeps freed memory mapped (glibc mallopt; see "
+                        "lightning_par.bench.malloc): no page faults re-mapping each step's "
+                        "activations, for every contender alike")  # fmt: skip
     parser.add_argument("--json", action="store_true", help="print JSON instead of tables")
     args = parser.parse_args(argv)
     chunks = [int(c) for c in args.chunks.split(",")]
@@ -424,6 +452,6 @@ def main(argv: list[str]) -> int:
     if args.stages < 2 or args.virtual_stages < 1:
         parser.error("--stages must be >= 2 and --virtual-stages >= 1")
     results = [run(w, chunks, args.warmup, args.steps, args.rounds, threads, args.stages,
-                   args.virtual_stages) for w in workloads]  # fmt: skip
+                   args.virtual_stages, args.keep_freed_memory) for w in workloads]  # fmt: skip
     print(json.dumps(results, indent=2) if args.json else "\n\n".join(map(report, results)))
     return 0

@@ -17,6 +17,7 @@ import torch
 from torch import nn
 
 from lightning_par.pipeline.schedule import Step
+from lightning_par.pipeline.validate import simulate
 from lightning_par.split import bounds
 
 
@@ -148,8 +149,6 @@ def balance_by_replay(costs: Sequence[float], schedules: Sequence[Sequence[Seque
     1 % dearer on the busiest device, to 179 ms (its early stages are short, so the
     second device starts sooner). Exhaustive over the cuts; past 2,000 cuts it returns
     :func:`balance_for_devices`."""
-    from lightning_par.pipeline.validate import simulate
-
     n = len(costs)
     if not 1 <= num_stages <= n:
         raise ValueError(
