@@ -24,8 +24,8 @@ run:
   stages and step costs) and ``bubble_gap_runtime`` (measured - replay: time lost between
   steps), and ``imbalance_floor``, the bubble unequal devices leave under any schedule
   (``1 - mean/max`` of the devices' CPU per step);
-* each layout's cut (``balances``; ``balance`` per row), the one whose schedules replayed
-  with the measured per-layer costs step fastest
+* each layout's cut per ``M`` (``balances``; ``balance`` per row), the one whose schedules
+  replayed with per-layer costs measured at that micro-batch size step fastest
   (:func:`~lightning_par.pipeline.partition.balance_by_replay`; torch's rows run on the
   same cut as ours of the same layout);
 * torch's ``ScheduleGPipe``, ``Schedule1F1B``, ``ScheduleInterleaved1F1B``,
@@ -147,28 +147,41 @@ def _stage_input(net: nn.Sequential, balance: list[int], stage: int, x: torch.Te
 
 
 def _balances(workload: str, base: nn.Sequential, x: torch.Tensor, k: int, v: int,
-              chunks: list[int], rank: int) -> dict[str, list[int]]:  # fmt: skip
+              chunks: list[int], rank: int) -> dict[str, dict[int, list[int]]]:  # fmt: skip
     """The cut of each layout (``"pipeline"``: one stage per device, ``"interleaved"``: ``v``
-    dealt round-robin, ``"zbv"``: two in a V): the one whose schedules, replayed at this
-    run's ``chunks`` with the measured per-layer costs, step fastest
-    (:func:`~lightning_par.pipeline.partition.balance_by_replay`); ours and torch's rows of
-    one layout share it."""
+    dealt round-robin, ``"zbv"``: two in a V) at each micro-batch count ``M`` (1 for the
+    naive split): the one whose schedules, replayed with per-layer costs measured at that
+    micro-batch size, step fastest (:func:`~lightning_par.pipeline.partition.
+    balance_by_replay`); ours and torch's rows of one layout and ``M`` share it. Measured at
+    the micro-batch size, not the batch's, because small batches do not cost a fixed share
+    (the CNN's best interleaved cut is [2, 1, 1, 2] at M = 4 and [1, 1, 2, 2] at M = 8)."""
     layouts = {
         "pipeline": (k, lambda s: s, [("gpipe", 1), ("1f1b", 1), ("zero_bubble", 1)]),
         "interleaved": (k * v, placement("interleaved", k), [("interleaved", v)]),
         "zbv": (2 * k, placement("zbv", k), [("zbv", 2)]),
     }
-    if workload == "linear":  # identical layers: equal parameter counts are equal work
-        return {name: balance_by_params(base, n) for name, (n, _, _) in layouts.items()}
-    # forward + backward per layer in CPU time (wall time moves with other processes' load),
-    # measured on rank 0 and shared so every rank cuts alike
-    box = [layer_times(base, x, repeat=7, clock=time.thread_time) if rank == 0 else None]
-    dist.broadcast_object_list(box, 0)
-    cuts = {}
+    counts = sorted({1, *chunks})
+    costs: dict = {}
+    if workload == "cnn":
+        # forward + backward per layer in CPU time (wall time moves with other processes'
+        # load), per micro-batch, measured on rank 0 and shared so every rank cuts alike
+        box = [{m: [c * m for c in layer_times(base, x.tensor_split(m)[0], repeat=7,
+                                               clock=time.thread_time)]
+                for m in counts} if rank == 0 else None]  # fmt: skip
+        dist.broadcast_object_list(box, 0)
+        costs = box[0]
+    cuts: dict[str, dict[int, list[int]]] = {}
     for name, (n, where, kinds) in layouts.items():
-        plans = [device_schedule(s, k, m, vv) for s, vv in kinds for m in chunks
-                 if runs(s, m, k, vv)]  # fmt: skip
-        cuts[name] = balance_by_replay(box[0], plans, n, where)
+        cuts[name] = {}
+        for m in counts:
+            todo = [("gpipe", 1)] if m == 1 else kinds  # M = 1: the naive row (GPipe)
+            plans = [device_schedule(s, k, m, vv) for s, vv in todo if runs(s, m, k, vv)]
+            if not plans and name != "pipeline":
+                continue
+            if workload == "linear":  # identical layers: equal parameters are equal work
+                cuts[name][m] = balance_by_params(base, n)
+            else:
+                cuts[name][m] = balance_by_replay(costs[m], plans, n, where)
     return cuts
 
 
@@ -180,12 +193,12 @@ def _pipelines(rank: int, world_size: int, workload: str, chunks: list[int], war
     torch.set_num_threads(1)
     base, x, y, loss_fn = WORKLOADS[workload]()
     balances = _balances(workload, base, x, world_size, virtual, chunks, rank)
-    balance = balances["pipeline"]
-    results: dict = {"balance": balance, "balances": balances, "runs": [], "saved_bytes": {}}
+    results: dict = {"balance": balances["pipeline"][max(chunks)], "balances": balances,
+                     "runs": [], "saved_bytes": {}}  # fmt: skip
     same = (base, balances, rank, world_size, virtual, x, y, loss_fn)
 
     def ours(schedule: str, m: int, mode: str = "never"):
-        module = split_sequential(copy.deepcopy(base), balance)[rank]
+        module = split_sequential(copy.deepcopy(base), balances["pipeline"][m])[rank]
         stage = PipelineStage(module, Communicator(trace=CommTrace(rank)), checkpoint=mode)
         opt = torch.optim.SGD(module.parameters(), lr=1e-3)
         return stage, opt, lambda: forward_backward(stage, x, y, loss_fn, m, schedule)
@@ -193,6 +206,7 @@ def _pipelines(rank: int, world_size: int, workload: str, chunks: list[int], war
     def theirs(kind: str, m: int):
         from torch.distributed import pipelining
 
+        balance = balances["pipeline"][m]
         module = split_sequential(copy.deepcopy(base), balance)[rank]
         micro = _stage_input(base, balance, rank, x.tensor_split(m)[0])
         stage = pipelining.PipelineStage(
@@ -289,7 +303,7 @@ def run(workload: str, chunks: list[int], warmup: int, steps: int, rounds: int,
                "stage_cpu_ms": [r["runs"][i]["cpu_s"] * 1e3 for r in ranks],
                "imbalance_floor": _imbalance_floor([r["runs"][i]["cpu_s"] for r in ranks]),
                "virtual_stages": virtual_of(run0["name"], virtual),
-               "balance": ranks[0]["balances"][layout_of(run0["name"])],
+               "balance": ranks[0]["balances"][layout_of(run0["name"])][run0["chunks"]],
                "theory_bubble": formula_bubble(_kind(run0["name"]), stages, run0["chunks"],
                                                virtual_of(run0["name"], virtual))}  # fmt: skip
         if "trace" in run0:
@@ -365,7 +379,8 @@ def _goals(rows: list[dict]) -> dict:
 
 
 def report(result: dict) -> str:
-    cuts = ", ".join(f"{k} {v}" for k, v in result.get("balances", {}).items())
+    cuts = "; ".join(f"{k} " + ", ".join(f"M={m}: {c}" for m, c in v.items())
+                     for k, v in result.get("balances", {}).items())  # fmt: skip
     kept = "; freed memory kept" if result.get("keep_freed_memory") else ""
     lines = [f"## {result['workload']} (balance {result['balance']}; cuts: {cuts}{kept})", ""]
     single = ", ".join(

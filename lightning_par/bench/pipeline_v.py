@@ -7,7 +7,7 @@ same stage modules: ``ScheduleInterleaved1F1B`` (``v`` stages per rank, as ours)
 takes several) and ``ScheduleZBVZeroBubble`` (two stages per rank in a V, as our ZBV). Used
 by :mod:`lightning_par.bench.pipeline`.
 
-Each layout has its own cut (``balances``: ``"pipeline"`` one stage per device,
+Each layout has its own cut per ``M`` (``balances``: ``"pipeline"`` one stage per device,
 ``"interleaved"`` round-robin, ``"zbv"`` the V), chosen by replaying the schedules with
 the measured layer costs (:func:`~lightning_par.pipeline.partition.balance_by_replay`);
 ours and torch's rows of one layout share it.
@@ -63,13 +63,13 @@ def _my_stages(base: nn.Sequential, balance: list[int], rank: int, k: int,
     return {s: modules[s] for s in range(len(balance)) if where(s) == rank}
 
 
-def ours_v(schedule: str, m: int, base: nn.Sequential, balances: dict[str, list[int]],
+def ours_v(schedule: str, m: int, base: nn.Sequential, balances: dict[str, dict[int, list[int]]],
            rank: int, k: int, v: int, x: torch.Tensor, y: torch.Tensor,
            loss_fn: nn.Module) -> tuple[DeviceStages, torch.optim.Optimizer, Callable]:  # fmt: skip
     """Our ``schedule`` (one of :data:`OURS_V`) at ``m`` micro-batches."""
     assert schedule in OURS_V
     vv = virtual_of(schedule, v)
-    mine = _my_stages(base, balances[layout_of(schedule)], rank, k, schedule)
+    mine = _my_stages(base, balances[layout_of(schedule)][m], rank, k, schedule)
     device = DeviceStages(mine, k * vv, Communicator(trace=CommTrace(rank)),
                           device_of=placement(schedule, k),
                           split_backward=schedule in SPLIT_SCHEDULES)  # fmt: skip
@@ -78,14 +78,14 @@ def ours_v(schedule: str, m: int, base: nn.Sequential, balances: dict[str, list[
     return device, opt, lambda: scheduled_step(device, x, y, loss_fn, m, schedule, vv)
 
 
-def theirs_v(kind: str, m: int, base: nn.Sequential, balances: dict[str, list[int]],
+def theirs_v(kind: str, m: int, base: nn.Sequential, balances: dict[str, dict[int, list[int]]],
              rank: int, k: int, v: int, x: torch.Tensor, y: torch.Tensor,
              loss_fn: nn.Module) -> tuple[None, torch.optim.Optimizer, Callable]:  # fmt: skip
     """torch's ``kind`` on the same stage modules."""
     from torch.distributed import pipelining
 
     vv = virtual_of(kind, v)
-    balance = balances[layout_of(kind)]
+    balance = balances[layout_of(kind)][m]
     mine = _my_stages(base, balance, rank, k, "zbv" if layout_of(kind) == "zbv" else "")
     micro = x.tensor_split(m)[0]
     stages = []
