@@ -174,7 +174,8 @@ def _balances(workload: str, base: nn.Sequential, x: torch.Tensor, k: int, v: in
     for name, (n, where, kinds) in layouts.items():
         cuts[name] = {}
         for m in counts:
-            todo = [("gpipe", 1)] if m == 1 else kinds  # M = 1: the naive row (GPipe)
+            naive = m == 1 and name == "pipeline"  # M = 1: the naive row (GPipe)
+            todo = [("gpipe", 1)] if naive else kinds
             plans = [device_schedule(s, k, m, vv) for s, vv in todo if runs(s, m, k, vv)]
             if not plans and name != "pipeline":
                 continue
