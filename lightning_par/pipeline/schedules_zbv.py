@@ -12,12 +12,15 @@ are split into B (input gradient) and W (weight gradient) as in ZB-H1
 
 The order comes from :func:`zbv_order`, a list scheduler on unit-cost F, B and W steps with
 free messages (our construction, not the paper's hand-drawn pattern; torch's
-``ScheduleZBVZeroBubble`` builds its own), checked by :mod:`.validate`. Its memory rule is
+``ScheduleZBVZeroBubble`` builds its own), checked by
+:mod:`lightning_par.pipeline.validate`. Its memory rule is
 the paper's ZB-V one: a device keeps at most ``2K`` stage-micro-batches between forward and
 B, the activations of ``K`` whole-model micro-batches, as 1F1B's first device. With equal
 costs the bubble is the start-up only, device ``d`` waiting ``d`` forwards for the first
 micro-batch to reach its first stage: the ideal bubble (:func:`zbv_bubble`) is
-``(K-1) / (6M + K-1)`` slots (each device runs ``6M`` unit steps: two stages, F, B, W).
+``(K-1) / (6M + K-1)`` (each device runs ``6M`` unit steps: two stages, F, B, W), which
+:func:`zbv_order` reaches whenever ``M`` is a multiple of ``K`` (tests/test_pipeline_zbv.py
+checks K up to 8); other ``M`` run, with a larger bubble (e.g. K = 4, M = 5).
 """
 
 from __future__ import annotations
