@@ -1,5 +1,6 @@
-"""Interleaved 1F1B and zero bubble: the step lists, the validator, and the runtime's weights
-against one process (tuple-valued stages included)."""
+"""Interleaved 1F1B, zero bubble and ZBV: the step lists, the validator, and the runtime's
+weights against one process, on a Linear stack and the CIFAR CNN (tuple-valued stages
+included). ZBV's grid and cuts: tests/test_pipeline_zbv.py."""
 
 from __future__ import annotations
 
@@ -10,10 +11,16 @@ import torch
 from torch import nn
 
 from lightning_par.comm import CommTrace, Communicator, run_on_ranks
+from lightning_par.models import CifarCNN
 from lightning_par.pipeline import balance_by_params, split_sequential
 from lightning_par.pipeline.multistage import DeviceStages
 from lightning_par.pipeline.schedule import Step, max_in_flight
-from lightning_par.pipeline.schedules_v import device_schedule, formula_bubble
+from lightning_par.pipeline.schedules_v import (
+    SPLIT_SCHEDULES,
+    device_schedule,
+    formula_bubble,
+    placement,
+)
 from lightning_par.pipeline.step import scheduled_step
 from lightning_par.pipeline.validate import ScheduleError, simulated_bubble, validate
 
@@ -131,11 +138,25 @@ def _data(step: int) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.randn(BATCH, 10, generator=g), torch.randint(0, 4, (BATCH,), generator=g)
 
 
-def _train_one_process(net: nn.Module, steps: int, forward=None):
+def _cnn() -> nn.Sequential:
+    """The course's CIFAR CNN (GroupNorm, residual blocks), narrow, on 16 x 16 inputs."""
+    torch.manual_seed(0)
+    return CifarCNN(width=8).net
+
+
+def _cnn_data(step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(300 + step)
+    return torch.randn(BATCH, 3, 16, 16, generator=g), torch.randint(0, 10, (BATCH,), generator=g)
+
+
+MODELS = {"linear": (_net, _data), "cnn": (_cnn, _cnn_data)}
+
+
+def _train_one_process(net: nn.Module, steps: int, forward=None, data=_data):
     opt = torch.optim.SGD(net.parameters(), lr=0.1, momentum=0.9)
     losses = []
     for step in range(steps):
-        x, y = _data(step)
+        x, y = data(step)
         opt.zero_grad()
         out = forward(x) if forward else net(x)
         loss = nn.functional.cross_entropy(out, y)
@@ -146,23 +167,28 @@ def _train_one_process(net: nn.Module, steps: int, forward=None):
 
 
 def _device_stages(rank: int, k: int, v: int, schedule: str, modules: list[nn.Module]):
-    mine = {s: modules[s] for s in range(rank, k * v, k)}
+    where = placement(schedule, k)  # round-robin, or ZBV's V
+    mine = {s: modules[s] for s in range(k * v) if where(s) == rank}
     comm = Communicator(trace=CommTrace(rank))
-    return DeviceStages(mine, k * v, comm, split_backward=schedule == "zero_bubble"), mine
+    device = DeviceStages(mine, k * v, comm, device_of=where,
+                          split_backward=schedule in SPLIT_SCHEDULES)  # fmt: skip
+    return device, mine
 
 
-def _exact(rank: int, world_size: int, configs) -> list[tuple]:
-    ref_weights, ref_losses = _train_one_process(_net(), 3)
+def _exact(rank: int, world_size: int, configs, model: str = "linear") -> list[tuple]:
+    torch.set_num_threads(1)
+    make, data = MODELS[model]
+    ref_weights, ref_losses = _train_one_process(make(), 3, data=data)
     results = []
     for schedule, v, m in configs:
-        net = _net()
+        net = make()
         modules = split_sequential(net, balance_by_params(net, world_size * v))
         device, mine = _device_stages(rank, world_size, v, schedule, modules)
         params = [p for mod in mine.values() for p in mod.parameters()]
         opt = torch.optim.SGD(params, lr=0.1, momentum=0.9)
         loss_err = 0.0
         for step in range(3):
-            x, y = _data(step)
+            x, y = data(step)
             opt.zero_grad()
             _, loss = scheduled_step(device, x, y, nn.CrossEntropyLoss(), m, schedule, v)
             if loss is not None:
@@ -178,7 +204,8 @@ def _exact(rank: int, world_size: int, configs) -> list[tuple]:
 @pytest.mark.parametrize("k", [2, 3])
 def test_new_schedules_match_one_process(k):
     configs = [("interleaved", 2, k), ("interleaved", 2, 2 * k), ("zero_bubble", 1, k),
-               ("zero_bubble", 1, 4), ("zero_bubble", 1, 1), ("1f1b", 1, 4)]  # fmt: skip
+               ("zero_bubble", 1, 4), ("zero_bubble", 1, 1), ("1f1b", 1, 4),
+               ("zbv", 2, k), ("zbv", 2, 2 * k), ("zbv", 2, 1)]  # fmt: skip
     if k == 2:
         configs += [("interleaved", 3, 4), ("gpipe", 1, 3)]
     for rank_results in run_on_ranks(_exact, k, configs, timeout=120):
@@ -186,8 +213,17 @@ def test_new_schedules_match_one_process(k):
             where = f"K={k} v={v} M={m} {schedule}"
             assert weight_err < 1e-5, where
             assert loss_err < 1e-5, where
-            if schedule == "zero_bubble":  # the split really ran
+            if schedule in SPLIT_SCHEDULES:  # the split really ran
                 assert {"fwd", "bwd_input", "bwd_weight"} <= ops, where
+
+
+def test_new_schedules_match_one_process_on_the_cnn():
+    configs = [("zbv", 2, 4), ("zbv", 2, 2), ("interleaved", 2, 4), ("zero_bubble", 1, 4)]
+    for rank_results in run_on_ranks(_exact, 2, configs, "cnn", timeout=180):
+        for schedule, v, m, weight_err, loss_err, ops in rank_results:
+            assert weight_err < 1e-5 and loss_err < 1e-5, (schedule, v, m, weight_err, loss_err)
+            if schedule in SPLIT_SCHEDULES:  # the split really ran
+                assert {"fwd", "bwd_input", "bwd_weight"} <= ops, schedule
 
 
 # ---- stages that pass tuples: a skip connection and an integer mask cross the cut ---------

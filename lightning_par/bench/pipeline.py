@@ -12,22 +12,35 @@ run:
 * the naive split (``M = 1``: one stage works while the other waits);
 * our GPipe and 1F1B for several ``M`` (``checkpoint="never"``: no recomputation, like
   torch's schedule), with the measured bubble from the trace next to (K-1)/(M+K-1);
-* our interleaved 1F1B (``v`` stages per device) and zero bubble (ZB-H1 order, B/W split)
-  on :class:`~lightning_par.pipeline.multistage.DeviceStages` (:mod:`.pipeline_v`), each
+* our interleaved 1F1B (``v`` stages per device), zero bubble (ZB-H1 order, B/W split)
+  and ZBV (two stages per device in a V, B/W split) on
+  :class:`~lightning_par.pipeline.multistage.DeviceStages` (:mod:`.pipeline_v`), each
   row's ``theory_bubble`` its own formula (:func:`~lightning_par.pipeline.schedules_v.
   formula_bubble`) beside the bubble measured from the traces and the schedule replayed
   with the step costs the traces measured (``theory_bubble_measured_costs``,
   :func:`~lightning_par.pipeline.timeline.replayed_bubble`: the formula's idle time without
-  its equal-cost assumption; ``mean_step_ms``: the mean F, B, W spans);
-* torch's ``ScheduleGPipe``, ``Schedule1F1B``, ``ScheduleInterleaved1F1B`` and
-  ``ScheduleInterleavedZeroBubble`` on the same stages, each the peer of our schedule of the
-  same kind at the same ``M`` (``speedup_vs_torch_peer``);
+  its equal-cost assumption; ``mean_step_ms``: the mean F, B, W spans) and the gap between
+  measured and formula split in two, ``bubble_gap_costs`` (replay - formula: unequal
+  stages and step costs) and ``bubble_gap_runtime`` (measured - replay: time lost between
+  steps), and ``imbalance_floor``, the bubble unequal devices leave under any schedule
+  (``1 - mean/max`` of the devices' CPU per step);
+* each layout's cut per ``M`` (``balances``; ``balance`` per row), the one whose schedules
+  replayed with per-layer costs measured at that micro-batch size step fastest
+  (:func:`~lightning_par.pipeline.partition.balance_by_replay`; torch's rows run on the
+  same cut as ours of the same layout);
+* torch's ``ScheduleGPipe``, ``Schedule1F1B``, ``ScheduleInterleaved1F1B``,
+  ``ScheduleInterleavedZeroBubble`` and ``ScheduleZBVZeroBubble`` on the same stages, each
+  the peer of our schedule of the same kind at the same ``M`` (``speedup_vs_torch_peer``);
 * per stage of ours, the peak bytes of activations saved for backward during one step
   (``peak_saved_bytes``, counted with ``saved_tensors_hooks``);
 * each stage's CPU time per step (nearly blind to load from other processes) and, for our
   rows, the messages and bytes each stage sent per step;
 * activation bytes each stage stores between forward and backward per re-materialisation
   mode at the largest ``M`` (counted with ``saved_tensors_hooks``).
+
+``--keep-freed-memory``: every process keeps freed memory mapped (:mod:`.malloc`), which
+removes the page faults of re-allocating each step's activations (10-15 % of the stages' CPU
+on the CNN) for every contender alike.
 """
 
 from __future__ import annotations
@@ -41,9 +54,12 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from lightning_par.bench.malloc import keep_freed_memory
 from lightning_par.bench.pipeline_v import (
+    OURS_V,
     PEERS_V,
     TORCH_V_SCHEDULES,
+    layout_of,
     ours_v,
     runs,
     theirs_v,
@@ -55,11 +71,11 @@ from lightning_par.pipeline import (
     CHECKPOINT_MODES,
     PipelineStage,
     balance_by_params,
-    balance_by_time,
     forward_backward,
     split_sequential,
 )
-from lightning_par.pipeline.schedules_v import NEW_SCHEDULES, device_schedule, formula_bubble
+from lightning_par.pipeline.partition import balance_by_replay, layer_times
+from lightning_par.pipeline.schedules_v import device_schedule, formula_bubble, placement
 from lightning_par.pipeline.timeline import mean_costs, measured_bubble, replayed_bubble
 
 
@@ -115,7 +131,9 @@ def _time_steps(step, optimizer, warmup: int, steps: int, rounds: int = 1) -> tu
 
 
 def _single(rank: int, world_size: int, workload: str, threads: int, warmup: int, steps: int,
-            rounds: int):  # fmt: skip
+            rounds: int, keep_memory: bool = False):  # fmt: skip
+    if keep_memory:
+        keep_freed_memory()
     torch.set_num_threads(threads)
     net, x, y, loss_fn = WORKLOADS[workload]()
     opt = torch.optim.SGD(net.parameters(), lr=1e-3)
@@ -127,26 +145,60 @@ def _stage_input(net: nn.Sequential, balance: list[int], stage: int, x: torch.Te
         return net[: sum(balance[:stage])](x) if stage else x
 
 
-def _balance(workload: str, base: nn.Sequential, x: torch.Tensor, stages: int, rank: int):
-    if workload == "linear":  # identical layers: equal parameter counts are equal work
-        return balance_by_params(base, stages)
-    # measured on rank 0, shared so that every rank cuts at the same place
-    box = [balance_by_time(base, x, stages, repeat=5) if rank == 0 else None]
-    dist.broadcast_object_list(box, 0)
-    return box[0]
+def _balances(workload: str, base: nn.Sequential, x: torch.Tensor, k: int, v: int,
+              chunks: list[int], rank: int) -> dict[str, dict[int, list[int]]]:  # fmt: skip
+    """The cut of each layout (``"pipeline"``: one stage per device, ``"interleaved"``: ``v``
+    dealt round-robin, ``"zbv"``: two in a V) at each micro-batch count ``M`` (1 for the
+    naive split): the one whose schedules, replayed with per-layer costs measured at that
+    micro-batch size, step fastest (:func:`~lightning_par.pipeline.partition.
+    balance_by_replay`); ours and torch's rows of one layout and ``M`` share it. Measured at
+    the micro-batch size, not the batch's, because small batches do not cost a fixed share
+    (the CNN's best interleaved cut is [2, 1, 1, 2] at M = 4 and [1, 1, 2, 2] at M = 8)."""
+    layouts = {
+        "pipeline": (k, lambda s: s, [("gpipe", 1), ("1f1b", 1), ("zero_bubble", 1)]),
+        "interleaved": (k * v, placement("interleaved", k), [("interleaved", v)]),
+        "zbv": (2 * k, placement("zbv", k), [("zbv", 2)]),
+    }
+    counts = sorted({1, *chunks})
+    costs: dict = {}
+    if workload == "cnn":
+        # forward + backward per layer in CPU time (wall time moves with other processes'
+        # load), per micro-batch, measured on rank 0 and shared so every rank cuts alike
+        box = [{m: [c * m for c in layer_times(base, x.tensor_split(m)[0], repeat=7,
+                                               clock=time.thread_time)]
+                for m in counts} if rank == 0 else None]  # fmt: skip
+        dist.broadcast_object_list(box, 0)
+        costs = box[0]
+    cuts: dict[str, dict[int, list[int]]] = {}
+    for name, (n, where, kinds) in layouts.items():
+        cuts[name] = {}
+        for m in counts:
+            naive = m == 1 and name == "pipeline"  # M = 1: the naive row (GPipe)
+            todo = [("gpipe", 1)] if naive else kinds
+            plans = [device_schedule(s, k, m, vv) for s, vv in todo if runs(s, m, k, vv)]
+            if not plans and name != "pipeline":
+                continue
+            if workload == "linear":  # identical layers: equal parameters are equal work
+                cuts[name][m] = balance_by_params(base, n)
+            else:
+                cuts[name][m] = balance_by_replay(costs[m], plans, n, where)
+    return cuts
 
 
 def _pipelines(rank: int, world_size: int, workload: str, chunks: list[int], warmup: int,
-               steps: int, rounds: int, virtual: int = 2) -> dict:  # fmt: skip
+               steps: int, rounds: int, virtual: int = 2,
+               keep_memory: bool = False) -> dict:  # fmt: skip
+    if keep_memory:  # every contender of this process alike, ours and torch's
+        keep_freed_memory()
     torch.set_num_threads(1)
     base, x, y, loss_fn = WORKLOADS[workload]()
-    balances = {v: _balance(workload, base, x, world_size * v, rank) for v in sorted({1, virtual})}
-    balance = balances[1]
-    results: dict = {"balance": balance, "runs": [], "saved_bytes": {}}
+    balances = _balances(workload, base, x, world_size, virtual, chunks, rank)
+    results: dict = {"balance": balances["pipeline"][max(chunks)], "balances": balances,
+                     "runs": [], "saved_bytes": {}}  # fmt: skip
     same = (base, balances, rank, world_size, virtual, x, y, loss_fn)
 
     def ours(schedule: str, m: int, mode: str = "never"):
-        module = split_sequential(copy.deepcopy(base), balance)[rank]
+        module = split_sequential(copy.deepcopy(base), balances["pipeline"][m])[rank]
         stage = PipelineStage(module, Communicator(trace=CommTrace(rank)), checkpoint=mode)
         opt = torch.optim.SGD(module.parameters(), lr=1e-3)
         return stage, opt, lambda: forward_backward(stage, x, y, loss_fn, m, schedule)
@@ -154,6 +206,7 @@ def _pipelines(rank: int, world_size: int, workload: str, chunks: list[int], war
     def theirs(kind: str, m: int):
         from torch.distributed import pipelining
 
+        balance = balances["pipeline"][m]
         module = split_sequential(copy.deepcopy(base), balance)[rank]
         micro = _stage_input(base, balance, rank, x.tensor_split(m)[0])
         stage = pipelining.PipelineStage(
@@ -167,7 +220,7 @@ def _pipelines(rank: int, world_size: int, workload: str, chunks: list[int], war
 
     contenders = [("naive", 1, ours("gpipe", 1))]
     contenders += [(s, m, ours(s, m)) for s in ("gpipe", "1f1b") for m in chunks]
-    contenders += [(s, m, ours_v(s, m, *same)) for s in NEW_SCHEDULES for m in chunks
+    contenders += [(s, m, ours_v(s, m, *same)) for s in OURS_V for m in chunks
                    if runs(s, m, world_size, virtual)]  # fmt: skip
     contenders += [(f"torch {k}", m, theirs(k, m)) for k in TORCH_SCHEDULES for m in chunks]
     contenders += [(f"torch {k}", m, theirs_v(k, m, *same)) for k in TORCH_V_SCHEDULES
@@ -204,6 +257,13 @@ def _pipelines(rank: int, world_size: int, workload: str, chunks: list[int], war
     return results
 
 
+def _imbalance_floor(device_cpu: list[float]) -> float:
+    """The bubble that unequal devices leave even under a perfect schedule: while the
+    busiest device works, the others finish their share and wait,
+    ``1 - mean / max`` of the devices' CPU per step (``imbalance_floor``)."""
+    return 1.0 - sum(device_cpu) / (len(device_cpu) * max(device_cpu))
+
+
 def _kind(name: str) -> str:
     """Our schedule a row's bubble formula is that of (torch's rows: their peer's)."""
     peers = {v: k for k, v in {**PEERS, **PEERS_V}.items()}
@@ -226,12 +286,14 @@ def _with_measured_costs(traces: list, steps: range, kind: str, k: int, m: int,
 
 def run(workload: str, chunks: list[int], warmup: int, steps: int, rounds: int,
         single_threads: tuple[int, ...] = (1, 2), stages: int = 2,
-        virtual: int = 2) -> dict:  # fmt: skip
+        virtual: int = 2, keep_memory: bool = False) -> dict:  # fmt: skip
     timing = (warmup, steps, rounds)
     single = {
-        t: run_on_ranks(_single, 1, workload, t, *timing, timeout=900)[0] for t in single_threads
+        t: run_on_ranks(_single, 1, workload, t, *timing, keep_memory, timeout=900)[0]
+        for t in single_threads
     }
-    ranks = run_on_ranks(_pipelines, stages, workload, chunks, *timing, virtual, timeout=1800)
+    ranks = run_on_ranks(_pipelines, stages, workload, chunks, *timing, virtual, keep_memory,
+                         timeout=1800)  # fmt: skip
     naive = ranks[0]["runs"][0]["step_s"]
     rows = []
     for i, run0 in enumerate(ranks[0]["runs"]):
@@ -239,7 +301,9 @@ def run(workload: str, chunks: list[int], warmup: int, steps: int, rounds: int,
         row = {"name": run0["name"], "chunks": run0["chunks"], "step_ms": step_s * 1e3,
                "speedup_vs_naive": naive / step_s,
                "stage_cpu_ms": [r["runs"][i]["cpu_s"] * 1e3 for r in ranks],
+               "imbalance_floor": _imbalance_floor([r["runs"][i]["cpu_s"] for r in ranks]),
                "virtual_stages": virtual_of(run0["name"], virtual),
+               "balance": ranks[0]["balances"][layout_of(run0["name"])][run0["chunks"]],
                "theory_bubble": formula_bubble(_kind(run0["name"]), stages, run0["chunks"],
                                                virtual_of(run0["name"], virtual))}  # fmt: skip
         if "trace" in run0:
@@ -260,6 +324,11 @@ def run(workload: str, chunks: list[int], warmup: int, steps: int, rounds: int,
                     row["virtual_stages"],
                 )
             )
+            # the distance to the formula, in two parts: what the schedule loses with the
+            # measured step costs (unequal stages, B/W not equal thirds), and what the run
+            # lost on top of that replay (messages, the loop, other processes)
+            row["bubble_gap_costs"] = row["theory_bubble_measured_costs"] - row["theory_bubble"]
+            row["bubble_gap_runtime"] = row["measured_bubble"] - row["theory_bubble_measured_costs"]
         rows.append(row)
     best_torch = min(r["step_ms"] for r in rows if r["name"].startswith("torch"))
     by_name = {(r["name"], r["chunks"]): r["step_ms"] for r in rows}
@@ -271,7 +340,10 @@ def run(workload: str, chunks: list[int], warmup: int, steps: int, rounds: int,
     return {
         "workload": workload,
         "stages": stages,
+        "keep_freed_memory": keep_memory,
+        "goals": _goals(rows),
         "balance": ranks[0]["balance"],
+        "balances": ranks[0]["balances"],
         "single_process_ms": {
             f"{t}_thread{'s' if t > 1 else ''}": s * 1e3 for t, s in single.items()
         },
@@ -283,27 +355,73 @@ def run(workload: str, chunks: list[int], warmup: int, steps: int, rounds: int,
     }
 
 
+def _goals(rows: list[dict]) -> dict:
+    """The issue's speed goals from one run: our fastest row against torch's fastest
+    ``ScheduleGPipe`` row and torch's fastest row, and how far CPU time lets any schedule of
+    ours go: ``cpu_bound_ms``, the busiest device's CPU per step (a step cannot be shorter
+    even with no bubble and free messages) of our row whose busiest device is cheapest."""
+    ours = [r for r in rows if not r["name"].startswith("torch") and r["name"] != "naive"]
+    theirs = [r for r in rows if r["name"].startswith("torch")]
+    best = min(ours, key=lambda r: r["step_ms"])
+    gpipe = min((r for r in theirs if r["name"] == "torch ScheduleGPipe"),
+                key=lambda r: r["step_ms"])  # fmt: skip
+    top = min(theirs, key=lambda r: r["step_ms"])
+    bound = min(ours, key=lambda r: max(r["stage_cpu_ms"]))
+    return {
+        "ours_best": [best["name"], best["chunks"], best["step_ms"]],
+        "torch_gpipe_best": [gpipe["chunks"], gpipe["step_ms"]],
+        "torch_best": [top["name"], top["chunks"], top["step_ms"]],
+        "best_vs_torch_gpipe": gpipe["step_ms"] / best["step_ms"],
+        "best_vs_torch_best": top["step_ms"] / best["step_ms"],
+        "cpu_bound_ms": [bound["name"], bound["chunks"], max(bound["stage_cpu_ms"])],
+        "cpu_bound_vs_torch_gpipe": gpipe["step_ms"] / max(bound["stage_cpu_ms"]),
+    }
+
+
 def report(result: dict) -> str:
-    lines = [f"## {result['workload']} (balance {result['balance']})", ""]
+    cuts = "; ".join(f"{k} " + ", ".join(f"M={m}: {c}" for m, c in v.items())
+                     for k, v in result.get("balances", {}).items())  # fmt: skip
+    kept = "; freed memory kept" if result.get("keep_freed_memory") else ""
+    lines = [f"## {result['workload']} (balance {result['balance']}; cuts: {cuts}{kept})", ""]
     single = ", ".join(
         f"{k.replace('_', ' ')} {v:.1f} ms" for k, v in result["single_process_ms"].items()
     )
     lines += [f"one process: {single}", ""]
+    g = result["goals"]
+    best, gpipe, top, bound = (
+        g["ours_best"],
+        g["torch_gpipe_best"],
+        g["torch_best"],
+        g["cpu_bound_ms"],
+    )
+    lines += [
+        f"our best: {best[0]} M={best[1]} {best[2]:.1f} ms; {g['best_vs_torch_gpipe']:.2f}x "
+        f"torch's best ScheduleGPipe (M={gpipe[0]}, {gpipe[1]:.1f} ms; goal >= 1.15x); "
+        f"{g['best_vs_torch_best']:.2f}x torch's best ({top[0]} M={top[1]}; goal >= 1.0x)",
+        "",
+        f"CPU bound: {bound[0]} M={bound[1]}'s busiest device, {bound[2]:.0f} ms per step, "
+        f"{g['cpu_bound_vs_torch_gpipe']:.2f}x torch's best ScheduleGPipe step (a step is "
+        "never shorter than its busiest device's CPU time: quiet, this caps our speed-up)",
+        "",
+    ]
     lines.append(
         "| run | M | step (ms) | vs naive | vs torch peer | vs best torch | bubble measured "
-        "| theory | theory (measured costs) | CPU/stage (ms) | peak saved/stage (MiB) "
-        "| messages/stage |"
+        "| theory | theory (measured costs) | gap: costs / runtime | imbalance floor "
+        "| CPU/stage (ms) "
+        "| peak saved/stage (MiB) | messages/stage |"
     )
-    lines.append("|---|---|---|---|---|---|---|---|---|---|---|---|")
+    lines.append("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for r in result["rows"]:
         measured = f"{r['measured_bubble']:.0%}" if "measured_bubble" in r else "-"
         peer = f"{r['speedup_vs_torch_peer']:.2f}x" if "speedup_vs_torch_peer" in r else "-"
         replayed = r.get("theory_bubble_measured_costs")
         replayed = "-" if replayed is None else f"{replayed:.0%}"
+        gaps = (f"{r['bubble_gap_costs']:+.3f} / {r['bubble_gap_runtime']:+.3f}"
+                if "bubble_gap_costs" in r else "-")  # fmt: skip
         lines.append(
             f"| {r['name']} | {r['chunks']} | {r['step_ms']:.1f} | {r['speedup_vs_naive']:.2f}x "
             f"| {peer} | {r['speedup_vs_torch_best']:.2f}x | {measured} "
-            f"| {r['theory_bubble']:.0%} | {replayed} "
+            f"| {r['theory_bubble']:.0%} | {replayed} | {gaps} | {r['imbalance_floor']:.3f} "
             f"| {'/'.join(f'{c:.0f}' for c in r['stage_cpu_ms'])} "
             f"| {'/'.join(f'{b / 2**20:.1f}' for b in r.get('peak_saved_bytes', [])) or '-'} "
             f"| {'/'.join(f'{n:g}' for n in r.get('messages_per_step', [])) or '-'} |"
@@ -337,6 +455,10 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--stages", type=int, default=2, help="pipeline devices K (processes)")
     parser.add_argument("--virtual-stages", type=int, default=2,
                         help="stages per device of the interleaved schedules, v")  # fmt: skip
+    parser.add_argument("--keep-freed-memory", action="store_true",
+                        help="every process keeps freed memory mapped (glibc mallopt; see "
+                        "lightning_par.bench.malloc): no page faults re-mapping each step's "
+                        "activations, for every contender alike")  # fmt: skip
     parser.add_argument("--json", action="store_true", help="print JSON instead of tables")
     args = parser.parse_args(argv)
     chunks = [int(c) for c in args.chunks.split(",")]
@@ -345,6 +467,6 @@ def main(argv: list[str]) -> int:
     if args.stages < 2 or args.virtual_stages < 1:
         parser.error("--stages must be >= 2 and --virtual-stages >= 1")
     results = [run(w, chunks, args.warmup, args.steps, args.rounds, threads, args.stages,
-                   args.virtual_stages) for w in workloads]  # fmt: skip
+                   args.virtual_stages, args.keep_freed_memory) for w in workloads]  # fmt: skip
     print(json.dumps(results, indent=2) if args.json else "\n\n".join(map(report, results)))
     return 0

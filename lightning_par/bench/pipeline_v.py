@@ -2,9 +2,15 @@
 
 Ours: interleaved 1F1B and zero bubble on :class:`~lightning_par.pipeline.multistage.
 DeviceStages` (:func:`~lightning_par.pipeline.step.scheduled_step`). torch's peers on the
-same stage modules: ``ScheduleInterleaved1F1B`` (``v`` stages per rank, as ours) and
+same stage modules: ``ScheduleInterleaved1F1B`` (``v`` stages per rank, as ours),
 ``ScheduleInterleavedZeroBubble`` (one stage per rank, as our ZB-H1; torch's class also
-takes several). Used by :mod:`lightning_par.bench.pipeline`.
+takes several) and ``ScheduleZBVZeroBubble`` (two stages per rank in a V, as our ZBV). Used
+by :mod:`lightning_par.bench.pipeline`.
+
+Each layout has its own cut per ``M`` (``balances``: ``"pipeline"`` one stage per device,
+``"interleaved"`` round-robin, ``"zbv"`` the V), chosen by replaying the schedules with
+the measured layer costs (:func:`~lightning_par.pipeline.partition.balance_by_replay`);
+ours and torch's rows of one layout share it.
 """
 
 from __future__ import annotations
@@ -18,18 +24,29 @@ from torch import nn
 from lightning_par.comm import CommTrace, Communicator
 from lightning_par.pipeline import split_sequential
 from lightning_par.pipeline.multistage import DeviceStages
-from lightning_par.pipeline.schedules_v import NEW_SCHEDULES
+from lightning_par.pipeline.schedules_v import SPLIT_SCHEDULES, placement
 from lightning_par.pipeline.step import scheduled_step
 
 #: torch's peers of our new schedules (and how many stages per rank each uses)
-TORCH_V_SCHEDULES = ("ScheduleInterleaved1F1B", "ScheduleInterleavedZeroBubble")
+TORCH_V_SCHEDULES = ("ScheduleInterleaved1F1B", "ScheduleInterleavedZeroBubble",
+                     "ScheduleZBVZeroBubble")  # fmt: skip
+#: our schedules on DeviceStages
+OURS_V = ("interleaved", "zero_bubble", "zbv")
 PEERS_V = {"interleaved": "torch ScheduleInterleaved1F1B",
-           "zero_bubble": "torch ScheduleInterleavedZeroBubble"}  # fmt: skip
+           "zero_bubble": "torch ScheduleInterleavedZeroBubble",
+           "zbv": "torch ScheduleZBVZeroBubble"}  # fmt: skip
+
+
+def layout_of(name: str) -> str:
+    """Which cut a contender runs on: ``"interleaved"``, ``"zbv"`` or ``"pipeline"``."""
+    if "nterleaved1F1B" in name or name == "interleaved":
+        return "interleaved"
+    return "zbv" if name == "zbv" or "ZBVZeroBubble" in name else "pipeline"
 
 
 def virtual_of(name: str, virtual_stages: int) -> int:
-    """Stages per device of a contender: ``v`` for the interleaved ones, else 1."""
-    return virtual_stages if "nterleaved1F1B" in name or name == "interleaved" else 1
+    """Stages per device of a contender: ``v`` for the interleaved ones, 2 for ZBV, else 1."""
+    return {"interleaved": virtual_stages, "zbv": 2}.get(layout_of(name), 1)
 
 
 def runs(name: str, chunks: int, num_devices: int, virtual_stages: int) -> bool:
@@ -39,34 +56,37 @@ def runs(name: str, chunks: int, num_devices: int, virtual_stages: int) -> bool:
     return True
 
 
-def _my_stages(base: nn.Sequential, balance: list[int], rank: int, k: int) -> dict[int, nn.Module]:
+def _my_stages(base: nn.Sequential, balance: list[int], rank: int, k: int,
+               schedule: str) -> dict[int, nn.Module]:  # fmt: skip
     modules = split_sequential(copy.deepcopy(base), balance)
-    return {s: modules[s] for s in range(rank, len(balance), k)}
+    where = placement(schedule, k)
+    return {s: modules[s] for s in range(len(balance)) if where(s) == rank}
 
 
-def ours_v(schedule: str, m: int, base: nn.Sequential, balances: dict[int, list[int]],
+def ours_v(schedule: str, m: int, base: nn.Sequential, balances: dict[str, dict[int, list[int]]],
            rank: int, k: int, v: int, x: torch.Tensor, y: torch.Tensor,
            loss_fn: nn.Module) -> tuple[DeviceStages, torch.optim.Optimizer, Callable]:  # fmt: skip
-    """Our ``schedule`` (one of :data:`NEW_SCHEDULES`) at ``m`` micro-batches."""
-    assert schedule in NEW_SCHEDULES
+    """Our ``schedule`` (one of :data:`OURS_V`) at ``m`` micro-batches."""
+    assert schedule in OURS_V
     vv = virtual_of(schedule, v)
-    mine = _my_stages(base, balances[vv], rank, k)
+    mine = _my_stages(base, balances[layout_of(schedule)][m], rank, k, schedule)
     device = DeviceStages(mine, k * vv, Communicator(trace=CommTrace(rank)),
-                          split_backward=schedule == "zero_bubble")  # fmt: skip
+                          device_of=placement(schedule, k),
+                          split_backward=schedule in SPLIT_SCHEDULES)  # fmt: skip
     params = [p for mod in mine.values() for p in mod.parameters()]
     opt = torch.optim.SGD(params, lr=1e-3)
     return device, opt, lambda: scheduled_step(device, x, y, loss_fn, m, schedule, vv)
 
 
-def theirs_v(kind: str, m: int, base: nn.Sequential, balances: dict[int, list[int]],
+def theirs_v(kind: str, m: int, base: nn.Sequential, balances: dict[str, dict[int, list[int]]],
              rank: int, k: int, v: int, x: torch.Tensor, y: torch.Tensor,
              loss_fn: nn.Module) -> tuple[None, torch.optim.Optimizer, Callable]:  # fmt: skip
     """torch's ``kind`` on the same stage modules."""
     from torch.distributed import pipelining
 
     vv = virtual_of(kind, v)
-    balance = balances[vv]
-    mine = _my_stages(base, balance, rank, k)
+    balance = balances[layout_of(kind)][m]
+    mine = _my_stages(base, balance, rank, k, "zbv" if layout_of(kind) == "zbv" else "")
     micro = x.tensor_split(m)[0]
     stages = []
     for s, module in mine.items():

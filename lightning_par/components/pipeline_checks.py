@@ -14,7 +14,7 @@ from torch import nn
 
 from lightning_par.pipeline import CHECKPOINT_MODES, SCHEDULES, balance_by_params
 from lightning_par.pipeline.partition import balance_by_time, check_balance, split_sequential
-from lightning_par.pipeline.schedules_v import NEW_SCHEDULES
+from lightning_par.pipeline.schedules_v import NEW_SCHEDULES, V_SCHEDULES
 from lightning_par.pipeline.sequential import PipelinedSequential
 
 
@@ -24,6 +24,12 @@ def check_settings(
     """Reject constructor arguments out of range (called by ``GPipeStrategy.__init__``)."""
     if not isinstance(chunks, int) or chunks < 1:
         raise ValueError(f"chunks (micro-batches per batch) must be an int >= 1: {chunks!r}")
+    if schedule in V_SCHEDULES:
+        raise ValueError(
+            f"GPipeStrategy does not run schedule={schedule!r}: its V-shaped stage layout "
+            "(device d holds stages d and 2K-1-d) is not the strategies' round-robin one; use "
+            "schedule='zero_bubble' (ZB-H1), or run ZBV with pipeline.step.scheduled_step"
+        )
     for name, value, choices in [
         ("checkpoint", checkpoint, CHECKPOINT_MODES),
         ("schedule", schedule, SCHEDULES + NEW_SCHEDULES),

@@ -30,6 +30,10 @@ model is cut into ``S = v*K`` stages and device ``d`` holds stages ``d, d+K, d+2
   F/B/W costs give the paper's ZB-H1 bubble ``(K-1)/(3M+K-1)`` for ``M >= K``, a third of
   1F1B's idle time (the W fill the drain, where 1F1B's first stage waits).
 
+* **ZBV** (Qi et al., 2024, arXiv:2405.15362): zero bubble with two stages per device laid
+  out in a V (device ``d`` holds stages ``d`` and ``2K-1-d``, :func:`placement`), in
+  :mod:`.schedules_zbv`; bubble ``(K-1)/(6M+K-1)`` with equal F, B, W costs.
+
 torch's ``torch.distributed.pipelining.schedules`` builds the same kinds of per-rank action
 lists (``ScheduleInterleaved1F1B``, ``ScheduleInterleavedZeroBubble``); this module is our
 own construction, checked by :mod:`lightning_par.pipeline.validate`.
@@ -37,15 +41,33 @@ own construction, checked by :mod:`lightning_par.pipeline.validate`.
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Callable
+
 from lightning_par.pipeline.schedule import SCHEDULES, Step, one_f_one_b_steps, schedule_steps
+from lightning_par.pipeline.schedules_zbv import v_device_of, zbv_bubble, zbv_order
 
 NEW_SCHEDULES = ("interleaved", "zero_bubble")
+#: schedules whose stages are not dealt round-robin (see :func:`placement`); ZBV's V layout
+#: is not offered by the strategies, only by :class:`~lightning_par.pipeline.multistage.
+#: DeviceStages`, :func:`~lightning_par.pipeline.step.scheduled_step` and the benchmark
+V_SCHEDULES = ("zbv",)
+#: schedules whose backward is split into B and W
+SPLIT_SCHEDULES = ("zero_bubble", "zbv")
 OPS = ("fwd", "bwd", "bwd_input", "bwd_weight")
 
 
 def device_of(stage: int, num_devices: int) -> int:
     """The device holding ``stage`` when stages are dealt round-robin (Megatron's layout)."""
     return stage % num_devices
+
+
+def placement(schedule: str, num_devices: int) -> Callable[[int], int]:
+    """``device_of(stage)`` under ``schedule``: the V layout for ZBV
+    (:func:`~lightning_par.pipeline.schedules_zbv.v_device_of`), round-robin otherwise."""
+    if schedule in V_SCHEDULES:
+        return functools.partial(v_device_of, num_devices=num_devices)
+    return functools.partial(device_of, num_devices=num_devices)
 
 
 def _check(num_devices: int, virtual_stages: int, chunks: int) -> None:
@@ -144,7 +166,8 @@ def device_schedule(
     schedule: str, num_devices: int, chunks: int, virtual_stages: int = 1
 ) -> list[list[Step]]:
     """Every device's step list under ``schedule`` (``"gpipe"``, ``"1f1b"``,
-    ``"interleaved"`` or ``"zero_bubble"``); stages are ``device_of``-dealt."""
+    ``"interleaved"``, ``"zero_bubble"`` or ``"zbv"``); stages are placed by
+    :func:`placement` (ZBV: ``2K`` stages in a V, ``virtual_stages`` must be 2)."""
     if schedule in SCHEDULES:
         return schedule_steps(schedule, num_devices, chunks)
     if schedule == "interleaved":
@@ -156,13 +179,23 @@ def device_schedule(
             raise ValueError("schedule='zero_bubble' is ZB-H1, one stage per device: "
                              f"use virtual_stages=1, not {virtual_stages}")  # fmt: skip
         return [zero_bubble_steps(d, num_devices, chunks) for d in range(num_devices)]
-    raise ValueError(f"unknown schedule {schedule!r}: choose one of {SCHEDULES + NEW_SCHEDULES}")
+    if schedule == "zbv":
+        if virtual_stages != 2:
+            raise ValueError("schedule='zbv' holds two stages per device (the V): use "
+                             f"virtual_stages=2, not {virtual_stages}")  # fmt: skip
+        _check(num_devices, 2, chunks)
+        return zbv_order(num_devices, chunks)
+    known = SCHEDULES + NEW_SCHEDULES + V_SCHEDULES
+    raise ValueError(f"unknown schedule {schedule!r}: choose one of {known}")
 
 
 def formula_bubble(schedule: str, num_devices: int, chunks: int, virtual_stages: int = 1) -> float:
     """The textbook idle fraction: GPipe/1F1B ``(K-1)/(M+K-1)``, interleaved
-    ``(K-1)/(v*M+K-1)``, zero bubble (ZB-H1, ``t_F = t_B = t_W``) ``(K-1)/(3M+K-1)``."""
+    ``(K-1)/(v*M+K-1)``, zero bubble (ZB-H1, ``t_F = t_B = t_W``) ``(K-1)/(3M+K-1)``, ZBV
+    (the same costs per stage, two stages per device) ``(K-1)/(6M+K-1)``."""
     k, m = num_devices, chunks
+    if schedule == "zbv":
+        return zbv_bubble(k, m)
     if schedule == "interleaved":
         return (k - 1) / (virtual_stages * m + k - 1)
     if schedule == "zero_bubble":

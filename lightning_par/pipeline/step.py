@@ -33,7 +33,7 @@ from lightning_par.pipeline.microbatch import micro_batch_sizes, scatter
 from lightning_par.pipeline.multistage import DeviceStages
 from lightning_par.pipeline.runtime import PipelineStage
 from lightning_par.pipeline.schedule import Step, stage_steps
-from lightning_par.pipeline.schedules_v import device_schedule
+from lightning_par.pipeline.schedules_v import device_schedule, placement
 from lightning_par.pipeline.validate import validate
 
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
@@ -137,6 +137,12 @@ def scheduled_step(
     Calls ``device.finish()``."""
     k = device.comm.world_size
     steps = checked_schedule(schedule, k, chunks, virtual_stages)[device.comm.rank]
+    where = placement(schedule, k)
+    wrong = [s for s in device.stages if where(s) != device.comm.rank]
+    if wrong:
+        raise ValueError(f"schedule={schedule!r} places stage {wrong[0]} on device "
+                         f"{where(wrong[0])}, but device {device.comm.rank} holds it: build "
+                         f"DeviceStages with device_of=placement({schedule!r}, {k})")  # fmt: skip
     xs = x if isinstance(x, tuple) else (x,)
     batch = xs[0].shape[0]
     sizes = micro_batch_sizes(batch, chunks)
@@ -164,5 +170,5 @@ def checked_schedule(
 ) -> list[list[Step]]:
     """Every device's steps under ``schedule``, after :func:`validate` passed (cached)."""
     steps = device_schedule(schedule, num_devices, chunks, virtual_stages)
-    validate(steps, num_devices * virtual_stages, chunks, lambda s: s % num_devices)
+    validate(steps, num_devices * virtual_stages, chunks, placement(schedule, num_devices))
     return steps
