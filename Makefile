@@ -57,7 +57,7 @@ browser:
 
 test: lint browser
 	$(VENV)/bin/pytest tests course --nbval-lax --nbval-current-env \
-		--nbval-cell-timeout=$(NB_TIMEOUT) --durations=15
+		--nbval-cell-timeout=$(NB_TIMEOUT) --durations=15 --junitxml=runs/test-times.xml
 
 check: setup
 	$(PY) -m lightning_par.check
