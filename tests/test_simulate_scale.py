@@ -116,3 +116,25 @@ def test_efficiency_is_one_without_communication():
     row = scaling_row(dp(), 64, free)
     assert row["efficiency"] == pytest.approx(1.0)
     assert row["images_per_s"] == pytest.approx(4 * 64 / 10.0)  # 4 samples per device
+
+
+def test_the_measured_share_swaps_each_cut_layers_time_for_its_largest_slices(monkeypatch):
+    """On this machine the validation weighs the model by times, not FLOPs: the model's time,
+    less each cut layer's, plus the time of its largest slice (a fake clock here: the time is
+    read from the layer's shape, so the arithmetic is checked, not the machine)."""
+    from lightning_par.simulate import tp_share
+
+    def fake_time(layer, x):
+        if isinstance(layer, nn.Linear):
+            return {(4, 8): 3.0, (4, 3): 2.5, (8, 6): 4.0, (3, 6): 1.0}[
+                (layer.in_features, layer.out_features)
+            ]
+        return 20.0  # the whole network
+
+    monkeypatch.setattr(tp_share, "_fwd_bwd_s", fake_time)
+    net = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 6), nn.ReLU(), nn.Linear(6, 6))
+    plan = resolve_plan(net, 3, root="")  # 8 units cut 3 | 3 | 2: the largest slice is 3
+    assert [max(c.sizes) for c in plan.cuts if c.style != "norm"] == [3, 3]
+    share = tp_share.measured_busiest_share(net, plan, torch.randn(5, 4))
+    assert share == pytest.approx((20.0 - (3.0 - 2.5) - (4.0 - 1.0)) / 20.0)
+    assert tp_share.measured_busiest_share(net, Plan(1), torch.randn(5, 4)) == 1.0

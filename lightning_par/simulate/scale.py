@@ -21,9 +21,10 @@ from the measured run:
   are the measured ones over ``K`` (an even partition).
 * **tensor_parallel**: the busiest rank computes its slice of every layer the automatic plan
   cuts at ``p`` (the plan changes with ``p``: a layer whose width does not split is left
-  whole, a cut may be uneven) and every other layer whole, weighed by FLOPs
-  (:func:`busiest_share`); the step's overhead outside forward and backward is not split;
-  each of the step's allreduces (measured count and size) is a ring allreduce at ``p``.
+  whole, a cut may be uneven) and every other layer whole, weighed by FLOPs, or by their
+  times on this machine when predicting it (:func:`busiest_share`); the step's overhead
+  outside forward and backward is not split; each of the step's allreduces (measured count
+  and size) is a ring allreduce at ``p``.
   A user's own run (no compare model to plan) assumes every layer split evenly.
 * **hybrid**: its ``mp`` stays as measured, ``dp = p / mp`` replicas ring-allreduce ``1/mp``
   of the gradients.
@@ -62,6 +63,7 @@ from lightning_par.simulate.engine import (
 )
 from lightning_par.simulate.links import Topology
 from lightning_par.simulate.profile import Profile
+from lightning_par.simulate.tp_share import measured_busiest_share
 from lightning_par.tensorparallel.cost import busiest_rank_share
 from lightning_par.tensorparallel.plan import resolve_plan
 
@@ -187,7 +189,10 @@ def tp_graph(prof: Profile, p: int, topo: Topology, cores: int | None,
     if prof.model and prof.model_s:
         # the busiest rank's share of the model at p over the measured one; the step's
         # overhead (loop, optimiser, data) is not split
-        ratio = busiest_share(prof.model, p) / busiest_share(prof.model, prof.world)
+        # (timed on this machine when predicting it: see simulate/tp_share.py)
+        measure = prof.global_batch if cores is not None else 0
+        ratio = (busiest_share(prof.model, p, measure)
+                 / busiest_share(prof.model, prof.world, measure))  # fmt: skip
         work = prof.compute_s - prof.model_s + prof.model_s * ratio
     else:  # a user's own run: every layer assumed split evenly
         work = prof.compute_s * prof.world / p
@@ -201,10 +206,12 @@ def tp_graph(prof: Profile, p: int, topo: Topology, cores: int | None,
 
 
 @functools.cache
-def busiest_share(model_name: str, p: int) -> float:
-    """:func:`~lightning_par.tensorparallel.cost.busiest_rank_share` of the compare model
-    ``model_name`` under the automatic plan at ``p`` ranks (:class:`NotApplicable` where that
-    plan cuts nothing: the strategy refuses such a run)."""
+def busiest_share(model_name: str, p: int, measure_batch: int = 0) -> float:
+    """The busiest rank's share of the compare model ``model_name`` under the automatic plan
+    at ``p`` ranks: by FLOPs (:func:`~lightning_par.tensorparallel.cost.busiest_rank_share`),
+    or, with ``measure_batch``, timed on this machine on a batch of that many images
+    (:func:`~.tp_share.measured_busiest_share`). :class:`NotApplicable` where that plan cuts
+    nothing: the strategy refuses such a run."""
     model = make_model(model_name)
     example = getattr(model, "example_input_array", None)
     if not isinstance(example, torch.Tensor):
@@ -215,6 +222,9 @@ def busiest_share(model_name: str, p: int) -> float:
         raise NotApplicable(f"{model_name} at {p} ranks: {err}") from err
     if p > 1 and not any(cut.style != "norm" for cut in plan.cuts):
         raise NotApplicable(f"{model_name} has no layer the automatic plan cuts {p} ways")
+    if measure_batch:
+        batch = torch.randn(measure_batch, *example.shape[1:], generator=torch.Generator())
+        return measured_busiest_share(model, plan, batch)
     return busiest_rank_share(model, plan, example)
 
 
