@@ -55,31 +55,43 @@ def one_process(name: str) -> dict[str, torch.Tensor]:
     return {k: v.detach() for k, v in model.named_parameters()}
 
 
+#: interleaved: two stages per device, dealt round-robin (device 0 holds stages 0 and 2)
+INTERLEAVED_POINTS = {"resnet18": ["layer2", "layer3", "layer4"]}
+
+
 def _pipelined(rank, world, name, schedule):
     model, x, y, loss_fn, points = build(name)
+    virtual = 2 if schedule == "interleaved" else 1
+    points = INTERLEAVED_POINTS[name] if virtual == 2 else points
     micro = tuple(t[: BATCH // CHUNKS] for t in x)  # stages are traced at the micro-batch shape
     split = split_module(model, micro, points)
-    stage = split.stages[rank].module
+    mine = {s: split.stages[s].module for s in range(world * virtual) if s % world == rank}
     device = DeviceStages(
-        {rank: stage}, world, Communicator(), split_backward=schedule == "zero_bubble"
+        mine, world * virtual, Communicator(), split_backward=schedule == "zero_bubble"
     )
+    stage = nn.ModuleList(mine.values())
     opt = torch.optim.SGD(stage.parameters(), lr=0.05, momentum=0.9)
     targets = y.view(CHUNKS, -1) if name != "resnet18" else y
     for _ in range(STEPS):
         opt.zero_grad()
         if name == "resnet18":
-            scheduled_step(device, x, y, loss_fn, CHUNKS, schedule)
+            scheduled_step(device, x, y, loss_fn, CHUNKS, schedule, virtual)
         else:  # the demo's output is [B * T, vocab]: its targets split by sequence
             scheduled_step(
                 device, x, targets, lambda out, t: loss_fn(out, t.reshape(-1)), CHUNKS, schedule
             )
         opt.step()
-    return {k: v.detach() for k, v in stage.named_parameters()}
+    return {k: v.detach() for m in mine.values() for k, v in m.named_parameters()}
 
 
 @pytest.mark.parametrize(
     "name, schedule",
-    [("resnet18", "gpipe"), ("resnet18", "zero_bubble"), ("demo_transformer", "1f1b")],
+    [
+        ("resnet18", "gpipe"),
+        ("resnet18", "zero_bubble"),
+        ("resnet18", "interleaved"),
+        ("demo_transformer", "1f1b"),
+    ],
 )
 def test_cut_network_trains_like_one_process(name, schedule):
     expected = one_process(name)
