@@ -107,7 +107,7 @@ def make(name: str) -> pl.LightningModule:
     return DemoTransformer() if name == "demo_transformer" else Holder(name)
 
 
-def trainer(strategy, devices: int, epochs: int | None = None) -> pl.Trainer:
+def trainer(strategy, devices: int, epochs: int | None = None, precision: str = "32-true"):
     """``STEPS`` steps, or ``epochs`` whole epochs (of ``STEPS`` steps: checkpoints saved at
     an epoch's end resume at the next epoch's first batch)."""
     steps = STEPS if epochs is None else -1
@@ -116,6 +116,7 @@ def trainer(strategy, devices: int, epochs: int | None = None) -> pl.Trainer:
         max_epochs=epochs, logger=False,
         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
         use_distributed_sampler=False, num_sanity_val_steps=0, limit_val_batches=0,
+        precision=precision,
     )  # fmt: skip
 
 
@@ -253,23 +254,27 @@ def test_a_network_built_on_the_meta_device_is_materialised_stage_by_stage(tmp_p
         torch.testing.assert_close(again[key], value, rtol=0, atol=0, msg=key)
 
 
-def _meta_whole(rank: int, world: int, kind: str, tmp: str) -> None:
-    fit = trainer(kind, world)
+def _meta_whole(rank: int, world: int, kind: str, precision: str, tmp: str) -> None:
+    fit = trainer(kind, world, precision=precision)
     with torch.device("meta"):  # built without memory, as a user may build a large network
         model = Holder("resnet18_gn")
     fit.fit(model)
     fit.save_checkpoint(os.path.join(tmp, f"{kind}.ckpt"))
 
 
-@pytest.mark.parametrize("kind", ["ring_allreduce", "tensor_parallel"])
-def test_a_meta_network_is_materialised_whole_under_the_other_strategies(kind, tmp_path):
+@pytest.mark.parametrize(
+    "kind, precision",
+    [("ring_allreduce", "32-true"), ("tensor_parallel", "32-true"), ("ring_allreduce", "64-true")],
+)
+def test_a_meta_network_is_materialised_whole_under_the_other_strategies(kind, precision, tmp_path):
     """Not only the pipelines: data-parallel and tensor-parallel ranks give a meta network
-    storage as one process would (module by module, name-derived seeds), then train it."""
-    run_on_ranks(_meta_whole, 2, kind, str(tmp_path), timeout=300)
+    storage as one process would (module by module, name-derived seeds, in the dtype it was
+    built in, before a "-true" precision converts it), then train it."""
+    run_on_ranks(_meta_whole, 2, kind, precision, str(tmp_path), timeout=300)
     with torch.device("meta"):
         expected = Holder("resnet18_gn")
     materialize(expected.model)
-    trainer("auto", 1).fit(expected)
+    trainer("auto", 1, precision=precision).fit(expected)
     state = torch.load(tmp_path / f"{kind}.ckpt", weights_only=True)["state_dict"]
     for key, value in expected.state_dict().items():
         torch.testing.assert_close(state[key], value, rtol=1e-4, atol=2e-5, msg=key)

@@ -188,6 +188,7 @@ class ParStrategy(DDPStrategy):
         fitting = trainer.state.fn == TrainerFn.FITTING
         if not self.shards_data:  # read before the loop sets its data loaders up
             _compat.set_use_distributed_sampler(trainer, False)
+        self._materialize_whole()  # before any conversion, as one process would build it
         layer_sync = _compat.layer_sync(self)
         if fitting and layer_sync:
             self.model = layer_sync.apply(self.model)
@@ -207,17 +208,19 @@ class ParStrategy(DDPStrategy):
         if self.trace is not None:
             self.trace.clear()  # keep only what training, testing, ... send
 
-    def prepare_model(self, trainer: pl.Trainer) -> None:
-        """Change the model before it moves to its device: a model built on the meta device
-        gets storage (a pipeline's splitter gives it stage by stage instead), then the
-        splitter cuts it."""
+    def _materialize_whole(self) -> None:
+        """A model built on the meta device gets storage here, in the dtype it was built in
+        and before precision or SyncBatchNorm conversion (a pipeline's splitter gives it
+        stage by stage instead): each network by its own names, as the pipelines do, so the
+        values are one process's ``materialize(network)``."""
         module = self.lightning_module
         if module is not None and not self.splitter.materializes_meta and has_meta(module):
-            # each network by its own names, as the pipelines do: seeds derived from them give
-            # the values one process's materialize(network) gives
             for child in module.children():
                 materialize(child)
             materialize(module)
+
+    def prepare_model(self, trainer: pl.Trainer) -> None:
+        """Change the model before it moves to its device (default: the splitter cuts it)."""
         self.splitter.split(trainer)
 
     def sync_model_states(self) -> None:
