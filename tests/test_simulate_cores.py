@@ -54,6 +54,23 @@ def test_lightning_gives_each_rank_its_share_of_the_cores():
     assert lightning_threads(4, 16) == 4
 
 
+def test_threads_the_ranks_were_given_override_lightnings_choice():
+    from lightning_par.simulate.validate import measured_threads
+
+    prof = Profile("x", "allreduce", 2, 2, 8, 0.0, compute_s=16.0, batch_s=16.0,
+                   grad_bytes=4000)  # fmt: skip
+    # 16 cores, 4 ranks: Lightning would give 4 threads each (16 at once: nothing shared);
+    # ranks that kept the first (2-rank) launch's 8 threads put 32 on 16 cores: 2x
+    assert predict_step(prof, 4, LATENCY_ONLY, cores=16) == pytest.approx(8 + 6)
+    assert predict_step(prof, 4, LATENCY_ONLY, cores=16, threads=8) == pytest.approx(16 + 6)
+    assert predict_step(prof, 4, LATENCY_ONLY, cores=16, threads=1) == pytest.approx(8 + 6)
+    # the validation's rows: OMP_NUM_THREADS where set, else the 2-rank launch's choice
+    assert measured_threads(16, env={}) == 8
+    assert measured_threads(2, env={}) == 1
+    assert measured_threads(16, env={"OMP_NUM_THREADS": "1"}) == 1
+    assert measured_threads(16, env={"OMP_NUM_THREADS": "junk"}) == 8
+
+
 def test_scale_out_on_two_cores_slows_data_parallel_compute_by_p_over_cores():
     prof = Profile("x", "allreduce", 2, 2, 8, 0.0, compute_s=10.0, batch_s=10.0,
                    grad_bytes=4000)  # fmt: skip

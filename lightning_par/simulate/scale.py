@@ -259,24 +259,27 @@ def build(prof: Profile, p: int, topo: Topology, cores: int | None = None,
 
 
 def predict_step(prof: Profile, p: int, topo: Topology, speed: float = 1.0,
-                 cores: int | None = None, weak: bool = False) -> float:  # fmt: skip
+                 cores: int | None = None, weak: bool = False,
+                 threads: int | None = None) -> float:  # fmt: skip
     """Predicted step seconds of ``prof``'s strategy at ``p`` devices (workers)."""
-    return predict_split(prof, p, topo, speed, cores, weak)[0]
+    return predict_split(prof, p, topo, speed, cores, weak, threads)[0]
 
 
 def predict_split(prof: Profile, p: int, topo: Topology, speed: float = 1.0,
-                  cores: int | None = None,
-                  weak: bool = False) -> tuple[float, dict[str, float]]:  # fmt: skip
+                  cores: int | None = None, weak: bool = False,
+                  threads: int | None = None) -> tuple[float, dict[str, float]]:  # fmt: skip
     """:func:`predict_step` and the per-step compute / communication / waiting split, mean
-    over the worker lanes (a lane that stands for ``p`` ranks counts once)."""
+    over the worker lanes (a lane that stands for ``p`` ranks counts once). ``threads``:
+    intra-op threads per rank, at every size (``OMP_NUM_THREADS``); default: what Lightning
+    picks for ``p`` ranks on ``cores``."""
     graph = build(prof, p, topo, cores, weak)
     contention = prof.family in ("ps", "async_ps")
     if contention:
         topo = Topology(replace(topo.intra, shared=True), replace(topo.inter, shared=True),
                         topo.per_node)  # fmt: skip
     if cores is not None:  # the measured spans already hold the sharing of world ranks
-        speed = speed * measured_sharing(prof, topo, cores)
-    threads = lightning_threads(p, cores) if cores else 1
+        speed = speed * measured_sharing(prof, topo, cores, threads)
+    threads = threads or (lightning_threads(p, cores) if cores else 1)
     result = simulate(graph, topo, speed, contention, cores=cores, threads=threads)
     workers = [w for w in range(p) if w in result.end]
     step = (sum(result.step_s(w) for w in workers) / len(workers) if contention
@@ -286,11 +289,12 @@ def predict_split(prof: Profile, p: int, topo: Topology, speed: float = 1.0,
     return step, split
 
 
-def measured_sharing(prof: Profile, topo: Topology, cores: int) -> float:
+def measured_sharing(prof: Profile, topo: Topology, cores: int,
+                     threads: int | None = None) -> float:  # fmt: skip
     """How many times its own work the measured run's compute took by the model of
     :mod:`.cores`: its graph at ``world`` ranks on ``cores``, compute with over without."""
     graph = build(prof, prof.world, topo, cores, weak=False)
-    threads = lightning_threads(prof.world, cores)
+    threads = threads or lightning_threads(prof.world, cores)
     shared = simulate(graph, topo, cores=cores, threads=threads)
     alone = simulate(graph, topo)
     own = sum(r["compute"] for r in alone.split.values())

@@ -31,6 +31,7 @@ from pathlib import Path
 
 from lightning_par.compare.analyse import analyse
 from lightning_par.compare.run import run_all
+from lightning_par.simulate.cores import lightning_threads
 from lightning_par.simulate.graph import transfer_samples
 from lightning_par.simulate.links import Link, Topology, fit_link
 from lightning_par.simulate.profile import _per_step, profile
@@ -87,14 +88,14 @@ def pooled_loopback(runs: list[Run]) -> Link:
     return fit_link([s for run in runs for s in transfer_samples(run.traces)])
 
 
-def calibrate(prof, link: Link, cores: int | None) -> Link:
+def calibrate(prof, link: Link, cores: int | None, threads: int | None = None) -> Link:
     """``link`` with the latency at which the model's step at the measured size is the
     measured step (bisection; the step grows with latency). Zero if compute alone is more."""
     from dataclasses import replace
 
     def step(alpha: float) -> float:
         own = replace(link, alpha=alpha)
-        return predict_step(prof, prof.world, Topology(own, own), cores=cores)
+        return predict_step(prof, prof.world, Topology(own, own), cores=cores, threads=threads)
 
     lo, hi = 0.0, 1.0
     if step(lo) >= prof.step_s:
@@ -105,9 +106,12 @@ def calibrate(prof, link: Link, cores: int | None) -> Link:
     return replace(link, alpha=lo, source=link.source + "; latency calibrated on the p=2 step")
 
 
-def rows(found: dict[tuple[str, int], Path], cores: int | None = None) -> list[dict]:
-    """The validation table from :func:`measure`'s folders (see the module docstring)."""
+def rows(found: dict[tuple[str, int], Path], cores: int | None = None,
+         threads: int | None = None) -> list[dict]:  # fmt: skip
+    """The validation table from :func:`measure`'s folders (see the module docstring).
+    ``threads``: intra-op threads of every measured rank (default: :func:`measured_threads`)."""
     cores = cores or os.cpu_count() or 1
+    threads = threads or measured_threads(cores)
     runs = {key: load_run(folder) for key, folder in found.items()}
     loop = pooled_loopback(list(runs.values()))
     out = []
@@ -119,15 +123,26 @@ def rows(found: dict[tuple[str, int], Path], cores: int | None = None) -> list[d
         result = replay(small, Topology(own, own), link=own)
         out.append(_row(name, "replay", small.measured_step_s, result.mean_step_s))
         prof = profile(small, small.graph(own))
-        tuned = calibrate(prof, loop, cores)
+        tuned = calibrate(prof, loop, cores, threads)
         for p in SIZES[1:]:
             if (name, p) in runs:
                 big = runs[(name, p)]
-                guess, split = predict_split(prof, p, Topology(tuned, tuned), cores=cores)
+                guess, split = predict_split(prof, p, Topology(tuned, tuned), cores=cores,
+                                             threads=threads)  # fmt: skip
                 row = _row(name, f"scale 2->{p}", big.measured_step_s, guess)
                 row.update(predicted_split=split, measured_split=measured_split(big, loop))
                 out.append(row)
     return out
+
+
+def measured_threads(cores: int, env: dict | None = None) -> int:
+    """Intra-op threads each rank of :func:`measure`'s runs computed on: ``OMP_NUM_THREADS``
+    where the user set it, else what Lightning picked for the first row (``SIZES[0]`` ranks).
+    All rows run in one process and Lightning sets ``OMP_NUM_THREADS`` there on its first
+    launch, so the 3- and 4-worker rows keep that choice."""
+    env = os.environ if env is None else env
+    given = env.get("OMP_NUM_THREADS", "")
+    return int(given) if given.isdigit() and int(given) > 0 else lightning_threads(SIZES[0], cores)
 
 
 def measured_split(run: Run, pooled: Link) -> dict[str, float]:
