@@ -22,6 +22,9 @@ from lightning_par.quiet import quiet_report
 from lightning_par.strategies import plugin_names
 
 RESULT_TAG = "CHECK_RESULT "
+#: Processes a strategy needs with its default options (hybrid: dp x mp ranks, mp = 2). On a
+#: machine with fewer devices (one GPU) its row is "not run", with the reason, not failed.
+MIN_PROCESSES = {"hybrid": 2}
 MODELS = ("CifarCNN", "CifarRNN")
 
 
@@ -104,19 +107,30 @@ def run_rows(rows: list[list], steps: int, timeout: float) -> int:
 
 def check_group(rows: list[tuple], steps: int, timeout: float) -> list[dict]:
     """Every row of one accelerator in one subprocess; rows it could not report (it crashed
-    or ran out of time) run again, each in a subprocess of its own."""
-    cmd = [sys.executable, "-m", "lightning_par.check", "--steps", str(steps),
-           "--timeout", str(timeout), "--run-rows", json.dumps(rows)]  # fmt: skip
-    proc = run_bounded(cmd, timeout * len(rows) + 120)
+    or ran out of time) run again, each in a subprocess of its own. A row with fewer devices
+    than its strategy needs (:data:`MIN_PROCESSES`) is "not run", with the reason."""
+    runnable = [r for r in rows if int(r[3]) >= MIN_PROCESSES.get(r[0], 1)]
     reported = {}
-    for line in proc.stdout.splitlines():
-        if line.startswith(RESULT_TAG):
-            found = json.loads(line[len(RESULT_TAG) :])
-            reported[found.pop("index")] = found
+    if runnable:
+        cmd = [sys.executable, "-m", "lightning_par.check", "--steps", str(steps),
+               "--timeout", str(timeout), "--run-rows", json.dumps(runnable)]  # fmt: skip
+        proc = run_bounded(cmd, timeout * len(runnable) + 120)
+        for line in proc.stdout.splitlines():
+            if line.startswith(RESULT_TAG):
+                found = json.loads(line[len(RESULT_TAG) :])
+                reported[tuple(runnable[found.pop("index")])] = found
     out = []
-    for index, (strategy, model, accel, devices) in enumerate(rows):
+    for strategy, model, accel, devices in rows:
         row = {"strategy": strategy, "model": model, "device": accel, "processes": devices}
-        found = reported.get(index) or _own_subprocess(row, steps, timeout)
+        need = MIN_PROCESSES.get(strategy, 1)
+        if int(devices) < need:
+            reason = (f"{strategy} needs {need} processes with its default options and "
+                      f"{devices} {accel} device(s) are here")  # fmt: skip
+            out.append({**row, "status": "not run", "error": reason})
+            continue
+        found = reported.get((strategy, model, accel, devices)) or _own_subprocess(
+            row, steps, timeout
+        )
         status = "failed" if "error" in found else "ok"
         out.append({**row, "status": status, **found})
     return out
@@ -173,9 +187,11 @@ def main(argv: list[str] | None = None) -> int:
                 print(_format_row(row), flush=True)
     if args.json:
         print(json.dumps(results, indent=1))
-    failed = [r for r in results if r["status"] != "ok"]
-    for r in failed:
-        print(f"FAILED {r['strategy']} {r['model']} {r['device']}: {r.get('error')}")
+    failed = [r for r in results if r["status"] == "failed"]
+    for r in results:
+        if r["status"] != "ok":
+            print(f"{r['status'].upper()} {r['strategy']} {r['model']} {r['device']}: "
+                  f"{r.get('error')}")  # fmt: skip
     return 1 if failed else 0
 
 

@@ -101,9 +101,10 @@ def main(argv: list[str] | None = None) -> int:
     print("\n".join(table(rows)))
     if tests is not None:
         print(tests)
-    failed = [r for r in rows if r["status"] != "ok"]
-    for r in failed:
-        print(f"FAILED {r['strategy']} {r['device']}: {r.get('error')}")
+    failed = [r for r in rows if r["status"] == "failed"]
+    for r in rows:
+        if r["status"] != "ok":  # failed, or not run (too few devices here), with the reason
+            print(f"{r['status'].upper()} {r['strategy']} {r['device']}: {r.get('error')}")
     bad_tests = tests is not None and re.search(r"\d+ (failed|error)", tests) is not None
     return 1 if failed or bad_tests else 0
 

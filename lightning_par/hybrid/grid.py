@@ -130,10 +130,11 @@ def make_grid(world_size: int, dp: int | None = None, mp: int | None = None) -> 
         mp = DEFAULT_MP
     given, value = ("mp", mp) if dp is None else ("dp", dp)
     if world_size % value:
+        examples = dict.fromkeys([f"dp={world_size}, mp=1", f"dp=1, mp={world_size}"])
         raise ValueError(
             f"hybrid: {given}={value} does not divide the {world_size} processes"
             f"{' (mp defaults to 2)' if given == 'mp' and mp == DEFAULT_MP else ''}: {fix}, "
-            f"e.g. dp={world_size}, mp=1 or dp=1, mp={world_size}"
+            f"e.g. {' or '.join(examples)}"
         )
     other = world_size // value
     return Grid(other, value) if given == "mp" else Grid(value, other)

@@ -28,3 +28,29 @@ def test_the_cpu_path_prints_one_table_against_single_device_lightning(capsys):
     assert ring[4] == "ok" and ring[3] == "2" and float(ring[6]) > 0, out
     shown = float(ring[5]) / float(rows["single"][5])  # (images/s are printed to 0.1)
     assert abs(float(ring[6]) - shown) <= 0.02 * shown + 0.01, out
+
+
+def test_a_row_with_fewer_devices_than_its_strategy_needs_is_not_run_and_not_failed(
+    monkeypatch, capsys
+):
+    # a one-GPU machine: hybrid needs dp x mp = 2 processes with its default options
+    from lightning_par import check
+
+    one_device = [("single", "CifarCNN", "cpu", 1), ("hybrid", "CifarCNN", "cpu", 1)]
+    monkeypatch.setattr(check, "plan", lambda *args: one_device)
+    code = gpucheck.main(["--accelerator", "cpu", "--steps", "2", "--timeout", "120"])
+    out = capsys.readouterr().out
+    assert code == 0, out
+    hybrid = next(ln for ln in out.splitlines() if ln.startswith("| hybrid |"))
+    assert "| not run |" in hybrid, out
+    assert "NOT RUN hybrid cpu: hybrid needs 2 processes" in out, out
+
+
+def test_the_hybrid_refusal_on_one_process_suggests_one_grid_once():
+    import pytest
+
+    from lightning_par.hybrid import make_grid
+
+    with pytest.raises(ValueError, match="mp=2 does not divide the 1 processes") as err:
+        make_grid(1)
+    assert str(err.value).count("dp=1, mp=1") == 1
