@@ -157,7 +157,13 @@ def _strategy_names_in_help(parser) -> None:
     for action in parser._actions:
         if getattr(action, "dest", None) == "trainer.strategy":
             action.help = strategy_names_help()
-            action.extra_help = lambda: ""  # jsonargparse's ", known subclasses: <paths>"
+            action.extra_help = _no_extra_help  # not jsonargparse's ", known subclasses: ..."
+
+
+def _no_extra_help() -> str:
+    # A module-level function, not a lambda: Lightning's SaveConfigCallback keeps the parser,
+    # and a launch that pickles the Trainer (forkserver, spawn) pickles the parser with it.
+    return ""
 
 
 def _as_typed(message: str) -> str:

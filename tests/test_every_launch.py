@@ -19,6 +19,7 @@ from conformance.launchers import (
     SERVERS,
     check,
     clean_env,
+    fork_script_env,
     limit_for,
     python,
     results,
@@ -36,6 +37,7 @@ from lightning_par.launch.rendezvous import find_free_port
 )
 def test_every_strategy_from_a_script(tmp_path, method, names):
     env = clean_env({"LIGHTNING_PAR_START_METHOD": method})
+    env = fork_script_env(env) if method == "fork" else env
     out = run_all([python(["2", "1", *names], env)], tmp_path, limit=limit_for(names))
     found = results(out)
     ranks = [0, 1] if method == "popen" else [0]  # (a fork launch: the main process reports)

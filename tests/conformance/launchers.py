@@ -88,6 +88,15 @@ def clean_env(extra: dict[str, str] | None = None) -> dict[str, str]:
     return {**env, **(extra or {})}
 
 
+def fork_script_env(env: dict[str, str]) -> dict[str, str]:
+    """``env`` for a script that asks for fork launches and fits more than once: with a GPU
+    visible, the first backward pass starts autograd's device threads, after which torch
+    fails any backward in a forked child, so the next fork launch is refused (``LaunchError``,
+    :mod:`lightning_par.launch.policy`). Such a script trains on CPU; it runs as a CPU user's
+    would, with the GPUs hidden (nothing changes on a machine without one)."""
+    return {**env, "CUDA_VISIBLE_DEVICES": ""}
+
+
 # ---- SLURM ------------------------------------------------------------------------------------
 def slurm_port(job: str) -> int:
     """The port Lightning's ``SLURMEnvironment.main_port`` derives from a job id."""

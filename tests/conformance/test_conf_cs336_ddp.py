@@ -13,7 +13,15 @@ computation): it must train and end cleanly.
 from __future__ import annotations
 
 import pytest
-from conformance.launchers import check, clean_env, limit_for, python, results, run_all
+from conformance.launchers import (
+    check,
+    clean_env,
+    fork_script_env,
+    limit_for,
+    python,
+    results,
+    run_all,
+)
 
 from lightning_par.strategies.registry import strategy_specs
 
@@ -22,10 +30,10 @@ DATA_PARALLEL = [s.name for s in strategy_specs() if s.kind in ("data parallel",
 
 @pytest.mark.parametrize("model", ["frozen", "tied"])
 def test_frozen_and_tied_weights_train_like_one_process(tmp_path, model):
-    env = clean_env({
+    env = fork_script_env(clean_env({
         "LIGHTNING_PAR_START_METHOD": "fork", "LIGHTNING_PAR_TEST_MODEL": model,
         "LIGHTNING_PAR_TEST_STEPS": "5",
-    })  # fmt: skip
+    }))  # fmt: skip
     out = run_all([python(["2", "1", *DATA_PARALLEL], env)], tmp_path, limit_for(DATA_PARALLEL))
     found = results(out)
     check(found, DATA_PARALLEL, [0], "LightningEnvironment")
