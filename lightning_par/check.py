@@ -207,7 +207,7 @@ def _format_row(r: dict) -> str:
     ips = "-" if ips != ips else f"{ips:.0f}"  # NaN: too few steps to time
     return (
         f"| {r['strategy']} | {r['model']} | {r['device']} | {r['processes']} | {r['status']} "
-        f"| {ips} | {r['seconds']} |"
+        f"| {ips} | {r.get('seconds', '-')} |"
     )
 
 

@@ -54,3 +54,13 @@ def test_the_hybrid_refusal_on_one_process_suggests_one_grid_once():
     with pytest.raises(ValueError, match="mp=2 does not divide the 1 processes") as err:
         make_grid(1)
     assert str(err.value).count("dp=1, mp=1") == 1
+
+
+def test_the_check_table_prints_a_row_that_was_not_run(monkeypatch, capsys):
+    from lightning_par import check
+
+    monkeypatch.setattr(check, "plan", lambda *args: [("hybrid", "CifarRNN", "cpu", 1)])
+    assert check.main(["--accelerators", "cpu", "--models", "CifarRNN"]) == 0
+    out = capsys.readouterr().out
+    assert "| hybrid | CifarRNN | cpu | 1 | not run | - | - |" in out, out
+    assert "NOT RUN hybrid CifarRNN cpu: hybrid needs 2 processes" in out, out
