@@ -264,6 +264,20 @@ def disable_module_memory_sharing(data: Any) -> Any:
     return unshare(data)
 
 
+def rng_states() -> dict:
+    """The CPU random states of torch, numpy and ``random`` (Lightning's collector, without
+    CUDA's: reading those would initialise CUDA in the main process)."""
+    collect = private("lightning.fabric.utilities.seed", "_collect_rng_states",
+                      "forkserver ranks starting from the main process's random state")  # fmt: skip
+    return collect(include_cuda=False)
+
+
+def set_rng_states(states: dict) -> None:
+    """Restore what :func:`rng_states` read."""
+    private("lightning.fabric.utilities.seed", "_set_rng_states",
+            "forkserver ranks starting from the main process's random state")(states)  # fmt: skip
+
+
 def _class(module: str, name: str, needed_by: str) -> type:
     """A private Lightning class to subclass; if it moved, a stand-in that raises
     :class:`CompatError` when it is used (so importing lightning_par still works)."""

@@ -85,6 +85,28 @@ def test_weights_equal_single_process(kind, devices):
     _assert_same(model.state_dict(), reference.state_dict())
 
 
+def test_forkserver_ranks_start_from_the_main_process_state(monkeypatch):
+    # forkserver: what the launch picks where fork is unsafe (a GPU machine after a backward
+    # pass). The server keeps the environment it started with: one started before
+    # seed_everything(7), here with another seed, must not reseed the ranks (their dropout
+    # masks would differ from one process's, and so would the weights).
+    from multiprocessing import forkserver
+
+    forkserver._forkserver._stop()
+    monkeypatch.setenv("PL_GLOBAL_SEED", "123")
+    forkserver.ensure_running()
+    monkeypatch.setenv("LIGHTNING_PAR_START_METHOD", "forkserver")
+    model = _model("dropout")
+    reference = copy.deepcopy(model)
+    pl.seed_everything(7)
+    _trainer("auto", 1).fit(reference, _loader())
+    strategy = TensorParallelStrategy()
+    pl.seed_everything(7)
+    _trainer(strategy, 2).fit(model, _loader())
+    assert strategy.launch_plan.method == "forkserver"
+    _assert_same(model.state_dict(), reference.state_dict())
+
+
 def test_checkpoints_are_one_process_format_both_ways(tmp_path):
     """One process trains 2 steps and saves; one process and tensor_parallel each resume from
     that checkpoint to 4 steps and save. The tensor_parallel checkpoint loads without the
