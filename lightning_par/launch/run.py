@@ -20,6 +20,7 @@ from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
 
+from lightning_par.launch.parent_state import ParentState
 from lightning_par.launch.policy import FORKSERVER_PRELOAD, limit_threads_after_fork, plan_launch
 from lightning_par.launch.processes import die_with_parent, stop_process_groups
 from lightning_par.launch.rendezvous import (
@@ -35,10 +36,11 @@ class RankFailed(RuntimeError):
 
 
 def _rank_main(fn, rank, world_size, backend, store, port, timeout_s, threads, args, kwargs,
-               queue):  # fmt: skip
+               queue, parent):  # fmt: skip
     import torch.distributed as dist
 
     die_with_parent()
+    parent.restore()  # a forkserver rank: the caller's environment, random state and output
     if threads:
         limit_threads_after_fork(threads)
     # (MASTER_* describe the job to a Lightning Trainer inside fn, which finds the group
@@ -165,8 +167,10 @@ def run_on_ranks(
     group_timeout = default_timeout(RUN_TIMEOUT_S).total_seconds() if timeout is None else timeout
     deadline_s = group_timeout + 10
     ctx = mp.get_context(plan.method)
+    threads = plan.threads_per_rank
     if plan.method == "forkserver":
         ctx.set_forkserver_preload(FORKSERVER_PRELOAD)
+        threads = max(1, (os.cpu_count() or 1) // world_size)  # (a fresh process takes all)
     queue = ctx.SimpleQueue()
     port = find_free_port()
     store_dir = tempfile.mkdtemp(prefix="lightning_par-ranks-")
@@ -182,10 +186,11 @@ def run_on_ranks(
                 store,
                 port,
                 group_timeout,
-                plan.threads_per_rank,
+                threads,
                 args,
                 kwargs,
                 queue,
+                ParentState(),
             ),
             daemon=True,
         )  # fmt: skip

@@ -38,6 +38,7 @@ import torch.distributed as dist
 
 from lightning_par.comm import Communicator
 from lightning_par.launch.liveness import Heartbeat
+from lightning_par.launch.parent_state import ParentState
 from lightning_par.launch.policy import FORKSERVER_PRELOAD, limit_threads_after_fork, plan_launch
 from lightning_par.launch.processes import die_with_parent
 from lightning_par.launch.rendezvous import StoreAddress, connect_group_store, dead_peer_timeout
@@ -85,9 +86,12 @@ class ServerLaunch:
         return self.num_workers + self.server
 
 
-def server_main(launch: ServerLaunch) -> None:
-    """A server process: join the group as rank ``W + server`` and serve until told to stop."""
+def server_main(launch: ServerLaunch, parent: ParentState | None = None) -> None:
+    """A server process: join the group as rank ``W + server`` and serve until told to stop.
+    ``parent``: the starting worker's state, restored in a forkserver's child."""
     die_with_parent()
+    if parent is not None:
+        parent.restore()
     threading.Thread(target=_watch, args=(launch.owner,), daemon=True).start()
     limit_threads_after_fork(max(1, launch.threads))
     server, num_workers, rank = launch.server, launch.num_workers, launch.rank
@@ -150,7 +154,10 @@ def start_servers(
             asynchronous=asynchronous, staleness=staleness, remedies=remedies,
         )  # fmt: skip
         proc = ctx.Process(
-            target=server_main, args=(launch,), daemon=daemonic, name=f"ps-server-{s}"
+            target=server_main,
+            args=(launch, ParentState()),
+            daemon=daemonic,
+            name=f"ps-server-{s}",
         )
         proc.start()
         proc.server_index = s  # type: ignore[attr-defined]

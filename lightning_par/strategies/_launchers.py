@@ -12,9 +12,8 @@
   at once never meet in one store;
 * forked ranks compute on the threads the plan allows and lead their own process group;
 * forkserver ranks start from the main process's state at the launch, as forked ones would:
-  its environment (a forkserver keeps the one it started with: ``PL_GLOBAL_SEED`` from an
-  earlier ``seed_everything`` would reseed the ranks, and dropout masks would differ from
-  one process's), its random states and deterministic-algorithm flags (:class:`LaunchState`);
+  its environment, random states, deterministic flags and standard output
+  (:class:`~lightning_par.launch.parent_state.ParentState`);
 * an interrupt of the main process (Ctrl-C, Jupyter's "interrupt kernel", SIGTERM from a
   scheduler) or any error there stops every rank and what it started, and says where the
   newest checkpoint is;
@@ -37,7 +36,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -48,6 +47,7 @@ from typing_extensions import override
 
 from lightning_par import _compat
 from lightning_par.comm.trace import trace_from_dict, trace_to_dict
+from lightning_par.launch.parent_state import ParentState
 from lightning_par.launch.policy import (
     FORKSERVER_PRELOAD,
     LaunchPlan,
@@ -104,38 +104,6 @@ def newest_checkpoint(root: str | os.PathLike, since: float) -> Path | None:
     return max(found, key=lambda p: p.stat().st_mtime, default=None)
 
 
-@dataclass
-class LaunchState:
-    """What a forked rank inherits from the main process and a forkserver rank does not: the
-    environment as it is at the launch, the random states, the deterministic flags."""
-
-    environ: dict[str, str]
-    rng: dict
-    deterministic: tuple[bool, bool]
-
-    @classmethod
-    def capture(cls) -> LaunchState:
-        import torch
-
-        flags = (torch.are_deterministic_algorithms_enabled(),
-                 torch.is_deterministic_algorithms_warn_only_enabled())  # fmt: skip
-        # tensors as bytes: a pickled tensor travels through shared memory, freed with this
-        rng = {k: bytes(v.numpy()) if isinstance(v, torch.Tensor) else v
-               for k, v in _compat.rng_states().items()}  # fmt: skip
-        return cls(dict(os.environ), rng, flags)
-
-    def restore(self) -> None:
-        import torch
-
-        for key in set(os.environ) - set(self.environ):
-            del os.environ[key]
-        os.environ.update(self.environ)
-        as_tensor = lambda v: torch.frombuffer(bytearray(v), dtype=torch.uint8)  # noqa: E731
-        _compat.set_rng_states({k: as_tensor(v) if isinstance(v, bytes) else v
-                                for k, v in self.rng.items()})  # fmt: skip
-        torch.use_deterministic_algorithms(self.deterministic[0], warn_only=self.deterministic[1])
-
-
 class PolicyLauncher(_compat.MultiProcessingLauncher):
     """Starts the ranks as the launch policy says (see the module docstring)."""
 
@@ -145,7 +113,7 @@ class PolicyLauncher(_compat.MultiProcessingLauncher):
         self.plan: LaunchPlan | None = None
         self._script: _compat.SubprocessScriptLauncher | None = None
         self._rank_errors: RankErrors | None = None
-        self._launch_state: LaunchState | None = None
+        self._parent = ParentState()  # pickled with this launcher for each forkserver rank
 
     @property
     @override
@@ -233,8 +201,7 @@ class PolicyLauncher(_compat.MultiProcessingLauncher):
         if self._start_method == "fork":
             limit_threads_after_fork(self.plan.threads_per_rank if self.plan else 1)
         elif self._start_method == "forkserver":
-            if self._launch_state is not None:
-                self._launch_state.restore()
+            self._parent.restore()
             # The model arrived pickled through shared memory: every rank would step the
             # SAME parameters (each update applied once per rank: measured 2x on 2 ranks).
             # Lightning unshares them for "spawn" only.
@@ -292,9 +259,6 @@ class PolicyLauncher(_compat.MultiProcessingLauncher):
     def __getstate__(self) -> dict:
         state = super().__getstate__()
         state["_script"] = None
-        if self._start_method == "forkserver":  # pickled for each rank as it starts, after
-            # Lightning set MASTER_PORT: the moment a fork would have copied this process
-            state["_launch_state"] = LaunchState.capture()
         return state
 
 

@@ -1,0 +1,40 @@
+"""A forkserver's children start from the caller's state, as forked ones do
+(:mod:`lightning_par.launch.parent_state`): the launches fall back to a forkserver where fork
+is unsafe (a GPU machine after a backward pass)."""
+
+from __future__ import annotations
+
+import os
+import random
+
+import torch
+
+from lightning_par.launch import run_on_ranks
+
+MARK = "LIGHTNING_PAR_TEST_MARK"
+
+
+def _report(rank: int, world_size: int) -> tuple:
+    print(f"rank {rank} says hello", flush=True)
+    return os.environ.get(MARK), torch.rand(1).item(), random.random(), torch.get_num_threads()
+
+
+def test_forkserver_ranks_start_from_the_callers_environment_random_state_and_output(
+    monkeypatch, capfd
+):
+    from multiprocessing import forkserver
+
+    forkserver._forkserver._stop()
+    forkserver.ensure_running()  # started before the variable below is set: never sees it
+    monkeypatch.setenv("LIGHTNING_PAR_START_METHOD", "forkserver")
+    monkeypatch.setenv(MARK, "set after the server started")
+    torch.manual_seed(5)
+    random.seed(5)
+    expected = (torch.rand(1).item(), random.random())
+    torch.manual_seed(5)
+    random.seed(5)
+    results = run_on_ranks(_report, 2)
+    threads = max(1, (os.cpu_count() or 1) // 2)  # a fresh process would take every core
+    assert results == [("set after the server started", *expected, threads)] * 2
+    out = capfd.readouterr().out
+    assert "rank 0 says hello" in out and "rank 1 says hello" in out, out
