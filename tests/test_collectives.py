@@ -119,12 +119,15 @@ def test_bad_input_errors():
     with pytest.raises(ValueError, match="segment_bytes must be > 0"):
         predict("ring", 10, 2, segment_bytes=0)
 
-    def bool_tensor(rank, world_size):
-        with pytest.raises(TypeError, match="bool"):
-            ring_allreduce(torch.ones(3, dtype=torch.bool))
-        return True
+    assert run_on_ranks(_bool_tensor_refused, 2) == [True, True]
 
-    assert run_on_ranks(bool_tensor, 2) == [True, True]
+
+# Rank functions live at module level: where fork is unsafe (a GPU machine after a backward
+# pass) run_on_ranks starts them through a forkserver, which pickles them.
+def _bool_tensor_refused(rank, world_size):
+    with pytest.raises(TypeError, match="bool"):
+        ring_allreduce(torch.ones(3, dtype=torch.bool))
+    return True
 
 
 def _dead_peer(rank: int, world_size: int):
@@ -146,18 +149,19 @@ def test_cuda_tensors(backend):
     if backend == "nccl" and torch.cuda.device_count() < 2:
         pytest.skip("NCCL needs one GPU per rank")
 
-    def on_gpu(rank, world_size):
-        device = torch.device("cuda", rank % torch.cuda.device_count())
-        torch.cuda.set_device(device)
-        x = torch.arange(1000, dtype=torch.float32, device=device) * (rank + 1)
-        problems = []
-        for name, allreduce in ALGORITHMS.items():
-            got = allreduce(x.clone())
-            if got.device != device or not torch.equal(got.cpu(), x.cpu() * 3 / (rank + 1)):
-                problems.append(name)
-        return problems
+    assert run_on_ranks(_every_algorithm_on_gpu, 2, backend=backend) == [[], []]
 
-    assert run_on_ranks(on_gpu, 2, backend=backend) == [[], []]
+
+def _every_algorithm_on_gpu(rank, world_size):
+    device = torch.device("cuda", rank % torch.cuda.device_count())
+    torch.cuda.set_device(device)
+    x = torch.arange(1000, dtype=torch.float32, device=device) * (rank + 1)
+    problems = []
+    for name, allreduce in ALGORITHMS.items():
+        got = allreduce(x.clone())
+        if got.device != device or not torch.equal(got.cpu(), x.cpu() * 3 / (rank + 1)):
+            problems.append(name)
+    return problems
 
 
 def test_exchanges_with_one_peer_are_posted_lower_rank_sending_first():

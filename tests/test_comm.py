@@ -25,11 +25,15 @@ def _ring_shift(rank, world_size):
     return out.tolist(), comm.trace.totals(), [(m.op, m.peer, m.step) for m in comm.trace.messages]
 
 
+def _echo(rank, world_size, extra):
+    return rank, world_size, extra
+
+
+# Rank functions live at module level: where fork is unsafe (a GPU machine after a backward
+# pass) run_on_ranks starts them through a forkserver, which pickles them.
 @pytest.mark.parametrize("world_size", [1, 2, 3, 4])
 def test_run_on_ranks_returns_results_in_rank_order(world_size):
-    assert run_on_ranks(lambda r, w, k: (r, w, k), world_size, 7) == [
-        (r, world_size, 7) for r in range(world_size)
-    ]
+    assert run_on_ranks(_echo, world_size, 7) == [(r, world_size, 7) for r in range(world_size)]
 
 
 def test_messages_arrive_and_are_traced():
@@ -40,35 +44,38 @@ def test_messages_arrive_and_are_traced():
         assert sorted(messages) == [("recv", (rank - 1) % 3, 0), ("send", (rank + 1) % 3, 0)]
 
 
-def test_raising_rank_is_named():
-    def fn(rank, world_size):
-        if rank == 1:
-            raise ValueError("boom on purpose")
-        return rank
+def _rank_1_raises(rank, world_size):
+    if rank == 1:
+        raise ValueError("boom on purpose")
+    return rank
 
+
+def test_raising_rank_is_named():
     with pytest.raises(RankFailed, match=r"rank 1 of 2 raised:(.|\n)*boom on purpose"):
-        run_on_ranks(fn, 2)
+        run_on_ranks(_rank_1_raises, 2)
+
+
+def _rank_1_dies(rank, world_size):
+    if rank == 1:
+        os._exit(3)
+    Communicator().recv(torch.empty(2), 1)
 
 
 def test_dead_rank_is_named_before_its_peers_echo():
-    def fn(rank, world_size):
-        if rank == 1:
-            os._exit(3)
-        Communicator().recv(torch.empty(2), 1)
-
     with pytest.raises(RankFailed, match="rank 1 of 2 died with exit code 3"):
-        run_on_ranks(fn, 2, timeout=10)
+        run_on_ranks(_rank_1_dies, 2, timeout=10)
+
+
+def _rank_1_hangs(rank, world_size):
+    if rank == 1:
+        time.sleep(3600)
+    Communicator().recv(torch.empty(2), 1, step=4)
 
 
 def test_hung_rank_fails_fast_with_the_peer_named():
-    def fn(rank, world_size):
-        if rank == 1:
-            time.sleep(3600)
-        Communicator().recv(torch.empty(2), 1, step=4)
-
     start = time.monotonic()
     with pytest.raises(RankFailed) as err:
-        run_on_ranks(fn, 2, timeout=3)
+        run_on_ranks(_rank_1_hangs, 2, timeout=3)
     assert time.monotonic() - start < 20
     message = str(err.value)
     # the waiting rank's own error names the silent peer and the step it waited in
@@ -76,38 +83,40 @@ def test_hung_rank_fails_fast_with_the_peer_named():
     assert "rank 0: recv from rank 1 failed (step 4" in message
 
 
+def _bad_peers_refused(rank, world_size):
+    comm = Communicator()
+    for peer in (rank, world_size, -1):
+        with pytest.raises(ValueError, match="invalid peer"):
+            comm.isend(torch.zeros(1), peer)
+    return True
+
+
 def test_communicator_rejects_bad_peers_and_needs_a_group():
     with pytest.raises(RuntimeError, match="not initialised"):
         Communicator()
+    assert run_on_ranks(_bad_peers_refused, 2) == [True, True]
 
-    def fn(rank, world_size):
-        comm = Communicator()
-        for peer in (rank, world_size, -1):
-            with pytest.raises(ValueError, match="invalid peer"):
-                comm.isend(torch.zeros(1), peer)
-        return True
 
-    assert run_on_ranks(fn, 2) == [True, True]
+def _send_empty(rank, world_size):
+    comm = Communicator(trace=CommTrace(rank))
+    comm.sendrecv(torch.empty(0), 1 - rank, torch.empty(0), 1 - rank)
+    return comm.trace.totals()["bytes_sent"], len(comm.trace.messages)
 
 
 def test_empty_tensors_are_not_sent_but_traced():
-    def fn(rank, world_size):
-        comm = Communicator(trace=CommTrace(rank))
-        comm.sendrecv(torch.empty(0), 1 - rank, torch.empty(0), 1 - rank)
-        return comm.trace.totals()["bytes_sent"], len(comm.trace.messages)
+    assert run_on_ranks(_send_empty, 2) == [(0, 2), (0, 2)]
 
-    assert run_on_ranks(fn, 2) == [(0, 2), (0, 2)]
+
+def _span_and_gather(rank, world_size):
+    trace = CommTrace(rank)
+    with trace.span("forward", micro_batch=rank):
+        time.sleep(0.01)
+    gathered = trace.gather()
+    return None if gathered is None else [t.events[0].micro_batch for t in gathered]
 
 
 def test_trace_spans_and_gather():
-    def fn(rank, world_size):
-        trace = CommTrace(rank)
-        with trace.span("forward", micro_batch=rank):
-            time.sleep(0.01)
-        gathered = trace.gather()
-        return None if gathered is None else [t.events[0].micro_batch for t in gathered]
-
-    assert run_on_ranks(fn, 3) == [[0, 1, 2], None, None]
+    assert run_on_ranks(_span_and_gather, 3) == [[0, 1, 2], None, None]
 
 
 def test_free_ports_differ_and_bind_loopback():

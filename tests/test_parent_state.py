@@ -22,9 +22,13 @@ def _report(rank: int, world_size: int) -> tuple:
 def test_forkserver_ranks_start_from_the_callers_environment_random_state_and_output(
     monkeypatch, capfd
 ):
+    import multiprocessing
     from multiprocessing import forkserver
 
+    from lightning_par.launch.policy import FORKSERVER_PRELOAD
+
     forkserver._forkserver._stop()
+    multiprocessing.get_context("forkserver").set_forkserver_preload(FORKSERVER_PRELOAD)
     forkserver.ensure_running()  # started before the variable below is set: never sees it
     monkeypatch.setenv("LIGHTNING_PAR_START_METHOD", "forkserver")
     monkeypatch.setenv(MARK, "set after the server started")

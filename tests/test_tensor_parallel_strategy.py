@@ -90,10 +90,14 @@ def test_forkserver_ranks_start_from_the_main_process_state(monkeypatch):
     # pass). The server keeps the environment it started with: one started before
     # seed_everything(7), here with another seed, must not reseed the ranks (their dropout
     # masks would differ from one process's, and so would the weights).
+    import multiprocessing
     from multiprocessing import forkserver
+
+    from lightning_par.launch.policy import FORKSERVER_PRELOAD
 
     forkserver._forkserver._stop()
     monkeypatch.setenv("PL_GLOBAL_SEED", "123")
+    multiprocessing.get_context("forkserver").set_forkserver_preload(FORKSERVER_PRELOAD)
     forkserver.ensure_running()
     monkeypatch.setenv("LIGHTNING_PAR_START_METHOD", "forkserver")
     model = _model("dropout")

@@ -7,7 +7,9 @@ import sys
 import textwrap
 import warnings
 
+import lightning.pytorch as pl
 import pytest
+import torch
 
 from lightning_par.launch.processes import run_bounded
 from lightning_par.quiet import quiet_from_environment, quiet_lightning
@@ -116,23 +118,24 @@ def test_quiet_lightning_false_shows_the_messages_again():
     assert len(caught) == 1
 
 
+class SmallestBatch(pl.Callback):
+    """The smallest training batch a rank saw (a module-level class: where fork is unsafe,
+    a forkserver launch pickles the Trainer and its callbacks)."""
+
+    def __init__(self):
+        self.smallest = 10**9
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        self.smallest = min(self.smallest, len(batch[0]))
+
+    def on_train_end(self, trainer, pl_module):  # travels back from the ranks
+        trainer.callback_metrics["smallest_batch"] = torch.tensor(float(self.smallest))
+
+
 @pytest.mark.parametrize("strategy", ["gpipe", "parameter_server"])
 def test_training_batches_are_full_for_model_split_and_server_plugins(strategy, tmp_path):
-    import lightning.pytorch as pl
-    import torch
-
     from lightning_par.data import CIFAR10DataModule
     from lightning_par.models import CifarCNN
-
-    class SmallestBatch(pl.Callback):
-        def __init__(self):
-            self.smallest = 10**9
-
-        def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
-            self.smallest = min(self.smallest, len(batch[0]))
-
-        def on_train_end(self, trainer, pl_module):  # travels back from the ranks
-            trainer.callback_metrics["smallest_batch"] = torch.tensor(float(self.smallest))
 
     trainer = pl.Trainer(
         strategy=strategy, accelerator="cpu", devices=2, max_epochs=1, logger=False,
