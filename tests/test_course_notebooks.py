@@ -35,6 +35,18 @@ def _text(value) -> str:
     return "".join(value) if isinstance(value, list) else str(value)
 
 
+@pytest.mark.parametrize("nb", NOTEBOOKS, ids=lambda nb: nb.name[:2])
+def test_each_notebook_keeps_the_gpu_out_of_its_kernel_before_torch(nb):
+    # On a machine with a GPU, a backward pass in the kernel starts autograd's GPU threads
+    # and every later fork launch is refused: the first cell hides the GPU before torch loads
+    # (CUDA reads the variable once, when it starts).
+    first = _text(next(c for c in _cells(nb) if c["cell_type"] == "code")["source"])
+    hide = first.find('os.environ.setdefault("CUDA_VISIBLE_DEVICES", "")')
+    torch = first.find("import torch")
+    assert hide != -1 and (torch == -1 or hide < torch), first[:400]
+    assert first.find("import lightning") == -1 or hide < first.find("import lightning")
+
+
 def test_the_course_is_numbered_in_reading_order():
     assert [nb.name[:2] for nb in NOTEBOOKS] == [f"{i:02d}" for i in range(len(NOTEBOOKS))]
     assert len(NOTEBOOKS) >= 7
