@@ -70,7 +70,9 @@ def test_strategy_benchmark_compares_with_ddp():
 
 
 def test_a_benchmark_past_its_time_limit_is_stopped_with_its_ranks():
-    argv = ["strategy", "--steps", "400", "--warmup", "1", "--width", "4", "--num-blocks", "1"]
+    # 400 steps of a 32-wide CNN take well over 8 s (a 4-wide one took about 8 s on a quiet
+    # 2-core machine and sometimes finished in time)
+    argv = ["strategy", "--steps", "400", "--warmup", "1", "--width", "32", "--num-blocks", "2"]
     env = {**os.environ, "LIGHTNING_PAR_BENCH_TIMEOUT": "8"}
     cmd = [sys.executable, "-m", "lightning_par.bench", *argv, "--algorithms", "ring"]
     done = run_bounded(cmd, timeout=120, env=env)
