@@ -32,6 +32,7 @@ def test_forkserver_ranks_start_from_the_callers_environment_random_state_and_ou
     forkserver.ensure_running()  # started before the variable below is set: never sees it
     monkeypatch.setenv("LIGHTNING_PAR_START_METHOD", "forkserver")
     monkeypatch.setenv(MARK, "set after the server started")
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)  # (a Lightning launch sets it)
     torch.manual_seed(5)
     random.seed(5)
     expected = (torch.rand(1).item(), random.random())
@@ -42,3 +43,16 @@ def test_forkserver_ranks_start_from_the_callers_environment_random_state_and_ou
     assert results == [("set after the server started", *expected, threads)] * 2
     out = capfd.readouterr().out
     assert "rank 0 says hello" in out and "rank 1 says hello" in out, out
+
+
+def test_forkserver_ranks_keep_the_callers_thread_count_or_take_their_share(monkeypatch):
+    from lightning_par.launch.run import forkserver_threads
+
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    cores = os.cpu_count() or 1
+    assert forkserver_threads(2) == max(1, cores // 2)
+    assert forkserver_threads(4 * cores) == 1
+    monkeypatch.setenv("OMP_NUM_THREADS", "3")
+    assert forkserver_threads(2) == 3
+    monkeypatch.setenv("OMP_NUM_THREADS", "lots")
+    assert forkserver_threads(2) == max(1, cores // 2)

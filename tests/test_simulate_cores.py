@@ -69,6 +69,14 @@ def test_threads_the_ranks_were_given_override_lightnings_choice():
     assert measured_threads(2, env={}) == 1
     assert measured_threads(16, env={"OMP_NUM_THREADS": "1"}) == 1
     assert measured_threads(16, env={"OMP_NUM_THREADS": "junk"}) == 8
+    # --reuse on another machine or shell: the cores and threads the runs recorded
+    from lightning_par.simulate.replay import Run
+    from lightning_par.simulate.validate import recorded_machine
+
+    runs = [Run("ring", [], None, row={"cores": 16, "threads": 1})]
+    assert recorded_machine(runs) == (16, 1)
+    assert recorded_machine(runs, cores=2, threads=2) == (2, 2)
+    assert recorded_machine([Run("old", [], None)], cores=16) == (16, measured_threads(16))
 
 
 def test_scale_out_on_two_cores_slows_data_parallel_compute_by_p_over_cores():

@@ -31,6 +31,16 @@ from lightning_par.launch.rendezvous import (
 )
 
 
+def forkserver_threads(world_size: int) -> int:
+    """Intra-op threads of a forkserver rank (a fresh process would take every core): the
+    caller's ``OMP_NUM_THREADS`` where set, else the rank's share of the cores, as Lightning
+    gives its ranks."""
+    given = os.environ.get("OMP_NUM_THREADS", "")
+    if given.isdigit() and int(given) > 0:
+        return int(given)
+    return max(1, (os.cpu_count() or 1) // world_size)
+
+
 class RankFailed(RuntimeError):
     """A rank raised, died or timed out inside :func:`run_on_ranks`."""
 
@@ -170,7 +180,7 @@ def run_on_ranks(
     threads = plan.threads_per_rank
     if plan.method == "forkserver":
         ctx.set_forkserver_preload(FORKSERVER_PRELOAD)
-        threads = max(1, (os.cpu_count() or 1) // world_size)  # (a fresh process takes all)
+        threads = forkserver_threads(world_size)
     queue = ctx.SimpleQueue()
     port = find_free_port()
     store_dir = tempfile.mkdtemp(prefix="lightning_par-ranks-")

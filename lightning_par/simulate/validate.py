@@ -58,11 +58,14 @@ def measure(work: Path, strategies=VALIDATED, rounds: int = 2, steps: int = 10, 
                              "model": "CifarCNN", "accelerator": "cpu", "steps": steps,
                              "source": "cifar10-mini", "devices": p, "global_batch": batch,
                              "folder": str(folder)})  # fmt: skip
+    cores = os.cpu_count() or 1  # kept with each run: --reuse may read them elsewhere
+    machine = {"cores": cores, "threads": measured_threads(cores)}
     results = run_all(rows, timeout)
     for row in rows:
         result, folder = results.get(row["index"], {}), Path(row["folder"])
         if "error" not in result and (folder / "probe").is_dir():
-            (folder / "row.json").write_text(json.dumps({**row, **result, "warmup": warmup}))
+            (folder / "row.json").write_text(json.dumps({**row, **result, "warmup": warmup,
+                                                         **machine}))  # fmt: skip
     return fastest(work)
 
 
@@ -109,10 +112,9 @@ def calibrate(prof, link: Link, cores: int | None, threads: int | None = None) -
 def rows(found: dict[tuple[str, int], Path], cores: int | None = None,
          threads: int | None = None) -> list[dict]:  # fmt: skip
     """The validation table from :func:`measure`'s folders (see the module docstring).
-    ``threads``: intra-op threads of every measured rank (default: :func:`measured_threads`)."""
-    cores = cores or os.cpu_count() or 1
-    threads = threads or measured_threads(cores)
+    ``cores``, ``threads``: of the measuring machine (default: :func:`recorded_machine`)."""
     runs = {key: load_run(folder) for key, folder in found.items()}
+    cores, threads = recorded_machine(list(runs.values()), cores, threads)
     loop = pooled_loopback(list(runs.values()))
     out = []
     for name in dict.fromkeys(n for n, _ in found):
@@ -133,6 +135,15 @@ def rows(found: dict[tuple[str, int], Path], cores: int | None = None,
                 row.update(predicted_split=split, measured_split=measured_split(big, loop))
                 out.append(row)
     return out
+
+
+def recorded_machine(runs: list[Run], cores: int | None = None,
+                     threads: int | None = None) -> tuple[int, int]:  # fmt: skip
+    """Cores and threads per rank of the machine that measured ``runs``: as given, else as
+    :func:`measure` recorded them in the runs' ``row.json``, else this machine's now."""
+    recorded = next((run.row for run in runs if "cores" in run.row), {})
+    cores = cores or recorded.get("cores") or os.cpu_count() or 1
+    return cores, threads or recorded.get("threads") or measured_threads(cores)
 
 
 def measured_threads(cores: int, env: dict | None = None) -> int:
