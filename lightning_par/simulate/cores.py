@@ -19,9 +19,18 @@ sleeps in the kernel (gloo waits on its socket) and takes no core: only compute 
 given where every compute span ran, how much longer each one takes. A lane may stand for
 several identical ranks (``Graph.weight``: the data-parallel scale-out graphs draw one rank
 for all ``p``); its spans then count that many times.
+
+Processor sharing is fair only on average. The scheduler runs each thread on one core, so
+3 equal ranks on 2 cores start as one alone and two sharing; when the lone rank blocks at the
+step's allreduce, its core stays idle until the load balancer moves one of the pair there,
+``delay_s`` later. :func:`placement_wait` prices what that costs the slowest rank;
+:mod:`.scheduler` measures ``delay_s`` on this machine with ranks that do nothing but
+compute and meet.
 """
 
 from __future__ import annotations
+
+import math
 
 
 def lightning_threads(ranks: int, cores: int) -> int:
@@ -47,3 +56,28 @@ def stretches(
         busy = sum(w * (min(b, d) - max(a, c)) for _, c, d, w in items if c < b and d > a)
         out[key] = max(1.0, busy / (b - a) / cores)
     return out
+
+
+def placement_wait(work_s: float, ranks: int, cores: int, threads: int = 1,
+                   delay_s: float = 0.0) -> float:  # fmt: skip
+    """Seconds the last of ``ranks`` equal ranks (``work_s`` each, ``threads`` threads each)
+    finishes after fair processor sharing would finish them all (``n / cores * work_s``,
+    ``n`` threads in all) when the scheduler places whole threads on cores, as evenly as it
+    can, and moves a waiting thread to a core that fell idle only ``delay_s`` later.
+
+    Placed evenly (``n`` a multiple of ``cores``, or ``n <= cores``) nothing is lost. Else
+    the lighter cores' threads finish at ``floor(n / cores) * work_s``; the heavier cores'
+    threads, ``ceil(n / cores)`` to a core, have ``work_s * (1 - lo / hi)`` left, go on at
+    ``1 / hi`` for ``delay_s``, then share every core. Example: 3 ranks on 2 cores finish
+    at ``1.5 * work_s + delay_s / 2`` (``delay_s < work_s``), fair sharing at ``1.5 * work_s``.
+    """
+    n = ranks * threads
+    if n <= cores or n % cores == 0 or work_s <= 0 or delay_s <= 0:
+        return 0.0
+    lo, hi = n // cores, math.ceil(n / cores)
+    heavy = (n - lo * cores) * hi  # threads on the heavier cores
+    left = work_s * (1 - lo / hi)  # each heavy thread's work when the light ones finish
+    stuck = min(delay_s, left * hi)  # time before a freed core is taken
+    left -= stuck / hi
+    finish = lo * work_s + stuck + left / min(1.0, cores / heavy)
+    return max(0.0, finish - n / cores * work_s)

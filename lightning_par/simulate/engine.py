@@ -13,7 +13,8 @@ background thread, ``(rank, "bg")``), an ordered list of operations:
 * :class:`Join` another lane: wait until its first ``upto`` operations are done (the main
   thread's ``wait for buckets``);
 * :class:`After`: not before another lane has run ``frac`` of its operation ``op`` (the
-  communication thread cannot start a bucket before backward has filled it).
+  communication thread cannot start a bucket before backward has filled it), plus
+  ``delay_s`` of waiting.
 
 Each lane runs its operations in order as soon as their inputs are known, so the schedule is
 the one the program would follow on the modelled machine (a dataflow replay in the manner of
@@ -83,6 +84,8 @@ class After:
     lane: Lane
     op: int
     frac: float = 0.0
+    #: and ``delay_s`` more (waiting: the slowest of the ranks a lane stands for is late)
+    delay_s: float = 0.0
 
 
 Op = Compute | Comm | Post | Wait | Join | After
@@ -234,7 +237,9 @@ def _run(graph: Graph, topo: Topology, speed, share: dict[int, float],
                     if len(starts[op.lane]) <= op.op:
                         break
                     a, b = starts[op.lane][op.op], ends[op.lane][op.op]
-                    new = max(t, a + op.frac * (b - a))
+                    ready = a + op.frac * (b - a)
+                    new = max(t, ready + op.delay_s)
+                    record(lane, max(t, ready), new, "waiting", "slowest rank")
                 starts[lane].append(t)
                 ends[lane].append(new)
                 clock[lane] = new

@@ -1,0 +1,103 @@
+"""Measure how long this machine's scheduler leaves a core idle: the ``delay_s`` of
+:func:`.cores.placement_wait`.
+
+``cores + 1`` single-threaded ranks compute the same work and meet in a small allreduce, over
+and over (the shape of a data-parallel step with nothing else in it); ``cores`` ranks do the
+same, one to a core, for the cost of meeting. Fair processor sharing would make the first
+loop ``(cores + 1) / cores`` times the second's work longer; what it takes beyond that is
+:func:`.cores.placement_wait`, which :func:`delay_from_excess` inverts for the delay. The
+median over a few work sizes is the estimate (the scheduler's timing is noisy on a busy
+machine; run it on a quiet one, as the validation does).
+
+On this project's 2-core machine 3 ranks of 10 to 40 ms each took 3 to 7 ms longer per
+meeting than fair sharing (``python -m lightning_par.simulate --validate`` records the
+estimate with its runs).
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+
+import torch
+import torch.distributed as dist
+
+from lightning_par.launch import run_on_ranks
+from lightning_par.simulate.cores import placement_wait
+
+#: Work per meeting (seconds alone), spanning a CIFAR step's compute on this machine.
+WORK_S = (0.01, 0.02, 0.04)
+
+
+def _work(reps: int, size: int = 64) -> None:
+    a = torch.full((size, size), 0.5)
+    for _ in range(reps):
+        a = torch.tanh(a @ a * 0.01)
+
+
+def _units_per_second() -> float:
+    """How many :func:`_work` units one thread runs per second here (the caller's thread
+    count is restored)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        _work(20)
+        start = time.perf_counter()
+        _work(400)
+        return 400 / (time.perf_counter() - start)
+    finally:
+        torch.set_num_threads(before)
+
+
+def _meet_loop(rank: int, world: int, reps: list[int], rounds: int) -> list[tuple[float, float]]:
+    """Per work size: (seconds per round, seconds of own compute per round) on this rank."""
+    torch.set_num_threads(1)
+    token = torch.zeros(1)
+    out = []
+    for n in reps:
+        dist.all_reduce(token)  # start together
+        compute, start = 0.0, time.perf_counter()
+        for _ in range(rounds):
+            t = time.perf_counter()
+            _work(n)
+            compute += time.perf_counter() - t
+            dist.all_reduce(token)
+        out.append(((time.perf_counter() - start) / rounds, compute / rounds))
+    return out
+
+
+def delay_from_excess(excess_s: float, work_s: float, cores: int) -> float:
+    """The ``delay_s`` at which ``cores + 1`` ranks of ``work_s`` lose ``excess_s`` to
+    placement (:func:`.cores.placement_wait` inverted by bisection; it grows with the delay
+    until a freed core is never taken in time, where the answer is that bound)."""
+    if excess_s <= 0:
+        return 0.0
+    hi = 2 * work_s * (cores + 1)
+    if placement_wait(work_s, cores + 1, cores, 1, hi) <= excess_s:
+        return hi
+    lo = 0.0
+    for _ in range(50):
+        mid = (lo + hi) / 2
+        short = placement_wait(work_s, cores + 1, cores, 1, mid) < excess_s
+        lo, hi = (mid, hi) if short else (lo, mid)
+    return (lo + hi) / 2
+
+
+def measure_delay(cores: int, rounds: int = 30, timeout: float = 120) -> float:
+    """This machine's delay (seconds) before a waiting thread takes a core that fell idle,
+    from :func:`_meet_loop` at ``cores + 1`` and ``cores`` ranks (see the module docstring).
+    Zero on one core, where two ranks always share it evenly."""
+    if cores < 2:
+        return 0.0
+    rate = _units_per_second()
+    reps = [max(1, round(w * rate)) for w in WORK_S]
+    crowded = run_on_ranks(_meet_loop, cores + 1, reps, rounds, timeout=timeout)
+    alone = run_on_ranks(_meet_loop, cores, reps, rounds, timeout=timeout)
+    estimates = []
+    for i in range(len(reps)):
+        step_crowded = max(r[i][0] for r in crowded)
+        step_alone = max(r[i][0] for r in alone)
+        work = statistics.mean(r[i][1] for r in alone)  # own compute, a core to itself
+        excess = step_crowded - step_alone - work / cores  # fair sharing's extra is work / cores
+        estimates.append(delay_from_excess(excess, work, cores))
+    return statistics.median(estimates)

@@ -1,0 +1,106 @@
+"""Ranks placed whole on cores: the slowest replica's wait, the scheduler's delay, by hand."""
+
+from __future__ import annotations
+
+import pytest
+
+from lightning_par.simulate import scheduler
+from lightning_par.simulate.cores import placement_wait
+from lightning_par.simulate.links import Link, Topology
+from lightning_par.simulate.profile import Profile
+from lightning_par.simulate.scale import build, late_replicas, predict_split, predict_step
+from lightning_par.simulate.scheduler import delay_from_excess, measure_delay
+
+LATENCY_ONLY = Topology(Link("a", alpha=1.0, beta=0.0), Link("a", alpha=1.0, beta=0.0))
+
+
+def test_even_placements_lose_nothing():
+    assert placement_wait(1.0, 4, 2, delay_s=0.5) == 0.0  # two to a core
+    assert placement_wait(1.0, 2, 2, delay_s=0.5) == 0.0  # a core each
+    assert placement_wait(1.0, 3, 4, delay_s=0.5) == 0.0  # fewer ranks than cores
+    assert placement_wait(1.0, 3, 2, threads=2, delay_s=0.5) == 0.0  # 6 threads, 3 a core
+    assert placement_wait(1.0, 3, 2, delay_s=0.0) == 0.0  # a scheduler that moves at once
+
+
+def test_three_ranks_on_two_cores_wait_half_the_delay():
+    # the lone rank ends at 1 s; the pair has 0.5 s each left, runs on at half speed for
+    # the delay, then a core each: 1 + d + (0.5 - d / 2) = 1.5 + d / 2
+    assert placement_wait(1.0, 3, 2, delay_s=0.2) == pytest.approx(0.1)
+    # a delay past the work: the pair never moves and ends at 2 s, fair sharing at 1.5 s
+    assert placement_wait(1.0, 3, 2, delay_s=5.0) == pytest.approx(0.5)
+    # 5 on 4 cores: the pair ends at 1 + 0.2 + 0.4 = 1.6 s, fair sharing at 1.25 s
+    assert placement_wait(1.0, 5, 4, delay_s=0.2) == pytest.approx(0.35)
+    # 5 on 2: one core holds three, each with 1/3 s left at 2 s; 0.2 s at a third of a core,
+    # then three threads on two cores: 2 + 0.2 + (1/3 - 0.2/3) * 1.5 = 2.6 s, fair 2.5 s
+    assert placement_wait(1.0, 5, 2, delay_s=0.2) == pytest.approx(0.1)
+
+
+@pytest.mark.parametrize("cores", [2, 4, 16])
+def test_the_delay_is_read_back_from_the_excess_it_causes(cores):
+    for delay in (0.001, 0.004, 0.009):
+        excess = placement_wait(0.02, cores + 1, cores, delay_s=delay)
+        assert delay_from_excess(excess, 0.02, cores) == pytest.approx(delay, rel=1e-6)
+    assert delay_from_excess(-0.001, 0.02, cores) == 0.0  # faster than fair: no delay
+    # past where a freed core is never taken in time: the bound, not an endless search
+    assert delay_from_excess(1.0, 0.02, cores) == pytest.approx(2 * 0.02 * (cores + 1))
+
+
+def test_measure_delay_inverts_the_meeting_loops(monkeypatch):
+    calls = []
+
+    def fake_run_on_ranks(fn, world, reps, rounds, timeout):
+        calls.append(world)
+        work = [0.01, 0.02, 0.04]
+        if world == 3:  # 3 on 2 cores with a 6 ms delay, plus 1 ms to meet
+            return [[(1.5 * w + 0.003 + 0.001, 1.5 * w) for w in work]] * world
+        return [[(w + 0.001, w) for w in work]] * world
+
+    monkeypatch.setattr(scheduler, "run_on_ranks", fake_run_on_ranks)
+    assert measure_delay(2) == pytest.approx(0.006)
+    assert calls == [3, 2]
+    assert measure_delay(1) == 0.0  # one core: two ranks always share it evenly
+    assert calls == [3, 2]
+
+
+def test_measure_delay_on_this_machine_is_a_few_milliseconds_at_most():
+    # 3 and 2 real ranks meeting in gloo allreduces (a quick run: 3 rounds per size)
+    delay = measure_delay(2, rounds=3, timeout=60)
+    assert 0.0 <= delay <= 2 * max(scheduler.WORK_S) * 3
+
+
+def data_parallel(backward_s: float = 0.0) -> Profile:
+    return Profile("x", "allreduce", 2, 2, 8, 0.0, compute_s=10.0, batch_s=10.0,
+                   backward_s=backward_s, grad_bytes=4000, buckets=2)  # fmt: skip
+
+
+def test_replicas_wait_for_the_slowest_where_they_cannot_be_placed_evenly():
+    prof = data_parallel()
+    fair = predict_step(prof, 3, LATENCY_ONLY, cores=2)
+    # 3 ranks of 10 * 2/3 s each on 2 cores: 10 s fair, and half the 2 s delay more
+    assert fair == pytest.approx(10 + 4)  # the ring's 2(p-1) latencies
+    late, split = predict_split(prof, 3, LATENCY_ONLY, cores=2, delay_s=2.0)
+    assert late == pytest.approx(10 + 1 + 4)
+    assert split["compute"] == pytest.approx(10.0)
+    # 4 ranks, two to a core, and a machine of its own per rank: nothing to wait for
+    assert predict_step(prof, 4, LATENCY_ONLY, cores=2, delay_s=2.0) == pytest.approx(
+        predict_step(prof, 4, LATENCY_ONLY, cores=2)
+    )
+    assert predict_step(prof, 3, LATENCY_ONLY, delay_s=2.0) == pytest.approx(
+        predict_step(prof, 3, LATENCY_ONLY)
+    )
+
+
+def test_every_bucket_waits_for_the_slowest_replica():
+    # backward in two buckets: each bucket starts as late as the slowest replica fills it
+    graph = build(data_parallel(backward_s=6.0), 3, LATENCY_ONLY, cores=2)
+    wait = late_replicas(graph, 3, 2, 1, delay_s=2.0)
+    assert wait == pytest.approx(1.0)
+    delays = [op.delay_s for op in graph.lanes[(0, "bg")] if hasattr(op, "delay_s")]
+    assert delays == [1.0, 1.0]
+    # a graph without an allreduce lane (tensor parallel, servers) is left alone
+    tp = Profile("t", "tp", 2, 2, 8, 0.0, compute_s=4.0, batch_s=4.0, collectives=1,
+                 collective_bytes=40)  # fmt: skip
+    tp_graph = build(tp, 3, LATENCY_ONLY, cores=2)
+    before = {lane: list(ops) for lane, ops in tp_graph.lanes.items()}
+    assert late_replicas(tp_graph, 3, 2, 1, delay_s=2.0) == 0.0
+    assert tp_graph.lanes == before
