@@ -36,7 +36,14 @@ from lightning_par.simulate.report import (
     validation_table,
 )
 from lightning_par.simulate.scale import scaling_row
-from lightning_par.simulate.validate import fastest, measure, own_link, pooled_loopback, rows
+from lightning_par.simulate.validate import (
+    fastest,
+    kept_machine,
+    measure,
+    own_link,
+    pooled_loopback,
+    rows,
+)
 
 DEFAULT_DEVICES = "8,64,512"
 CURVE = [2**k for k in range(1, 11)]
@@ -211,10 +218,20 @@ def validate_main(args) -> int:
             found = fastest(Path(args.reuse))
         else:
             found = measure(Path(args.work or tmp), rounds=args.rounds)
-        table = rows(found)
+        cores, threads, delay_s = kept_machine(found)
+        table = rows(found, cores, threads, delay_s)
     doc = {"rows": table, "load_1m_start": round(load, 2),
-           "load_1m_end": round(os.getloadavg()[0], 2), "cores": os.cpu_count()}  # fmt: skip
-    print(json.dumps(doc) if args.json else validation_table(table))
+           "load_1m_end": round(os.getloadavg()[0], 2), "cores": cores,
+           "threads": threads, "scheduler_delay_s": delay_s}  # fmt: skip
+    if args.json:
+        print(json.dumps(doc))
+        return 0
+    print(
+        f"measured on {cores} cores, {threads} thread(s) per rank, scheduler delay "
+        f"{delay_s * 1e3:.1f} ms (the delay matters where ranks cannot share the cores "
+        "evenly)\n"
+    )
+    print(validation_table(table))
     return 0
 
 

@@ -36,7 +36,10 @@ graph with processor sharing (:mod:`.cores`), so only ranks that compute *at the
 slow each other (a pipeline's idle stages and the servers' waits take no core), a lane that
 stands for ``p`` data-parallel ranks counts ``p`` times, and the measured compute is first
 divided by the sharing the same model finds in the measured run (its own ``world`` ranks on
-``cores``). ``None`` gives every device its own processor (the ``--from`` tables).
+``cores``). Data-parallel replicas that cannot be placed evenly on the cores (3 on 2) also
+wait for the slowest of them at every bucket (:func:`.cores.placement_wait`, with the
+scheduler's ``delay_s`` that :mod:`.scheduler` measures). ``None`` gives every device its own
+processor (the ``--from`` tables).
 """
 
 from __future__ import annotations
@@ -49,7 +52,7 @@ import torch
 from lightning_par.collectives.cost_model import predict
 from lightning_par.compare.run import make_model
 from lightning_par.pipeline.schedule import stage_steps
-from lightning_par.simulate.cores import lightning_threads
+from lightning_par.simulate.cores import lightning_threads, placement_wait
 from lightning_par.simulate.engine import (
     After,
     Comm,
@@ -260,18 +263,19 @@ def build(prof: Profile, p: int, topo: Topology, cores: int | None = None,
 
 def predict_step(prof: Profile, p: int, topo: Topology, speed: float = 1.0,
                  cores: int | None = None, weak: bool = False,
-                 threads: int | None = None) -> float:  # fmt: skip
+                 threads: int | None = None, delay_s: float = 0.0) -> float:  # fmt: skip
     """Predicted step seconds of ``prof``'s strategy at ``p`` devices (workers)."""
-    return predict_split(prof, p, topo, speed, cores, weak, threads)[0]
+    return predict_split(prof, p, topo, speed, cores, weak, threads, delay_s)[0]
 
 
 def predict_split(prof: Profile, p: int, topo: Topology, speed: float = 1.0,
-                  cores: int | None = None, weak: bool = False,
-                  threads: int | None = None) -> tuple[float, dict[str, float]]:  # fmt: skip
+                  cores: int | None = None, weak: bool = False, threads: int | None = None,
+                  delay_s: float = 0.0) -> tuple[float, dict[str, float]]:  # fmt: skip
     """:func:`predict_step` and the per-step compute / communication / waiting split, mean
     over the worker lanes (a lane that stands for ``p`` ranks counts once). ``threads``:
     intra-op threads per rank, at every size (``OMP_NUM_THREADS``); default: what Lightning
-    picks for ``p`` ranks on ``cores``."""
+    picks for ``p`` ranks on ``cores``. ``delay_s``: the scheduler's, for
+    :func:`late_replicas` (:mod:`.scheduler` measures it)."""
     graph = build(prof, p, topo, cores, weak)
     contention = prof.family in ("ps", "async_ps")
     if contention:
@@ -280,6 +284,8 @@ def predict_split(prof: Profile, p: int, topo: Topology, speed: float = 1.0,
     if cores is not None:  # the measured spans already hold the sharing of world ranks
         speed = speed * measured_sharing(prof, topo, cores, threads)
     threads = threads or (lightning_threads(p, cores) if cores else 1)
+    if cores is not None and delay_s > 0:
+        late_replicas(graph, p, cores, threads, delay_s, speed)
     result = simulate(graph, topo, speed, contention, cores=cores, threads=threads)
     workers = [w for w in range(p) if w in result.end]
     step = (sum(result.step_s(w) for w in workers) / len(workers) if contention
@@ -287,6 +293,23 @@ def predict_split(prof: Profile, p: int, topo: Topology, speed: float = 1.0,
     split = {k: sum(result.per_step_split(w)[k] for w in workers) / len(workers)
              for k in ("compute", "communication", "waiting")}  # fmt: skip
     return step, split
+
+
+def late_replicas(graph: Graph, p: int, cores: int, threads: int, delay_s: float,
+                  speed: float = 1.0) -> float:  # fmt: skip
+    """Make every bucket of a data-parallel graph (:func:`data_parallel_graph`: the lane of
+    ``p`` replicas and its allreduce lane) start as late as the slowest replica reaches it
+    when ``p`` ranks of ``threads`` threads are placed on ``cores`` (the wait of
+    :func:`.cores.placement_wait` for the step's own compute). Other graphs are left as they
+    are: their ranks are drawn one by one, or do unequal work. Returns the wait (s)."""
+    bg = graph.lanes.get((0, "bg"))
+    if not bg:
+        return 0.0
+    own = sum(op.seconds for op in graph.lanes[(0, "main")] if isinstance(op, Compute)) / speed
+    wait = placement_wait(own, p, cores, threads, delay_s)
+    graph.lanes[(0, "bg")] = [replace(op, delay_s=wait) if isinstance(op, After) else op
+                              for op in bg]  # fmt: skip
+    return wait
 
 
 def measured_sharing(prof: Profile, topo: Topology, cores: int,

@@ -13,7 +13,10 @@ and goes on a shared machine hits all alike) and keeps each (strategy, size)'s f
   workers (:func:`~.scale.predict_step`) against the measured 3- and 4-worker runs. This box
   has few cores, so 3 or 4 workers oversubscribe it: the prediction replays the graph with
   its ranks sharing this machine's cores (:mod:`~.cores`: only ranks computing at the same
-  time share, with the threads Lightning gives each rank). Each scale row also carries the
+  time share, with the threads Lightning gives each rank; data-parallel replicas that the
+  cores cannot hold evenly, 3 on 2, also wait for the slowest, with the scheduler delay
+  :mod:`~.scheduler` measures before the runs and records with them). Each scale row also
+  carries the
   predicted per-step ``compute`` / ``communication`` / ``waiting`` (mean over ranks) and
   the measured run's compute and the rest of its step (:func:`measured_split`), which say
   which part of the step a miss comes from. The
@@ -37,6 +40,7 @@ from lightning_par.simulate.links import Link, Topology, fit_link
 from lightning_par.simulate.profile import _per_step, profile
 from lightning_par.simulate.replay import Run, load_run, replay
 from lightning_par.simulate.scale import predict_split, predict_step
+from lightning_par.simulate.scheduler import measure_delay
 
 #: The strategies the issue asks to validate: the allreduce family, servers, pipeline, tensor.
 VALIDATED = ("ring_allreduce", "tree_allreduce", "butterfly_allreduce", "round_robin_allreduce",
@@ -59,7 +63,8 @@ def measure(work: Path, strategies=VALIDATED, rounds: int = 2, steps: int = 10, 
                              "source": "cifar10-mini", "devices": p, "global_batch": batch,
                              "folder": str(folder)})  # fmt: skip
     cores = os.cpu_count() or 1  # kept with each run: --reuse may read them elsewhere
-    machine = {"cores": cores, "threads": measured_threads(cores)}
+    threads = measured_threads(cores)
+    machine = {"cores": cores, "threads": threads, "delay_s": scheduler_delay(cores, threads)}
     results = run_all(rows, timeout)
     for row in rows:
         result, folder = results.get(row["index"], {}), Path(row["folder"])
@@ -91,14 +96,16 @@ def pooled_loopback(runs: list[Run]) -> Link:
     return fit_link([s for run in runs for s in transfer_samples(run.traces)])
 
 
-def calibrate(prof, link: Link, cores: int | None, threads: int | None = None) -> Link:
+def calibrate(prof, link: Link, cores: int | None, threads: int | None = None,
+              delay_s: float = 0.0) -> Link:  # fmt: skip
     """``link`` with the latency at which the model's step at the measured size is the
     measured step (bisection; the step grows with latency). Zero if compute alone is more."""
     from dataclasses import replace
 
     def step(alpha: float) -> float:
         own = replace(link, alpha=alpha)
-        return predict_step(prof, prof.world, Topology(own, own), cores=cores, threads=threads)
+        return predict_step(prof, prof.world, Topology(own, own), cores=cores, threads=threads,
+                            delay_s=delay_s)  # fmt: skip
 
     lo, hi = 0.0, 1.0
     if step(lo) >= prof.step_s:
@@ -110,11 +117,12 @@ def calibrate(prof, link: Link, cores: int | None, threads: int | None = None) -
 
 
 def rows(found: dict[tuple[str, int], Path], cores: int | None = None,
-         threads: int | None = None) -> list[dict]:  # fmt: skip
+         threads: int | None = None, delay_s: float | None = None) -> list[dict]:  # fmt: skip
     """The validation table from :func:`measure`'s folders (see the module docstring).
-    ``cores``, ``threads``: of the measuring machine (default: :func:`recorded_machine`)."""
+    ``cores``, ``threads``, ``delay_s``: of the measuring machine (default:
+    :func:`recorded_machine`)."""
     runs = {key: load_run(folder) for key, folder in found.items()}
-    cores, threads = recorded_machine(list(runs.values()), cores, threads)
+    cores, threads, delay_s = recorded_machine(list(runs.values()), cores, threads, delay_s)
     loop = pooled_loopback(list(runs.values()))
     out = []
     for name in dict.fromkeys(n for n, _ in found):
@@ -125,25 +133,45 @@ def rows(found: dict[tuple[str, int], Path], cores: int | None = None,
         result = replay(small, Topology(own, own), link=own)
         out.append(_row(name, "replay", small.measured_step_s, result.mean_step_s))
         prof = profile(small, small.graph(own))
-        tuned = calibrate(prof, loop, cores, threads)
+        tuned = calibrate(prof, loop, cores, threads, delay_s)
         for p in SIZES[1:]:
             if (name, p) in runs:
                 big = runs[(name, p)]
                 guess, split = predict_split(prof, p, Topology(tuned, tuned), cores=cores,
-                                             threads=threads)  # fmt: skip
+                                             threads=threads, delay_s=delay_s)  # fmt: skip
                 row = _row(name, f"scale 2->{p}", big.measured_step_s, guess)
                 row.update(predicted_split=split, measured_split=measured_split(big, loop))
                 out.append(row)
     return out
 
 
-def recorded_machine(runs: list[Run], cores: int | None = None,
-                     threads: int | None = None) -> tuple[int, int]:  # fmt: skip
-    """Cores and threads per rank of the machine that measured ``runs``: as given, else as
-    :func:`measure` recorded them in the runs' ``row.json``, else this machine's now."""
+def kept_machine(found: dict[tuple[str, int], Path]) -> tuple[int, int, float]:
+    """:func:`recorded_machine` of :func:`measure`'s folders, from their ``row.json`` alone."""
+    kept = [Run(name, [], None, row=json.loads((f / "row.json").read_text()))
+            for (name, _), f in found.items() if (f / "row.json").exists()]  # fmt: skip
+    return recorded_machine(kept)
+
+
+def recorded_machine(runs: list[Run], cores: int | None = None, threads: int | None = None,
+                     delay_s: float | None = None) -> tuple[int, int, float]:  # fmt: skip
+    """Cores, threads per rank and scheduler delay of the machine that measured ``runs``: as
+    given, else as :func:`measure` recorded them in the runs' ``row.json``, else this
+    machine's now (the delay only where this machine has as many cores: else 0)."""
     recorded = next((run.row for run in runs if "cores" in run.row), {})
     cores = cores or recorded.get("cores") or os.cpu_count() or 1
-    return cores, threads or recorded.get("threads") or measured_threads(cores)
+    threads = threads or recorded.get("threads") or measured_threads(cores)
+    if delay_s is None:
+        delay_s = recorded.get("delay_s")
+    if delay_s is None:
+        delay_s = scheduler_delay(cores, threads) if cores == os.cpu_count() else 0.0
+    return cores, threads, delay_s
+
+
+def scheduler_delay(cores: int, threads: int) -> float:
+    """The scheduler's delay (:func:`.scheduler.measure_delay`) where some size of
+    :data:`SIZES` cannot place its ranks evenly on ``cores`` (it matters there only), else 0."""
+    uneven = any(p * threads > cores and p * threads % cores for p in SIZES)
+    return measure_delay(cores) if uneven else 0.0
 
 
 def measured_threads(cores: int, env: dict | None = None) -> int:
