@@ -7,7 +7,8 @@ same, one to a core, for the cost of meeting. Fair processor sharing would make 
 loop ``(cores + 1) / cores`` times the second's work longer; what it takes beyond that is
 :func:`.cores.placement_wait`, which :func:`delay_from_excess` inverts for the delay. The
 median over a few work sizes is the estimate (the scheduler's timing is noisy on a busy
-machine; run it on a quiet one, as the validation does).
+machine: medians of rounds, sizes and three trials, and run it on a quiet machine, as the
+validation does).
 
 On this project's 2-core machine 3 ranks of 10 to 40 ms each took 3 to 7 ms longer per
 meeting than fair sharing (``python -m lightning_par.simulate --validate`` records the
@@ -50,19 +51,21 @@ def _units_per_second() -> float:
 
 
 def _meet_loop(rank: int, world: int, reps: list[int], rounds: int) -> list[tuple[float, float]]:
-    """Per work size: (seconds per round, seconds of own compute per round) on this rank."""
+    """Per work size: the median round's seconds and the median own compute's on this rank
+    (medians: one round that another process interrupts moves neither)."""
     torch.set_num_threads(1)
     token = torch.zeros(1)
     out = []
     for n in reps:
         dist.all_reduce(token)  # start together
-        compute, start = 0.0, time.perf_counter()
+        laps, compute = [], []
         for _ in range(rounds):
-            t = time.perf_counter()
+            start = time.perf_counter()
             _work(n)
-            compute += time.perf_counter() - t
+            compute.append(time.perf_counter() - start)
             dist.all_reduce(token)
-        out.append(((time.perf_counter() - start) / rounds, compute / rounds))
+            laps.append(time.perf_counter() - start)
+        out.append((statistics.median(laps), statistics.median(compute)))
     return out
 
 
@@ -83,21 +86,24 @@ def delay_from_excess(excess_s: float, work_s: float, cores: int) -> float:
     return (lo + hi) / 2
 
 
-def measure_delay(cores: int, rounds: int = 30, timeout: float = 120) -> float:
+def measure_delay(cores: int, rounds: int = 30, trials: int = 3, timeout: float = 120) -> float:
     """This machine's delay (seconds) before a waiting thread takes a core that fell idle,
-    from :func:`_meet_loop` at ``cores + 1`` and ``cores`` ranks (see the module docstring).
-    Zero on one core, where two ranks always share it evenly."""
+    from :func:`_meet_loop` at ``cores + 1`` and ``cores`` ranks (see the module docstring):
+    the median over ``trials`` of the median over work sizes. Zero on one core, where two
+    ranks always share it evenly."""
     if cores < 2:
         return 0.0
     rate = _units_per_second()
     reps = [max(1, round(w * rate)) for w in WORK_S]
-    crowded = run_on_ranks(_meet_loop, cores + 1, reps, rounds, timeout=timeout)
-    alone = run_on_ranks(_meet_loop, cores, reps, rounds, timeout=timeout)
     estimates = []
-    for i in range(len(reps)):
-        step_crowded = max(r[i][0] for r in crowded)
-        step_alone = max(r[i][0] for r in alone)
-        work = statistics.mean(r[i][1] for r in alone)  # own compute, a core to itself
-        excess = step_crowded - step_alone - work / cores  # fair sharing's extra is work / cores
-        estimates.append(delay_from_excess(excess, work, cores))
+    for _ in range(trials):
+        crowded = run_on_ranks(_meet_loop, cores + 1, reps, rounds, timeout=timeout)
+        alone = run_on_ranks(_meet_loop, cores, reps, rounds, timeout=timeout)
+        sizes = []
+        for i in range(len(reps)):
+            work = statistics.mean(r[i][1] for r in alone)  # own compute, a core to itself
+            # fair sharing would add work / cores to the round the ranks take alone
+            excess = crowded[0][i][0] - alone[0][i][0] - work / cores
+            sizes.append(delay_from_excess(excess, work, cores))
+        estimates.append(statistics.median(sizes))
     return statistics.median(estimates)
