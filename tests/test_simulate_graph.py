@@ -60,3 +60,15 @@ def test_a_message_to_an_untraced_peer_keeps_its_measured_time():
     assert simulate(graph, same).step_s(0) == pytest.approx(3.0)  # posted at 1, done at 4
     slower = Topology(Link("l", 5.0, 0.0), Link("l", 5.0, 0.0))
     assert simulate(graph, slower).step_s(0) == pytest.approx(7.0)  # the server's 2 s stay
+
+
+def test_a_pull_waited_for_after_the_replayed_steps_adds_nothing_to_them():
+    # a parameter server's worker: its last step (0-10) posts a pull at 8 on the bucket
+    # thread, and the pull is only waited for at 25, when training ends
+    t = CommTrace(rank=0, origin=0.0)
+    t.events = [Event(0, "backward", 0.0, 6.0), Event(0, "bucket 0", 7.0, 9.0)]
+    t.messages = [Message(0, "recv", 5, 1000, 8.0, 26.0, wait_start=25.0)]  # rank 5: a server
+    graph = build_graph([t], Link("l", 1.0, 0.0), {0: [(0.0, 10.0)]})
+    same = Topology(Link("l", 1.0, 0.0), Link("l", 1.0, 0.0))
+    # the step is its window, not the window and the wait for what comes after it
+    assert simulate(graph, same).step_s(0) == pytest.approx(10.0)

@@ -138,9 +138,11 @@ def _build_rank(graph: Graph, t: CommTrace, bound: Interval, origin: float, mess
             continue
         bg = any(_inside(blocked, spans) for spans in (buckets, computing, joins))
         # posted where it was posted (a server's pull: by the bucket thread), waited for
-        # where the rank blocked on it
+        # where the rank blocked on it, unless that is after the interval (the last step's
+        # pull, waited for when training ends): the interval does not hold that wait
         (bg_items if bg or _inside(post, buckets) else main_items).append((post, 0, "post", i))
-        (bg_items if bg else main_items).append((blocked, 1, "wait", (i, end)))
+        if blocked < hi:
+            (bg_items if bg else main_items).append((blocked, 1, "wait", (i, end)))
     bg_items.sort()
     bg_ends = [payload[1] for _, _, kind, payload in bg_items if kind == "wait"]
     for a, b in joins:
