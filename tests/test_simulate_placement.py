@@ -106,3 +106,35 @@ def test_every_bucket_waits_for_the_slowest_replica():
     before = {lane: list(ops) for lane, ops in tp_graph.lanes.items()}
     assert late_replicas(tp_graph, 3, 2, 1, delay_s=2.0) == 0.0
     assert tp_graph.lanes == before
+
+
+def test_the_validation_measures_the_delay_only_where_some_size_is_uneven(monkeypatch, tmp_path):
+    import json
+
+    from lightning_par.simulate import validate
+
+    measured = []
+    monkeypatch.setattr(validate, "measure_delay", lambda cores: measured.append(cores) or 0.007)
+    # sizes 2, 3, 4 on 16 cores, one thread each: every rank has a core; nothing to measure
+    assert validate.scheduler_delay(16, 1) == 0.0 and measured == []
+    # 3 ranks on 2 cores cannot be placed evenly
+    assert validate.scheduler_delay(2, 1) == 0.007 and measured == [2]
+    # --reuse reads what the runs recorded, not this machine
+    folder = tmp_path / "0-p2-ring_allreduce"
+    folder.mkdir()
+    (folder / "row.json").write_text(json.dumps({"cores": 2, "threads": 1, "delay_s": 0.005}))
+    assert validate.kept_machine({("ring_allreduce", 2): folder}) == (2, 1, 0.005)
+    assert measured == [2]
+
+
+def test_what_the_model_leaves_out_of_the_small_step_is_carried_once_per_step():
+    from lightning_par.simulate.validate import scaled
+
+    prof = data_parallel()
+    # the model's 2-rank step: 10 s of compute and the ring's 2 latencies; measured 3 s more
+    guess, split, offset = scaled(prof, 15.0, 4, LATENCY_ONLY)
+    assert offset == pytest.approx(3.0)
+    # at 4 ranks: 5 s of compute, 6 latencies, and the same 3 s (not three times 3 s, as a
+    # latency fitted to the 2-rank step would give)
+    assert guess == pytest.approx(5 + 6 + 3)
+    assert split["compute"] == pytest.approx(5.0)

@@ -124,7 +124,8 @@ def scaling_table(rows: list[dict]) -> str:
 
 def validation_table(rows: list[dict]) -> str:
     """Measured against predicted; scale rows add compute / communication + waiting per
-    step, measured -> predicted (ms), to show which part of the step a miss comes from."""
+    step, measured -> predicted (ms), to show which part of the step a miss comes from (the
+    predicted rest includes the 2-worker step's ``offset_s``, carried over)."""
     lines = ["| strategy | kind | measured ms | predicted ms | error | compute ms | comm+wait ms |",
              "|---|---|---|---|---|---|---|"]  # fmt: skip
     for r in rows:
@@ -132,7 +133,8 @@ def validation_table(rows: list[dict]) -> str:
         got, guess = r.get("measured_split"), r.get("predicted_split")
         parts = ["", ""]
         if got and guess:
-            rest = [got["communication_and_waiting"], guess["communication"] + guess["waiting"]]
+            rest = [got["communication_and_waiting"],
+                    guess["communication"] + guess["waiting"] + r.get("offset_s", 0.0)]  # fmt: skip
             parts = [f"{got['compute'] * 1e3:.1f} -> {guess['compute'] * 1e3:.1f}",
                      f"{rest[0] * 1e3:.1f} -> {rest[1] * 1e3:.1f}"]  # fmt: skip
         head = f"| {r['strategy']} | {r['kind']} | {_fmt(r['measured_s'], 1e3)} | "

@@ -19,9 +19,12 @@ and goes on a shared machine hits all alike) and keeps each (strategy, size)'s f
   carries the
   predicted per-step ``compute`` / ``communication`` / ``waiting`` (mean over ranks) and
   the measured run's compute and the rest of its step (:func:`measured_split`), which say
-  which part of the step a miss comes from. The
-  loopback's latency is calibrated so that the model reproduces the p = 2 step (it then holds
-  the interpreter's per-message overhead as well as the wire's), and held fixed at 3 and 4.
+  which part of the step a miss comes from. Messages cost what the strategy's own 2-worker
+  transfers cost (its loopback fitted to them; every 2-worker run's where it traced none);
+  what the model leaves out of the measured 2-worker step (the ranks' drift between steps,
+  the framework's work outside the traced spans) is the row's ``offset_s``, added once per
+  step at 3 and 4 (not once per message: it is not latency, and a larger collective has
+  more messages).
 
 ``error = (predicted - measured) / measured``; every row is reported, misses included.
 """
@@ -96,26 +99,6 @@ def pooled_loopback(runs: list[Run]) -> Link:
     return fit_link([s for run in runs for s in transfer_samples(run.traces)])
 
 
-def calibrate(prof, link: Link, cores: int | None, threads: int | None = None,
-              delay_s: float = 0.0) -> Link:  # fmt: skip
-    """``link`` with the latency at which the model's step at the measured size is the
-    measured step (bisection; the step grows with latency). Zero if compute alone is more."""
-    from dataclasses import replace
-
-    def step(alpha: float) -> float:
-        own = replace(link, alpha=alpha)
-        return predict_step(prof, prof.world, Topology(own, own), cores=cores, threads=threads,
-                            delay_s=delay_s)  # fmt: skip
-
-    lo, hi = 0.0, 1.0
-    if step(lo) >= prof.step_s:
-        return replace(link, alpha=0.0)
-    for _ in range(40):
-        mid = (lo + hi) / 2
-        lo, hi = (mid, hi) if step(mid) < prof.step_s else (lo, mid)
-    return replace(link, alpha=lo, source=link.source + "; latency calibrated on the p=2 step")
-
-
 def rows(found: dict[tuple[str, int], Path], cores: int | None = None,
          threads: int | None = None, delay_s: float | None = None) -> list[dict]:  # fmt: skip
     """The validation table from :func:`measure`'s folders (see the module docstring).
@@ -123,26 +106,39 @@ def rows(found: dict[tuple[str, int], Path], cores: int | None = None,
     :func:`recorded_machine`)."""
     runs = {key: load_run(folder) for key, folder in found.items()}
     cores, threads, delay_s = recorded_machine(list(runs.values()), cores, threads, delay_s)
-    loop = pooled_loopback(list(runs.values()))
+    # the link where a strategy traced no transfer of its own: every 2-worker run's
+    loop = pooled_loopback([run for (_, p), run in runs.items() if p == SIZES[0]])
     out = []
     for name in dict.fromkeys(n for n, _ in found):
         if (name, 2) not in runs:
             continue
         small = runs[(name, 2)]
         own = own_link(small, loop)
-        result = replay(small, Topology(own, own), link=own)
+        topo = Topology(own, own)
+        result = replay(small, topo, link=own)
         out.append(_row(name, "replay", small.measured_step_s, result.mean_step_s))
         prof = profile(small, small.graph(own))
-        tuned = calibrate(prof, loop, cores, threads, delay_s)
+        machine = {"cores": cores, "threads": threads, "delay_s": delay_s}
         for p in SIZES[1:]:
             if (name, p) in runs:
                 big = runs[(name, p)]
-                guess, split = predict_split(prof, p, Topology(tuned, tuned), cores=cores,
-                                             threads=threads, delay_s=delay_s)  # fmt: skip
+                guess, split, offset = scaled(prof, small.measured_step_s, p, topo, **machine)
                 row = _row(name, f"scale 2->{p}", big.measured_step_s, guess)
-                row.update(predicted_split=split, measured_split=measured_split(big, loop))
+                row.update(predicted_split=split, offset_s=offset,
+                           measured_split=measured_split(big, loop))  # fmt: skip
                 out.append(row)
     return out
+
+
+def scaled(prof, measured_s: float | None, p: int, topo: Topology,
+           **machine) -> tuple[float, dict[str, float], float]:  # fmt: skip
+    """The step at ``p`` predicted from ``prof`` measured at ``prof.world`` in
+    ``measured_s``: the model's step at ``p`` plus what the model leaves out of the measured
+    step (the offset, returned too), once per step. ``machine``: ``cores``, ``threads``,
+    ``delay_s`` for :func:`~.scale.predict_split`."""
+    offset = (measured_s or 0.0) - predict_step(prof, prof.world, topo, **machine)
+    guess, split = predict_split(prof, p, topo, **machine)
+    return guess + offset, split, offset
 
 
 def kept_machine(found: dict[tuple[str, int], Path]) -> tuple[int, int, float]:
