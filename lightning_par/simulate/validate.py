@@ -16,10 +16,9 @@ and goes on a shared machine hits all alike) and keeps each (strategy, size)'s f
   time share, with the threads Lightning gives each rank; data-parallel replicas that the
   cores cannot hold evenly, 3 on 2, also wait for the slowest, with the scheduler delay
   :mod:`~.scheduler` measures before the runs and records with them). Each scale row also
-  carries the
-  predicted per-step ``compute`` / ``communication`` / ``waiting`` (mean over ranks) and
-  the measured run's compute and the rest of its step (:func:`measured_split`), which say
-  which part of the step a miss comes from. Messages cost what the strategy's own 2-worker
+  carries the predicted per-step ``compute`` / ``communication`` / ``waiting`` (mean over
+  ranks) and the measured run's compute and the rest of its step (:func:`measured_split`),
+  which say which part of the step a miss comes from. Messages cost what the strategy's own 2-worker
   transfers cost (its loopback fitted to them; every 2-worker run's where it traced none);
   what the model leaves out of the measured 2-worker step (the ranks' drift between steps,
   the framework's work outside the traced spans) is the row's ``offset_s``, added once per
