@@ -15,6 +15,7 @@ client class, the servers' options and the client's options.
 
 from __future__ import annotations
 
+import atexit
 from collections.abc import Callable
 from typing import Any
 
@@ -24,6 +25,7 @@ from lightning.pytorch.trainer.states import TrainerStatus
 
 from lightning_par import _compat
 from lightning_par.comm import Event
+from lightning_par.components.process_group import destroy_process_group
 from lightning_par.components.worker_group import WorkerGroup, check_positive
 from lightning_par.launch import liveness
 from lightning_par.paramserver import process as servers
@@ -39,6 +41,21 @@ def gloo_only(kwargs: dict[str, Any]) -> None:
             f"process_group_backend={backend!r}: the parameter server talks to CPU servers "
             "over gloo (CUDA workers stage through pinned memory); leave it unset"
         )
+
+
+class _BetweenCalls:
+    """The workers-only group a server group left for the script's next call, if any."""
+
+    group: Any = None
+
+
+_between_calls = _BetweenCalls()
+
+
+def _end_group_between_calls() -> None:
+    if dist.is_initialized() and dist.group.WORLD is _between_calls.group:
+        dist.destroy_process_group()
+    _between_calls.group = None
 
 
 class ServerGroup:
@@ -72,12 +89,17 @@ class ServerGroup:
         self.started: list[int] = []
         self._watch: Any = None
         self.failed = False
+        #: the servers' optimiser state at the end of the last fit, for a checkpoint saved
+        #: after it in ranks that outlive the call (popen, torchrun)
+        self.final_state: dict[str, Any] | None = None
         self._backward_start = 0.0
 
     # ---- processes -----------------------------------------------------------------------------
     def start(self, server_options: dict[str, Any], watched: list[int]) -> None:
         """Start this node's servers, join the group of workers and servers, watch them."""
         host = self.host
+        if _between_calls.group is not None:  # the workers' group kept since the last call
+            _end_group_between_calls()  # (of this strategy or another's) ends here
         if dist.is_initialized():
             raise RuntimeError(
                 f"{host.strategy_name} builds its own process group of workers and servers; it "
@@ -123,6 +145,7 @@ class ServerGroup:
             )
         assert host.model is not None and host.comm is not None
         check(host.optimizers[0])
+        self.final_state = None
         self.client = self.client_cls(
             host.model,
             host.optimizers[0],
@@ -210,6 +233,25 @@ class ServerGroup:
         liveness.stop_watching()
         if clean:  # the servers are gone: a later fit/test/validate builds a new group
             dist.destroy_process_group()
+            if self.ranks_outlive_the_call():
+                self._join_workers_between_calls()
+
+    def ranks_outlive_the_call(self) -> bool:
+        """Whether the user's script goes on in these ranks after ``fit``/``validate``/...
+        (popen, torchrun, SLURM) rather than in a process that forked them."""
+        return not getattr(self.host.launcher, "carries_back", False)
+
+    def _join_workers_between_calls(self) -> None:
+        """The script goes on in every worker: Lightning's barrier in ``save_checkpoint``
+        and the collectives of the next call's set-up need a group, as under Lightning's
+        DDP, whose group lives on after ``fit``. The servers are gone: the workers alone."""
+        host = self.host
+        store, _ = host.group_store()
+        dist.init_process_group("gloo", store=store, rank=host.global_rank,
+                                world_size=host.world_size, timeout=host.timeout)  # fmt: skip
+        self.workers.group = None  # the default group holds the workers alone
+        _between_calls.group = dist.group.WORLD
+        atexit.register(destroy_process_group)  # (a gloo group alive at exit can abort it)
 
     def all_ranks(self) -> list[int]:
         return list(range(self.host.world_size + self.num_servers))

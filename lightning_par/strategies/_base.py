@@ -52,6 +52,7 @@ from lightning_par.launch import default_timeout, liveness
 from lightning_par.launch.policy import LaunchPlan
 from lightning_par.launch.rendezvous import StoreAddress
 from lightning_par.pipeline.materialize import has_meta, materialize
+from lightning_par.strategies._carry_back import dump_rank_checkpoint, with_training_state
 from lightning_par.strategies._launchers import log_startup, make_launcher
 
 
@@ -103,6 +104,12 @@ class ParStrategy(DDPStrategy):
         #: the model-splitting component (pipeline stages, tensor-parallel shards); the
         #: default does nothing: every rank holds the whole model
         self.splitter: ModelSplitter = ModelSplitter()
+        #: in a rank of a fork launch: the checkpoint dumped at the end of ``fit``, sent to
+        #: the script (:mod:`._carry_back`)
+        self.end_of_fit_checkpoint: dict[str, Any] | None = None
+        #: in the script after a fork launch's ``fit``: rank 0's training state, merged into
+        #: the script's checkpoints
+        self.training_state: dict[str, Any] | None = None
 
     @classmethod
     def option_names(cls) -> list[str]:
@@ -302,9 +309,32 @@ class ParStrategy(DDPStrategy):
             yield
 
     # ---- checkpoints ----------------------------------------------------------------------------
+    @property
+    def holds_whole_model(self) -> bool:
+        """True in the script's process after a fork launch: no rank was set up here and the
+        model holds the whole network, brought back from the ranks."""
+        return self.comm is None
+
+    @override
+    def on_train_end(self) -> None:
+        super().on_train_end()
+        launcher = self.launcher
+        if getattr(launcher, "carries_back", False) and not self.holds_whole_model:
+            # while every component (servers, stages) is still up: the script gets it
+            self.end_of_fit_checkpoint = dump_rank_checkpoint(self.lightning_module.trainer)
+
     @override
     def lightning_module_state_dict(self) -> dict[str, Any]:
-        return self.splitter.full_state_dict(super().lightning_module_state_dict())
+        whole = super().lightning_module_state_dict()
+        return whole if self.holds_whole_model else self.splitter.full_state_dict(whole)
+
+    @override
+    def save_checkpoint(
+        self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None
+    ) -> None:
+        if self.holds_whole_model:  # the script's checkpoint: rank 0's training state too
+            checkpoint = with_training_state(checkpoint, self.training_state)
+        super().save_checkpoint(checkpoint, filepath, storage_options=storage_options)
 
     @override
     def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:

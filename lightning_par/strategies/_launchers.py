@@ -19,8 +19,10 @@
   newest checkpoint is;
 * a rank's exception reaches the main process with its own type (``ValueError``, ...),
   chained to torch's report of the rank's traceback (:mod:`._rank_errors`);
-* after a fork the main process gets the FULL model (``strategy.lightning_module_state_dict``,
-  gathered from every stage by model-split strategies) and rank 0's trace.
+* after a fork ``fit`` the main process gets the FULL model and the training state
+  (optimiser and scheduler states, loops: :mod:`._carry_back`), gathered from every stage by
+  model-split strategies, so the script's ``save_checkpoint`` writes what one process would;
+  and rank 0's trace.
 
 :class:`ExistingRanksLauncher` is used when the ranks already exist (torchrun, SLURM,
 ``run_on_ranks``): it starts nothing, also in a notebook.
@@ -58,10 +60,12 @@ from lightning_par.launch.policy import (
 )
 from lightning_par.launch.processes import die_with_parent, stop_process_groups
 from lightning_par.launch.rendezvous import STORE_ENV, host_job_store
+from lightning_par.strategies._carry_back import load_in_script, save_for_script
 from lightning_par.strategies._lost_workers import tolerate_lost_workers
 from lightning_par.strategies._rank_errors import RankErrors
 
-#: Prefix of the temporary folder that carries rank 0's weights back to the main process.
+#: Prefix of the temporary folder that carries rank 0's weights and training state back to
+#: the main process (:mod:`._carry_back`).
 WEIGHTS_PREFIX = "lightning_par-weights-"
 
 
@@ -221,26 +225,38 @@ class PolicyLauncher(_compat.MultiProcessingLauncher):
                 raise RuntimeError(f"rank {process_idx} was interrupted") from error
             raise
 
+    @property
+    def carries_back(self) -> bool:
+        """Whether this launch starts ranks whose results the main process must be sent."""
+        return self.plan is not None and self.plan.method != "popen"
+
     @override
     def _collect_rank_zero_results(self, trainer: pl.Trainer, results: Any) -> Any:
         callback = trainer.checkpoint_callback
         best_model_path = getattr(callback, "best_model_path", None) if callback else None
-        state_dict = self._strategy.lightning_module_state_dict()  # every rank takes part
+        checkpoint = None
+        if trainer.state.fn == TrainerFn.FITTING:  # every rank takes part in gathering
+            checkpoint = self._strategy.end_of_fit_checkpoint or {
+                "state_dict": self._strategy.lightning_module_state_dict()
+            }
         if self._strategy.local_rank != 0:
             return None
+        # a folder of its own, removed with the files once the main process read them
         weights_path = None
-        if trainer.state.fn == TrainerFn.FITTING:
-            # a folder of its own, removed with the weights once the main process read them
-            weights_path = os.path.join(tempfile.mkdtemp(prefix=WEIGHTS_PREFIX), ".temp.ckpt")
-            self._strategy.checkpoint_io.save_checkpoint(state_dict, weights_path)
+        if checkpoint is not None:
+            weights_path = save_for_script(checkpoint, tempfile.mkdtemp(prefix=WEIGHTS_PREFIX))
         extra = self.get_extra_results(trainer)
         return _compat.WorkerOutput(best_model_path, weights_path, trainer.state, results, extra)
 
     @override
     def _recover_results_in_main_process(self, worker_output: Any, trainer: pl.Trainer) -> None:
-        super()._recover_results_in_main_process(worker_output, trainer)
-        if worker_output.weights_path is not None:  # Lightning removes the file, not its folder
-            shutil.rmtree(os.path.dirname(worker_output.weights_path), ignore_errors=True)
+        path = worker_output.weights_path
+        if path is not None:  # the weights into the script's model, as Lightning's launcher
+            state_dict, training = load_in_script(path)
+            trainer.lightning_module.load_state_dict(state_dict, strict=False)
+            self._strategy.training_state = training  # for the script's save_checkpoint
+            shutil.rmtree(os.path.dirname(path), ignore_errors=True)
+        super()._recover_results_in_main_process(worker_output._replace(weights_path=None), trainer)
 
     @override
     def get_extra_results(self, trainer: pl.Trainer) -> dict[str, Any]:

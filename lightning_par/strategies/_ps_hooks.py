@@ -20,6 +20,7 @@ from typing import Any, TypeVar
 
 import lightning.pytorch as pl
 import torch
+from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from typing_extensions import override
 
 from lightning_par import _compat
@@ -85,14 +86,29 @@ def server_group_hooks(cls: S) -> S:
         return step
 
     def optimizer_state(self, optimizer: Any) -> dict[str, Any]:
-        if self.client is None:
-            return base(self).optimizer_state(optimizer)
+        if self.client is None:  # after fit: the state the servers held at its end
+            return self.servers.final_state or base(self).optimizer_state(optimizer)
         return self.client.gather_state()  # complete on worker 0, which writes the file
+
+    def on_train_end(self) -> None:
+        base(self).on_train_end()  # (a fork launch: the checkpoint carried to the script)
+        if self.client is not None and self.servers.ranks_outlive_the_call():
+            # the script goes on in these ranks and may save a checkpoint after the servers
+            # are gone: keep what they hold now
+            self.servers.final_state = self.client.gather_state()
 
     def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
         if self.client is None:
             return base(self).load_optimizer_state_dict(checkpoint)
-        self.client.load_state(checkpoint["optimizer_states"][0])
+        states = checkpoint["optimizer_states"]
+        if not states:  # as Lightning's DDP: a checkpoint without one starts the optimiser anew
+            rank_zero_warn(
+                f"{self.strategy_name}: the checkpoint holds no optimiser state (saved in the "
+                "script after a fork launch of Lightning's own DDP?); the servers' optimiser "
+                "starts afresh"
+            )
+            return None
+        self.client.load_state(states[0])
 
     def on_exception(self, exception: BaseException) -> None:
         # under torchrun Lightning calls this in the rank (a fork launch: in the main process)
@@ -118,6 +134,7 @@ def server_group_hooks(cls: S) -> S:
         "optimizer_step": optimizer_step,
         **{name: settled(name) for name in ("validation_step", "test_step", "predict_step")},
         "optimizer_state": optimizer_state,
+        "on_train_end": on_train_end,
         "load_optimizer_state_dict": load_optimizer_state_dict,
         "on_exception": on_exception,
         "describe_failure": describe_failure,
