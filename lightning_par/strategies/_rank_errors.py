@@ -3,9 +3,12 @@
 torch's process context reports a failed rank as ``ProcessRaisedException``, which carries
 only the rank's traceback as text: a notebook's ``except ValueError`` (or
 ``pytest.raises``) around ``trainer.fit`` would not see the user's ``ValueError``. Each
-rank that fails pickles its exception into a folder of the launch; the main process raises
-that exception again, chained to torch's report, whose text holds the rank's traceback.
-An exception that cannot be pickled or unpickled leaves torch's report as it was.
+rank that fails pickles its exception into a folder of the launch, and writes the last
+frames of its traceback beside it as plain text; the main process raises that exception
+again, chained to torch's report, with a note holding those frames: the rank's failing line
+reaches the script however it shows the error (``traceback.print_exc()``, an uncaught
+error, or just ``format_exception_only``, which prints notes but no cause). An exception
+that cannot be pickled or unpickled leaves torch's report as it was.
 """
 
 from __future__ import annotations
@@ -14,9 +17,22 @@ import os
 import pickle
 import shutil
 import tempfile
+import traceback
 
 #: Prefix of the temporary folder where the ranks of one launch leave their exceptions.
 ERRORS_PREFIX = "lightning_par-errors-"
+#: How many of the rank's innermost frames the note shows (the user's step is among them).
+FRAMES = 8
+#: The most characters of a rank's traceback text the main process reads.
+MAX_TEXT = 20_000
+
+
+def rank_traceback(error: BaseException, frames: int = FRAMES) -> str:
+    """The innermost ``frames`` frames of ``error``'s traceback and its message, as text."""
+    lines = traceback.format_exception(
+        type(error), error, error.__traceback__, limit=-frames, chain=False
+    )
+    return "".join(lines).rstrip("\n")
 
 
 class RankErrors:
@@ -28,19 +44,38 @@ class RankErrors:
     def _path(self, rank: int) -> str:
         return os.path.join(self.folder, f"rank{rank}.pickle")
 
+    def _text_path(self, rank: int) -> str:
+        return os.path.join(self.folder, f"rank{rank}.traceback.txt")
+
     def save(self, rank: int, error: BaseException) -> None:
-        """In the failing rank: keep ``error`` for the main process, if it pickles."""
+        """In the failing rank: keep ``error`` for the main process, if it pickles, and its
+        traceback's last frames as text (the pickle carries no traceback)."""
         try:
             data = pickle.dumps(error)
             pickle.loads(data)  # what the main process would fail to rebuild, it never gets
         except Exception:
             return
+        try:
+            text = rank_traceback(error)
+        except Exception:  # a broken __str__: the exception still travels, without its frames
+            text = ""
+        with open(self._text_path(rank), "w", encoding="utf-8", errors="replace") as f:
+            f.write(text)
         with open(self._path(rank), "wb") as f:
             f.write(data)
 
+    def _text(self, rank: int) -> str:
+        """The rank's traceback text (plain text, never unpickled), or ``""``."""
+        try:
+            with open(self._text_path(rank), encoding="utf-8", errors="replace") as f:
+                return f.read(MAX_TEXT)
+        except OSError:
+            return ""
+
     def original(self, report: BaseException) -> BaseException | None:
         """The exception of the rank torch's ``report`` names, with a note saying which rank
-        raised it; ``None`` when there is none to give (not a rank's error, not pickled)."""
+        raised it and where; ``None`` when there is none to give (not a rank's error, not
+        pickled)."""
         rank = getattr(report, "error_index", None)
         if type(report).__name__ != "ProcessRaisedException" or rank is None:
             return None
@@ -49,9 +84,33 @@ class RankErrors:
                 error = pickle.load(f)
         except Exception:  # none saved, or its class does not load here
             return None
+        note = _note(rank, self._text(rank))
         if hasattr(error, "add_note"):  # Python >= 3.11
-            error.add_note(f"(raised on rank {rank}; its traceback is above)")
+            error.add_note(note)
+        else:  # older Pythons print no notes: the message carries it
+            _append_to_message(error, note)
         return error
 
     def remove(self) -> None:
         shutil.rmtree(self.folder, ignore_errors=True)
+
+
+def _note(rank: int, text: str) -> str:
+    if not text:
+        return f"(raised on rank {rank}; torch's report of its traceback is above)"
+    kept = [line for line in text.splitlines() if not _carets(line)]
+    indented = "\n".join("  | " + line for line in kept)
+    return f"(raised on rank {rank}; the last {FRAMES} frames of its traceback:)\n{indented}"
+
+
+def _carets(line: str) -> bool:
+    """A line of Python 3.11's ``^^^^`` marks under a frame's code (noise in a short note)."""
+    marks = line.strip()
+    return bool(marks) and set(marks) <= set("^~")
+
+
+def _append_to_message(error: BaseException, note: str) -> None:
+    """Python < 3.11: put ``note`` after a one-argument message (others stay as they are:
+    their arguments may mean something to the code that catches them)."""
+    if len(error.args) == 1 and isinstance(error.args[0], str):
+        error.args = (f"{error.args[0]}\n{note}",)
