@@ -89,6 +89,22 @@ def test_rank_errors_give_back_only_a_saved_ranks_exception(tmp_path):
     assert not os.path.exists(errors.folder)
 
 
+def test_the_first_rank_to_fail_is_raised_whichever_rank_torch_reports():
+    errors = RankErrors()
+    try:
+        errors.save(1, ValueError("boom"))  # the cause ...
+        errors.save(0, RuntimeError("recv from rank 1 failed"))  # ... and a peer it took down
+        got = errors.original(ProcessRaisedException("report", 0, 1234))
+        assert type(got) is ValueError and got.args == ("boom",)
+        if hasattr(got, "__notes__"):
+            assert got.__notes__[0].startswith(
+                "(raised on rank 1, the first to fail (rank 0 failed after it)"
+            )
+        assert type(errors.original(ProcessRaisedException("report", 1, 1234))) is ValueError
+    finally:
+        errors.remove()
+
+
 SCRIPT = textwrap.dedent(
     """
     import traceback

@@ -17,6 +17,7 @@ import os
 import pickle
 import shutil
 import tempfile
+import time
 import traceback
 
 #: Prefix of the temporary folder where the ranks of one launch leave their exceptions.
@@ -48,8 +49,10 @@ class RankErrors:
         return os.path.join(self.folder, f"rank{rank}.traceback.txt")
 
     def save(self, rank: int, error: BaseException) -> None:
-        """In the failing rank: keep ``error`` for the main process, if it pickles, and its
-        traceback's last frames as text (the pickle carries no traceback)."""
+        """In the failing rank: keep ``error`` for the main process, if it pickles, and as
+        text when it failed and its traceback's last frames (the pickle carries no
+        traceback)."""
+        failed_at = time.monotonic_ns()  # one clock for every process of this machine
         try:
             data = pickle.dumps(error)
             pickle.loads(data)  # what the main process would fail to rebuild, it never gets
@@ -60,31 +63,50 @@ class RankErrors:
         except Exception:  # a broken __str__: the exception still travels, without its frames
             text = ""
         with open(self._text_path(rank), "w", encoding="utf-8", errors="replace") as f:
-            f.write(text)
+            f.write(f"{failed_at}\n{text}")
         with open(self._path(rank), "wb") as f:
             f.write(data)
 
-    def _text(self, rank: int) -> str:
-        """The rank's traceback text (plain text, never unpickled), or ``""``."""
+    def _record(self, rank: int) -> tuple[int, str] | None:
+        """When the rank failed and its traceback text (plain text, never unpickled)."""
         try:
             with open(self._text_path(rank), encoding="utf-8", errors="replace") as f:
-                return f.read(MAX_TEXT)
-        except OSError:
-            return ""
+                first, _, text = f.read(MAX_TEXT).partition("\n")
+            return int(first), text
+        except (OSError, ValueError):
+            return None
+
+    def _first_failed(self, reported: int) -> int:
+        """The rank that failed first: the others most often failed because it left (a
+        peer's receive finds the connection closed). torch reports whichever rank its join
+        finds first, which can be such a peer. ``reported`` unless another saved earlier
+        (or when its own error was not saved: its report is torch's text)."""
+        mine = self._record(reported)
+        if mine is None:
+            return reported
+        first, when = reported, mine[0]
+        for name in os.listdir(self.folder):
+            rank = _rank_of(name)
+            record = self._record(rank) if rank is not None else None
+            if record is not None and record[0] < when:
+                first, when = rank, record[0]
+        return first
 
     def original(self, report: BaseException) -> BaseException | None:
         """The exception of the rank torch's ``report`` names, with a note saying which rank
         raised it and where; ``None`` when there is none to give (not a rank's error, not
         pickled)."""
-        rank = getattr(report, "error_index", None)
-        if type(report).__name__ != "ProcessRaisedException" or rank is None:
+        reported = getattr(report, "error_index", None)
+        if type(report).__name__ != "ProcessRaisedException" or reported is None:
             return None
+        rank = self._first_failed(reported)
         try:
             with open(self._path(rank), "rb") as f:
                 error = pickle.load(f)
         except Exception:  # none saved, or its class does not load here
             return None
-        note = _note(rank, self._text(rank))
+        record = self._record(rank)
+        note = _note(rank, reported, record[1] if record else "")
         if hasattr(error, "add_note"):  # Python >= 3.11
             error.add_note(note)
         else:  # older Pythons print no notes: the message carries it
@@ -95,12 +117,24 @@ class RankErrors:
         shutil.rmtree(self.folder, ignore_errors=True)
 
 
-def _note(rank: int, text: str) -> str:
+def _note(rank: int, reported: int, text: str) -> str:
+    """Which rank raised the error, and its last frames (text)."""
+    if rank != reported:  # torch's report, the cause, is of a rank that failed after it
+        where = f"raised on rank {rank}, the first to fail (rank {reported} failed after it)"
+    else:
+        where = f"raised on rank {rank}"
     if not text:
-        return f"(raised on rank {rank}; torch's report of its traceback is above)"
+        return f"({where}; torch's report of its traceback is above)"
     kept = [line for line in text.splitlines() if not _carets(line)]
     indented = "\n".join("  | " + line for line in kept)
-    return f"(raised on rank {rank}; the last {FRAMES} frames of its traceback:)\n{indented}"
+    return f"({where}; the last {FRAMES} frames of its traceback:)\n{indented}"
+
+
+def _rank_of(name: str) -> int | None:
+    """``N`` of a saved ``rankN.pickle`` (``None`` for any other file)."""
+    stem = name.removeprefix("rank").removesuffix(".pickle")
+    is_pickle = name.startswith("rank") and name.endswith(".pickle")
+    return int(stem) if is_pickle and stem.isdigit() else None
 
 
 def _carets(line: str) -> bool:
