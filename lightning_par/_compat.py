@@ -163,7 +163,28 @@ def first_batch(trainer: Any) -> Any:
         loaders = loaders[0]
     if isinstance(loaders, dict):
         loaders = next(iter(loaders.values()))
-    return next(iter(loaders))
+    generators = _loader_generators(loaders)
+    states = [g.get_state() for g in generators]
+    try:
+        return next(iter(loaders))
+    finally:  # the user's own loader (fit(model, loader)) then shuffles as if never read
+        for generator, state in zip(generators, states):
+            generator.set_state(state)
+
+
+def _loader_generators(loader: Any) -> list[Any]:
+    """The ``torch.Generator`` objects a data loader draws from when iterated (its own, its
+    sampler's, its batch sampler's sampler's): starting an iterator advances them."""
+    import torch
+
+    found: dict[int, Any] = {}
+    batch_sampler = getattr(loader, "batch_sampler", None)
+    for owner in (loader, getattr(loader, "sampler", None),
+                  getattr(batch_sampler, "sampler", None)):  # fmt: skip
+        generator = getattr(owner, "generator", None)
+        if isinstance(generator, torch.Generator):
+            found[id(generator)] = generator
+    return list(found.values())
 
 
 def reset_combined_loader(fit_loop: Any) -> None:

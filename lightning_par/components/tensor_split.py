@@ -15,6 +15,7 @@ Used by ``tensor_parallel`` and the rows of ``hybrid(mp_kind="tensor_parallel")`
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Mapping
 from typing import Any
 
@@ -42,6 +43,7 @@ from lightning_par.tensorparallel import (
     shard_state_dict,
 )
 from lightning_par.tensorparallel.clip import clip_grad_norm_split
+from lightning_par.tensorparallel.plan import UNTRACED
 from lightning_par.tensorparallel.random import share_random_state
 
 #: Allreduces that leave the very same bits on every rank (one rank sums each chunk and the
@@ -92,7 +94,9 @@ class TensorParallelSplit(ModelSplitter):
     def _example(self, trainer: pl.Trainer | None) -> tuple | None:
         """A small batch of the network's inputs, to trace it for pairs outside any
         ``nn.Sequential`` (a ResNet block's convolutions): ``example_input_array`` before
-        launch; in the ranks, the first batch through the user's own step."""
+        launch; in the ranks, without one, what the user's own step passes the network on
+        the first batch (:func:`capture_inputs`: the network is not run, no random number
+        drawn; every rank reads the same batch, and :meth:`split` checks the plans agree)."""
         if self._inputs is None:
             net = getattr(self.module, self.attr)
             try:
@@ -104,12 +108,19 @@ class TensorParallelSplit(ModelSplitter):
         return self._inputs
 
     def check_before_launch(self, trainer: pl.Trainer | None) -> None:
-        """Refuse what would not train exactly as one process, before any rank starts."""
+        """Refuse what would not train exactly as one process, before any rank starts. A
+        network whose layers lie outside any ``nn.Sequential`` (torchvision's ResNet) is
+        left to the ranks when there is no ``example_input_array``: they trace the first
+        batch, which the main process does not have."""
+        self._check(trainer, self._example(None), in_ranks=False)
+
+    def _check(self, trainer: pl.Trainer | None, example: tuple | None, in_ranks: bool) -> None:
         module = self.module
         if module is None or module_shards(module):
             return
-        plan = resolve_plan(module, self.size, self.plan, self.attr, self._example(None))
-        if not plan.cuts:
+        plan = resolve_plan(module, self.size, self.plan, self.attr, example)
+        untraced = example is None and UNTRACED in plan.replicated.values()
+        if not plan.cuts and (in_ranks or not untraced):
             why = "; ".join(f"{k}: {v}" for k, v in plan.replicated.items()) or "no layers"
             raise ValueError(
                 f"tensor_parallel: nothing in `{type(module).__name__}.{self.attr}` can "
@@ -124,14 +135,15 @@ class TensorParallelSplit(ModelSplitter):
         if module_shards(module):  # already split (validate or test after fit)
             return
         check_trainer(trainer, self.strategy.precision_plugin)
-        self._example(trainer)  # the first batch, to trace the network (before it is cut)
-        self.check_before_launch(trainer)  # ranks started by torchrun/srun skip the launcher
+        example = self._example(trainer)  # the first batch, to trace the network (uncut)
+        self._check(trainer, example, in_ranks=True)  # torchrun/srun ranks skip the launcher
         # Every rank cuts its slice of rank 0's weights (popen ranks built their own).
         broadcast_parameters(module, self.comm)
         # ... and draws rank 0's random numbers: dropout masks as one process's (random.py)
         share_random_state(self.comm, self.strategy.root_device)
         group = TPGroup(self.comm, self.algorithm)
-        plan = resolve_plan(module, self.size, self.plan, self.attr, self._example(trainer))
+        plan = resolve_plan(module, self.size, self.plan, self.attr, example)
+        check_same_plan(plan, self.strategy.root_device, self._group())
         self.tp_plan = parallelize(module, group, plan, root=self.attr)
         rank_zero_info(f"tensor_parallel plan over {self.size} ranks:\n  "
                        + self.tp_plan.describe().replace("\n", "\n  "))  # fmt: skip
@@ -155,9 +167,13 @@ class TensorParallelSplit(ModelSplitter):
                              [p for p in params if id(p) not in split], float(clip_val),
                              TPGroup(comm, self.algorithm))  # fmt: skip
 
-    def before_training_step(self, batch: Any) -> None:
+    def _group(self) -> Any:
+        """The process group of one model's ranks (``None``: every rank)."""
         comm = self.strategy.split_comm
-        check_same_batch(batch, self.strategy.root_device, comm.group if comm else None)
+        return comm.group if comm is not None else None
+
+    def before_training_step(self, batch: Any) -> None:
+        check_same_batch(batch, self.strategy.root_device, self._group())
 
     # ---- checkpoints: one process's format -------------------------------------------------
     def full_state_dict(self, local: dict[str, Any]) -> dict[str, Any]:
@@ -228,6 +244,25 @@ def check_same_batch(batch: Any, device: torch.device, group: Any = None) -> Non
             "tensor_parallel: the ranks got different batches; every rank must read the same "
             "batches in the same order (seed the shuffle with DataLoader(generator=...) or "
             "seed_everything, and use no sampler that depends on the rank)"
+        )
+
+
+def check_same_plan(plan: Plan, device: torch.device, group: Any = None) -> None:
+    """Raise on every rank if the ranks would cut the network differently (each traced its
+    own first batch: one read another shape), before any collective of the cut layers
+    could pair with another layer's. One allreduce of a digest of the plan."""
+    if not dist.is_initialized() or dist.get_world_size(group) == 1:
+        return
+    digest = hashlib.sha256(plan.describe().encode()).digest()[:7]  # (its negative fits)
+    local = torch.tensor([int.from_bytes(digest, "little")], device=device)
+    both = torch.cat([local, -local])
+    dist.all_reduce(both, op=dist.ReduceOp.MAX, group=group)
+    if int(both[0]) != -int(both[1]):
+        raise RuntimeError(
+            "tensor_parallel: the ranks made different plans from their first batches; every "
+            "rank must read the same batches in the same order (seed the shuffle with "
+            "DataLoader(generator=...) or seed_everything, and use no sampler that depends on "
+            "the rank), or set the LightningModule's example_input_array"
         )
 
 

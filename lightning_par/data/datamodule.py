@@ -39,6 +39,16 @@ def default_data_dir() -> Path:
     return Path(os.environ.get(DATA_ENV, "datasets"))
 
 
+def data_rank(trainer: pl.Trainer) -> tuple[int, int]:
+    """``(rank, replicas)`` of this process's shard: the data-parallel ones of Lightning's
+    ``distributed_sampler_kwargs`` (under ``hybrid`` the ranks of one replica share a shard;
+    the global rank would give each pipeline stage another batch)."""
+    kwargs = getattr(trainer.strategy, "distributed_sampler_kwargs", None)
+    if not kwargs:
+        return trainer.global_rank, trainer.world_size
+    return int(kwargs["rank"]), int(kwargs["num_replicas"])
+
+
 def eval_transform() -> v2.Compose:
     return v2.Compose([v2.ToDtype(torch.float32, scale=True), v2.Normalize(CIFAR_MEAN, CIFAR_STD)])
 
@@ -262,7 +272,7 @@ class CIFAR10DataModule(pl.LightningDataModule):
         rank, world = 0, 1
         if trainer is not None and getattr(trainer.strategy, "shards_data", True):
             if _compat.uses_distributed_sampler(trainer):
-                rank, world = trainer.global_rank, trainer.world_size
+                rank, world = data_rank(trainer)
         subset = self.train_set
         index = torch.as_tensor(subset.indices)
         images = subset.base.images[index].to(device)

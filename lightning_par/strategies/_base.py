@@ -252,6 +252,17 @@ class ParStrategy(DDPStrategy):
 
     # ---- the model split over ranks (the splitter) ----------------------------------------------
     @property
+    @override
+    def distributed_sampler_kwargs(self) -> dict[str, Any]:
+        """Lightning's convention for which samples this rank reads: the data-parallel size
+        and rank. A model split over the ranks (pipeline, tensor parallel) is one replica
+        whose every rank reads the whole batch, as Lightning's ``ModelParallelStrategy``
+        reports; a loader sharded by these kwargs then reads what one process would."""
+        if self.shards_data:
+            return super().distributed_sampler_kwargs
+        return {"num_replicas": 1, "rank": 0}
+
+    @property
     def split_comm(self) -> Communicator | None:
         """The ranks one model is split over (every rank; hybrid: one row of its grid)."""
         return self.comm

@@ -58,6 +58,13 @@ from lightning_par.tensorparallel.mappings import TPGroup
 from lightning_par.tensorparallel.shard import unit_sizes
 from lightning_par.tensorparallel.traced import traced_pairs
 
+#: Why a weight layer outside any ``nn.Sequential`` stays whole when no example was traced
+#: (``tensor_parallel`` traces the first batch in the ranks: see ``TensorParallelSplit``).
+UNTRACED = (
+    "not in an nn.Sequential, so its consumer is unknown (give the module an "
+    "example_input_array to trace it)"
+)
+
 #: A traced column layer's partner: ((name, module) between, (name, module) of the row).
 TracedPair = tuple[list[tuple[str, nn.Module]], tuple[str, nn.Module]]
 
@@ -98,9 +105,7 @@ def _auto(module: nn.Module, prefix: str, p: int, plan: Plan, tied: set[int],
             if traced is not None and full in traced:
                 _traced_pair(child, full, traced[full], p, plan)
             else:
-                why = "the trace finds no layer of its kind fed only by it" if traced else (
-                    "not in an nn.Sequential, so its consumer is unknown (give the module "
-                    "an example_input_array to trace it)")  # fmt: skip
+                why = "the trace finds no layer of its kind fed only by it" if traced else UNTRACED
                 plan.replicated[full] = why
         elif j < len(children) and type(children[j][1]) is type(child):
             norms = [m for _, m in children[i + 1 : j] if isinstance(m, NORMS)]
