@@ -12,34 +12,38 @@ the name's registered options, which jsonargparse cannot do (a name is a plain s
 
 from __future__ import annotations
 
+import importlib
 import re
 from typing import Any
 
 from lightning_par.cli_checks import close_match
-from lightning_par.cli_help import HELP_FLAG, resolve_strategy
+from lightning_par.cli_help import HELP_FLAG, cli_option_names, own_options, resolve_strategy
 from lightning_par.strategies import strategy_specs
 
 PREFIX = "--trainer.strategy"
 
 
-def cli_option_names(cls: type) -> list[str]:
-    """The options jsonargparse accepts for strategy class ``cls`` (it reads signatures)."""
-    from jsonargparse import ArgumentParser
-
-    parser = ArgumentParser(exit_on_error=False)
-    parser.add_class_arguments(cls, "s")
-    names = {a.dest[2:] for a in parser._actions if a.dest.startswith("s.")}
-    return sorted(names - {"help"})
+def strategy_class(path: str) -> type | None:
+    """The strategy class a jsonargparse ``class_path`` names (any import path of it)."""
+    resolved = resolve_strategy(path)
+    if resolved is not None:
+        return resolved[0]
+    module, _, name = path.rpartition(".")
+    try:
+        found = getattr(importlib.import_module(module), name, None) if module else None
+    except ImportError:
+        return None
+    return found if isinstance(found, type) else None
 
 
 def unknown_option_error(message: str) -> str | None:
     """jsonargparse's "Option 'chunkz' is not accepted" for a strategy class, as one line."""
     found = re.search(r"class_path '([\w.]+)'.*?'(\w+)' is not (?:accepted|expected)", message,
                       re.S)  # fmt: skip
-    resolved = resolve_strategy(found[1]) if found else None
-    if resolved is None:
+    cls = strategy_class(found[1]) if found else None
+    if cls is None:
         return None
-    cls, option = resolved[0], found[2]
+    option = found[2]
     names = cli_option_names(cls)
     line = f"{PREFIX}.{option} is not an option of {cls.__name__}."
     match = close_match(option, names)
@@ -52,18 +56,29 @@ def constructor_error(strategy: Any) -> str | None:
     """Build the strategy of a parsed config again to get the message its constructor
     raised (jsonargparse keeps only its own summary), naming the option as typed."""
     path = getattr(strategy, "class_path", None)
-    resolved = resolve_strategy(path) if isinstance(path, str) else None
-    if resolved is None:
+    cls = strategy_class(path) if isinstance(path, str) else None
+    if cls is None:
         return None
     options = dict(vars(strategy.init_args)) if strategy.init_args is not None else {}
     try:
-        resolved[0](**options)
+        cls(**options)
     except (ValueError, TypeError) as err:
         message = " ".join(str(err).split())
-        named = [k for k in options if re.search(rf"\b{k}\b", message)]
-        typed = f"{PREFIX}.{named[0]}={_shown(options[named[0]])}: " if named else ""
-        return f"{typed}{resolved[0].__name__}: {message}"
+        named = _named_option(cls, options, message)
+        typed = f"{PREFIX}.{named}={_shown(options[named])}: " if named else ""
+        return f"{typed}{cls.__name__}: {message}"
     return None
+
+
+def _named_option(cls: type, options: dict[str, Any], message: str) -> str | None:
+    """The option given a value other than its default that ``message`` mentions first."""
+    defaults = {p.name: p.default for p, _ in own_options(cls)}
+    places = {}
+    for name, value in options.items():
+        found = re.search(rf"\b{name}\b", message)
+        if found and (name not in defaults or defaults[name] != value):
+            places[name] = found.start()
+    return min(places, key=places.__getitem__, default=None)
 
 
 def _shown(value: Any) -> str:
