@@ -2,6 +2,8 @@
 constructors), and a wrong option or value refused in one usage line naming it."""
 
 import importlib
+import pathlib
+import re
 import subprocess
 import sys
 import time
@@ -28,7 +30,8 @@ DDP_ONLY = {"ddp_comm_hook", "static_graph", "find_unused_parameters", "broadcas
 CASES = [
     (registry.AllReduceStrategy, {"algorithm": "tree", "bucket_cap_mb": "2"},
      {"algorithm": "tree", "bucket_cap_mb": 2.0}),
-    (registry.GPipeStrategy, {"chunks": "2", "schedule": "1f1b"}, {"chunks": 2, "schedule": "1f1b"}),
+    (registry.GPipeStrategy, {"chunks": "2", "schedule": "1f1b"},
+     {"chunks": 2, "schedule": "1f1b"}),
     (registry.LayerwiseStrategy, {"balance_by": "time"}, {"balance_by": "time"}),
     (registry.TensorParallelStrategy, {"module_attr": "net"}, {"module_attr": "net"}),
     (registry.HybridStrategy, {"dp": "1", "mp": "2", "chunks": "2"},
@@ -92,15 +95,15 @@ def test_a_registered_name_with_options_is_its_class_with_its_registered_options
     assert _printed(capsys, "--trainer.strategy=gpipe")["trainer"]["strategy"] == "gpipe"
 
 
-def test_gpipe_with_options_from_a_yaml_config_trains(tmp_path):
+def test_the_guides_yaml_example_trains_gpipe_with_its_options(tmp_path):
+    guide = pathlib.Path(__file__).parents[1] / "docs" / "guide" / "command-line.md"
+    example = re.search(r"```yaml\n(.*?)```", guide.read_text(), re.S)[1]
+    assert "class_path: lightning_par.strategies.GPipeStrategy" in example
     config = tmp_path / "run.yaml"
-    config.write_text(
-        "trainer:\n  strategy:\n    class_path: lightning_par.strategies.GPipeStrategy\n"
-        "    init_args:\n      chunks: 2\n      schedule: 1f1b\n"
-        f"  default_root_dir: {tmp_path}\n"
-    )
-    out = subprocess.run(
-        [sys.executable, "-m", "lightning_par", *TINY, f"--config={config}"],
+    config.write_text(example)
+    out = subprocess.run(  # the tiny settings after the config win over its data and epochs
+        [sys.executable, "-m", "lightning_par", "fit", f"--config={config}", *TINY[1:],
+         f"--trainer.default_root_dir={tmp_path}"],
         capture_output=True, text=True, timeout=300,
     )  # fmt: skip
     assert out.returncode == 0, out.stderr[-3000:]
