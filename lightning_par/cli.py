@@ -33,6 +33,12 @@ from lightning_par.cli_help import (
     strategy_names_help,
     with_class_path,
 )
+from lightning_par.cli_strategy import (
+    constructor_error,
+    unknown_option_error,
+    with_registered_class,
+)
+from lightning_par.components.checkpoint_check import CheckpointError, check_checkpoint
 from lightning_par.data import CIFAR10DataModule, DataNotFoundError
 from lightning_par.models import CifarCNN, CifarRNN, ImageClassifier  # noqa: F401
 from lightning_par.quiet import quiet_lightning
@@ -66,6 +72,8 @@ class LightningParCLI(LightningCLI):
         subcommand = self.config.get("subcommand")
         if subcommand:  # values from the command line and config files alike
             check_config(self.config[subcommand])
+            # before LightningCLI reads the checkpoint's hyper-parameters (torch's raw errors)
+            check_checkpoint(self.config[subcommand].get("ckpt_path"))
 
     def instantiate_classes(self) -> None:
         # Constructors that reject a value (ours, or Trainer's) do so before any process
@@ -73,7 +81,8 @@ class LightningParCLI(LightningCLI):
         try:
             super().instantiate_classes()
         except (ValueError, MisconfigurationException) as err:
-            raise UsageError(str(err)) from None
+            strategy = self.config[self.config.subcommand].trainer.strategy
+            raise UsageError(constructor_error(strategy) or str(err)) from None
 
     def after_instantiate_classes(self) -> None:
         # Lightning's default model summary, taken before a strategy can split the model.
@@ -119,10 +128,11 @@ def main(args: list[str] | None = None, prog: str = "lightning-par") -> None:
             print(text, end="")
             return
         argv = with_class_path(argv, asked)  # Lightning's: jsonargparse's help of the class
-        if args is None:
-            sys.argv[1:] = argv
-        else:
-            args = argv
+    argv = with_registered_class(argv)  # gpipe + options: GPipeStrategy + options
+    if args is None:
+        sys.argv[1:] = argv
+    else:
+        args = argv
     try:
         _run_cli(args, prog)
     except DataNotFoundError as err:
@@ -132,9 +142,12 @@ def main(args: list[str] | None = None, prog: str = "lightning-par") -> None:
             f"{err}\nOn the command line: --data.source=torchvision, "
             "--data.source=cifar10-mini or --data.source=synthetic; --data.data_dir=PATH.",
         )
-    except UsageError as err:
+    except (UsageError, CheckpointError) as err:
         _usage_exit(prog, str(err))
     except ArgumentError as err:
+        one_line = unknown_option_error(str(err))
+        if one_line:
+            _usage_exit(prog, one_line)
         # jsonargparse's own parse errors, without its 60-line usage text.
         _usage_exit(
             prog,

@@ -95,10 +95,23 @@ def resolve_strategy(value: str) -> tuple[type, dict[str, Any]] | None:
     return None
 
 
+def cli_option_names(cls: type) -> list[str]:
+    """The options jsonargparse accepts for strategy class ``cls`` (it reads signatures and
+    what ``**kwargs`` is passed to by name: a keyword a class fixes itself is not one)."""
+    from jsonargparse import ArgumentParser
+
+    parser = ArgumentParser(exit_on_error=False)
+    parser.add_class_arguments(cls, "s")
+    names = {a.dest[2:] for a in parser._actions if a.dest.startswith("s.")}
+    return sorted(names - {"help"})
+
+
 def own_options(cls: type) -> list[tuple[inspect.Parameter, str]]:
-    """(parameter, description) of every option the strategy class itself declares."""
+    """(parameter, description) of every option the strategy class itself declares and
+    the command line accepts (parameter_server fixes ``process_group_backend`` to gloo)."""
     options: list[tuple[inspect.Parameter, str]] = []
     seen: set[str] = set()
+    accepted = set(cli_option_names(cls))
     for klass in cls.__mro__:
         if not klass.__module__.startswith("lightning_par"):
             break  # Lightning's own classes: plumbing the Trainer fills in
@@ -106,7 +119,7 @@ def own_options(cls: type) -> list[tuple[inspect.Parameter, str]]:
             continue
         docs = _arg_docs(klass)
         for name, p in inspect.signature(klass.__init__).parameters.items():
-            if name == "self" or name in seen or p.kind in (p.VAR_KEYWORD, p.VAR_POSITIONAL):
+            if name in seen or name not in accepted:
                 continue
             seen.add(name)
             options.append((p, docs.get(name, "")))

@@ -87,6 +87,7 @@ LAYERS = {
             "cli",
             "cli_checks",
             "cli_help",
+            "cli_strategy",
             "gpucheck",
             "check",
             "summary",

@@ -1,6 +1,7 @@
 """Help a user reads: what lightning_par is, the strategy names one types, each strategy's own
 options only, and the compare command's help as plain text with its defaults."""
 
+import inspect
 import re
 import sys
 
@@ -56,7 +57,10 @@ def test_a_strategy_help_shows_only_its_own_options(capsys, name):
     cls, _ = resolve_strategy(name)
     assert set(options) - {"OPTION"} == {p.name for p, _ in own_options(cls)}
     assert "trace" in options and "timeout" in options  # the options every plugin shares
-    if name in ("gpipe", "GPipeStrategy"):
+    if name in ("gpipe", "GPipeStrategy"):  # exactly GPipe's own and ParStrategy's
+        declared = set(inspect.signature(cls).parameters) - {"kwargs"}
+        shared = {"trace", "trace_dir", "start_method", "process_group_backend", "timeout"}
+        assert set(options) - {"OPTION"} == declared | shared, options
         assert {"chunks", "schedule", "balance", "checkpoint"} <= set(options)
         assert "micro-batches per batch" in text  # descriptions from the docstring
     if name == "ring_allreduce":

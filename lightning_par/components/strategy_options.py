@@ -37,9 +37,14 @@ def option_names(cls: type) -> list[str]:
     return names + list(PLUMBING_ARGUMENTS)
 
 
-def check_options(cls: type, plumbing: dict[str, Any], start_method: Any, trace: Any) -> None:
+def plumbing_arguments(given: dict[str, Any]) -> dict[str, Any]:
+    """The arguments in ``given`` that Lightning's ``DDPStrategy`` takes from its connector."""
+    return {name: given[name] for name in PLUMBING_ARGUMENTS if name in given}
+
+
+def check_options(cls: type, given: dict[str, Any], start_method: Any, trace: Any) -> None:
     """Refuse unknown keywords, an unknown start method and a ``trace`` that is not a bool."""
-    unknown = sorted(set(plumbing) - set(PLUMBING_ARGUMENTS))
+    unknown = sorted(set(given) - set(PLUMBING_ARGUMENTS))
     if unknown:
         raise TypeError(
             f"{cls.__name__} got unknown option(s) {unknown}; it accepts "

@@ -42,11 +42,13 @@ from lightning_par import _compat
 from lightning_par.comm import CommTrace, Communicator
 from lightning_par.comm.buckets import GradientBuckets
 from lightning_par.comm.trace import save_trace
+from lightning_par.components.checkpoint_check import check_checkpoint
 from lightning_par.components.process_group import join_process_group, strategy_store
 from lightning_par.components.splitter import ModelSplitter
 from lightning_par.components.strategy_options import (
     check_options,
     option_names,
+    plumbing_arguments,
 )
 from lightning_par.launch import default_timeout, liveness
 from lightning_par.launch.policy import LaunchPlan
@@ -84,14 +86,17 @@ class ParStrategy(DDPStrategy):
         start_method: str | None = None,
         process_group_backend: str | None = None,
         timeout: timedelta | None = None,
-        **plumbing: Any,
+        **unknown: Any,
     ) -> None:
-        check_options(type(self), plumbing, start_method, trace)
+        # ``unknown`` is never forwarded with ``**``: jsonargparse (the CLI) follows such a
+        # forward into DDPStrategy's signature and would offer every torch DDP option.
+        # Lightning's connector-set arguments (PLUMBING_ARGUMENTS) are picked out by name.
+        check_options(type(self), unknown, start_method, trace)
         super().__init__(
             process_group_backend=process_group_backend,
             timeout=timeout or default_timeout(),
             start_method=start_method or "popen",
-            **plumbing,
+            **plumbing_arguments(unknown),
         )
         self._requested_start_method = start_method
         self._trace_enabled = trace or trace_dir is not None
@@ -151,7 +156,9 @@ class ParStrategy(DDPStrategy):
 
     def check_before_launch(self, trainer: pl.Trainer | None) -> None:
         """Reject a configuration this strategy cannot run, in the main process, before
-        any rank starts (override; the default asks the splitter)."""
+        any rank starts (override and call it; the default checks ``ckpt_path`` and asks
+        the splitter)."""
+        check_checkpoint(_compat.launched_arguments().get("ckpt_path"))
         self.splitter.check_before_launch(trainer)
 
     # ---- process group ------------------------------------------------------------------------

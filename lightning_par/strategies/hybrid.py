@@ -32,14 +32,13 @@ global batch (``dp`` × the per-rank batch).
 The strategy is two components on a grid: the splitter of ``mp_kind``
 (:class:`~lightning_par.components.pipeline_split.PipelineSplit` or
 :class:`~lightning_par.components.tensor_split.TensorParallelSplit`, built by
-:func:`make_splitter` from the kind's own options: ``chunks``, ``balance``, ``time_chunk``,
-``plan``, ...) over each row, and a :class:`~lightning_par.components.grad_sync.GradientSync`
-over each column.
+:func:`~lightning_par.components.hybrid_kinds.make_splitter` from the kind's own options:
+``chunks``, ``balance``, ``time_chunk``, ``plan``, ...) over each row, and a
+:class:`~lightning_par.components.grad_sync.GradientSync` over each column.
 """
 
 from __future__ import annotations
 
-import inspect
 from typing import Any
 
 import lightning.pytorch as pl
@@ -52,10 +51,14 @@ from lightning_par.collectives import ALGORITHMS, get_allreduce, tree_broadcast
 from lightning_par.comm import Communicator
 from lightning_par.comm.buckets import GradientBuckets
 from lightning_par.components.grad_sync import GradientSync
-from lightning_par.components.pipeline_split import PipelineSplit
-from lightning_par.components.splitter import ModelSplitter, find_network
+from lightning_par.components.hybrid_kinds import (  # noqa: F401  (mp_kinds: this module's API)
+    DEFAULT_KIND,
+    KIND_OPTIONS,
+    make_splitter,
+    mp_kinds,
+)
+from lightning_par.components.splitter import find_network
 from lightning_par.components.strategy_options import PLUMBING_ARGUMENTS
-from lightning_par.components.tensor_split import TensorParallelSplit
 from lightning_par.hybrid.cost import hybrid_bytes_per_step
 from lightning_par.hybrid.grid import (
     Grid,
@@ -66,49 +69,6 @@ from lightning_par.hybrid.grid import (
     make_grid,
 )
 from lightning_par.strategies._base import ParStrategy
-
-DEFAULT_KIND = "gpipe"
-
-
-def _layerwise(
-    balance: list[int] | None = None, time_chunk: int | None = None,
-    balance_by: str = "params", module_attr: str | None = None,
-    split_points: list[str] | None = None,
-) -> PipelineSplit:  # fmt: skip
-    """The layer-wise split: one micro-batch, no re-materialisation (``LayerwiseStrategy``)."""
-    return PipelineSplit(
-        balance, chunks=1, checkpoint="never", schedule="gpipe", module_attr=module_attr,
-        balance_by=balance_by, time_chunk=time_chunk, split_points=split_points,
-    )  # fmt: skip
-
-
-#: The model-parallel kinds a hybrid row can run: kind -> splitter factory (its options).
-_KINDS: dict[str, Any] = {
-    "gpipe": PipelineSplit,
-    "layerwise": _layerwise,
-    "tensor_parallel": TensorParallelSplit,
-}
-
-
-def mp_kinds() -> list[str]:
-    """The model-parallel kinds a hybrid grid can run in its rows."""
-    return list(_KINDS)
-
-
-def make_splitter(kind: object, options: dict[str, Any]) -> ModelSplitter:
-    """The splitter of ``kind`` built from its own ``options`` (a clear error for others)."""
-    if kind not in _KINDS:
-        raise ValueError(f"hybrid: mp_kind={kind!r}: choose one of {mp_kinds()}")
-    factory = _KINDS[kind]  # type: ignore[index]
-    known = [n for n in inspect.signature(factory).parameters if n != "self"]
-    unknown = sorted(set(options) - set(known))
-    if unknown:
-        raise TypeError(
-            f"HybridStrategy got unknown option(s) {unknown} for mp_kind={kind!r}; it accepts "
-            f"dp, mp, mp_kind, dp_algorithm, bucket_cap_mb, overlap, {', '.join(known)} and "
-            "trace, trace_dir, start_method, process_group_backend, timeout"
-        )
-    return factory(**options)
 
 
 class HybridStrategy(ParStrategy):
@@ -125,10 +85,14 @@ class HybridStrategy(ParStrategy):
             (default ``"ring"``).
         bucket_cap_mb: gradient bucket size in MiB.
         overlap: start buckets while backward runs (``False``: all after backward).
-        **kwargs: the options of the ``mp_kind`` strategy (e.g. ``chunks``, ``schedule``,
-            ``balance`` for gpipe; ``time_chunk`` for layerwise; ``plan`` and ``algorithm``
-            for tensor_parallel) and ``trace``,
-            ``trace_dir``, ``start_method``, ``process_group_backend``, ``timeout``.
+        balance, chunks, checkpoint, schedule, module_attr, loss_attr, balance_by,
+            deferred_batch_norm, time_chunk, virtual_stages, split_points, plan, algorithm:
+            the options of the ``mp_kind`` strategy (gpipe: ``chunks``, ``schedule``,
+            ``balance``, ...; layerwise: ``balance``, ``time_chunk``, ...; tensor_parallel:
+            ``plan``, ``algorithm``, ``module_attr``); ``None``: the kind's default. An option
+            of another kind is refused by name.
+        **kwargs: ``trace``, ``trace_dir``, ``start_method``, ``process_group_backend``,
+            ``timeout`` (see :class:`~lightning_par.strategies._base.ParStrategy`).
     """
 
     strategy_name = "hybrid"
@@ -143,11 +107,27 @@ class HybridStrategy(ParStrategy):
         dp_algorithm: str = "ring",
         bucket_cap_mb: float = 4.0,
         overlap: bool = True,
+        balance: list[int] | None = None,
+        chunks: int | None = None,
+        checkpoint: str | None = None,
+        schedule: str | None = None,
+        module_attr: str | None = None,
+        loss_attr: str | None = None,
+        balance_by: str | None = None,
+        deferred_batch_norm: bool | None = None,
+        time_chunk: int | None = None,
+        virtual_stages: int | None = None,
+        split_points: list[str] | None = None,
+        plan: dict[str, str] | None = None,
+        algorithm: str | None = None,
         **kwargs: Any,
     ) -> None:
+        given = {k: v for k, v in locals().items() if k in KIND_OPTIONS and v is not None}
         own = {"trace", "trace_dir", "start_method", "process_group_backend", "timeout"}
         own |= set(PLUMBING_ARGUMENTS)
-        split = make_splitter(mp_kind, {k: v for k, v in kwargs.items() if k not in own})
+        # Python callers may pass a kind's option not declared above: the splitter checks it
+        given |= {k: kwargs.pop(k) for k in list(kwargs) if k not in own}
+        split = make_splitter(mp_kind, given)
         check_degrees(dp, mp)
         if dp_algorithm not in ALGORITHMS:
             raise ValueError(
@@ -157,7 +137,7 @@ class HybridStrategy(ParStrategy):
             raise TypeError(f"bucket_cap_mb must be a number of MiB, got {bucket_cap_mb!r}")
         if not bucket_cap_mb > 0:
             raise ValueError(f"bucket_cap_mb must be > 0 MiB, got {bucket_cap_mb}")
-        super().__init__(**{k: v for k, v in kwargs.items() if k in own})
+        super().__init__(**kwargs)  # by name, so that jsonargparse shows ParStrategy's options
         self.mp_kind = mp_kind
         self.splitter = split
         split.bind(self)

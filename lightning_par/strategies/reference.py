@@ -22,16 +22,38 @@ class LightningDDPStrategy(ParStrategy):
     """torch ``DistributedDataParallel`` (Lightning's ``DDPStrategy``), launched safely.
 
     Args:
+        find_unused_parameters: DDP's: parameters that get no gradient in a step are allowed.
+        static_graph: DDP's: the graph is the same every step.
+        gradient_as_bucket_view: DDP's: gradients are views into the communication buckets.
+        bucket_cap_mb: DDP's bucket size in MiB (``None``: DDP's 25).
+        broadcast_buffers: DDP's: rank 0's buffers are sent to every rank each forward.
         **kwargs: :class:`~lightning_par.strategies._base.ParStrategy`'s options, plus
-            any ``DistributedDataParallel`` keyword (``find_unused_parameters``,
-            ``bucket_cap_mb``, ``static_graph``, ...).
+            any other ``DistributedDataParallel`` keyword (from Python).
     """
 
     strategy_name = "lightning_ddp"
 
-    def __init__(self, **kwargs: Any) -> None:
+    def __init__(
+        self,
+        find_unused_parameters: bool = False,
+        static_graph: bool = False,
+        gradient_as_bucket_view: bool = False,
+        bucket_cap_mb: float | None = None,
+        broadcast_buffers: bool = True,
+        **kwargs: Any,
+    ) -> None:
+        # The common DDP options are declared (the command line reads signatures); each is
+        # passed on only when it differs from DDP's default, as an undeclared one would be.
+        declared = {
+            "find_unused_parameters": (find_unused_parameters, False),
+            "static_graph": (static_graph, False),
+            "gradient_as_bucket_view": (gradient_as_bucket_view, False),
+            "bucket_cap_mb": (bucket_cap_mb, None),
+            "broadcast_buffers": (broadcast_buffers, True),
+        }
         own = set(ParStrategy.option_names())
         ddp_kwargs = {k: kwargs.pop(k) for k in list(kwargs) if k not in own}
+        ddp_kwargs |= {k: v for k, (v, default) in declared.items() if v != default}
         super().__init__(**kwargs)
         _compat.set_ddp_kwargs(self, ddp_kwargs)
 

@@ -1,0 +1,69 @@
+"""The model-parallel kinds a hybrid grid runs in its rows, and the options each takes.
+
+:class:`~lightning_par.strategies.hybrid.HybridStrategy` declares the union of the kinds'
+options as its own keyword parameters (:data:`KIND_OPTIONS`), so that the command line and
+a YAML config (jsonargparse reads signatures only) can set them; it passes the ones given
+to the kind's splitter, which refuses another kind's option by name (:func:`make_splitter`).
+"""
+
+from __future__ import annotations
+
+import inspect
+from typing import Any
+
+from lightning_par.components.pipeline_split import PipelineSplit
+from lightning_par.components.splitter import ModelSplitter
+from lightning_par.components.tensor_split import TensorParallelSplit
+
+DEFAULT_KIND = "gpipe"
+
+
+def _layerwise(
+    balance: list[int] | None = None, time_chunk: int | None = None,
+    balance_by: str = "params", module_attr: str | None = None,
+    split_points: list[str] | None = None,
+) -> PipelineSplit:  # fmt: skip
+    """The layer-wise split: one micro-batch, no re-materialisation (``LayerwiseStrategy``)."""
+    return PipelineSplit(
+        balance, chunks=1, checkpoint="never", schedule="gpipe", module_attr=module_attr,
+        balance_by=balance_by, time_chunk=time_chunk, split_points=split_points,
+    )  # fmt: skip
+
+
+#: The model-parallel kinds a hybrid row can run: kind -> splitter factory (its options).
+KINDS: dict[str, Any] = {
+    "gpipe": PipelineSplit,
+    "layerwise": _layerwise,
+    "tensor_parallel": TensorParallelSplit,
+}
+
+#: Every option of any kind, as HybridStrategy declares them (None: the kind's default).
+KIND_OPTIONS = (
+    "balance", "chunks", "checkpoint", "schedule", "module_attr", "loss_attr", "balance_by",
+    "deferred_batch_norm", "time_chunk", "virtual_stages", "split_points", "plan", "algorithm",
+)  # fmt: skip
+
+
+def mp_kinds() -> list[str]:
+    """The model-parallel kinds a hybrid grid can run in its rows."""
+    return list(KINDS)
+
+
+def kind_option_names(kind: str) -> list[str]:
+    """The options the splitter of ``kind`` takes."""
+    return [n for n in inspect.signature(KINDS[kind]).parameters if n != "self"]
+
+
+def make_splitter(kind: object, options: dict[str, Any]) -> ModelSplitter:
+    """The splitter of ``kind`` built from its own ``options`` (a clear error for others)."""
+    if kind not in KINDS:
+        raise ValueError(f"hybrid: mp_kind={kind!r}: choose one of {mp_kinds()}")
+    known = kind_option_names(kind)  # type: ignore[arg-type]
+    unknown = sorted(set(options) - set(known))
+    if unknown:
+        raise TypeError(
+            f"HybridStrategy got unknown option(s) {unknown} for mp_kind={kind!r}; it accepts "
+            f"dp, mp, mp_kind, dp_algorithm, bucket_cap_mb, overlap, {', '.join(known)} and "
+            "trace, trace_dir, start_method, process_group_backend, timeout"
+        )
+    return KINDS[kind](**options)  # type: ignore[index]
