@@ -126,8 +126,8 @@ class HybridStrategy(ParStrategy):
         bucket_cap_mb: gradient bucket size in MiB.
         overlap: start buckets while backward runs (``False``: all after backward).
         **kwargs: the options of the ``mp_kind`` strategy (e.g. ``chunks``, ``schedule``,
-            ``balance`` for gpipe; ``time_chunk`` for layerwise; ``plan`` and ``algorithm``
-            for tensor_parallel) and ``trace``,
+            ``loss_fn``, ``target_index``, ``balance`` for gpipe; ``time_chunk`` for
+            layerwise; ``plan`` and ``algorithm`` for tensor_parallel) and ``trace``,
             ``trace_dir``, ``start_method``, ``process_group_backend``, ``timeout``.
     """
 
