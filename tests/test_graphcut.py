@@ -138,19 +138,45 @@ def test_split_point_errors_say_what_to_give():
         split_module(model, inputs, ["2"], num_stages=3)
 
 
-def test_non_tensor_crossing_a_cut_is_refused():
+def test_a_tuple_crossing_a_cut_travels_as_its_tensors():
+    """An LSTM's (outputs, (h, c)) kept whole across the cut, and its (h, c) returned: the
+    stages pass tensors only, and the chain rebuilds the network's own output."""
+
     class TupleAcross(nn.Module):
         def __init__(self):
             super().__init__()
             self.lstm = nn.LSTM(4, 4, batch_first=True)
             self.head = nn.Linear(4, 4)
 
+        def forward(self, x, hidden):
+            out = self.lstm(x, hidden)  # (outputs, (h, c)): a tuple
+            return self.head(x) + out[0], out[1]
+
+    model = TupleAcross()
+    inputs = (torch.randn(2, 3, 4), (torch.randn(1, 2, 4), torch.randn(1, 2, 4)))
+    split = split_module(model, inputs, ["head"])
+    assert split.stages[1].inputs == ("x", "lstm_0", "lstm_1", "lstm_2")  # its 3 tensors
+    got, want = run_chain(split, *inputs), model(*inputs)
+    torch.testing.assert_close(got[0], want[0])
+    assert isinstance(got[1], tuple) and len(got[1]) == 2
+    for a, b in zip(got[1], want[1]):
+        torch.testing.assert_close(a, b)
+
+
+def test_non_tensor_crossing_a_cut_is_refused():
+    class NoneAcross(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.attn = nn.MultiheadAttention(4, 1, batch_first=True)
+            self.head = nn.Linear(4, 4)
+
         def forward(self, x):
-            out = self.lstm(x)  # (outputs, (h, c)): a tuple
+            out = self.attn(x, x, x, need_weights=False)  # (outputs, None)
             return self.head(x) + out[0]
 
-    with pytest.raises(UnsplittableModel, match="tuple.*only tensors travel"):
-        split_module(TupleAcross(), (torch.randn(2, 3, 4),), ["head"])
+    refused = r"'attn' \(tuple\(Tensor, NoneType\).*only tensors \(and tuples/lists of tensors\)"
+    with pytest.raises(UnsplittableModel, match=refused):
+        split_module(NoneAcross(), (torch.randn(2, 3, 4),), ["head"])
 
 
 @pytest.mark.parametrize("stages", [2, 3, 4])

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import inspect
 import json
+from collections.abc import Callable
 from typing import Any
 
 import lightning.pytorch as pl
@@ -33,6 +34,7 @@ from torch import nn
 
 from lightning_par import _compat
 from lightning_par.comm import Communicator
+from lightning_par.components import pipeline_inputs as inputs
 from lightning_par.graphcut import UnsplittableModel, auto_split_points, cut, trace
 from lightning_par.pipeline.batchnorm import commit_batch_norm, defer_batch_norm
 from lightning_par.pipeline.materialize import has_meta
@@ -45,9 +47,14 @@ class _Captured(Exception):
 
 
 def capture_inputs(
-    module: pl.LightningModule, net: nn.Module, trainer: pl.Trainer | None, who: str
+    module: pl.LightningModule,
+    net: nn.Module,
+    trainer: pl.Trainer | None,
+    who: str,
+    first_batch: Callable[[], Any] | None = None,
 ) -> tuple[tuple, dict]:
-    """``(args, kwargs)`` of one call of ``net`` as the user's code makes it."""
+    """``(args, kwargs)`` of one call of ``net`` as the user's code makes it (on
+    ``first_batch()`` when given, else on the trainer's first batch)."""
     seen: dict[str, Any] = {}
 
     def record(*args: Any, **kwargs: Any) -> None:
@@ -69,7 +76,8 @@ def capture_inputs(
             elif trainer is not None:
                 fn = trainer.state.fn
                 # as the step will see it: floating tensors in the precision's dtype
-                batch = trainer.precision_plugin.convert_input(_compat.first_batch(trainer))
+                raw = first_batch() if first_batch is not None else _compat.first_batch(trainer)
+                batch = trainer.precision_plugin.convert_input(raw)
                 step = {
                     TrainerFn.VALIDATING: module.validation_step,
                     TrainerFn.TESTING: module.test_step,
@@ -113,9 +121,12 @@ def try_cut(
     stages: int,
     balance_by: str,
     who: str,
+    trainer: pl.Trainer | None = None,
 ) -> None:
     """Before launch: trace and cut the network on ``example_input_array`` when the module has
-    one, so that a network that cannot be split is refused before any process starts."""
+    one, else on the first batch of its own data loader hook
+    (:func:`~.pipeline_inputs.own_first_batch`), so that a network that cannot be split
+    (a value that cannot travel between stages) is refused before any process starts."""
     net = getattr(module, attr)
     if type(net).forward is nn.Module.forward:  # ModuleList, ModuleDict: called piece by piece
         raise TypeError(
@@ -124,15 +135,31 @@ def try_cut(
             "nn.Sequential), or pass module_attr='<that module>'"
         )
     sample = getattr(module, "example_input_array", None)
-    if sample is None or split_points is None and balance_by == "time":
+    source = inputs.own_first_batch(module, trainer) if sample is None else None
+    if sample is None and source is None or split_points is None and balance_by == "time":
         return
+    if source is not None:  # the user's step may need what only a rank has: look, no more
+        try:
+            args, _ = capture_inputs(module, net, trainer, who, source)
+        except ValueError:
+            return
     try:
-        args, _ = capture_inputs(module, net, None, who)
+        if source is None:
+            args, _ = capture_inputs(module, net, None, who)
         traced = trace(net, args)
         points = split_points or auto_split_points(net, traced, stages, "parameters", args)
         cut(traced, points)
     except (UnsplittableModel, ValueError) as error:
-        raise ValueError(f"{who} cannot split {type(net).__name__}: {error}") from None
+        raise ValueError(refusal(who, net, error)) from None
+
+
+def refusal(who: str, net: nn.Module, error: Exception) -> str:
+    """The message refusing to split ``net``, naming the strategy and the fix."""
+    fix = ""
+    if "would cross the cut" in str(error):
+        fix = (" (split_points=[...] names the modules to cut before; e.g. before a module "
+               "that takes the value whole)")  # fmt: skip
+    return f"{who} cannot split {type(net).__name__}: {error}{fix}"
 
 
 #: The attribute of a split network that holds its :class:`PipelinedNetwork`.
@@ -176,9 +203,9 @@ class GraphPipeline:
         if kwargs:
             names = list(_signature_names(net))
             args = args + tuple(kwargs[n] for n in names[len(args) :] if n in kwargs)
-        n = args[0].shape[0] if args and isinstance(args[0], torch.Tensor) else 1
+        n = args[0].shape[0] if args and isinstance(args[0], torch.Tensor) and args[0].dim() else 1
         micro = -(-n // chunks)
-        example = tuple(a[:micro] if isinstance(a, torch.Tensor) and a.dim() else a for a in args)
+        example, input_dims = inputs.micro_example(args, micro)
         if deferred_batch_norm:
             defer_batch_norm(net)
         # a Sequential is cut between its layers only: each layer stays a call, untraced, so
@@ -187,14 +214,18 @@ class GraphPipeline:
         try:
             traced = trace(net, example, leaf)
         except UnsplittableModel as error:
-            raise ValueError(f"{who} cannot split {type(net).__name__}: {error}") from None
+            raise ValueError(refusal(who, net, error)) from None
         points = split_points
         if points is None:
             by = "parameters" if balance_by == "params" else balance_by
             points = auto_split_points(net, traced, stages, by, example)
             if by == "time":  # measured: each rank's own timing would cut differently
                 points = _agree(comm, points)
-        split = cut(traced, points)
+        try:
+            split = cut(traced, points)
+        except UnsplittableModel as error:
+            raise ValueError(refusal(who, net, error)) from None
+        output_dims = inputs.output_dims(net, args, traced, leaf) if micro < n else None
         self.split_points = list(points)
         if not has_meta(net):  # (a meta network is initialised alike on every device)
             with torch.no_grad():  # every device starts from rank 0's weights
@@ -209,6 +240,8 @@ class GraphPipeline:
             schedule=schedule,
             virtual_stages=virtual_stages,
             checkpoint=checkpoint,
+            input_dims=input_dims or None,
+            output_dims=output_dims,
         )
         net.__dict__[_RUN_BY] = self.network
         if not leaf:
@@ -222,7 +255,7 @@ class GraphPipeline:
                     net.forward = own  # type: ignore[method-assign]
 
             self.network.recut = recut
-            self.network.traced_at(tuple(t for t in example if isinstance(t, torch.Tensor)))
+            self.network.traced_at(tuple(inputs.input_leaves(example)))
 
     @property
     def prefix(self) -> str:

@@ -12,6 +12,7 @@ import lightning.pytorch as pl
 import torch
 from torch import nn
 
+from lightning_par.components.pipeline_loss import check_loss
 from lightning_par.pipeline import CHECKPOINT_MODES, SCHEDULES, balance_by_params
 from lightning_par.pipeline.partition import balance_by_time, check_balance, split_sequential
 from lightning_par.pipeline.schedules_v import NEW_SCHEDULES, V_SCHEDULES
@@ -54,6 +55,8 @@ def check_before_launch(
     devices: Sequence[torch.device],
     backend: str | None,
     virtual_stages: int = 1,
+    loss_fn: Callable | None = None,
+    who: str = "gpipe",
 ) -> None:
     """Reject a network, balance or loss the strategy cannot run; nothing to check when there
     is no module yet or its network is already split. ``stages``: number of processes."""
@@ -85,7 +88,7 @@ def check_before_launch(
     if devices and devices[0].type == "cuda":
         check_backend(schedule, backend or "nccl")
     if schedule != "gpipe":
-        check_1f1b_loss(module, loss_attr, schedule)
+        check_1f1b_loss(module, loss_attr, schedule, loss_fn, who)
 
 
 def check_stages_have_parameters(net: nn.Sequential, balance: list[int]) -> None:
@@ -103,17 +106,17 @@ def check_stages_have_parameters(net: nn.Sequential, balance: list[int]) -> None
             )
 
 
-def check_1f1b_loss(module: pl.LightningModule, loss_attr: str, schedule: str = "1f1b") -> None:
-    """1F1B (and every schedule past it) calls the loss per micro-batch, which sums to the
-    batch loss only for a mean."""
-    loss_fn = getattr(module, loss_attr, None)
-    if not callable(loss_fn) or getattr(loss_fn, "reduction", "mean") != "mean":
-        raise TypeError(
-            f"schedule={schedule!r} computes the loss per micro-batch with "
-            f"`module.{loss_attr}(output, target)`, which must be a mean-reduced "
-            f"loss (e.g. nn.CrossEntropyLoss()); found {loss_fn!r}. Use "
-            "schedule='gpipe' for any other loss"
-        )
+def check_1f1b_loss(
+    module: pl.LightningModule,
+    loss_attr: str,
+    schedule: str = "1f1b",
+    loss_fn: Callable | None = None,
+    who: str = "gpipe",
+) -> None:
+    """1F1B (and every schedule past it) calls the loss per micro-batch (``loss_fn``, else
+    ``module.<loss_attr>``), which sums to the batch loss only for a mean
+    (:mod:`~lightning_par.components.pipeline_loss`)."""
+    check_loss(who, schedule, module, loss_fn, loss_attr)
 
 
 def check_backend(schedule: str, backend: str) -> None:

@@ -18,7 +18,7 @@ check: :mod:`lightning_par.components.pipeline_features`.
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from typing import Any
 
@@ -32,6 +32,7 @@ from torch import nn
 from lightning_par import _compat
 from lightning_par.components import pipeline_checks as checks
 from lightning_par.components import pipeline_features as features
+from lightning_par.components import pipeline_loss as losses
 from lightning_par.components.graph_pipeline import GraphPipeline, try_cut
 from lightning_par.components.splitter import ModelSplitter, find_network
 from lightning_par.modelparallel.wavefront import (
@@ -62,7 +63,8 @@ def check_time_chunk(time_chunk: Any) -> int | None:
 class PipelineSplit(ModelSplitter):
     """One stage of ``module.<module_attr>`` per rank (see the module docstring).
 
-    Args: as :class:`~lightning_par.strategies.gpipe.GPipeStrategy`'s, plus ``time_chunk``
+    Args: as :class:`~lightning_par.strategies.gpipe.GPipeStrategy`'s (``loss_fn`` and
+    ``target_index``: :mod:`~lightning_par.components.pipeline_loss`), plus ``time_chunk``
     (the wavefront, :class:`~lightning_par.strategies.layerwise.LayerwiseStrategy`).
     """
 
@@ -79,8 +81,12 @@ class PipelineSplit(ModelSplitter):
         time_chunk: int | None = None,
         virtual_stages: int = 2,
         split_points: list[str] | None = None,
+        loss_fn: Callable | None = None,
+        target_index: int | str = 1,
     ) -> None:
         super().__init__()
+        losses.check_loss_options(loss_fn, target_index)
+        self.loss_fn, self.target_index = loss_fn, target_index
         checkpoint = schedules.resolve_checkpoint(checkpoint, schedule)
         checks.check_settings(balance, chunks, checkpoint, schedule, balance_by)
         schedules.check_options(schedule, virtual_stages, checkpoint)
@@ -176,7 +182,7 @@ class PipelineSplit(ModelSplitter):
                     balance=self.balance, balance_by=self.balance_by, schedule=self.schedule,
                     loss_attr=self.loss_attr, devices=self.strategy.parallel_devices or [],
                     backend=_compat.process_group_backend(self.strategy),
-                    virtual_stages=self.stages_per_device,
+                    virtual_stages=self.stages_per_device, loss_fn=self.loss_fn, who=self.name,
                 )  # fmt: skip
             schedules.check_chunks(self.name, self.schedule, self.chunks, self.size)
             backend = _compat.process_group_backend(self.strategy)
@@ -184,7 +190,8 @@ class PipelineSplit(ModelSplitter):
             if devices and devices[0].type == "cuda":
                 checks.check_backend(self.schedule, backend or "nccl")
             if self.schedule != "gpipe":
-                checks.check_1f1b_loss(self.module, self.loss_attr, self.schedule)
+                checks.check_1f1b_loss(self.module, self.loss_attr, self.schedule, self.loss_fn,
+                                       self.name)  # fmt: skip
             if self.graph is None:  # with an example input, an unsplittable network stops here
                 try_cut(
                     self.module,
@@ -193,6 +200,7 @@ class PipelineSplit(ModelSplitter):
                     self.size * self.stages_per_device,
                     self.balance_by,
                     self.name,
+                    trainer,
                 )
             return
         checks.check_before_launch(
@@ -201,7 +209,7 @@ class PipelineSplit(ModelSplitter):
             balance_by=self.balance_by, schedule=self.schedule, loss_attr=self.loss_attr,
             devices=self.strategy.parallel_devices or [],
             backend=_compat.process_group_backend(self.strategy),
-            virtual_stages=self.stages_per_device,
+            virtual_stages=self.stages_per_device, loss_fn=self.loss_fn, who=self.name,
         )  # fmt: skip
         schedules.check_chunks(self.name, self.schedule, self.chunks, self.size)
         if self.time_chunk is not None and isinstance(net, nn.Sequential):
@@ -312,17 +320,14 @@ class PipelineSplit(ModelSplitter):
             rank_zero_warn(f"a batch of {x.shape[0]} < chunks={self.chunks} samples runs as "
                            f"{x.shape[0]} micro-batches")  # fmt: skip
         if self.schedule != "gpipe":  # 1F1B and past it: the loss per micro-batch, here
-            if isinstance(batch, torch.Tensor) or len(batch) < 2:
-                raise TypeError(
-                    f"schedule={self.schedule!r} needs batches of the form (input, target, ...)"
-                )
+            target = losses.batch_target(batch, self.target_index, self.name, self.schedule)
             scale = 1.0 / self.module.trainer.accumulate_grad_batches
-            loss_fn = getattr(self.module, self.loss_attr)
+            loss_fn = losses.resolve_loss(self.module, self.loss_fn, self.loss_attr)
             if self.graph is not None:  # the network's forward runs the schedule
-                self.graph.network.expect(batch[1], loss_fn, scale)
+                self.graph.network.expect(target, loss_fn, scale)
                 return
             with self.strategy.precision_plugin.train_step_context():
-                self.pipelined.train_1f1b(x, batch[1], loss_fn, scale)
+                self.pipelined.train_1f1b(x, target, loss_fn, scale)
 
     @contextmanager
     def running(self) -> Iterator[None]:

@@ -17,16 +17,23 @@ among the stages holding them keeps the copies equal).
 Each stage is an ``fx.GraphModule`` over the user's own module objects, so its parameter
 names are the network's (``layer1.0.conv1.weight``) and its state dict merges back into
 the network's.
+
+A value that crosses a cut, a network input or the network's output may be a tuple or list
+(nested) of tensors (an LSTM's ``(h, c)``): it travels as its tensors and is rebuilt on the
+receiving side (:mod:`.nested`), so every stage maps tensors to tensors; the last stage
+returns the output's tensors, which :attr:`GraphSplit.output_structure` rebuilds.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 from torch import fx, nn
 
+from lightning_par.graphcut import nested
 from lightning_par.graphcut.tracer import UnsplittableModel
 
 
@@ -52,6 +59,11 @@ class GraphSplit:
     stages: list[Stage]
     #: parameter name (as the first stage using it calls it) -> indices of the stages using it
     shared: dict[str, tuple[int, ...]] = field(default_factory=dict)
+
+    #: each network input's structure (``None``: a tensor; stage 0 takes their tensors)
+    input_structures: tuple[nested.Structure, ...] = ()
+    #: the network output's structure (the last stage returns its tensors)
+    output_structure: nested.Structure = None
 
     def __len__(self) -> int:
         return len(self.stages)
@@ -113,11 +125,11 @@ def _crossing(stage_of: dict[fx.Node, int], num_stages: int) -> list[list[fx.Nod
     for cut, values in enumerate(crossing):
         for node in values:
             example = node.meta.get("example")
-            if not isinstance(example, torch.Tensor):
+            if not nested.travels(example):
                 raise UnsplittableModel(
-                    f"the value {node.name!r} ({type(example).__name__}, from "
+                    f"the value {node.name!r} ({nested.describe(example)}, from "
                     f"{node.format_node()}) would cross the cut after stage {cut}: only "
-                    "tensors travel between stages. "
+                    "tensors (and tuples/lists of tensors) travel between stages. "
                     "Move that split point to a module boundary where only tensors are live"
                 )
     return crossing
@@ -133,9 +145,18 @@ def _build_stage(
 ) -> fx.GraphModule:
     graph = fx.Graph()
     env: dict[fx.Node, fx.Node] = {}
-    for node in inputs:
-        env[node] = graph.placeholder(node.name)
-        env[node].meta = dict(node.meta)
+    for node in inputs:  # a container arrives as its tensors and is packed again
+        example = node.meta.get("example")
+        if isinstance(example, torch.Tensor) or not nested.travels(example):
+            env[node] = graph.placeholder(node.name)
+            env[node].meta = dict(node.meta)
+            continue
+        leaves, structure = nested.flatten(example)
+        names = [graph.placeholder(f"{node.name}_{j}") for j in range(len(leaves))]
+        for placeholder, leaf in zip(names, leaves):
+            placeholder.meta["example"] = leaf
+        env[node] = nested.rebuild_node(graph, structure, iter(names))
+        env[node].meta["example"] = example
 
     def lookup(arg: fx.Node) -> fx.Node:
         if arg not in env and arg.op == "get_attr":  # each stage reads its own parameters
@@ -145,11 +166,34 @@ def _build_stage(
     for node in nodes:
         env[node] = graph.node_copy(node, lookup)
     if network_output is not None:
-        graph.output(fx.node.map_arg(network_output.args[0], lookup))
+        value = fx.node.map_arg(network_output.args[0], lookup)
+        leaves = _output_leaves(graph, value)
+        one = isinstance(value, fx.Node) and isinstance(value.meta.get("example"), torch.Tensor)
+        graph.output(leaves[0] if one else tuple(leaves))
     else:
-        graph.output(tuple(env[n] for n in outputs or []))
+        sent = [nested.leaf_nodes(graph, env[n], n.meta.get("example")) for n in outputs or []]
+        graph.output(tuple(leaf for leaves in sent for leaf in leaves))
     graph.lint()
     return fx.GraphModule(root, graph, f"Stage{index}")
+
+
+def _example(value: Any) -> Any:
+    """The example value of ``value``, a (container of) node(s) of a traced graph."""
+    return fx.node.map_aggregate(
+        value, lambda v: v.meta.get("example") if isinstance(v, fx.Node) else v
+    )
+
+
+def _output_leaves(graph: fx.Graph, value: Any) -> list[fx.Node]:
+    """The nodes of each tensor of the network's output ``value`` (nodes in containers)."""
+    if isinstance(value, fx.Node):
+        return nested.leaf_nodes(graph, value, value.meta.get("example"))
+    if type(value) in (tuple, list):
+        return [leaf for item in value for leaf in _output_leaves(graph, item)]
+    raise UnsplittableModel(
+        f"the network returns {nested.describe(_example(value))}: a pipeline's last stage "
+        "sends tensors (or tuples/lists of tensors) only"
+    )
 
 
 def _parameters_used(stage: fx.GraphModule) -> dict[int, str]:
@@ -181,11 +225,27 @@ def cut(traced: fx.GraphModule, split_points: Sequence[str]) -> GraphSplit:
             Stage(
                 index=s,
                 module=module,
-                inputs=tuple(n.name for n in inputs),
+                inputs=_names(module, "placeholder"),
                 outputs=() if last else tuple(n.name for n in crossing[s]),
             )
         )
-    return GraphSplit(stages=stages, shared=_shared(stages))
+    ins = tuple(_structure(n.meta.get("example")) for n in placeholders)
+    out = _example(output.args[0])
+    if not nested.travels(out):
+        _output_leaves(fx.Graph(), output.args[0])  # raises, naming what is returned
+    return GraphSplit(
+        stages=stages, shared=_shared(stages), input_structures=ins,
+        output_structure=nested.structure_of(out),
+    )  # fmt: skip
+
+
+def _names(module: fx.GraphModule, op: str) -> tuple[str, ...]:
+    return tuple(n.name for n in module.graph.nodes if n.op == op)
+
+
+def _structure(example: Any) -> nested.Structure:
+    """A network input's structure (a value that does not travel counts as one input)."""
+    return nested.structure_of(example) if nested.travels(example) else None
 
 
 def _shared(stages: Sequence[Stage]) -> dict[str, tuple[int, ...]]:
@@ -201,10 +261,14 @@ def _shared(stages: Sequence[Stage]) -> dict[str, tuple[int, ...]]:
 def run_chain(split: GraphSplit, *inputs: torch.Tensor):
     """Run every stage in one process, each on the previous one's outputs: the network's
     output, computed stage by stage (what the pipeline runtime does across processes)."""
-    values: tuple = inputs
+    values: tuple = tuple(
+        t for x in inputs for t in (nested.flatten(x)[0] if nested.travels(x) else [x])
+    )
     for stage in split.stages[:-1]:
         values = stage.module(*values)
-    return split.stages[-1].module(*values)
+    out = split.stages[-1].module(*values)
+    return nested.unflatten(out if split.output_structure is not None else (out,),
+                            split.output_structure)  # fmt: skip
 
 
 def units(model: nn.Module, open_above: int | None = None) -> list[str]:

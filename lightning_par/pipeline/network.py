@@ -38,10 +38,11 @@ import torch.distributed as dist
 from torch import nn
 
 from lightning_par.comm import Communicator
-from lightning_par.graphcut import GraphSplit
+from lightning_par.graphcut import GraphSplit, nested
+from lightning_par.pipeline import batch_dims as bd
 from lightning_par.pipeline.materialize import has_meta, materialize
 from lightning_par.pipeline.messages import HEADER_LEN, Kind, read_header, write_header
-from lightning_par.pipeline.microbatch import scatter
+from lightning_par.pipeline.microbatch import micro_batch_sizes
 from lightning_par.pipeline.multistage import DeviceStages
 from lightning_par.pipeline.step import checked_schedule
 
@@ -58,6 +59,11 @@ class PipelinedNetwork:
         comm: the devices' communicator (device = group rank).
         chunks: micro-batches per batch; ``schedule``, ``virtual_stages``, ``checkpoint``:
             see :mod:`lightning_par.pipeline.schedules_v` and :mod:`.checkpoint`.
+        input_dims, output_dims: the batch dimension of each input and output tensor
+            (:mod:`.batch_dims`); ``None``: inputs found per call, outputs along 0.
+
+    Inputs and outputs may be tuples/lists (nested) of tensors (:mod:`~lightning_par.graphcut.
+    nested`): an LSTM's ``hidden``, cut into micro-batches along its own batch dimension.
     """
 
     def __init__(
@@ -70,6 +76,8 @@ class PipelinedNetwork:
         schedule: str = "gpipe",
         virtual_stages: int = 1,
         checkpoint: str = "never",
+        input_dims: bd.Dims | None = None,
+        output_dims: bd.Dims | None = None,
     ) -> None:
         k = comm.world_size
         if len(split) != k * virtual_stages:
@@ -82,6 +90,9 @@ class PipelinedNetwork:
         )
         self.is_first, self.is_last = 0 in mine, len(split) - 1 in mine
         self.input_names = split.stages[0].inputs
+        self.input_structures = split.input_structures or (None,)
+        self.output_structure = split.output_structure
+        self.input_dims, self.output_dims = input_dims, output_dims
         self._signature = inspect.signature(net.forward)
         used = {id(t) for m in mine.values() for t in [*m.parameters(), *m.buffers()]}
         self.local_names = {n for n, t in _tensors(net) if id(t) in used}
@@ -92,9 +103,9 @@ class PipelinedNetwork:
         #: traces the network again for new micro-batch inputs (None: shapes never baked in)
         self.recut: Callable[[tuple], GraphSplit] | None = None
         self._cuts: dict[tuple, dict[int, nn.Module]] = {}
-        self._output_shapes: dict[tuple, tuple[torch.Size, torch.dtype]] = {}
+        self._output_shapes: dict[tuple, list[tuple[torch.Size, torch.dtype]]] = {}
         self._traced_for: tuple | None = None
-        self._pending: tuple[list, torch.Tensor] | None = None
+        self._pending: tuple[list, list[torch.Tensor]] | None = None
         self._precomputed: torch.Tensor | None = None
         self._stash: list[tuple[nn.Parameter, torch.Tensor | None]] | None = None
         self._loss: tuple[torch.Tensor, LossFn, float] | None = None
@@ -126,20 +137,43 @@ class PipelinedNetwork:
     def _inputs(self, args: tuple, kwargs: dict) -> tuple[torch.Tensor, ...]:
         bound = self._signature.bind(*args, **kwargs)
         bound.apply_defaults()
-        values = list(bound.arguments.values())
+        k = len(self.input_structures)
+        values = list(bound.arguments.values())[:k]
         extra = [
             n
-            for n, v in list(bound.arguments.items())[len(self.input_names) :]
+            for n, v in list(bound.arguments.items())[k:]
             if v is not self._signature.parameters[n].default
         ]
-        if extra or not all(isinstance(v, torch.Tensor) for v in values[: len(self.input_names)]):
+        alike = [nested.travels(v) and nested.structure_of(v) == s
+                 for v, s in zip(values, self.input_structures)]  # fmt: skip
+        if extra or len(values) < k or not all(alike):
             raise TypeError(
                 f"the pipelined network was cut for the inputs ({', '.join(self.input_names)}), "
                 f"all tensors; it was called with {', '.join(bound.arguments)}"
             )
-        return tuple(values[: len(self.input_names)])
+        return tuple(t for v in values for t in nested.flatten(v)[0])
 
-    def forward(self, *args: Any, **kwargs: Any) -> torch.Tensor:
+    def _structured(self, leaves: tuple[torch.Tensor, ...]) -> tuple:
+        """The network's arguments holding the input tensors ``leaves`` (the inverse of
+        :meth:`_inputs`)."""
+        it, args = iter(leaves), []
+        for structure in self.input_structures:
+            args.append(nested.unflatten([next(it) for _ in range(nested.count(structure))],
+                                         structure))  # fmt: skip
+        return tuple(args)
+
+    def _rebuilt(self, leaves: list[torch.Tensor]) -> Any:
+        """The network's output holding the output tensors ``leaves``."""
+        if self.output_structure is None:
+            return leaves[0]
+        return nested.unflatten(leaves, self.output_structure)
+
+    def _in_dims(self, xs: tuple[torch.Tensor, ...]) -> bd.Dims:
+        dims = self.input_dims if self.input_dims is not None else bd.input_dims(xs)
+        bd.check_inputs(xs, dims)
+        return dims
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
         if self._precomputed is not None:
             out, self._precomputed = self._precomputed, None
             return out
@@ -153,52 +187,54 @@ class PipelinedNetwork:
             self._pending = None
             self.stages.finish()
         xs = self._inputs(args, kwargs)
+        dims = self._in_dims(xs)
         chunks = min(self.chunks, xs[0].shape[0])
-        self._stages_for(xs, chunks)
+        self._stages_for(xs, dims, chunks)
         training = torch.is_grad_enabled()
         if training and self.schedule != "gpipe":
-            return self._run_scheduled(xs, chunks)
+            return self._run_scheduled(xs, dims, chunks)
         # forwards only (evaluation): any schedule's forward steps, in its order
         schedule = "gpipe" if training else self.schedule
         steps = checked_schedule(schedule, self.comm.world_size, chunks, self.virtual_stages)
         steps = steps[self.comm.rank]
         self.stages.begin(tuple(xs[0].shape), chunks)
-        feed = list(zip(*(scatter(t, chunks) for t in xs))) if self.is_first else None
+        feed = bd.scatter_inputs(xs, dims, chunks) if self.is_first else None
         self.stages.run([s for s in steps if s.op == "fwd"], feed)
-        out = self._share(self._joined(chunks))
+        outs = self._share(self._joined(chunks))
         if not training:
             self.stages.finish()
-            return out
-        leaf = out.detach().requires_grad_(out.is_floating_point())
-        self._pending = ([s for s in steps if s.op != "fwd"], leaf)
-        return leaf
+            return self._rebuilt(outs)
+        leaves = [t.detach().requires_grad_(t.is_floating_point()) for t in outs]
+        self._pending = ([s for s in steps if s.op != "fwd"], leaves)
+        return self._rebuilt(leaves)
 
-    def _stages_for(self, xs: tuple[torch.Tensor, ...], chunks: int) -> None:
+    def _stages_for(self, xs: tuple[torch.Tensor, ...], dims: bd.Dims, chunks: int) -> None:
         """The stages traced for these micro-batches' shapes: a network whose code reads
         shapes (``x.view(b, ...)``) is traced again for each new shape, as torch's pipelining
         traces one micro-batch shape; its micro-batches must then all have that shape."""
         if self.recut is None:
             return
-        sizes = {t.shape[0] for t in scatter(xs[0], chunks)}
+        sizes = set(micro_batch_sizes(xs[0].shape[0], chunks))
         if len(sizes) > 1:
             raise ValueError(
                 f"a batch of {xs[0].shape[0]} does not split into {chunks} equal micro-batches, "
                 "and this network was traced for one micro-batch shape: use a batch size "
                 f"divisible by chunks={chunks} (drop_last=True for the last batch)"
             )
-        key = tuple((tuple(t.shape[1:]), t.dtype) for t in xs) + (sizes.pop(),)
+        key = _shape_key(xs, dims, sizes.pop())
         if key == self._traced_for:
             return
         if key not in self._cuts:
-            micro = tuple(t[: key[-1]] for t in xs)
-            split = self.recut(micro)
+            micro = bd.first_samples(xs, dims, key[-1])
+            split = self.recut(self._structured(micro))
             self._cuts[key] = {s: split.stages[s].module for s in self.stages.stages}
         self.stages.stages.update(self._cuts[key])
         self._traced_for = key
 
     def traced_at(self, example: tuple[torch.Tensor, ...]) -> None:
         """The stages were cut for micro-batches like ``example``: no new trace for those."""
-        key = tuple((tuple(t.shape[1:]), t.dtype) for t in example) + (example[0].shape[0],)
+        dims = self.input_dims if self.input_dims is not None else bd.input_dims(example)
+        key = _shape_key(example, dims, example[0].shape[0])
         self._cuts[key] = dict(self.stages.stages)
         self._traced_for = key
 
@@ -212,12 +248,17 @@ class PipelinedNetwork:
             )
         self.comm = self.stages.comm = comm
 
-    def _joined(self, chunks: int) -> torch.Tensor | None:
+    def _out_dims(self, count: int) -> bd.Dims:
+        return self.output_dims if self.output_dims is not None else (0,) * count
+
+    def _joined(self, chunks: int) -> list[torch.Tensor] | None:
+        """The last device's output tensors, each joined along its batch dimension."""
         if not self.is_last:
             return None
-        return torch.cat([self.stages.results[i][0] for i in range(chunks)])
+        results = [self.stages.results[i] for i in range(chunks)]
+        return bd.gather_outputs(results, self._out_dims(len(results[0])))
 
-    def _run_scheduled(self, xs: tuple[torch.Tensor, ...], chunks: int) -> torch.Tensor:
+    def _run_scheduled(self, xs: tuple[torch.Tensor, ...], dims: bd.Dims, chunks: int) -> Any:
         if self._loss is None:
             raise RuntimeError(
                 f"schedule={self.schedule!r} computes the loss per micro-batch: "
@@ -228,12 +269,15 @@ class PipelinedNetwork:
         k, rank = self.comm.world_size, self.comm.rank
         steps = checked_schedule(self.schedule, k, chunks, self.virtual_stages)[rank]
         batch = xs[0].shape[0]
-        targets = scatter(target, chunks) if self.is_last else None
+        sizes = micro_batch_sizes(batch, chunks)
+        targets = _split_target(target, sizes) if self.is_last else []
 
         def output_grad(i: int, outs: tuple[torch.Tensor, ...]) -> list[torch.Tensor | None]:
-            out = outs[0].detach().requires_grad_(True)
-            loss = loss_fn(out, targets[i]) * (targets[i].shape[0] / batch) * scale
-            return [torch.autograd.grad(loss, out)[0]] + [None] * (len(outs) - 1)
+            leaves = [t.detach().requires_grad_(t.is_floating_point()) for t in outs]
+            loss = loss_fn(self._rebuilt(leaves), targets[i]) * (sizes[i] / batch) * scale
+            wanted = [t for t in leaves if t.requires_grad]
+            grads = iter(torch.autograd.grad(loss, wanted, allow_unused=True))
+            return [next(grads) if t.requires_grad else None for t in leaves]
 
         # Lightning zeroes the gradients between training_step and backward: keep this step's
         # aside and hand them over in backward()
@@ -242,47 +286,50 @@ class PipelinedNetwork:
         for p in params:
             p.grad = None
         self.stages.begin(tuple(xs[0].shape), chunks)
-        feed = list(zip(*(scatter(t, chunks) for t in xs))) if self.is_first else None
+        feed = bd.scatter_inputs(xs, dims, chunks) if self.is_first else None
         self.stages.run(steps, feed, output_grad=output_grad)
-        out = self._share(self._joined(chunks))
+        outs = self._share(self._joined(chunks))
         self.stages.finish()
         self._stash = [(p, p.grad) for p in params]
         for p, grad in zip(params, before):
             p.grad = grad
-        return out.detach().requires_grad_(out.is_floating_point())
+        return self._rebuilt([t.detach().requires_grad_(t.is_floating_point()) for t in outs])
 
-    def _share(self, out: torch.Tensor | None) -> torch.Tensor:
-        """The last device's joined output, on every device: traced messages (tag
+    def _share(self, outs: list[torch.Tensor] | None) -> list[torch.Tensor]:
+        """The last device's joined output tensors, on every device: traced messages (tag
         ``OUTPUT``), after a header the first time a batch shape is seen (both ends cache it,
         as the activations' headers)."""
         k, last = self.comm.world_size, self.comm.world_size - 1  # stage S - 1 is on K - 1
         if k == 1:
-            assert out is not None
-            return out
+            assert outs is not None
+            return outs
         meta = {"step": self.stages.step_index, "chunk": -1}
         device = self.stages._device()
         key = self.stages._key
         if self.is_last:
-            assert out is not None
-            out = out.detach().contiguous()
+            assert outs is not None
+            outs = [t.detach().contiguous() for t in outs]
             handles = []
             if key not in self._output_shapes:
-                header = write_header((out,)).to(device)
+                header = write_header(tuple(outs)).to(device)
                 handles += [
                     self.comm.isend(header, d, tag=Kind.HEADER, **meta) for d in range(last)
                 ]
-                self._output_shapes[key] = (out.shape, out.dtype)
-            handles += [self.comm.isend(out, d, tag=Kind.OUTPUT, **meta) for d in range(last)]
+                self._output_shapes[key] = [(t.shape, t.dtype) for t in outs]
+            handles += [self.comm.isend(t, d, tag=Kind.OUTPUT, **meta)
+                        for d in range(last) for t in outs]  # fmt: skip
             for handle in handles:
                 handle.wait()
-            return out
+            return outs
         if key not in self._output_shapes:
             header = torch.empty(HEADER_LEN, dtype=torch.int64, device=device)
             header = self.comm.recv(header, last, tag=Kind.HEADER, **meta)
-            (self._output_shapes[key],) = read_header(header.cpu())
-        shape, dtype = self._output_shapes[key]
-        buf = torch.empty(shape, dtype=dtype, device=device)
-        return self.comm.recv(buf, last, tag=Kind.OUTPUT, **meta)
+            self._output_shapes[key] = read_header(header.cpu())
+        return [
+            self.comm.recv(torch.empty(shape, dtype=dtype, device=device), last,
+                           tag=Kind.OUTPUT, **meta)
+            for shape, dtype in self._output_shapes[key]
+        ]  # fmt: skip
 
     # ---- backward ----------------------------------------------------------------------------
     def backward(self) -> None:
@@ -295,22 +342,29 @@ class PipelinedNetwork:
                     param.grad = grad if param.grad is None else param.grad.add_(grad)
             self._stash = None
         elif self._pending is not None:
-            steps, leaf = self._pending
+            steps, leaves = self._pending
             self._pending = None
-            grads: list[torch.Tensor] = []
-            if self.is_last:
-                sizes = [
-                    self.stages.results[i][0].shape[0] for i in range(len(self.stages.results))
-                ]
-                grad = leaf.grad if leaf.grad is not None else torch.zeros_like(leaf)
-                grads = list(grad.split(sizes))
+            grads = self._output_grads(leaves) if self.is_last else []
 
             def output_grad(i: int, outs: tuple[torch.Tensor, ...]) -> list[torch.Tensor | None]:
-                return [grads[i]] + [None] * (len(outs) - 1)
+                return [g[i] for g in grads]
 
             self.stages.run(steps, output_grad=output_grad)
             self.stages.finish()
         self.sum_tied_gradients()
+
+    def _output_grads(self, leaves: list[torch.Tensor]) -> list[list[Any]]:
+        """Per output tensor, the gradient the user's loss left on it (zero if none) cut into
+        the micro-batches' along its batch dimension (``None`` for integer outputs)."""
+        results = [self.stages.results[i] for i in range(len(self.stages.results))]
+        grads = []
+        for j, (leaf, d) in enumerate(zip(leaves, self._out_dims(len(leaves)))):
+            if not leaf.requires_grad:
+                grads.append([None] * len(results))
+                continue
+            grad = leaf.grad if leaf.grad is not None else torch.zeros_like(leaf)
+            grads.append(bd.split_output_grad(grad, d, [r[j].shape[d or 0] for r in results]))
+        return grads
 
     def sum_tied_gradients(self) -> None:
         """Each tied parameter's gradient becomes the sum over the devices that use it (an
@@ -331,6 +385,28 @@ class PipelinedNetwork:
             dist.all_reduce(grad, group=self.comm.group)
             if name in self.local_names and p.grad is None:  # its stages had no gradient
                 p.grad = grad
+
+
+def _shape_key(xs: tuple[torch.Tensor, ...], dims: bd.Dims, size: int) -> tuple:
+    """The shapes (without the batch dimension) and dtypes of inputs, and the micro-batch
+    size: one traced cut serves every batch with this key."""
+    shapes = tuple(
+        (tuple(s for i, s in enumerate(t.shape) if i != d), t.dtype) for t, d in zip(xs, dims)
+    )
+    return shapes + (size,)
+
+
+def _split_target(target: torch.Tensor, sizes: list[int]) -> list[torch.Tensor]:
+    """The target of each micro-batch, cut along its batch dimension (:mod:`.batch_dims`)."""
+    n = sum(sizes)
+    d = bd.batch_dim(target, n) if isinstance(target, torch.Tensor) else None
+    if d is None:
+        raise ValueError(
+            f"the target ({nested.describe(target)} of shape "
+            f"{tuple(getattr(target, 'shape', ()))}) has no dimension of the batch size {n}: "
+            "the loss per micro-batch needs a target tensor holding one row per sample"
+        )
+    return list(target.split(sizes, dim=d))
 
 
 def _tensors(net: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:

@@ -13,9 +13,17 @@ Contract with the LightningModule (the models in :mod:`lightning_par.models` sat
 * the loss depends on the parameters only through ``self.net(x)``, called once per step
   with the whole batch; everything after it (loss, metrics, logging) runs unchanged on
   every rank with the real output, which the last stage sends to all stages;
-* for ``schedule="1f1b"`` the batch is ``(x, y, ...)`` and ``module.criterion``
-  (``loss_attr``) is a mean-reduced loss of ``(output, y)``: 1F1B needs the loss per
-  micro-batch, and a mean loss is the size-weighted sum of micro-batch losses.
+* for the schedules past GPipe (``"1f1b"``, ``"interleaved"``, ``"zero_bubble"``) the loss
+  per micro-batch is ``loss_fn(output, target)`` (the strategy's ``loss_fn``, e.g.
+  ``nn.CrossEntropyLoss()``, else ``module.criterion``, ``loss_attr``), a *mean* over the
+  samples (a mean loss is the size-weighted sum of micro-batch losses), and the target is
+  ``batch[target_index]`` (default 1: ``(x, y, ...)``), as torch's pipelining schedules take
+  ``loss_fn`` and the target apart (:mod:`lightning_par.components.pipeline_loss`); the loss
+  Lightning logs is still the one ``training_step`` computes on the joined output;
+* inputs of the network that carry the batch (an LSTM's ``hidden``, batch in dimension 1)
+  are cut into micro-batches along their own batch dimension, and outputs joined alike;
+  tuples/lists of tensors travel between stages as their tensors
+  (:mod:`lightning_par.pipeline.batch_dims`, :mod:`lightning_par.graphcut.nested`).
 
 All stages read the same batches (no distributed sampler; checked once, on the first
 batch). Checkpoints hold the full model gathered on rank 0, which loads without this
@@ -27,6 +35,7 @@ so they resume under any strategy. Clipping by norm, ``16-mixed`` and BatchNorm:
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 from lightning_par.components.pipeline_split import PipelineSplit
@@ -55,7 +64,13 @@ class GPipeStrategy(ParStrategy):
             (``["layer3"]``: torch's ``SplitPoint.BEGINNING``), for any network; ``None``:
             an ``nn.Sequential`` is cut by ``balance``, any other network at points chosen
             by ``balance_by``.
-        loss_attr: name of its mean-reduced loss module (used by ``"1f1b"`` only).
+        loss_attr: name of the LightningModule's mean-reduced loss module, used by the
+            schedules past ``"gpipe"`` when ``loss_fn`` is not given.
+        loss_fn: the mean-reduced loss ``(output, target) -> loss`` those schedules call per
+            micro-batch (e.g. ``nn.CrossEntropyLoss()``; ``output`` as the network returns
+            it); ``None``: ``module.<loss_attr>``. Precedence: ``loss_fn``, then the attribute.
+        target_index: where the target is in the batch, ``batch[target_index]`` (``1`` for
+            ``(x, y)``, ``2`` for ``(index, x, y)``, a key for a dict batch).
         balance_by: automatic balance by ``"params"`` (parameter count) or ``"time"``
             (forward + backward time per layer on ``module.example_input_array``).
         deferred_batch_norm: BatchNorm layers keep their running statistics over the whole
@@ -82,11 +97,14 @@ class GPipeStrategy(ParStrategy):
         deferred_batch_norm: bool = False,
         virtual_stages: int = 2,
         split_points: list[str] | None = None,
+        loss_fn: Callable | None = None,
+        target_index: int | str = 1,
         **kwargs: Any,
     ) -> None:
         split = PipelineSplit(
             balance, chunks, checkpoint, schedule, module_attr, loss_attr, balance_by,
             deferred_batch_norm, virtual_stages=virtual_stages, split_points=split_points,
+            loss_fn=loss_fn, target_index=target_index,
         )  # fmt: skip
         super().__init__(**kwargs)
         self.splitter = split

@@ -39,6 +39,7 @@ The strategy is two components on a grid: the splitter of ``mp_kind``
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import lightning.pytorch as pl
@@ -86,11 +87,12 @@ class HybridStrategy(ParStrategy):
         bucket_cap_mb: gradient bucket size in MiB.
         overlap: start buckets while backward runs (``False``: all after backward).
         balance, chunks, checkpoint, schedule, module_attr, loss_attr, balance_by,
-            deferred_batch_norm, time_chunk, virtual_stages, split_points, plan, algorithm:
+            deferred_batch_norm, time_chunk, virtual_stages, split_points, plan, algorithm,
+            loss_fn, target_index:
             the options of the ``mp_kind`` strategy (gpipe: ``chunks``, ``schedule``,
-            ``balance``, ...; layerwise: ``balance``, ``time_chunk``, ...; tensor_parallel:
-            ``plan``, ``algorithm``, ``module_attr``); ``None``: the kind's default. An option
-            of another kind is refused by name.
+            ``loss_fn``, ``target_index``, ``balance``, ...; layerwise: ``balance``,
+            ``time_chunk``, ...; tensor_parallel: ``plan``, ``algorithm``, ``module_attr``);
+            ``None``: the kind's default. An option of another kind is refused by name.
         **kwargs: ``trace``, ``trace_dir``, ``start_method``, ``process_group_backend``,
             ``timeout`` (see :class:`~lightning_par.strategies._base.ParStrategy`).
     """
@@ -120,6 +122,8 @@ class HybridStrategy(ParStrategy):
         split_points: list[str] | None = None,
         plan: dict[str, str] | None = None,
         algorithm: str | None = None,
+        loss_fn: Callable[..., Any] | None = None,
+        target_index: int | str | None = None,
         **kwargs: Any,
     ) -> None:
         given = {k: v for k, v in locals().items() if k in KIND_OPTIONS and v is not None}

@@ -8,7 +8,10 @@ gradients and optimiser state.
 
 * Non-recurrent networks (the CNN) run as the naive split: GPipe with one micro-batch, so a
   stage waits for the one before it (slides 003: "each layer needs to wait for the output
-  of the previous layer before it can do anything").
+  of the previous layer before it can do anything"). Any network is cut from its traced
+  graph; a tuple/list of tensors crossing a cut (Lightning's demo ``SimpleLSTM``'s
+  ``(h, c)``) travels as its tensors (:mod:`lightning_par.graphcut.nested`), and a value
+  that cannot travel is refused before launch, naming it (move ``split_points``).
 * With ``time_chunk`` and recurrent stages (a stacked LSTM/GRU/RNN, one element per layer),
   the sequence streams through the stages in chunks of ``time_chunk`` steps: the wavefront of
   :mod:`lightning_par.modelparallel.wavefront`.
