@@ -420,24 +420,3 @@ def wrap_setup_data(fit_loop: Any, after: Callable[[], None]) -> None:
         after()
 
     fit_loop.setup_data = setup_data
-
-
-def launched_arguments() -> dict[str, Any]:
-    """The arguments of the ``Trainer`` method being launched (``ckpt_path``, ...), read from
-    the frame of Lightning's ``call._call_and_handle_interrupt`` on this thread's stack:
-    a launcher's ``launch`` is called from there, before any rank exists, and Lightning
-    keeps the path in no attribute until the ranks run."""
-    import inspect
-    import sys
-
-    frame = sys._getframe(1)
-    while frame is not None:
-        code = frame.f_code
-        if code.co_name == "_call_and_handle_interrupt" and code.co_filename.endswith("call.py"):
-            fn, args, kwargs = (frame.f_locals.get(k) for k in ("trainer_fn", "args", "kwargs"))
-            if callable(fn) and isinstance(args, tuple) and isinstance(kwargs, dict):
-                return dict(inspect.signature(fn).bind_partial(*args, **kwargs).arguments)
-            raise _moved("call._call_and_handle_interrupt(trainer, trainer_fn, *args, **kwargs)",
-                         "the checkpoint check before launch")  # fmt: skip
-        frame = frame.f_back
-    return {}

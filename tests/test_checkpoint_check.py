@@ -116,3 +116,23 @@ def test_the_command_line_prints_one_line_naming_the_file(files, tmp_path):
     ), out.stderr
     assert len(out.stderr.strip().splitlines()) == 1 and "Traceback" not in out.stderr
     assert not (tmp_path / "logs").exists() and time.monotonic() - start < 60
+
+
+def test_a_launcher_sees_the_ckpt_path_lightning_passes_to_it() -> None:
+    # what Lightning's call._call_and_handle_interrupt hands a launcher, for each method
+    from lightning.pytorch.trainer import call
+
+    from lightning_par.strategies._launchers import launch_arguments
+
+    seen = {}
+
+    class Launcher:
+        def launch(self, function, *args, trainer=None, **kwargs):
+            seen[function.__name__] = launch_arguments(function, args, kwargs)
+
+    trainer = pl.Trainer(accelerator="cpu", devices=1, logger=False)
+    trainer.strategy._launcher = Launcher()
+    call._call_and_handle_interrupt(trainer, trainer._fit_impl, "model", None, None, None, "a.ckpt")
+    call._call_and_handle_interrupt(trainer, trainer._validate_impl, "model", None, "b.ckpt")
+    assert seen["_fit_impl"]["ckpt_path"] == "a.ckpt" and seen["_fit_impl"]["model"] == "model"
+    assert seen["_validate_impl"]["ckpt_path"] == "b.ckpt"

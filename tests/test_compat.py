@@ -303,19 +303,3 @@ def test_wrapped_setup_data_runs_after_lightnings() -> None:
     assert calls == ["lightning", "after"]
     loop.setup_data = original
     assert "self.setup_data()" in inspect.getsource(type(loop).run)  # the loop calls it
-
-
-def test_launched_arguments_are_those_of_the_trainer_method_being_launched() -> None:
-    from lightning.pytorch.trainer import call
-
-    class Launcher:
-        def launch(self, function, *args, trainer=None, **kwargs):
-            return _compat.launched_arguments()
-
-    trainer = _trainer()
-    trainer.strategy._launcher = Launcher()
-    found = call._call_and_handle_interrupt(
-        trainer, trainer._fit_impl, "model", None, None, None, "run.ckpt"
-    )
-    assert found["ckpt_path"] == "run.ckpt" and found["model"] == "model"
-    assert _compat.launched_arguments() == {}  # not under a launch: nothing

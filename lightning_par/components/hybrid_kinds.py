@@ -41,6 +41,7 @@ KINDS: dict[str, Any] = {
 KIND_OPTIONS = (
     "balance", "chunks", "checkpoint", "schedule", "module_attr", "loss_attr", "balance_by",
     "deferred_batch_norm", "time_chunk", "virtual_stages", "split_points", "plan", "algorithm",
+    "loss_fn", "target_index",
 )  # fmt: skip
 
 

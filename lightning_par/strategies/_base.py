@@ -109,6 +109,8 @@ class ParStrategy(DDPStrategy):
         #: the model-splitting component (pipeline stages, tensor-parallel shards); the
         #: default does nothing: every rank holds the whole model
         self.splitter: ModelSplitter = ModelSplitter()
+        #: the arguments of the Trainer method being launched (``ckpt_path``, ...)
+        self.launch_arguments: dict[str, Any] = {}
         #: in a rank of a fork launch: the checkpoint dumped at the end of ``fit``, sent to
         #: the script (:mod:`._carry_back`)
         self.end_of_fit_checkpoint: dict[str, Any] | None = None
@@ -158,7 +160,7 @@ class ParStrategy(DDPStrategy):
         """Reject a configuration this strategy cannot run, in the main process, before
         any rank starts (override and call it; the default checks ``ckpt_path`` and asks
         the splitter)."""
-        check_checkpoint(_compat.launched_arguments().get("ckpt_path"))
+        check_checkpoint(self.launch_arguments.get("ckpt_path"))
         self.splitter.check_before_launch(trainer)
 
     # ---- process group ------------------------------------------------------------------------

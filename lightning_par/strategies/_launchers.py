@@ -30,6 +30,7 @@
 
 from __future__ import annotations
 
+import inspect
 import os
 import shutil
 import signal
@@ -69,6 +70,13 @@ from lightning_par.strategies._rank_errors import RankErrors
 WEIGHTS_PREFIX = "lightning_par-weights-"
 
 
+def launch_arguments(function: Callable, args: tuple, kwargs: dict[str, Any]) -> dict[str, Any]:
+    """The arguments of the ``Trainer`` method a launcher is asked to run (``ckpt_path``,
+    ``model``, ...), by name: Lightning keeps the path in no attribute until the ranks run,
+    and the strategy checks it before any rank starts."""
+    return dict(inspect.signature(function).bind_partial(*args, **kwargs).arguments)
+
+
 class ExistingRanksLauncher(_compat.SubprocessScriptLauncher):
     """Every rank already runs this code: start nothing (as safe in a notebook as anywhere)."""
 
@@ -79,6 +87,8 @@ class ExistingRanksLauncher(_compat.SubprocessScriptLauncher):
 
     @override
     def launch(self, function: Callable, *args: Any, trainer: pl.Trainer | None = None, **kw):
+        if trainer is not None:
+            trainer.strategy.launch_arguments = launch_arguments(function, args, kw)
         return function(*args, **kw)
 
 
@@ -127,6 +137,7 @@ class PolicyLauncher(_compat.MultiProcessingLauncher):
     @override
     def launch(self, function: Callable, *args: Any, trainer: pl.Trainer | None = None, **kw):
         strategy = self._strategy
+        strategy.launch_arguments = launch_arguments(function, args, kw)
         strategy.check_before_launch(trainer)
         device = strategy.root_device_type
         # Lightning creates these ranks (its environment said so), whatever SLURM_* or

@@ -38,7 +38,9 @@ def server_group_hooks(cls: S) -> S:
         return super(cls, self)  # what super() means in the body of cls
 
     def check_before_launch(self, trainer: pl.Trainer | None) -> None:
-        """Refuse what the servers cannot do exactly (:mod:`._ps_features`)."""
+        """Refuse what the servers cannot do exactly (:mod:`._ps_features`), and what every
+        strategy refuses (a checkpoint that cannot be read)."""
+        base(self).check_before_launch(trainer)
         check_features(self.strategy_name, self.lightning_module, trainer, _compat.layer_sync(self))
 
     def rank_name(self, rank: int) -> str:
