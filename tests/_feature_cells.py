@@ -14,6 +14,7 @@ import warnings
 from typing import Any
 
 import lightning.pytorch as pl
+import numpy as np
 import torch
 from lightning.pytorch.callbacks import EarlyStopping, ModelCheckpoint
 from lightning.pytorch.plugins import MixedPrecision
@@ -209,13 +210,32 @@ def run_cell(strategy: Any, devices: int, feature: str, tmp: str, shards: bool) 
                     None if predictions is None else torch.cat(predictions).numpy().copy()
                 )
             weights = _weights(trainer, model)
+            saved = _saved(trainer, feature, weights, os.path.join(tmp, "after-fit.ckpt"))
         except Exception as err:  # the test compares the message with the table's
             return {"error": f"{type(err).__name__}: {err}"}
     return {
         "weights": weights,
         "metrics": metrics,
         "warnings": [str(w.message) for w in caught],
+        "saved": saved,
     }
+
+
+def _saved(trainer: pl.Trainer, feature: str, weights: dict[str, Any], path: str) -> str:
+    """What a user does after ``fit``: ``save_checkpoint`` (in the script's process after a
+    fork launch, in every rank otherwise) and ``load_from_checkpoint``. '' if the file holds
+    the trained weights and the optimiser state, else what it lacks."""
+    trainer.save_checkpoint(path)
+    checkpoint = torch.load(path, weights_only=True)
+    loaded = Tiny.load_from_checkpoint(path, feature=feature).state_dict()
+    for key, value in weights.items():
+        for where, state in (("saved", checkpoint["state_dict"]), ("loaded", loaded)):
+            if not np.allclose(state[key].float().numpy(), value, rtol=1e-6, atol=1e-7):
+                return f"the {where} {key} is not the trained one"
+    states = checkpoint.get("optimizer_states") or [{}]
+    if trainer.state.fn == "fit" and not all(s.get("state") for s in states):
+        return "the checkpoint holds no optimiser state"
+    return ""
 
 
 def cells_on_rank(rank: int, world: int, name: str, features: list[str], tmp: str) -> dict:

@@ -8,6 +8,7 @@ they must stop before any rank starts, with a message naming the strategy and th
 
 from __future__ import annotations
 
+import os
 import re
 from pathlib import Path
 
@@ -44,7 +45,8 @@ def observe(name: str, tmp_path: Path) -> dict[str, dict]:
     out: dict[str, dict] = {}
     running = []
     for feature in FEATURES:
-        if expected(name, feature).kind == "refused" or _launched_by_itself(name):
+        from_script = expected(name, feature).kind == "refused" or _launched_by_itself(name)
+        if from_script or os.environ.get("LIGHTNING_PAR_FEATURES_FROM_SCRIPT") == "1":
             out[feature] = run_cell(made.create, world, feature, str(tmp_path / feature),
                                     getattr(made.load(), "shards_data", True))  # fmt: skip
         else:
@@ -99,6 +101,8 @@ def judge(name: str, feature: str, got: dict, tmp_path: Path) -> str:
         return ""
     if want.kind in ("refused", "error"):
         return f"ran, but the table says {want}"
+    if got["saved"]:
+        return f"after fit: {got['saved']}"
     if want.kind == "warns" and not any(want.message in w for w in got["warnings"]):
         return f"no warning containing {want.message!r}"
     if want.kind in ("runs", "warns"):

@@ -85,7 +85,9 @@ def run_flow(case: Case, folder: Path, timeout: float = 260) -> tuple[dict, str]
     env = user_environment(folder)
     proc = run_bounded(_command(case, folder), timeout, cwd=folder, env=env)
     text = proc.stdout + proc.stderr
-    left = [p.name for p in (folder / "tmp").iterdir() if not p.name.startswith("torchinductor")]
+    # torch's own: the compiler's cache, and torchrun's log folder (its agent keeps it)
+    theirs = ("torchinductor", "torchelastic_")
+    left = [p.name for p in (folder / "tmp").iterdir() if not p.name.startswith(theirs)]
     result_file = folder / "result.pt"
     if not result_file.exists():
         why = "timed out" if proc.timed_out else f"exit code {proc.returncode}"
