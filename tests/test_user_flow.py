@@ -6,15 +6,17 @@ the same script on one process (tests/userflow/run.py says how).
 
 CI runs a covering grid: every registered strategy and every step, under fork (what a 2-core
 machine picks) and popen (what a 16-core workstation picks), the networks spread over the
-rows, plus torchrun and a Jupyter kernel. ``make userflow`` runs the full grid and prints
-its table (tests/userflow/grid.py).
+rows, plus torchrun, a Jupyter kernel and the command line (options typed, and a YAML
+config). ``make userflow`` runs the full grid and prints its table (tests/userflow/grid.py).
 """
 
 from __future__ import annotations
 
 import pytest
+import torch
 
 from lightning_par.strategies.registry import plugin_names
+from tests.userflow.cli import cli_flow
 from tests.userflow.run import Case, baseline, compare, run_flow
 
 #: Every strategy once, networks and start methods spread over the rows.
@@ -52,3 +54,28 @@ def test_user_flow_equals_one_process(case, tmp_path_factory):
     got, text = run_flow(case, tmp_path_factory.mktemp(case.name))
     problems = compare(case, got, want)
     assert not problems, "\n".join(problems) + "\n--- output ---\n" + text[-4000:]
+
+
+def test_command_line_flow_with_typed_options_equals_one_process(tmp_path):
+    typed = ["--trainer.devices=2", "--trainer.strategy=GPipeStrategy",
+             "--trainer.strategy.chunks=2", "--trainer.strategy.schedule=1f1b"]  # fmt: skip
+    got = cli_flow(tmp_path / "gpipe", typed)
+    want = cli_flow(tmp_path / "one", ["--trainer.devices=1", "--trainer.strategy=auto"])
+    for key in ("first", "resumed"):
+        (state, step, has_state), (ref, ref_step, _) = got[key], want[key]
+        assert has_state and step == ref_step, (key, step, ref_step)
+        for name, value in ref.items():
+            torch.testing.assert_close(state[name], value, rtol=1e-4, atol=2e-5, msg=name)
+
+
+def test_command_line_flow_from_a_yaml_config(tmp_path):
+    config = tmp_path / "run.yaml"
+    config.write_text(
+        "trainer:\n  devices: 2\n  strategy:\n"
+        "    class_path: lightning_par.strategies.ParameterServerStrategy\n"
+        "    init_args:\n      num_servers: 2\n"
+    )
+    got = cli_flow(tmp_path / "ps", [f"--config={config}"])
+    (_, step, has_state), (_, resumed_step, resumed_state) = got["first"], got["resumed"]
+    assert has_state and resumed_state  # the servers' optimiser state is in both files
+    assert resumed_step == 2 * step > 0  # the resumed fit went on from the first one
