@@ -33,7 +33,6 @@ from typing import Any, ClassVar
 
 import lightning.pytorch as pl
 import torch
-from lightning.fabric.utilities.seed import reset_seed
 from lightning.pytorch.strategies import DDPStrategy
 from lightning.pytorch.trainer.states import TrainerFn
 from typing_extensions import override
@@ -166,7 +165,10 @@ class ParStrategy(DDPStrategy):
     # ---- process group ------------------------------------------------------------------------
     @override
     def setup_distributed(self) -> None:
-        reset_seed()
+        # No reset_seed() (Lightning's DDP calls it): every rank already holds the random
+        # state one process would have here (forked, restored by the forkserver, or the
+        # same script re-run by popen and torchrun); re-seeding would give dropout and
+        # augmentation other draws than one process's
         self.set_world_ranks()
         backend = self._get_process_group_backend()
         _compat.set_process_group_backend(self, backend)

@@ -44,6 +44,7 @@ from pathlib import Path
 from typing import Any
 
 import lightning.pytorch as pl
+import torch
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from typing_extensions import override
@@ -274,11 +275,21 @@ class PolicyLauncher(_compat.MultiProcessingLauncher):
         extra = super().get_extra_results(trainer)
         trace = getattr(self._strategy, "trace", None)
         extra["lightning_par_trace"] = trace_to_dict(trace) if trace is not None else None
+        # the script goes on from rank 0's random state, as one process would have it
+        extra["lightning_par_rng"] = {  # (by value: a tensor would travel as a
+            k: v.numpy() if isinstance(v, torch.Tensor) else v  # shared-memory handle that
+            for k, v in _compat.rng_states().items()  # dies with the rank)
+        }
         return extra
 
     @override
     def update_main_process_results(self, trainer: pl.Trainer, extra: dict[str, Any]) -> None:
         super().update_main_process_results(trainer, extra)
+        if extra.get("lightning_par_rng") is not None:
+            _compat.set_rng_states({
+                k: torch.from_numpy(v) if k == "torch" else v
+                for k, v in extra["lightning_par_rng"].items()
+            })  # fmt: skip
         record = extra.get("lightning_par_trace")
         if record is not None:
             self._strategy.trace = trace_from_dict(record)
@@ -295,8 +306,6 @@ def _alive(proc: Any) -> bool:
 
 
 def _device_count(device: str) -> int | None:
-    import torch
-
     module = getattr(torch, device, None)
     count = getattr(module, "device_count", None)
     return count() if callable(count) else None

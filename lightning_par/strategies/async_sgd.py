@@ -42,7 +42,6 @@ from collections import deque
 from typing import Any
 
 import lightning.pytorch as pl
-from lightning.fabric.utilities.seed import reset_seed
 from lightning.pytorch.trainer.states import RunningStage, TrainerFn
 from lightning.pytorch.utilities import rank_zero_info
 from lightning.pytorch.utilities.exceptions import SIGTERMException
@@ -154,7 +153,7 @@ class AsyncSGDStrategy(ParStrategy):
     # ---- processes ----------------------------------------------------------------------------
     @override
     def setup_distributed(self) -> None:
-        reset_seed()
+        # (no reset_seed(): see ParStrategy.setup_distributed)
         self.set_world_ranks()
         self.servers.start(self._server_options(), self.watched_ranks())
         name = f"{self.strategy_name} ({self.num_servers} server(s))"

@@ -34,7 +34,6 @@ from __future__ import annotations
 from typing import Any
 
 import lightning.pytorch as pl
-from lightning.fabric.utilities.seed import reset_seed
 from lightning.pytorch.trainer.states import TrainerFn
 from typing_extensions import override
 
@@ -85,7 +84,7 @@ class ParameterServerStrategy(ParStrategy):
     # ---- processes -----------------------------------------------------------------------------
     @override
     def setup_distributed(self) -> None:
-        reset_seed()
+        # (no reset_seed(): see ParStrategy.setup_distributed)
         self.set_world_ranks()
         self.servers.start({}, self.watched_ranks())
         name = f"{self.strategy_name} ({self.num_servers} server(s))"
