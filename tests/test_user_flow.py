@@ -60,7 +60,8 @@ def test_command_line_flow_with_typed_options_equals_one_process(tmp_path):
     typed = ["--trainer.devices=2", "--trainer.strategy=GPipeStrategy",
              "--trainer.strategy.chunks=2", "--trainer.strategy.schedule=1f1b"]  # fmt: skip
     got = cli_flow(tmp_path / "gpipe", typed)
-    want = cli_flow(tmp_path / "one", ["--trainer.devices=1", "--trainer.strategy=auto"])
+    one = ["--trainer.devices=1", "--trainer.strategy=auto"]
+    want = cli_flow(tmp_path / "one", one, evaluate=False)
     for key in ("first", "resumed"):
         (state, step, has_state), (ref, ref_step, _) = got[key], want[key]
         assert has_state and step == ref_step, (key, step, ref_step)

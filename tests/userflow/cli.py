@@ -47,12 +47,13 @@ def weights(path: Path) -> tuple[dict[str, torch.Tensor], int, bool]:
     return checkpoint["state_dict"], checkpoint["global_step"], has_state
 
 
-def cli_flow(folder: Path, strategy: list[str]) -> dict:
-    """fit 1 epoch -> validate, test, predict from its checkpoint -> fit to 2 epochs from it.
-    ``strategy``: the options that choose it (``--trainer.strategy=...`` or ``--config``)."""
+def cli_flow(folder: Path, strategy: list[str], evaluate: bool = True) -> dict:
+    """fit 1 epoch -> validate, test, predict from its checkpoint (``evaluate``) -> fit to 2
+    epochs from it. ``strategy``: the options that choose it (``--trainer.strategy=...`` or
+    ``--config``)."""
     run_cli(folder / "fit", "fit", *strategy, "--trainer.max_epochs=1", "--test_after_fit=false")
     first = newest_checkpoint(folder / "fit")
-    for stage in ("validate", "test", "predict"):
+    for stage in ("validate", "test", "predict") if evaluate else ():
         run_cli(folder / stage, stage, *strategy, f"--ckpt_path={first}")
     run_cli(folder / "resume", "fit", *strategy, "--trainer.max_epochs=2",
             f"--ckpt_path={first}", "--test_after_fit=false")  # fmt: skip
