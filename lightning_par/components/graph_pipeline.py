@@ -61,6 +61,8 @@ def capture_inputs(
         seen["call"] = (args, kwargs)
         raise _Captured
 
+    # a network split by an earlier run has its pipeline as the instance's forward: put it back
+    own = net.__dict__.get("forward")
     net.forward = record  # type: ignore[method-assign]
     sample = getattr(module, "example_input_array", None)
     # the look must not draw random numbers the training would have drawn (a shuffling data
@@ -93,7 +95,10 @@ def capture_inputs(
             "forward() takes)"
         ) from error
     finally:
-        net.__dict__.pop("forward", None)
+        if own is None:
+            net.__dict__.pop("forward", None)
+        else:
+            net.forward = own  # type: ignore[method-assign]
     if "call" not in seen:
         raise ValueError(
             f"{who}: the network was never called by forward or the step; set "
@@ -134,6 +139,8 @@ def try_cut(
             "forward of its own: hold the network as a module whose forward runs it (e.g. an "
             "nn.Sequential), or pass module_attr='<that module>'"
         )
+    if _RUN_BY in net.__dict__:  # cut by an earlier run (fit twice, fit then test): reused as is
+        return
     sample = getattr(module, "example_input_array", None)
     source = inputs.own_first_batch(module, trainer) if sample is None else None
     if sample is None and source is None or split_points is None and balance_by == "time":
