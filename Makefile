@@ -18,7 +18,7 @@ EPOCHS ?= 20
 DATA ?= cifar10-mini
 NB_TIMEOUT ?= 180
 
-.PHONY: setup demo test lint check gpu-check bench clean docs browser
+.PHONY: setup demo test lint check gpu-check bench clean docs browser userflow
 
 setup: $(VENV)/.installed
 
@@ -61,6 +61,15 @@ test: lint browser
 
 check: setup
 	$(PY) -m lightning_par.check
+
+# The user's whole flow (fit, save_checkpoint, validate, test, predict, load_from_checkpoint,
+# resume) as a plain script for every strategy x network x launch (fork, popen, torchrun, a
+# Jupyter kernel), each against one process: one Markdown table (about an hour on 2 cores;
+# narrow it with USERFLOW_ARGS="--networks mlp --launches fork,popen"). CI runs a covering
+# grid of it (tests/test_user_flow.py).
+USERFLOW_ARGS ?=
+userflow: setup
+	$(PY) -m tests.userflow.grid $(USERFLOW_ARGS)
 
 # On a machine with GPUs: the CUDA tests, every strategy on CifarCNN (NCCL; gloo where a
 # plugin needs it) beside single-device Lightning, one table. Refused without CUDA.
