@@ -12,9 +12,10 @@ component is still up, and rank 0 writes it in two files:
 * ``training.ckpt``: the rest (optimiser and scheduler states, loops, callbacks, step and
   epoch), which the strategy keeps and merges into the script's next checkpoint.
 
-Both are read with ``weights_only=True``: no object of another process is unpickled. A
-training state that holds some other type (a callback's custom state) is left behind with a
-warning; the weights still arrive.
+and rank 0's random states travel with Lightning's extra results, so the script goes on
+drawing what one process would. Both files are read with ``weights_only=True``: no object
+of another process is unpickled. A training state that holds some other type (a callback's
+custom state) is left behind with a warning; the weights still arrive.
 """
 
 from __future__ import annotations
@@ -27,6 +28,8 @@ from typing import Any
 import lightning.pytorch as pl
 import torch
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
+
+from lightning_par import _compat
 
 #: Keys of a checkpoint the script's own dump writes better than the rank's (its module's
 #: state dict, which the user may have changed since, and hyper-parameters it already holds).
@@ -87,3 +90,16 @@ def with_training_state(
     if training is None or "optimizer_states" not in checkpoint:
         return checkpoint
     return {**checkpoint, **training, **{k: checkpoint[k] for k in SCRIPT_KEYS if k in checkpoint}}
+
+
+def random_states() -> dict[str, Any]:
+    """Rank 0's CPU random states, by value (a tensor would travel as a shared-memory handle
+    that dies with the rank)."""
+    return {k: v.numpy() if isinstance(v, torch.Tensor) else v
+            for k, v in _compat.rng_states().items()}  # fmt: skip
+
+
+def restore_random_states(states: Mapping[str, Any]) -> None:
+    """In the script: go on from what :func:`random_states` read in rank 0."""
+    _compat.set_rng_states({k: torch.from_numpy(v) if k == "torch" else v
+                            for k, v in states.items()})  # fmt: skip

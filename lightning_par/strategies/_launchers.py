@@ -44,7 +44,6 @@ from pathlib import Path
 from typing import Any
 
 import lightning.pytorch as pl
-import torch
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from typing_extensions import override
@@ -62,7 +61,12 @@ from lightning_par.launch.policy import (
 )
 from lightning_par.launch.processes import die_with_parent, stop_process_groups
 from lightning_par.launch.rendezvous import STORE_ENV, host_job_store
-from lightning_par.strategies._carry_back import load_in_script, save_for_script
+from lightning_par.strategies._carry_back import (
+    load_in_script,
+    random_states,
+    restore_random_states,
+    save_for_script,
+)
 from lightning_par.strategies._lost_workers import tolerate_lost_workers
 from lightning_par.strategies._rank_errors import RankErrors
 
@@ -251,6 +255,7 @@ class PolicyLauncher(_compat.MultiProcessingLauncher):
             checkpoint = self._strategy.end_of_fit_checkpoint or {
                 "state_dict": self._strategy.lightning_module_state_dict()
             }
+            self._strategy.end_of_fit_checkpoint = None
         if self._strategy.local_rank != 0:
             return None
         # a folder of its own, removed with the files once the main process read them
@@ -275,21 +280,14 @@ class PolicyLauncher(_compat.MultiProcessingLauncher):
         extra = super().get_extra_results(trainer)
         trace = getattr(self._strategy, "trace", None)
         extra["lightning_par_trace"] = trace_to_dict(trace) if trace is not None else None
-        # the script goes on from rank 0's random state, as one process would have it
-        extra["lightning_par_rng"] = {  # (by value: a tensor would travel as a
-            k: v.numpy() if isinstance(v, torch.Tensor) else v  # shared-memory handle that
-            for k, v in _compat.rng_states().items()  # dies with the rank)
-        }
+        extra["lightning_par_rng"] = random_states()
         return extra
 
     @override
     def update_main_process_results(self, trainer: pl.Trainer, extra: dict[str, Any]) -> None:
         super().update_main_process_results(trainer, extra)
         if extra.get("lightning_par_rng") is not None:
-            _compat.set_rng_states({
-                k: torch.from_numpy(v) if k == "torch" else v
-                for k, v in extra["lightning_par_rng"].items()
-            })  # fmt: skip
+            restore_random_states(extra["lightning_par_rng"])
         record = extra.get("lightning_par_trace")
         if record is not None:
             self._strategy.trace = trace_from_dict(record)
@@ -306,6 +304,8 @@ def _alive(proc: Any) -> bool:
 
 
 def _device_count(device: str) -> int | None:
+    import torch
+
     module = getattr(torch, device, None)
     count = getattr(module, "device_count", None)
     return count() if callable(count) else None
