@@ -109,6 +109,9 @@ class PipelinedNetwork:
         self._precomputed: torch.Tensor | None = None
         self._stash: list[tuple[nn.Parameter, torch.Tensor | None]] | None = None
         self._loss: tuple[torch.Tensor, LossFn, float] | None = None
+        #: the last scheduled step's batch loss (size-weighted mean of the micro-batches'
+        #: ``loss_fn``, before ``scale``) on the device holding the last stage; else None
+        self.last_loss: torch.Tensor | None = None
         if has_meta(net):  # built on the meta device: storage for this device's stages only
             real = [t.device for _, t in _tensors(net) if not t.is_meta]
             materialize(net, self.local_names, real[0] if real else "cpu")
@@ -265,7 +268,7 @@ class PipelinedNetwork:
                 "call expect(target, loss_fn) before the forward"
             )
         target, loss_fn, scale = self._loss
-        self._loss = None
+        self._loss, self.last_loss, losses = None, None, []
         k, rank = self.comm.world_size, self.comm.rank
         steps = checked_schedule(self.schedule, k, chunks, self.virtual_stages)[rank]
         batch = xs[0].shape[0]
@@ -274,9 +277,10 @@ class PipelinedNetwork:
 
         def output_grad(i: int, outs: tuple[torch.Tensor, ...]) -> list[torch.Tensor | None]:
             leaves = [t.detach().requires_grad_(t.is_floating_point()) for t in outs]
-            loss = loss_fn(self._rebuilt(leaves), targets[i]) * (sizes[i] / batch) * scale
+            loss = loss_fn(self._rebuilt(leaves), targets[i]) * (sizes[i] / batch)
+            losses.append(loss.detach())
             wanted = [t for t in leaves if t.requires_grad]
-            grads = iter(torch.autograd.grad(loss, wanted, allow_unused=True))
+            grads = iter(torch.autograd.grad(loss * scale, wanted, allow_unused=True))
             return [next(grads) if t.requires_grad else None for t in leaves]
 
         # Lightning zeroes the gradients between training_step and backward: keep this step's
@@ -288,6 +292,8 @@ class PipelinedNetwork:
         self.stages.begin(tuple(xs[0].shape), chunks)
         feed = bd.scatter_inputs(xs, dims, chunks) if self.is_first else None
         self.stages.run(steps, feed, output_grad=output_grad)
+        if losses:
+            self.last_loss = torch.stack(losses).sum()
         outs = self._share(self._joined(chunks))
         self.stages.finish()
         self._stash = [(p, p.grad) for p in params]

@@ -64,6 +64,7 @@ class PipelinedSequential(nn.Module):
         self._pending: tuple[list[Step], torch.Tensor] | None = None
         self._precomputed: torch.Tensor | None = None
         self._stash: list[tuple[nn.Parameter, torch.Tensor | None]] | None = None
+        self.last_loss: torch.Tensor | None = None  # train_1f1b's batch loss (last stage)
         self.active = False  # set by the strategy around steps, when every stage runs forward
 
     def extra_repr(self) -> str:
@@ -143,7 +144,9 @@ class PipelinedSequential(nn.Module):
         before = [p.grad for p in params]
         for p in params:
             p.grad = None
-        joined, _ = one_f_one_b(stage, x, target, loss_fn, self.chunks_for(x.shape[0]), scale)
+        joined, self.last_loss = one_f_one_b(
+            stage, x, target, loss_fn, self.chunks_for(x.shape[0]), scale
+        )
         self._stash = [(p, p.grad) for p in params]
         for p, grad in zip(params, before):
             p.grad = grad

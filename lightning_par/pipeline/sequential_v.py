@@ -70,6 +70,7 @@ class PipelinedStages(PipelinedSequential):
         self._pending: tuple[list[Step], torch.Tensor] | None = None
         self._precomputed: torch.Tensor | None = None
         self._stash: list[tuple[nn.Parameter, torch.Tensor | None]] | None = None
+        self.last_loss: torch.Tensor | None = None  # train_1f1b's batch loss (last stage)
         self.active = False
 
     def extra_repr(self) -> str:
@@ -118,7 +119,9 @@ class PipelinedStages(PipelinedSequential):
             p.grad = None
         m = self.chunks_for(x.shape[0])
         v = self.virtual_stages if self.schedule == "interleaved" else 1
-        joined, _ = scheduled_step(self.runtime, x, target, loss_fn, m, self.schedule, v, scale)
+        joined, self.last_loss = scheduled_step(
+            self.runtime, x, target, loss_fn, m, self.schedule, v, scale
+        )
         self._stash = [(p, p.grad) for p in params]
         for p, grad in zip(params, before):
             p.grad = grad
