@@ -14,6 +14,10 @@ target given to ``step(target=...)`` apart from the inputs. Here:
   dimension (:func:`batch_target`);
 * the loss Lightning logs is still the user's ``training_step``'s, computed on the joined
   output (equal to one process's); the schedule's per-micro-batch loss only drives backward.
+  So the two must be the same loss: at every step the loss ``training_step`` returned is
+  compared with the schedule's (:func:`gather_losses`, :func:`check_returned_loss`), and a
+  step whose loss differs (an extra regularisation term, label smoothing, a weight, a sum)
+  is refused on every stage, as it would train ``loss_fn``'s gradients, not the user's.
 """
 
 from __future__ import annotations
@@ -23,6 +27,7 @@ from typing import Any
 
 import lightning.pytorch as pl
 import torch
+import torch.distributed as dist
 
 LossFn = Callable[[Any, torch.Tensor], torch.Tensor]
 
@@ -40,6 +45,13 @@ def resolve_loss(module: pl.LightningModule | None, loss_fn: Any, loss_attr: str
     if loss_fn is not None:
         return loss_fn
     return getattr(module, loss_attr, None) if module is not None else None
+
+
+def loss_name(loss_fn: Any, loss_attr: str) -> str:
+    """How the messages name the loss of the schedules past GPipe."""
+    if loss_fn is None:
+        return f"`module.{loss_attr}`"
+    return f"loss_fn={getattr(loss_fn, '__qualname__', None) or repr(loss_fn)}"
 
 
 def check_loss(who: str, schedule: str, module: Any, loss_fn: Any, loss_attr: str) -> None:
@@ -79,3 +91,74 @@ def batch_target(batch: Any, target_index: int | str, who: str, schedule: str) -
             "key of the target in your batch>"
         )
     return target
+
+
+def loss_tolerance(low_precision: bool) -> tuple[float, float]:
+    """``(rtol, atol)`` within which the loss ``training_step`` returned counts as the
+    schedule's; ``low_precision``: either loss is a 16-bit tensor.
+
+    The schedule's loss is the size-weighted sum of the micro-batches' means of the very
+    output values the user's loss sees on the joined output, so the same loss differs only
+    by the order of its float32 sums (a few units in the last place, ~1e-7): ``rtol=1e-4``
+    leaves a thousandfold margin and still catches a term worth 0.01% of the loss (label
+    smoothing 0.1 moves an untrained classifier's loss by ~0.2%). That holds under
+    ``bf16-mixed`` too, as autocast computes the losses (cross entropy, MSE, ...) in
+    float32 from the same bfloat16 outputs. A loss *returned* in bfloat16/float16 (a loss
+    computed by hand under autocast, or ``bf16-true``) has an 8-bit (11-bit) significand
+    that rounds by up to 4e-3 each time, and one mean over the batch rounds otherwise than
+    a sum of micro-batch means: ``rtol=1e-2``. ``atol`` covers losses near zero, whose
+    rounding is relative to their terms, not to their value."""
+    return (1e-2, 1e-3) if low_precision else (1e-4, 1e-6)
+
+
+def _low(t: torch.Tensor | None) -> bool:
+    return t is not None and t.dtype in (torch.float16, torch.bfloat16)
+
+
+def gather_losses(
+    returned: torch.Tensor, computed: torch.Tensor | None, size: int, group: Any = None
+) -> torch.Tensor:
+    """Every stage's ``[loss training_step returned (as given to backward), the schedule's
+    batch loss (NaN where the stage holds no last stage), 1 if either is 16-bit]``: a
+    ``(size, 3)`` float64 CPU table, the same on every stage (one all-gather of three
+    numbers; every stage calls it)."""
+    mine = returned.detach().reshape(()).to(torch.float64)
+    theirs = torch.full_like(mine, float("nan")) if computed is None else computed.detach()
+    low = torch.full_like(mine, float(_low(returned) or _low(computed)))
+    row = torch.stack([mine, theirs.reshape(()).to(mine), low])
+    if size == 1:
+        return row[None].cpu()
+    table = [torch.empty_like(row) for _ in range(size)]
+    dist.all_gather(table, row, group=group)
+    return torch.stack(table).cpu()
+
+
+def check_returned_loss(
+    table: torch.Tensor, scale: float, *, who: str, schedule: str, loss: str
+) -> None:
+    """Raise on every stage (each holds the same ``table`` of :func:`gather_losses`) if a
+    stage's ``training_step`` returned another loss than the schedule back-propagated.
+
+    ``scale``: Lightning's ``1 / accumulate_grad_batches``, by which it divides the returned
+    loss before backward (and the schedule its gradients); ``loss``: what computed the
+    schedule's loss, for the message. Non-finite values (a diverged loss) are not compared."""
+    computed = [float(v) for v in table[:, 1] if torch.isfinite(v)]
+    if not computed:
+        return
+    expected = computed[0]  # one stage holds the last stage: it computed the batch loss
+    low = bool(table[:, 2].max() > 0)
+    rtol, atol = loss_tolerance(low)
+    for stage, value in enumerate(float(v) / scale for v in table[:, 0]):
+        finite = torch.isfinite(torch.tensor(value))
+        if finite and abs(value - expected) > rtol * max(abs(value), abs(expected)) + atol:
+            raise ValueError(
+                f"{who}(schedule={schedule!r}) back-propagates the loss it computes per "
+                f"micro-batch with {loss}, {expected:.8g} on this batch, but training_step "
+                f"returned {value:.8g} (or passed it to manual_backward; on pipeline stage "
+                f"{stage}; the tolerance is relative "
+                f"{rtol:g} for {'16-bit' if low else 'float32'} losses): the weights would "
+                f"follow {loss}'s gradients, not those of the loss you return. Pass loss_fn "
+                "equal to what training_step returns, compute extra terms (regularisation, "
+                "label smoothing, loss weights) inside loss_fn, or use schedule='gpipe', "
+                "which backpropagates your own loss"
+            )

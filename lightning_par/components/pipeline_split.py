@@ -99,6 +99,7 @@ class PipelineSplit(ModelSplitter):
         self.schedule, self.module_attr, self.loss_attr = schedule, module_attr, loss_attr
         self.balance_by = balance_by
         self.batch_checked = False
+        self.loss_scale: float | None = None  # a scheduled step's, until its backward
         if split_points is not None:
             if balance is not None:
                 raise ValueError("give balance (layers of an nn.Sequential per stage) or "
@@ -323,6 +324,7 @@ class PipelineSplit(ModelSplitter):
             target = losses.batch_target(batch, self.target_index, self.name, self.schedule)
             scale = 1.0 / self.module.trainer.accumulate_grad_batches
             loss_fn = losses.resolve_loss(self.module, self.loss_fn, self.loss_attr)
+            self.loss_scale = scale  # before_backward compares the loss the step returns
             if self.graph is not None:  # the network's forward runs the schedule
                 self.graph.network.expect(target, loss_fn, scale)
                 return
@@ -337,6 +339,16 @@ class PipelineSplit(ModelSplitter):
             yield
         finally:
             net.active = False
+
+    def before_backward(self, closure_loss: Any) -> None:
+        scale, self.loss_scale = self.loss_scale, None
+        if scale is None or not isinstance(closure_loss, torch.Tensor) or closure_loss.numel() != 1:
+            return  # GPipe back-propagates the loss returned; or no scheduled step pending
+        net = self.graph.network if self.graph is not None else self.pipelined
+        computed, net.last_loss = net.last_loss, None
+        table = losses.gather_losses(closure_loss, computed, self.size, self.comm.group)
+        losses.check_returned_loss(table, scale, who=self.name, schedule=self.schedule,
+                                   loss=losses.loss_name(self.loss_fn, self.loss_attr))  # fmt: skip
 
     def after_backward(self) -> None:
         if self.graph is not None:

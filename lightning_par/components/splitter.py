@@ -86,6 +86,10 @@ class ModelSplitter:
         """Around every training/validation/test/predict step."""
         yield
 
+    def before_backward(self, closure_loss: Any) -> None:
+        """Before Lightning's backward of ``closure_loss`` (the loss the step returned, divided
+        by ``accumulate_grad_batches``, not yet multiplied by a gradient scaler)."""
+
     def after_backward(self) -> None:
         """After Lightning's backward of the loss (e.g. the pipeline's backward half)."""
 

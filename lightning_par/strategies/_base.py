@@ -306,6 +306,7 @@ class ParStrategy(DDPStrategy):
 
     @override
     def backward(self, closure_loss: torch.Tensor, optimizer: Any, *args: Any, **kwargs: Any):
+        self.splitter.before_backward(closure_loss)  # before a GradScaler scales it
         closure_loss = super().backward(closure_loss, optimizer, *args, **kwargs)
         self.splitter.after_backward()
         return closure_loss
