@@ -86,8 +86,8 @@ def _shown(value: Any) -> str:
 
 
 def with_registered_class(argv: list[str]) -> list[str]:
-    """``--trainer.strategy=NAME`` followed by ``--trainer.strategy.OPTION``s, NAME one of
-    ours, becomes the class with the name's registered options (the user's win)."""
+    """``--trainer.strategy=NAME`` followed by options ``--trainer.strategy.OPTION``, NAME
+    one of ours, becomes the class with the name's registered options (the user's win)."""
     specs = {s.name: s for s in strategy_specs()}
     has_options = any(a.startswith(f"{PREFIX}.") and not a.startswith(HELP_FLAG) for a in argv)
     out: list[str] = []

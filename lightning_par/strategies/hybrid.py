@@ -86,15 +86,16 @@ class HybridStrategy(ParStrategy):
             (default ``"ring"``).
         bucket_cap_mb: gradient bucket size in MiB.
         overlap: start buckets while backward runs (``False``: all after backward).
-        balance, chunks, checkpoint, schedule, module_attr, loss_attr, balance_by,
-            deferred_batch_norm, time_chunk, virtual_stages, split_points, plan, algorithm,
-            loss_fn, target_index:
-            the options of the ``mp_kind`` strategy (gpipe: ``chunks``, ``schedule``,
-            ``loss_fn``, ``target_index``, ``balance``, ...; layerwise: ``balance``,
-            ``time_chunk``, ...; tensor_parallel: ``plan``, ``algorithm``, ``module_attr``);
-            ``None``: the kind's default. An option of another kind is refused by name.
         **kwargs: ``trace``, ``trace_dir``, ``start_method``, ``process_group_backend``,
             ``timeout`` (see :class:`~lightning_par.strategies._base.ParStrategy`).
+
+    The options of the ``mp_kind`` strategy are keywords of this one too (``None``: the
+    kind's default; an option of another kind is refused by name): ``balance``,
+    ``chunks``, ``checkpoint``, ``schedule``, ``module_attr``, ``loss_attr``,
+    ``balance_by``, ``deferred_batch_norm``, ``time_chunk``, ``virtual_stages``,
+    ``split_points``, ``plan``, ``algorithm``, ``loss_fn``, ``target_index`` (gpipe:
+    ``chunks``, ``schedule``, ``loss_fn``, ...; layerwise: ``balance``, ``time_chunk``, ...;
+    tensor_parallel: ``plan``, ``algorithm``, ``module_attr``).
     """
 
     strategy_name = "hybrid"
