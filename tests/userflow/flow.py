@@ -88,7 +88,8 @@ class _Epoch:
 class AsReplicas:
     """One process reading, as one batch, the batches that ``replicas`` ranks read at each
     step through the ``DistributedSampler`` Lightning gives a data-parallel run (shuffled,
-    seed 0, a new order each epoch): the one-process run a data-parallel one must equal."""
+    seeded by ``seed_everything`` or 0, a new order each epoch): the one-process run a
+    data-parallel one must equal."""
 
     def __init__(self, replicas: int, per_rank: int) -> None:
         self.replicas, self.per_rank, self.sampler = replicas, per_rank, _Epoch()
@@ -96,7 +97,8 @@ class AsReplicas:
     def __iter__(self):
         shards = []
         for rank in range(self.replicas):
-            shard = DistributedSampler(range(SAMPLES), self.replicas, rank, shuffle=True, seed=0)
+            seed = int(os.environ.get("PL_GLOBAL_SEED", 0))  # Lightning's seed for it
+            shard = DistributedSampler(range(SAMPLES), self.replicas, rank, shuffle=True, seed=seed)
             shard.set_epoch(self.sampler.epoch)
             shards.append(list(shard))
         b = self.per_rank

@@ -30,7 +30,8 @@ DATA_PARALLEL = ("_allreduce", "parameter_server", "async_sgd", "local_sgd", "li
 NOT_SYNCHRONOUS = ("async_sgd", "local_sgd")
 #: Launcher variables a test session may hold that a user's shell does not.
 SESSION_ONLY = ("LIGHTNING_PAR_TIMEOUT", "LIGHTNING_PAR_START_METHOD", "LOCAL_RANK", "RANK",
-                "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "NODE_RANK", "GROUP_RANK")  # fmt: skip
+                "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "NODE_RANK", "GROUP_RANK",
+                "PL_GLOBAL_SEED", "PL_SEED_WORKERS")  # fmt: skip
 
 
 @dataclass(frozen=True)
