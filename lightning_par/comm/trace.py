@@ -12,6 +12,7 @@ import json
 import os
 import time
 from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -71,6 +72,16 @@ class CommTrace:
     def span(self, name: str, micro_batch: int | None = None) -> _Span:
         """Context manager recording a compute :class:`Event`."""
         return _Span(self, name, micro_batch)
+
+    @contextmanager
+    def left_out(self) -> Iterator[None]:
+        """What is sent and computed inside is not the run's (the checkpoint gathered for
+        the script at the end of ``fit``): the trace keeps only what came before."""
+        messages, events = len(self.messages), len(self.events)
+        try:
+            yield
+        finally:
+            del self.messages[messages:], self.events[events:]
 
     def clear(self) -> None:
         self.messages.clear()

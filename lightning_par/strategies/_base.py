@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Generator, Mapping
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from datetime import timedelta
 from pathlib import Path
 from typing import Any, ClassVar
@@ -344,7 +344,9 @@ class ParStrategy(DDPStrategy):
         launcher = self.launcher
         if getattr(launcher, "carries_back", False) and not self.holds_whole_model:
             # while every component (servers, stages) is still up: the script gets it
-            self.end_of_fit_checkpoint = dump_rank_checkpoint(self.lightning_module.trainer)
+            with self.trace.left_out() if self.trace is not None else nullcontext():
+                trainer = self.lightning_module.trainer
+                self.end_of_fit_checkpoint = dump_rank_checkpoint(trainer)
 
     @override
     def lightning_module_state_dict(self) -> dict[str, Any]:

@@ -16,6 +16,7 @@ these: the decorator refuses to install over it.
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
+from contextlib import nullcontext
 from typing import Any, TypeVar
 
 import lightning.pytorch as pl
@@ -93,11 +94,15 @@ def server_group_hooks(cls: S) -> S:
         return self.client.gather_state()  # complete on worker 0, which writes the file
 
     def on_train_end(self) -> None:
-        base(self).on_train_end()  # (a fork launch: the checkpoint carried to the script)
+        # the last pulls are the run's: waited for (and traced) before the state is gathered
+        # outside the trace, for the script (a fork launch) or for a later save (below)
+        self.servers.settle()
+        base(self).on_train_end()
         if self.client is not None and self.servers.ranks_outlive_the_call():
             # the script goes on in these ranks and may save a checkpoint after the servers
             # are gone: keep what they hold now
-            self.servers.final_state = self.client.gather_state()
+            with self.trace.left_out() if self.trace is not None else nullcontext():
+                self.servers.final_state = self.client.gather_state()
 
     def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
         if self.client is None:
