@@ -12,20 +12,27 @@ component is still up, and rank 0 writes it in two files:
 * ``training.ckpt``: the rest (optimiser and scheduler states, loops, callbacks, step and
   epoch), which the strategy keeps and merges into the script's next checkpoint.
 
-and rank 0's random states travel with Lightning's extra results, so the script goes on
-drawing what one process would. Both files are read with ``weights_only=True``: no object
-of another process is unpickled. A training state that holds some other type (a callback's
-custom state) is left behind with a warning; the weights still arrive.
+After every launch (fit, validate, test, predict) rank 0 also writes its random states
+(``random.pt``: the script goes on drawing what one process would) and its trace
+(``trace.json``). All of it travels as files, not through the queue Lightning returns
+results by: the main process reads that queue only once every rank has ended, so a rank
+whose result outgrew a pipe's buffer (64 KiB) would wait for it forever. The ``.pt`` files
+are read with ``weights_only=True``: no object of another process is unpickled. A training
+state that holds some other type (a callback's custom state) is left behind with a warning;
+the weights still arrive.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import pickle
 from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import Any
 
 import lightning.pytorch as pl
+import numpy as np
 import torch
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 
@@ -42,8 +49,18 @@ SCRIPT_KEYS = (
     "datamodule_hparams_name",
     "datamodule_hparams_type",
 )
-WEIGHTS_FILE = "weights.ckpt"
-TRAINING_FILE = "training.ckpt"
+WEIGHTS_FILE, TRAINING_FILE = "weights.ckpt", "training.ckpt"
+RANDOM_FILE, TRACE_FILE = "random.pt", "trace.json"
+
+
+@dataclass
+class CarriedBack:
+    """What the script reads of rank 0's folder (None: not sent, or not readable)."""
+
+    state_dict: dict[str, Any] | None = None
+    training: dict[str, Any] | None = None
+    random: dict[str, Any] | None = None
+    trace: dict[str, Any] | None = None
 
 
 def dump_rank_checkpoint(trainer: pl.Trainer) -> dict[str, Any]:
@@ -52,9 +69,16 @@ def dump_rank_checkpoint(trainer: pl.Trainer) -> dict[str, Any]:
     return trainer._checkpoint_connector.dump_checkpoint(weights_only=False)
 
 
-def save_for_script(checkpoint: Mapping[str, Any], folder: str) -> str:
-    """Write ``checkpoint`` into ``folder`` as the two files above; returns the weights'
-    path (the one Lightning's launcher passes back)."""
+def save_for_script(
+    folder: str, checkpoint: Mapping[str, Any] | None, trace: dict[str, Any] | None
+) -> str | None:
+    """Write what rank 0 sends into ``folder``; returns the weights' path (None: no fit)."""
+    torch.save(random_states(), os.path.join(folder, RANDOM_FILE))
+    if trace is not None:
+        with open(os.path.join(folder, TRACE_FILE), "w") as f:
+            json.dump(trace, f)
+    if checkpoint is None:
+        return None
     weights = os.path.join(folder, WEIGHTS_FILE)
     torch.save(checkpoint["state_dict"], weights)
     training = {k: v for k, v in checkpoint.items() if k not in SCRIPT_KEYS}
@@ -62,14 +86,26 @@ def save_for_script(checkpoint: Mapping[str, Any], folder: str) -> str:
     return weights
 
 
-def load_in_script(weights_path: str) -> tuple[dict[str, Any], dict[str, Any] | None]:
-    """The state dict and the training state (None when it cannot be read safely)."""
-    state_dict = torch.load(weights_path, map_location="cpu", weights_only=True)
-    training_path = os.path.join(os.path.dirname(weights_path), TRAINING_FILE)
-    if not os.path.exists(training_path):
-        return state_dict, None
+def load_in_script(folder: str) -> CarriedBack:
+    """Read what :func:`save_for_script` wrote (in the script's process)."""
+    carried = CarriedBack()
+    path = os.path.join(folder, WEIGHTS_FILE)
+    if os.path.exists(path):
+        carried.state_dict = torch.load(path, map_location="cpu", weights_only=True)
+        carried.training = _training_state(os.path.join(folder, TRAINING_FILE))
+    path = os.path.join(folder, RANDOM_FILE)
+    if os.path.exists(path):
+        carried.random = torch.load(path, weights_only=True)
+    path = os.path.join(folder, TRACE_FILE)
+    if os.path.exists(path):
+        with open(path) as f:
+            carried.trace = json.load(f)
+    return carried
+
+
+def _training_state(path: str) -> dict[str, Any] | None:
     try:
-        training = torch.load(training_path, map_location="cpu", weights_only=True)
+        return torch.load(path, map_location="cpu", weights_only=True)
     except pickle.UnpicklingError as error:
         first_line = str(error).strip().splitlines()[0]
         rank_zero_warn(
@@ -78,8 +114,7 @@ def load_in_script(weights_path: str) -> tuple[dict[str, Any], dict[str, Any] | 
             "`fit` has the weights but no optimiser state. Save checkpoints during `fit` "
             "(ModelCheckpoint) to keep it."
         )
-        return state_dict, None
-    return state_dict, training
+        return None
 
 
 def with_training_state(
@@ -93,13 +128,15 @@ def with_training_state(
 
 
 def random_states() -> dict[str, Any]:
-    """Rank 0's CPU random states, by value (a tensor would travel as a shared-memory handle
-    that dies with the rank)."""
-    return {k: v.numpy() if isinstance(v, torch.Tensor) else v
-            for k, v in _compat.rng_states().items()}  # fmt: skip
+    """This process's CPU random states as tensors and plain values (``weights_only``)."""
+    states = _compat.rng_states()
+    kind, key, pos, has_gauss, gauss = states["numpy"]
+    return {**states, "numpy": (kind, torch.from_numpy(key.astype(np.int64)), pos,
+                                has_gauss, gauss)}  # fmt: skip
 
 
 def restore_random_states(states: Mapping[str, Any]) -> None:
-    """In the script: go on from what :func:`random_states` read in rank 0."""
-    _compat.set_rng_states({k: torch.from_numpy(v) if k == "torch" else v
-                            for k, v in states.items()})  # fmt: skip
+    """Go on from what :func:`random_states` read (in rank 0)."""
+    kind, key, pos, has_gauss, gauss = states["numpy"]
+    numpy_state = (kind, key.numpy().astype(np.uint32), pos, has_gauss, gauss)
+    _compat.set_rng_states({**states, "numpy": numpy_state})

@@ -22,7 +22,7 @@
 * after a fork ``fit`` the main process gets the FULL model and the training state
   (optimiser and scheduler states, loops: :mod:`._carry_back`), gathered from every stage by
   model-split strategies, so the script's ``save_checkpoint`` writes what one process would;
-  and rank 0's trace.
+  after every launch, rank 0's random states and trace (as files, not through the queue).
 
 :class:`ExistingRanksLauncher` is used when the ranks already exist (torchrun, SLURM,
 ``run_on_ranks``): it starts nothing, also in a notebook.
@@ -63,7 +63,6 @@ from lightning_par.launch.processes import die_with_parent, stop_process_groups
 from lightning_par.launch.rendezvous import STORE_ENV, host_job_store
 from lightning_par.strategies._carry_back import (
     load_in_script,
-    random_states,
     restore_random_states,
     save_for_script,
 )
@@ -258,39 +257,29 @@ class PolicyLauncher(_compat.MultiProcessingLauncher):
             self._strategy.end_of_fit_checkpoint = None
         if self._strategy.local_rank != 0:
             return None
-        # a folder of its own, removed with the files once the main process read them
-        weights_path = None
-        if checkpoint is not None:
-            weights_path = save_for_script(checkpoint, tempfile.mkdtemp(prefix=WEIGHTS_PREFIX))
-        extra = self.get_extra_results(trainer)
+        # a folder of its own, removed once the main process read it (see _carry_back)
+        folder = tempfile.mkdtemp(prefix=WEIGHTS_PREFIX)
+        trace = getattr(self._strategy, "trace", None)
+        weights_path = save_for_script(
+            folder, checkpoint, trace_to_dict(trace) if trace is not None else None
+        )
+        extra = {**self.get_extra_results(trainer), "lightning_par_folder": folder}
         return _compat.WorkerOutput(best_model_path, weights_path, trainer.state, results, extra)
 
     @override
     def _recover_results_in_main_process(self, worker_output: Any, trainer: pl.Trainer) -> None:
-        path = worker_output.weights_path
-        if path is not None:  # the weights into the script's model, as Lightning's launcher
-            state_dict, training = load_in_script(path)
-            trainer.lightning_module.load_state_dict(state_dict, strict=False)
-            self._strategy.training_state = training  # for the script's save_checkpoint
-            shutil.rmtree(os.path.dirname(path), ignore_errors=True)
+        folder = worker_output.extra.get("lightning_par_folder")
+        if folder is not None:
+            carried = load_in_script(folder)
+            shutil.rmtree(folder, ignore_errors=True)
+            if carried.state_dict is not None:  # into the script's model, as Lightning does
+                trainer.lightning_module.load_state_dict(carried.state_dict, strict=False)
+                self._strategy.training_state = carried.training  # for save_checkpoint
+            if carried.random is not None:
+                restore_random_states(carried.random)
+            if carried.trace is not None:
+                self._strategy.trace = trace_from_dict(carried.trace)
         super()._recover_results_in_main_process(worker_output._replace(weights_path=None), trainer)
-
-    @override
-    def get_extra_results(self, trainer: pl.Trainer) -> dict[str, Any]:
-        extra = super().get_extra_results(trainer)
-        trace = getattr(self._strategy, "trace", None)
-        extra["lightning_par_trace"] = trace_to_dict(trace) if trace is not None else None
-        extra["lightning_par_rng"] = random_states()
-        return extra
-
-    @override
-    def update_main_process_results(self, trainer: pl.Trainer, extra: dict[str, Any]) -> None:
-        super().update_main_process_results(trainer, extra)
-        if extra.get("lightning_par_rng") is not None:
-            restore_random_states(extra["lightning_par_rng"])
-        record = extra.get("lightning_par_trace")
-        if record is not None:
-            self._strategy.trace = trace_from_dict(record)
 
     def __getstate__(self) -> dict:
         state = super().__getstate__()
