@@ -5,7 +5,7 @@ replay, and the replay uses each step's own measured duration, not the textbook 
 import pytest
 
 from lightning_par.comm import CommTrace, Event
-from lightning_par.pipeline.schedules_v import device_schedule, formula_bubble
+from lightning_par.pipeline.schedules import device_schedule, formula_bubble
 from lightning_par.pipeline.timeline import mean_costs, measured_bubble, replayed_bubble
 from lightning_par.pipeline.validate import COSTS, simulate, simulated_bubble
 

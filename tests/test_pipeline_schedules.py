@@ -15,10 +15,10 @@ from lightning_par.models import CifarCNN
 from lightning_par.pipeline import balance_by_params, split_sequential
 from lightning_par.pipeline.multistage import DeviceStages
 from lightning_par.pipeline.schedule import Step, max_in_flight
-from lightning_par.pipeline.schedules_v import (
-    SPLIT_SCHEDULES,
+from lightning_par.pipeline.schedules import (
     device_schedule,
     formula_bubble,
+    get_schedule,
     placement,
 )
 from lightning_par.pipeline.step import scheduled_step
@@ -171,7 +171,7 @@ def _device_stages(rank: int, k: int, v: int, schedule: str, modules: list[nn.Mo
     mine = {s: modules[s] for s in range(k * v) if where(s) == rank}
     comm = Communicator(trace=CommTrace(rank))
     device = DeviceStages(mine, k * v, comm, device_of=where,
-                          split_backward=schedule in SPLIT_SCHEDULES)  # fmt: skip
+                          split_backward=get_schedule(schedule).split_backward)  # fmt: skip
     return device, mine
 
 
@@ -213,7 +213,7 @@ def test_new_schedules_match_one_process(k):
             where = f"K={k} v={v} M={m} {schedule}"
             assert weight_err < 1e-5, where
             assert loss_err < 1e-5, where
-            if schedule in SPLIT_SCHEDULES:  # the split really ran
+            if get_schedule(schedule).split_backward:  # the split really ran
                 assert {"fwd", "bwd_input", "bwd_weight"} <= ops, where
 
 
@@ -222,7 +222,7 @@ def test_new_schedules_match_one_process_on_the_cnn():
     for rank_results in run_on_ranks(_exact, 2, configs, "cnn", timeout=180):
         for schedule, v, m, weight_err, loss_err, ops in rank_results:
             assert weight_err < 1e-5 and loss_err < 1e-5, (schedule, v, m, weight_err, loss_err)
-            if schedule in SPLIT_SCHEDULES:  # the split really ran
+            if get_schedule(schedule).split_backward:  # the split really ran
                 assert {"fwd", "bwd_input", "bwd_weight"} <= ops, schedule
 
 

@@ -14,7 +14,7 @@ from lightning_par.pipeline.partition import (
     balance_for_devices,
 )
 from lightning_par.pipeline.schedule import max_in_flight
-from lightning_par.pipeline.schedules_v import (
+from lightning_par.pipeline.schedules import (
     device_schedule,
     formula_bubble,
     placement,

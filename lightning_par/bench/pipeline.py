@@ -15,8 +15,8 @@ run:
 * our interleaved 1F1B (``v`` stages per device), zero bubble (ZB-H1 order, B/W split)
   and ZBV (two stages per device in a V, B/W split) on
   :class:`~lightning_par.pipeline.multistage.DeviceStages` (:mod:`.pipeline_v`), each
-  row's ``theory_bubble`` its own formula (:func:`~lightning_par.pipeline.schedules_v.
-  formula_bubble`) beside the bubble measured from the traces and the schedule replayed
+  row's ``theory_bubble`` its own formula (:meth:`~lightning_par.pipeline.schedules.
+  Schedule.bubble`) beside the bubble measured from the traces and the schedule replayed
   with the step costs the traces measured (``theory_bubble_measured_costs``,
   :func:`~lightning_par.pipeline.timeline.replayed_bubble`: the formula's idle time without
   its equal-cost assumption; ``mean_step_ms``: the mean F, B, W spans) and the gap between
@@ -62,6 +62,7 @@ from lightning_par.bench.pipeline_v import (
     layout_of,
     ours_v,
     runs,
+    schedule_of,
     theirs_v,
     virtual_of,
 )
@@ -75,7 +76,14 @@ from lightning_par.pipeline import (
     split_sequential,
 )
 from lightning_par.pipeline.partition import balance_by_replay, layer_times
-from lightning_par.pipeline.schedules_v import device_schedule, formula_bubble, placement
+from lightning_par.pipeline.schedules import (
+    GPIPE,
+    INTERLEAVED,
+    ONE_F_ONE_B,
+    ZBV,
+    ZERO_BUBBLE,
+    Schedule,
+)
 from lightning_par.pipeline.timeline import mean_costs, measured_bubble, replayed_bubble
 
 
@@ -97,9 +105,10 @@ def cnn_workload(batch: int = 64) -> tuple[nn.Sequential, torch.Tensor, torch.Te
 
 
 WORKLOADS = {"linear": linear_workload, "cnn": cnn_workload}
-#: torch.distributed.pipelining's peers of our "gpipe" and "1f1b" schedules
-TORCH_SCHEDULES = ("ScheduleGPipe", "Schedule1F1B")
-PEERS = {"gpipe": "torch ScheduleGPipe", "1f1b": "torch Schedule1F1B"}
+#: our schedules on one PipelineStage per device, and torch.distributed.pipelining's peers
+OURS = (GPIPE, ONE_F_ONE_B)
+TORCH_SCHEDULES = tuple(s.torch_peer for s in OURS)
+PEERS = {s.name: f"torch {s.torch_peer}" for s in OURS}
 
 
 def _time_steps(step, optimizer, warmup: int, steps: int, rounds: int = 1) -> tuple[float, float]:
@@ -155,9 +164,9 @@ def _balances(workload: str, base: nn.Sequential, x: torch.Tensor, k: int, v: in
     the micro-batch size, not the batch's, because small batches do not cost a fixed share
     (the CNN's best interleaved cut is [2, 1, 1, 2] at M = 4 and [1, 1, 2, 2] at M = 8)."""
     layouts = {
-        "pipeline": (k, lambda s: s, [("gpipe", 1), ("1f1b", 1), ("zero_bubble", 1)]),
-        "interleaved": (k * v, placement("interleaved", k), [("interleaved", v)]),
-        "zbv": (2 * k, placement("zbv", k), [("zbv", 2)]),
+        "pipeline": (k, lambda s: s, [(GPIPE, 1), (ONE_F_ONE_B, 1), (ZERO_BUBBLE, 1)]),
+        "interleaved": (k * v, INTERLEAVED.placement(k), [(INTERLEAVED, v)]),
+        "zbv": (2 * k, ZBV.placement(k), [(ZBV, 2)]),
     }
     counts = sorted({1, *chunks})
     costs: dict = {}
@@ -174,8 +183,8 @@ def _balances(workload: str, base: nn.Sequential, x: torch.Tensor, k: int, v: in
         cuts[name] = {}
         for m in counts:
             naive = m == 1 and name == "pipeline"  # M = 1: the naive row (GPipe)
-            todo = [("gpipe", 1)] if naive else kinds
-            plans = [device_schedule(s, k, m, vv) for s, vv in todo if runs(s, m, k, vv)]
+            todo = [(GPIPE, 1)] if naive else kinds
+            plans = [s.steps(k, m, vv) for s, vv in todo if runs(s, m, k)]
             if not plans and name != "pipeline":
                 continue
             if workload == "linear":  # identical layers: equal parameters are equal work
@@ -197,7 +206,7 @@ def _pipelines(rank: int, world_size: int, workload: str, chunks: list[int], war
                      "runs": [], "saved_bytes": {}}  # fmt: skip
     same = (base, balances, rank, world_size, virtual, x, y, loss_fn)
 
-    def ours(schedule: str, m: int, mode: str = "never"):
+    def ours(schedule: Schedule, m: int, mode: str = "never"):
         module = split_sequential(copy.deepcopy(base), balances["pipeline"][m])[rank]
         stage = PipelineStage(module, Communicator(trace=CommTrace(rank)), checkpoint=mode)
         opt = torch.optim.SGD(module.parameters(), lr=1e-3)
@@ -218,10 +227,10 @@ def _pipelines(rank: int, world_size: int, workload: str, chunks: list[int], war
             return None, opt, lambda: schedule.step(x)
         return None, opt, lambda: schedule.step(target=y)
 
-    contenders = [("naive", 1, ours("gpipe", 1))]
-    contenders += [(s, m, ours(s, m)) for s in ("gpipe", "1f1b") for m in chunks]
-    contenders += [(s, m, ours_v(s, m, *same)) for s in OURS_V for m in chunks
-                   if runs(s, m, world_size, virtual)]  # fmt: skip
+    contenders = [("naive", 1, ours(GPIPE, 1))]
+    contenders += [(s.name, m, ours(s, m)) for s in OURS for m in chunks]
+    contenders += [(s.name, m, ours_v(s, m, *same)) for s in OURS_V for m in chunks
+                   if runs(s, m, world_size)]  # fmt: skip
     contenders += [(f"torch {k}", m, theirs(k, m)) for k in TORCH_SCHEDULES for m in chunks]
     contenders += [(f"torch {k}", m, theirs_v(k, m, *same)) for k in TORCH_V_SCHEDULES
                    for m in chunks]  # fmt: skip
@@ -250,7 +259,7 @@ def _pipelines(rank: int, world_size: int, workload: str, chunks: list[int], war
             run["peak_saved_bytes"] = stage.saved.peak
 
     for mode in CHECKPOINT_MODES:
-        stage, opt, step = ours("gpipe", max(chunks), mode)
+        stage, opt, step = ours(GPIPE, max(chunks), mode)
         stage.measure_memory()
         step()
         results["saved_bytes"][mode] = stage.saved.nbytes
@@ -264,18 +273,12 @@ def _imbalance_floor(device_cpu: list[float]) -> float:
     return 1.0 - sum(device_cpu) / (len(device_cpu) * max(device_cpu))
 
 
-def _kind(name: str) -> str:
-    """Our schedule a row's bubble formula is that of (torch's rows: their peer's)."""
-    peers = {v: k for k, v in {**PEERS, **PEERS_V}.items()}
-    return peers.get(name, "gpipe" if name == "naive" else name)
-
-
-def _with_measured_costs(traces: list, steps: range, kind: str, k: int, m: int,
+def _with_measured_costs(traces: list, steps: range, kind: Schedule, k: int, m: int,
                          v: int) -> dict:  # fmt: skip
     """The row's schedule replayed with the costs its steps measured (free messages):
     ``theory_bubble_measured_costs``, beside the formula's ``theory_bubble`` (which assumes
     the textbook costs), and the mean span per op, ``mean_step_ms``."""
-    schedule = device_schedule(kind, k, m, v)
+    schedule = kind.steps(k, m, v)
     replayed = [replayed_bubble(traces, n, schedule, k * v) for n in steps]
     costs = [mean_costs(traces, n) for n in steps]
     return {
@@ -304,8 +307,8 @@ def run(workload: str, chunks: list[int], warmup: int, steps: int, rounds: int,
                "imbalance_floor": _imbalance_floor([r["runs"][i]["cpu_s"] for r in ranks]),
                "virtual_stages": virtual_of(run0["name"], virtual),
                "balance": ranks[0]["balances"][layout_of(run0["name"])][run0["chunks"]],
-               "theory_bubble": formula_bubble(_kind(run0["name"]), stages, run0["chunks"],
-                                               virtual_of(run0["name"], virtual))}  # fmt: skip
+               "theory_bubble": schedule_of(run0["name"]).bubble(
+                   stages, run0["chunks"], virtual_of(run0["name"], virtual))}  # fmt: skip
         if "trace" in run0:
             row["peak_saved_bytes"] = [r["runs"][i]["peak_saved_bytes"] for r in ranks]
             row["messages_per_step"] = [r["runs"][i]["messages_per_step"] for r in ranks]
@@ -318,7 +321,7 @@ def run(workload: str, chunks: list[int], warmup: int, steps: int, rounds: int,
                 _with_measured_costs(
                     traces,
                     range(first, first + steps),
-                    _kind(run0["name"]),
+                    schedule_of(run0["name"]),
                     stages,
                     run0["chunks"],
                     row["virtual_stages"],

@@ -24,55 +24,71 @@ from torch import nn
 from lightning_par.comm import CommTrace, Communicator
 from lightning_par.pipeline import split_sequential
 from lightning_par.pipeline.multistage import DeviceStages
-from lightning_par.pipeline.schedules_v import SPLIT_SCHEDULES, placement
+from lightning_par.pipeline.schedules import (
+    GPIPE,
+    INTERLEAVED,
+    SCHEDULES,
+    ZBV,
+    ZERO_BUBBLE,
+    Schedule,
+    get_schedule,
+)
 from lightning_par.pipeline.step import scheduled_step
 
-#: torch's peers of our new schedules (and how many stages per rank each uses)
-TORCH_V_SCHEDULES = ("ScheduleInterleaved1F1B", "ScheduleInterleavedZeroBubble",
-                     "ScheduleZBVZeroBubble")  # fmt: skip
 #: our schedules on DeviceStages
-OURS_V = ("interleaved", "zero_bubble", "zbv")
-PEERS_V = {"interleaved": "torch ScheduleInterleaved1F1B",
-           "zero_bubble": "torch ScheduleInterleavedZeroBubble",
-           "zbv": "torch ScheduleZBVZeroBubble"}  # fmt: skip
+OURS_V = (INTERLEAVED, ZERO_BUBBLE, ZBV)
+#: torch's peers of them (and how many stages per rank each uses: as ours)
+TORCH_V_SCHEDULES = tuple(s.torch_peer for s in OURS_V)
+PEERS_V = {s.name: f"torch {s.torch_peer}" for s in OURS_V}
+
+
+def schedule_of(name: str) -> Schedule:
+    """Our schedule a contender is, or is the peer of (``"torch ScheduleGPipe"`` or
+    ``"ScheduleGPipe"``: GPipe); the naive split is GPipe with one micro-batch."""
+    peers = {s.torch_peer: s for s in SCHEDULES.values()}
+    found = peers.get(name.removeprefix("torch "))
+    return found or (GPIPE if name == "naive" else get_schedule(name))
 
 
 def layout_of(name: str) -> str:
     """Which cut a contender runs on: ``"interleaved"``, ``"zbv"`` or ``"pipeline"``."""
-    if "nterleaved1F1B" in name or name == "interleaved":
-        return "interleaved"
-    return "zbv" if name == "zbv" or "ZBVZeroBubble" in name else "pipeline"
+    schedule = schedule_of(name)
+    if schedule.v_shape:
+        return "zbv"
+    return "interleaved" if schedule.takes_virtual_stages else "pipeline"
 
 
 def virtual_of(name: str, virtual_stages: int) -> int:
     """Stages per device of a contender: ``v`` for the interleaved ones, 2 for ZBV, else 1."""
-    return {"interleaved": virtual_stages, "zbv": 2}.get(layout_of(name), 1)
+    return schedule_of(name).stages_per_device(virtual_stages)
 
 
-def runs(name: str, chunks: int, num_devices: int, virtual_stages: int) -> bool:
-    """Whether the contender runs at this ``chunks`` (ours: interleaved needs M % K == 0)."""
-    if name == "interleaved":
-        return chunks % num_devices == 0
+def runs(schedule: Schedule, chunks: int, num_devices: int) -> bool:
+    """Whether our ``schedule`` runs at this ``chunks`` (interleaved: M a multiple of K)."""
+    try:
+        schedule.check_chunks(chunks, num_devices)
+    except ValueError:
+        return False
     return True
 
 
 def _my_stages(base: nn.Sequential, balance: list[int], rank: int, k: int,
-               schedule: str) -> dict[int, nn.Module]:  # fmt: skip
+               schedule: Schedule) -> dict[int, nn.Module]:  # fmt: skip
     modules = split_sequential(copy.deepcopy(base), balance)
-    where = placement(schedule, k)
+    where = schedule.placement(k)
     return {s: modules[s] for s in range(len(balance)) if where(s) == rank}
 
 
-def ours_v(schedule: str, m: int, base: nn.Sequential, balances: dict[str, dict[int, list[int]]],
-           rank: int, k: int, v: int, x: torch.Tensor, y: torch.Tensor,
+def ours_v(schedule: Schedule, m: int, base: nn.Sequential,
+           balances: dict[str, dict[int, list[int]]], rank: int, k: int, v: int,
+           x: torch.Tensor, y: torch.Tensor,
            loss_fn: nn.Module) -> tuple[DeviceStages, torch.optim.Optimizer, Callable]:  # fmt: skip
     """Our ``schedule`` (one of :data:`OURS_V`) at ``m`` micro-batches."""
-    assert schedule in OURS_V
-    vv = virtual_of(schedule, v)
-    mine = _my_stages(base, balances[layout_of(schedule)][m], rank, k, schedule)
+    vv = schedule.stages_per_device(v)
+    mine = _my_stages(base, balances[layout_of(schedule.name)][m], rank, k, schedule)
     device = DeviceStages(mine, k * vv, Communicator(trace=CommTrace(rank)),
-                          device_of=placement(schedule, k),
-                          split_backward=schedule in SPLIT_SCHEDULES)  # fmt: skip
+                          device_of=schedule.placement(k),
+                          split_backward=schedule.split_backward)  # fmt: skip
     params = [p for mod in mine.values() for p in mod.parameters()]
     opt = torch.optim.SGD(params, lr=1e-3)
     return device, opt, lambda: scheduled_step(device, x, y, loss_fn, m, schedule, vv)
@@ -86,7 +102,7 @@ def theirs_v(kind: str, m: int, base: nn.Sequential, balances: dict[str, dict[in
 
     vv = virtual_of(kind, v)
     balance = balances[layout_of(kind)][m]
-    mine = _my_stages(base, balance, rank, k, "zbv" if layout_of(kind) == "zbv" else "")
+    mine = _my_stages(base, balance, rank, k, schedule_of(kind))
     micro = x.tensor_split(m)[0]
     stages = []
     for s, module in mine.items():

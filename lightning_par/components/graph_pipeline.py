@@ -39,6 +39,7 @@ from lightning_par.graphcut import UnsplittableModel, auto_split_points, cut, tr
 from lightning_par.pipeline.batchnorm import commit_batch_norm, defer_batch_norm
 from lightning_par.pipeline.materialize import has_meta
 from lightning_par.pipeline.network import PipelinedNetwork
+from lightning_par.pipeline.schedules import Schedule
 from lightning_par.pipeline.state import gather_objects
 
 
@@ -185,7 +186,7 @@ class GraphPipeline:
         split_points: list[str] | None,
         balance_by: str,
         chunks: int,
-        schedule: str,
+        schedule: Schedule,
         virtual_stages: int,
         checkpoint: str,
         deferred_batch_norm: bool,

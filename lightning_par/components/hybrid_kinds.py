@@ -9,8 +9,14 @@ to the kind's splitter, which refuses another kind's option by name (:func:`make
 from __future__ import annotations
 
 import inspect
-from typing import Any
+from collections.abc import Callable
+from typing import Any, NamedTuple
 
+from lightning_par.components.pipeline_options import (
+    LAYERWISE,
+    LAYERWISE_OPTIONS,
+    PipelineOptions,
+)
 from lightning_par.components.pipeline_split import PipelineSplit
 from lightning_par.components.splitter import ModelSplitter
 from lightning_par.components.tensor_split import TensorParallelSplit
@@ -18,23 +24,30 @@ from lightning_par.components.tensor_split import TensorParallelSplit
 DEFAULT_KIND = "gpipe"
 
 
-def _layerwise(
-    balance: list[int] | None = None, time_chunk: int | None = None,
-    balance_by: str = "params", module_attr: str | None = None,
-    split_points: list[str] | None = None,
-) -> PipelineSplit:  # fmt: skip
-    """The layer-wise split: one micro-batch, no re-materialisation (``LayerwiseStrategy``)."""
-    return PipelineSplit(
-        balance, chunks=1, checkpoint="never", schedule="gpipe", module_attr=module_attr,
-        balance_by=balance_by, time_chunk=time_chunk, split_points=split_points,
-    )  # fmt: skip
+class Kind(NamedTuple):
+    """A model-parallel kind: the options it takes and its splitter, built from them."""
+
+    options: tuple[str, ...]
+    build: Callable[..., ModelSplitter]
 
 
-#: The model-parallel kinds a hybrid row can run: kind -> splitter factory (its options).
-KINDS: dict[str, Any] = {
-    "gpipe": PipelineSplit,
-    "layerwise": _layerwise,
-    "tensor_parallel": TensorParallelSplit,
+def _pipeline(**options: Any) -> PipelineSplit:
+    """The pipeline of ``GPipeStrategy``."""
+    return PipelineSplit(PipelineOptions(**options))
+
+
+def _layerwise(**options: Any) -> PipelineSplit:
+    """The layer-wise split of ``LayerwiseStrategy``: one micro-batch, no re-materialisation."""
+    return PipelineSplit(PipelineOptions(**options, **LAYERWISE))
+
+
+_TENSOR = tuple(n for n in inspect.signature(TensorParallelSplit).parameters if n != "self")
+
+#: The model-parallel kinds a hybrid row can run.
+KINDS: dict[str, Kind] = {
+    "gpipe": Kind(PipelineOptions.names(), _pipeline),
+    "layerwise": Kind(LAYERWISE_OPTIONS, _layerwise),
+    "tensor_parallel": Kind(_TENSOR, TensorParallelSplit),
 }
 
 #: Every option of any kind, as HybridStrategy declares them (None: the kind's default).
@@ -52,7 +65,7 @@ def mp_kinds() -> list[str]:
 
 def kind_option_names(kind: str) -> list[str]:
     """The options the splitter of ``kind`` takes."""
-    return [n for n in inspect.signature(KINDS[kind]).parameters if n != "self"]
+    return list(KINDS[kind].options)
 
 
 def make_splitter(kind: object, options: dict[str, Any]) -> ModelSplitter:
@@ -67,4 +80,4 @@ def make_splitter(kind: object, options: dict[str, Any]) -> ModelSplitter:
             f"dp, mp, mp_kind, dp_algorithm, bucket_cap_mb, overlap, {', '.join(known)} and "
             "trace, trace_dir, start_method, process_group_backend, timeout"
         )
-    return KINDS[kind](**options)  # type: ignore[index]
+    return KINDS[kind].build(**options)  # type: ignore[index]

@@ -13,27 +13,36 @@ import torch
 from torch import nn
 
 from lightning_par.components.pipeline_loss import check_loss
-from lightning_par.pipeline import CHECKPOINT_MODES, SCHEDULES, balance_by_params
+from lightning_par.pipeline import CHECKPOINT_MODES, balance_by_params
 from lightning_par.pipeline.partition import balance_by_time, check_balance, split_sequential
-from lightning_par.pipeline.schedules_v import NEW_SCHEDULES, V_SCHEDULES
+from lightning_par.pipeline.schedules import SCHEDULES, Schedule
 from lightning_par.pipeline.sequential import PipelinedSequential
 
 
-def check_settings(
-    balance: list[int] | None, chunks: int, checkpoint: str, schedule: str, balance_by: str
-) -> None:
-    """Reject constructor arguments out of range (called by ``GPipeStrategy.__init__``)."""
-    if not isinstance(chunks, int) or chunks < 1:
-        raise ValueError(f"chunks (micro-batches per batch) must be an int >= 1: {chunks!r}")
-    if schedule in V_SCHEDULES:
+def strategy_schedule(schedule: object) -> Schedule:
+    """The strategies' ``schedule``, looked up once (in the constructor): one whose stages
+    are dealt round-robin over the ranks, as the strategies place them."""
+    found = SCHEDULES.get(schedule) if isinstance(schedule, str) else schedule
+    if not isinstance(found, Schedule):
+        choices = tuple(name for name, s in SCHEDULES.items() if not s.v_shape)
+        raise ValueError(f"schedule={schedule!r}: choose one of {choices}")
+    if found.v_shape:
         raise ValueError(
-            f"GPipeStrategy does not run schedule={schedule!r}: its V-shaped stage layout "
+            f"GPipeStrategy does not run schedule={found.name!r}: its V-shaped stage layout "
             "(device d holds stages d and 2K-1-d) is not the strategies' round-robin one; use "
             "schedule='zero_bubble' (ZB-H1), or run ZBV with pipeline.step.scheduled_step"
         )
+    return found
+
+
+def check_settings(
+    balance: list[int] | None, chunks: int, checkpoint: str, balance_by: str
+) -> None:
+    """Reject constructor arguments out of range (called by ``PipelineOptions``)."""
+    if not isinstance(chunks, int) or chunks < 1:
+        raise ValueError(f"chunks (micro-batches per batch) must be an int >= 1: {chunks!r}")
     for name, value, choices in [
         ("checkpoint", checkpoint, CHECKPOINT_MODES),
-        ("schedule", schedule, SCHEDULES + NEW_SCHEDULES),
         ("balance_by", balance_by, ("params", "time")),
     ]:
         if value not in choices:
@@ -50,7 +59,7 @@ def check_before_launch(
     stages: int,
     balance: list[int] | None,
     balance_by: str,
-    schedule: str,
+    schedule: Schedule,
     loss_attr: str,
     devices: Sequence[torch.device],
     backend: str | None,
@@ -87,7 +96,7 @@ def check_before_launch(
         check_stages_have_parameters(net, balance)
     if devices and devices[0].type == "cuda":
         check_backend(schedule, backend or "nccl")
-    if schedule != "gpipe":
+    if schedule.loss_per_micro_batch:
         check_1f1b_loss(module, loss_attr, schedule, loss_fn, who)
 
 
@@ -109,7 +118,7 @@ def check_stages_have_parameters(net: nn.Sequential, balance: list[int]) -> None
 def check_1f1b_loss(
     module: pl.LightningModule,
     loss_attr: str,
-    schedule: str = "1f1b",
+    schedule: Schedule,
     loss_fn: Callable | None = None,
     who: str = "gpipe",
 ) -> None:
@@ -119,31 +128,33 @@ def check_1f1b_loss(
     check_loss(who, schedule, module, loss_fn, loss_attr)
 
 
-def check_backend(schedule: str, backend: str) -> None:
-    """Reject 1F1B on NCCL, which would deadlock."""
-    if schedule != "gpipe" and backend == "nccl":
+def check_backend(schedule: Schedule, backend: str) -> None:
+    """Reject 1F1B and the schedules past it on NCCL, which would deadlock."""
+    if schedule.sends_both_ways and backend == "nccl":
         # 1F1B has a stage send its next activation while its neighbour sends a gradient
         # back; NCCL runs one pair's messages in posting order on one stream, so both
         # sends would wait for receives queued behind them.
         raise ValueError(
-            f"schedule={schedule!r} needs sends in both directions between two stages at once, "
-            "which NCCL point-to-point serialises (deadlock): use schedule='gpipe' on GPUs, "
+            f"schedule={schedule.name!r} needs sends in both directions between two stages at "
+            "once, which NCCL point-to-point serialises (deadlock): use schedule='gpipe' on GPUs, "
             "or process_group_backend='gloo' (CUDA tensors are staged through host memory)"
         )
 
 
-def check_trainer(trainer: pl.Trainer, schedule: str, precision_plugin: Any) -> None:
+def check_trainer(trainer: pl.Trainer, schedule: Schedule, precision_plugin: Any) -> None:
     """Reject trainer settings that would differ from single-process training: a gradient
     scaler under 1F1B. (Clipping by norm uses the whole model's norm:
     :mod:`lightning_par.components.pipeline_features`.)"""
-    if schedule != "gpipe":
+    if schedule.loss_per_micro_batch:
         check_1f1b_contract(precision_plugin, schedule)
 
 
-def check_1f1b_contract(precision_plugin: Any, schedule: str = "1f1b") -> None:
+def check_1f1b_contract(precision_plugin: Any, schedule: Schedule) -> None:
     """1F1B runs its backwards inside the training step, outside Lightning's loss scaling."""
     if getattr(precision_plugin, "scaler", None) is not None:
-        raise ValueError(f"schedule={schedule!r} does not support a gradient scaler; use 'gpipe'")
+        raise ValueError(
+            f"schedule={schedule.name!r} does not support a gradient scaler; use 'gpipe'"
+        )
 
 
 def resolve_balance(

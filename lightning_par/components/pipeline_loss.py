@@ -29,6 +29,8 @@ import lightning.pytorch as pl
 import torch
 import torch.distributed as dist
 
+from lightning_par.pipeline.schedules import Schedule
+
 LossFn = Callable[[Any, torch.Tensor], torch.Tensor]
 
 
@@ -54,14 +56,14 @@ def loss_name(loss_fn: Any, loss_attr: str) -> str:
     return f"loss_fn={getattr(loss_fn, '__qualname__', None) or repr(loss_fn)}"
 
 
-def check_loss(who: str, schedule: str, module: Any, loss_fn: Any, loss_attr: str) -> None:
+def check_loss(who: str, schedule: Schedule, module: Any, loss_fn: Any, loss_attr: str) -> None:
     """Refuse a schedule past GPipe without a mean-reduced loss (before launch)."""
     found = resolve_loss(module, loss_fn, loss_attr)
     if callable(found) and getattr(found, "reduction", "mean") == "mean":
         return
     where = "loss_fn" if loss_fn is not None else f"`module.{loss_attr}`"
     raise TypeError(
-        f"{who}(schedule={schedule!r}) computes the loss per micro-batch with a mean-reduced "
+        f"{who}(schedule={schedule.name!r}) computes the loss per micro-batch with a mean-reduced "
         f"loss of (output, target); {where} is {found!r}. Pass loss_fn=nn.CrossEntropyLoss() "
         f"(or any mean loss of (output, target)) to the strategy, or set `module.{loss_attr}`"
         "; the target is batch[target_index] (target_index=1). Or use schedule='gpipe', "
@@ -69,7 +71,7 @@ def check_loss(who: str, schedule: str, module: Any, loss_fn: Any, loss_attr: st
     )
 
 
-def batch_target(batch: Any, target_index: int | str, who: str, schedule: str) -> torch.Tensor:
+def batch_target(batch: Any, target_index: int | str, who: str, schedule: Schedule) -> torch.Tensor:
     """``batch[target_index]``, a tensor (else a clear error naming the strategy)."""
     try:
         if isinstance(batch, torch.Tensor):
@@ -80,13 +82,13 @@ def batch_target(batch: Any, target_index: int | str, who: str, schedule: str) -
             f"{type(batch).__name__} of {len(batch)}" if hasattr(batch, "__len__") else
             type(batch).__name__)  # fmt: skip
         raise TypeError(
-            f"{who}(schedule={schedule!r}) takes the target of the loss per micro-batch from "
+            f"{who}(schedule={schedule.name!r}) takes the target of the loss per micro-batch from "
             f"batch[target_index] = batch[{target_index!r}], and the batch is a {kind}: pass "
             "target_index=<position or key of the target in your batch>"
         ) from None
     if not isinstance(target, torch.Tensor):
         raise TypeError(
-            f"{who}(schedule={schedule!r}): batch[{target_index!r}] is a "
+            f"{who}(schedule={schedule.name!r}): batch[{target_index!r}] is a "
             f"{type(target).__name__}, not the target tensor: pass target_index=<position or "
             "key of the target in your batch>"
         )
@@ -134,7 +136,7 @@ def gather_losses(
 
 
 def check_returned_loss(
-    table: torch.Tensor, scale: float, *, who: str, schedule: str, loss: str
+    table: torch.Tensor, scale: float, *, who: str, schedule: Schedule, loss: str
 ) -> None:
     """Raise on every stage (each holds the same ``table`` of :func:`gather_losses`) if a
     stage's ``training_step`` returned another loss than the schedule back-propagated.
@@ -152,7 +154,7 @@ def check_returned_loss(
         finite = torch.isfinite(torch.tensor(value))
         if finite and abs(value - expected) > rtol * max(abs(value), abs(expected)) + atol:
             raise ValueError(
-                f"{who}(schedule={schedule!r}) back-propagates the loss it computes per "
+                f"{who}(schedule={schedule.name!r}) back-propagates the loss it computes per "
                 f"micro-batch with {loss}, {expected:.8g} on this batch, but training_step "
                 f"returned {value:.8g} (or passed it to manual_backward; on pipeline stage "
                 f"{stage}; the tolerance is relative "

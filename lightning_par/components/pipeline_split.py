@@ -10,7 +10,9 @@ communicator and runs the stages (the algorithms are in :mod:`lightning_par.pipe
 * ``time_chunk=t``: the stacked-RNN wavefront of :mod:`lightning_par.modelparallel.wavefront`
   (the sequence streams through the recurrent stages ``t`` time steps at a time).
 
-Used by ``gpipe``, ``layerwise`` and the rows of ``hybrid``. Checkpoints hold the full
+Used by ``gpipe``, ``layerwise`` and the rows of ``hybrid``, each of which hands it one
+:class:`~lightning_par.components.pipeline_options.PipelineOptions` (the schedule already
+looked up: a :class:`~lightning_par.pipeline.schedules.Schedule`). Checkpoints hold the full
 model on rank 0 and the whole model's optimiser state in one process's format
 (:mod:`lightning_par.pipeline.optim_state`); clipping, ``16-mixed`` and the same-batch
 check: :mod:`lightning_par.components.pipeline_features`.
@@ -18,7 +20,7 @@ check: :mod:`lightning_par.components.pipeline_features`.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from typing import Any
 
@@ -34,16 +36,18 @@ from lightning_par.components import pipeline_checks as checks
 from lightning_par.components import pipeline_features as features
 from lightning_par.components import pipeline_loss as losses
 from lightning_par.components.graph_pipeline import GraphPipeline, try_cut
+from lightning_par.components.pipeline_options import PipelineOptions
 from lightning_par.components.splitter import ModelSplitter, find_network
 from lightning_par.modelparallel.wavefront import (
     WavefrontSequential,
     recurrent_parts,
     wavefront_balance,
 )
-from lightning_par.pipeline import options as schedules
 from lightning_par.pipeline.batchnorm import commit_batch_norm, defer_batch_norm
 from lightning_par.pipeline.optim_state import merge_stage_states, model_order, stage_state
+from lightning_par.pipeline.options import build_network
 from lightning_par.pipeline.partition import split_sequential
+from lightning_par.pipeline.schedules import Schedule
 from lightning_par.pipeline.sequential import PipelinedSequential
 from lightning_par.pipeline.state import (
     gather_full_state_dict,
@@ -53,63 +57,25 @@ from lightning_par.pipeline.state import (
 )
 
 
-def check_time_chunk(time_chunk: Any) -> int | None:
-    """``time_chunk`` if it is an int >= 1 or None; otherwise a clear error."""
-    if time_chunk is not None and (not isinstance(time_chunk, int) or time_chunk < 1):
-        raise ValueError(f"time_chunk must be an int >= 1 or None, got {time_chunk!r}")
-    return time_chunk
-
-
 class PipelineSplit(ModelSplitter):
     """One stage of ``module.<module_attr>`` per rank (see the module docstring).
 
-    Args: as :class:`~lightning_par.strategies.gpipe.GPipeStrategy`'s (``loss_fn`` and
-    ``target_index``: :mod:`~lightning_par.components.pipeline_loss`), plus ``time_chunk``
-    (the wavefront, :class:`~lightning_par.strategies.layerwise.LayerwiseStrategy`).
+    Args:
+        options: the checked options (``None``: every default), see
+            :class:`~lightning_par.components.pipeline_options.PipelineOptions`.
     """
 
-    def __init__(
-        self,
-        balance: list[int] | None = None,
-        chunks: int = 4,
-        checkpoint: str | None = None,
-        schedule: str = "gpipe",
-        module_attr: str | None = None,
-        loss_attr: str = "criterion",
-        balance_by: str = "params",
-        deferred_batch_norm: bool = False,
-        time_chunk: int | None = None,
-        virtual_stages: int = 2,
-        split_points: list[str] | None = None,
-        loss_fn: Callable | None = None,
-        target_index: int | str = 1,
-    ) -> None:
+    def __init__(self, options: PipelineOptions | None = None) -> None:
         super().__init__()
-        losses.check_loss_options(loss_fn, target_index)
-        self.loss_fn, self.target_index = loss_fn, target_index
-        checkpoint = schedules.resolve_checkpoint(checkpoint, schedule)
-        checks.check_settings(balance, chunks, checkpoint, schedule, balance_by)
-        schedules.check_options(schedule, virtual_stages, checkpoint)
-        self.virtual_stages = virtual_stages
-        if not isinstance(deferred_batch_norm, bool):
-            raise TypeError(f"deferred_batch_norm must be True or False: {deferred_batch_norm!r}")
-        self.time_chunk = check_time_chunk(time_chunk)
-        self.deferred_batch_norm = deferred_batch_norm
-        self.balance, self.chunks, self.checkpoint = balance, chunks, checkpoint
-        self.schedule, self.module_attr, self.loss_attr = schedule, module_attr, loss_attr
-        self.balance_by = balance_by
+        self.options = o = options if options is not None else PipelineOptions()
+        self.schedule: Schedule = o.schedule  # type: ignore[assignment]  (looked up: a Schedule)
+        self.balance, self.chunks, self.checkpoint = o.balance, o.chunks, o.checkpoint
+        self.module_attr, self.loss_attr, self.balance_by = o.module_attr, o.loss_attr, o.balance_by
+        self.loss_fn, self.target_index = o.loss_fn, o.target_index
+        self.virtual_stages, self.time_chunk = o.virtual_stages, o.time_chunk
+        self.deferred_batch_norm, self.split_points = o.deferred_batch_norm, o.split_points
         self.batch_checked = False
         self.loss_scale: float | None = None  # a scheduled step's, until its backward
-        if split_points is not None:
-            if balance is not None:
-                raise ValueError("give balance (layers of an nn.Sequential per stage) or "
-                                 "split_points (module names), not both")  # fmt: skip
-            if isinstance(split_points, str) or not all(isinstance(p, str) for p in split_points):
-                raise TypeError(f"split_points must be a list of module names: {split_points!r}")
-            if time_chunk is not None:
-                raise ValueError("time_chunk (the wavefront) splits an nn.Sequential of "
-                                 "recurrent layers by balance, not by split_points")  # fmt: skip
-        self.split_points = None if split_points is None else list(split_points)
         self.graph: GraphPipeline | None = None  # the any-network path, once split
 
     @property
@@ -118,8 +84,8 @@ class PipelineSplit(ModelSplitter):
 
     @property
     def stages_per_device(self) -> int:
-        """``virtual_stages`` under ``"interleaved"``, else 1."""
-        return self.virtual_stages if self.schedule == "interleaved" else 1
+        """Stages each rank holds under the schedule (``virtual_stages`` when interleaved)."""
+        return self.schedule.stages_per_device(self.virtual_stages)
 
     @property
     def name(self) -> str:  # type: ignore[override]
@@ -185,12 +151,12 @@ class PipelineSplit(ModelSplitter):
                     backend=_compat.process_group_backend(self.strategy),
                     virtual_stages=self.stages_per_device, loss_fn=self.loss_fn, who=self.name,
                 )  # fmt: skip
-            schedules.check_chunks(self.name, self.schedule, self.chunks, self.size)
+            self.schedule.check_chunks(self.chunks, self.size, self.name)
             backend = _compat.process_group_backend(self.strategy)
             devices = self.strategy.parallel_devices or []
             if devices and devices[0].type == "cuda":
                 checks.check_backend(self.schedule, backend or "nccl")
-            if self.schedule != "gpipe":
+            if self.schedule.loss_per_micro_batch:
                 checks.check_1f1b_loss(self.module, self.loss_attr, self.schedule, self.loss_fn,
                                        self.name)  # fmt: skip
             if self.graph is None:  # with an example input, an unsplittable network stops here
@@ -212,7 +178,7 @@ class PipelineSplit(ModelSplitter):
             backend=_compat.process_group_backend(self.strategy),
             virtual_stages=self.stages_per_device, loss_fn=self.loss_fn, who=self.name,
         )  # fmt: skip
-        schedules.check_chunks(self.name, self.schedule, self.chunks, self.size)
+        self.schedule.check_chunks(self.chunks, self.size, self.name)
         if self.time_chunk is not None and isinstance(net, nn.Sequential):
             recurrent_parts(net, self.balance or wavefront_balance(net, self.size))
 
@@ -250,7 +216,7 @@ class PipelineSplit(ModelSplitter):
             )  # fmt: skip
             if self.deferred_batch_norm:
                 defer_batch_norm(net)
-            piped, first = schedules.build_network(
+            piped, first = build_network(
                 net, balance, self.comm, chunks=self.chunks, checkpoint=self.checkpoint,
                 schedule=self.schedule, virtual_stages=self.stages_per_device,
             )  # fmt: skip
@@ -320,7 +286,7 @@ class PipelineSplit(ModelSplitter):
                 )
             rank_zero_warn(f"a batch of {x.shape[0]} < chunks={self.chunks} samples runs as "
                            f"{x.shape[0]} micro-batches")  # fmt: skip
-        if self.schedule != "gpipe":  # 1F1B and past it: the loss per micro-batch, here
+        if self.schedule.loss_per_micro_batch:  # 1F1B and past it: the loss computed here
             target = losses.batch_target(batch, self.target_index, self.name, self.schedule)
             scale = 1.0 / self.module.trainer.accumulate_grad_batches
             loss_fn = losses.resolve_loss(self.module, self.loss_fn, self.loss_attr)
@@ -362,8 +328,9 @@ class PipelineSplit(ModelSplitter):
         return self.graph.network if self.graph is not None else self.pipelined.runtime
 
     def early_buckets_exact(self) -> bool:
-        # the graph path's backward is not cut at the last micro-batch: buckets wait for all
-        return self.schedule == "gpipe" and self.graph is None
+        # GPipe's backward half starts after the last forward; the graph path's backward is
+        # not cut at the last micro-batch: buckets wait for all
+        return not self.schedule.loss_per_micro_batch and self.graph is None
 
     # ---- checkpoints: the full model on rank 0 ----------------------------------------------
     def full_state_dict(self, local: dict[str, Any]) -> dict[str, Any]:

@@ -26,7 +26,8 @@ from lightning_par.comm import Communicator
 from lightning_par.modelparallel.recurrent import CarriedState, is_recurrent
 from lightning_par.pipeline.partition import balance_by_cost, check_balance, split_sequential
 from lightning_par.pipeline.runtime import PipelineStage
-from lightning_par.pipeline.schedule import Step, bubble_fraction, clock_table, schedule_steps
+from lightning_par.pipeline.schedule import Step, bubble_fraction, unit_time_table
+from lightning_par.pipeline.schedules import GPIPE
 
 
 # ---- the schedule, without processes ---------------------------------------------------------
@@ -47,13 +48,13 @@ def time_chunk_sizes(seq_len: int, time_chunk: int | None) -> list[int]:
 
 def wavefront_steps(num_stages: int, num_chunks: int) -> list[list[Step]]:
     """Each stage's steps: forwards of chunks ``0..T-1``, then backwards ``T-1..0``."""
-    return schedule_steps("gpipe", num_stages, num_chunks)
+    return GPIPE.steps(num_stages, num_chunks)
 
 
 def wavefront_grid(num_stages: int, num_chunks: int) -> list[list[int | None]]:
     """The forward wavefront on an ideal machine: ``grid[slot][stage]`` is the chunk a stage
     runs in that time slot (``None``: idle)."""
-    table = clock_table("gpipe", num_stages, num_chunks)
+    table = unit_time_table(wavefront_steps(num_stages, num_chunks))
     rows = [
         [s.micro_batch if s is not None and s.op == "fwd" else None for s in row] for row in table
     ]

@@ -3,6 +3,8 @@
 * :mod:`.partition`: cut an ``nn.Sequential`` into stages (by hand, by parameters, by time);
 * :mod:`.microbatch`: split a batch into micro-batches and join the outputs;
 * :mod:`.schedule`: GPipe and 1F1B as explicit (stage, op, micro-batch) step lists;
+* :mod:`.schedules`: every schedule as one object (steps, placement, B/W split, loss per
+  micro-batch, rules), looked up by name once (:func:`get_schedule`);
 * :mod:`.checkpoint`: re-materialisation modes and saved-activation counting;
 * :mod:`.runtime`: one stage in one process, exchanging tensors through
   :class:`lightning_par.comm.Communicator`;
@@ -13,7 +15,7 @@
 * :mod:`.step`: a full training step for a loss on the joined output (``scheduled_step``:
   under any schedule);
 * :mod:`.sequential`, :mod:`.sequential_v`, :mod:`.options`: the networks the strategies
-  put in the model's place, and the checks of their schedule options.
+  put in the model's place.
 
 The Lightning adapter is :class:`lightning_par.strategies.gpipe.GPipeStrategy`.
 """
@@ -29,14 +31,13 @@ from lightning_par.pipeline.partition import (
     stage_bounds,
 )
 from lightning_par.pipeline.runtime import PipelineStage
-from lightning_par.pipeline.schedule import (
+from lightning_par.pipeline.schedule import Step, bubble_fraction, format_table
+from lightning_par.pipeline.schedules import (
     SCHEDULES,
-    Step,
-    bubble_fraction,
+    Schedule,
     clock_table,
-    format_table,
+    get_schedule,
     schedule_steps,
-    stage_steps,
 )
 from lightning_par.pipeline.step import forward_backward
 
@@ -45,6 +46,7 @@ __all__ = [
     "SCHEDULES",
     "PipelineStage",
     "SavedActivations",
+    "Schedule",
     "Step",
     "balance_by_cost",
     "balance_by_params",
@@ -55,11 +57,11 @@ __all__ = [
     "forward_backward",
     "format_table",
     "gather",
+    "get_schedule",
     "micro_batch_sizes",
     "recomputes",
     "scatter",
     "schedule_steps",
     "split_sequential",
     "stage_bounds",
-    "stage_steps",
 ]

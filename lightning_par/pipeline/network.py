@@ -44,6 +44,7 @@ from lightning_par.pipeline.materialize import has_meta, materialize
 from lightning_par.pipeline.messages import HEADER_LEN, Kind, read_header, write_header
 from lightning_par.pipeline.microbatch import micro_batch_sizes
 from lightning_par.pipeline.multistage import DeviceStages
+from lightning_par.pipeline.schedules import GPIPE, Schedule, get_schedule
 from lightning_par.pipeline.step import checked_schedule
 
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
@@ -57,8 +58,9 @@ class PipelinedNetwork:
         split: ``net`` cut into ``K * virtual_stages`` stages; device ``d`` runs stages
             ``d, d + K, ...``.
         comm: the devices' communicator (device = group rank).
-        chunks: micro-batches per batch; ``schedule``, ``virtual_stages``, ``checkpoint``:
-            see :mod:`lightning_par.pipeline.schedules_v` and :mod:`.checkpoint`.
+        chunks: micro-batches per batch; ``schedule`` (a :class:`~.schedules.Schedule` or its
+            name), ``virtual_stages``, ``checkpoint``: see :mod:`.schedules` and
+            :mod:`.checkpoint`.
         input_dims, output_dims: the batch dimension of each input and output tensor
             (:mod:`.batch_dims`); ``None``: inputs found per call, outputs along 0.
 
@@ -73,7 +75,7 @@ class PipelinedNetwork:
         comm: Communicator,
         *,
         chunks: int,
-        schedule: str = "gpipe",
+        schedule: Schedule | str = GPIPE,
         virtual_stages: int = 1,
         checkpoint: str = "never",
         input_dims: bd.Dims | None = None,
@@ -83,11 +85,12 @@ class PipelinedNetwork:
         if len(split) != k * virtual_stages:
             raise ValueError(f"{len(split)} stages for {k} devices x {virtual_stages}")
         self.net, self.comm, self.chunks = net, comm, chunks
-        self.schedule, self.virtual_stages = schedule, virtual_stages
+        self.schedule, self.virtual_stages = get_schedule(schedule), virtual_stages
         mine = {s.index: s.module for s in split.stages if s.index % k == comm.rank}
         self.stages = DeviceStages(
-            mine, len(split), comm, split_backward=schedule == "zero_bubble", checkpoint=checkpoint
-        )
+            mine, len(split), comm, split_backward=self.schedule.split_backward,
+            checkpoint=checkpoint,
+        )  # fmt: skip
         self.is_first, self.is_last = 0 in mine, len(split) - 1 in mine
         self.input_names = split.stages[0].inputs
         self.input_structures = split.input_structures or (None,)
@@ -194,10 +197,10 @@ class PipelinedNetwork:
         chunks = min(self.chunks, xs[0].shape[0])
         self._stages_for(xs, dims, chunks)
         training = torch.is_grad_enabled()
-        if training and self.schedule != "gpipe":
+        if training and self.schedule.loss_per_micro_batch:
             return self._run_scheduled(xs, dims, chunks)
         # forwards only (evaluation): any schedule's forward steps, in its order
-        schedule = "gpipe" if training else self.schedule
+        schedule = GPIPE if training else self.schedule
         steps = checked_schedule(schedule, self.comm.world_size, chunks, self.virtual_stages)
         steps = steps[self.comm.rank]
         self.stages.begin(tuple(xs[0].shape), chunks)
@@ -264,7 +267,7 @@ class PipelinedNetwork:
     def _run_scheduled(self, xs: tuple[torch.Tensor, ...], dims: bd.Dims, chunks: int) -> Any:
         if self._loss is None:
             raise RuntimeError(
-                f"schedule={self.schedule!r} computes the loss per micro-batch: "
+                f"schedule={self.schedule.name!r} computes the loss per micro-batch: "
                 "call expect(target, loss_fn) before the forward"
             )
         target, loss_fn, scale = self._loss

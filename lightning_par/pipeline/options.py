@@ -1,12 +1,14 @@
-"""The pipeline strategies' schedule options, checked and turned into a network, with no
-Lightning in sight: :class:`~lightning_par.strategies.gpipe.GPipeStrategy` (and the hybrid
-grid's pipelines) call these.
+"""The pipeline strategies' ``nn.Sequential`` network, built for the schedule with no Lightning
+in sight: :class:`~lightning_par.strategies.gpipe.GPipeStrategy` (and the hybrid grid's
+pipelines) call this.
 
-* ``schedule="gpipe"`` or ``"1f1b"``: one stage per device,
+* ``"gpipe"`` or ``"1f1b"``: one stage per device,
   :class:`~lightning_par.pipeline.sequential.PipelinedSequential`;
-* ``schedule="interleaved"`` (``virtual_stages`` stages per device, ``chunks`` a multiple of
-  the devices) or ``"zero_bubble"`` (ZB-H1, one stage per device, no re-materialisation):
-  :class:`~lightning_par.pipeline.sequential_v.PipelinedStages`.
+* ``"interleaved"`` (``virtual_stages`` stages per device) or ``"zero_bubble"`` (ZB-H1, the
+  backward split): :class:`~lightning_par.pipeline.sequential_v.PipelinedStages`.
+
+The schedule's own rules (chunks, re-materialisation) are its object's
+(:mod:`lightning_par.pipeline.schedules`).
 """
 
 from __future__ import annotations
@@ -17,56 +19,23 @@ from torch import nn
 
 from lightning_par.comm import Communicator
 from lightning_par.pipeline.partition import split_sequential
-from lightning_par.pipeline.schedules_v import NEW_SCHEDULES
+from lightning_par.pipeline.schedules import Schedule
 from lightning_par.pipeline.sequential import PipelinedSequential
 from lightning_par.pipeline.sequential_v import PipelinedStages, device_states
 
 
-def resolve_checkpoint(checkpoint: str | None, schedule: str) -> str:
-    """``None`` means torchgpipe's ``"except_last"``, but ``"never"`` under zero bubble."""
-    if checkpoint is None:
-        return "never" if schedule == "zero_bubble" else "except_last"
-    return checkpoint
-
-
-def check_options(schedule: str, virtual_stages: object, checkpoint: str,
-                  plugin: str = "gpipe") -> None:  # fmt: skip
-    """Refuse what the chosen schedule cannot run, naming the plugin, the option and the fix."""
-    v = virtual_stages
-    if not isinstance(v, int) or isinstance(v, bool) or v < 1:
-        raise ValueError(f"{plugin}: virtual_stages must be an int >= 1, got {virtual_stages!r}")
-    if schedule == "zero_bubble" and checkpoint != "never":
-        raise ValueError(
-            f"{plugin}: schedule='zero_bubble' refuses checkpoint={checkpoint!r}: its "
-            "weight-gradient step W reuses the activations the input-gradient step B used, so "
-            "re-materialising would run each forward twice more; use checkpoint='never' (or "
-            "leave it out), or schedule='interleaved' to re-materialise"
-        )
-
-
-def check_chunks(plugin: str, schedule: str, chunks: int, devices: int) -> None:
-    """Interleaved 1F1B needs ``chunks`` to be a multiple of the devices (Megatron's rule)."""
-    if schedule == "interleaved" and chunks % devices:
-        lower = max(devices, chunks - chunks % devices)
-        raise ValueError(
-            f"{plugin}: schedule='interleaved' needs chunks to be a multiple of the {devices} "
-            f"devices (micro-batches go round the stages in groups of {devices}), got "
-            f"chunks={chunks}: use chunks={chunks + devices - chunks % devices} or {lower}"
-        )
-
-
 def build_network(net: nn.Sequential, balance: Sequence[int], comm: Communicator, *,
-                  chunks: int, checkpoint: str, schedule: str,
+                  chunks: int, checkpoint: str, schedule: Schedule,
                   virtual_stages: int = 1) -> tuple[nn.Module, list[dict] | None]:  # fmt: skip
     """This rank's pipelined network and, on rank 0, every device's state dict from ``net``
     (to send the same initial weights everywhere); ``balance`` has one entry per stage."""
-    if schedule in NEW_SCHEDULES:
+    if schedule.takes_virtual_stages or schedule.split_backward:
         piped = PipelinedStages(net, balance, comm, chunks=chunks, checkpoint=checkpoint,
-                                schedule=schedule, virtual_stages=virtual_stages)  # fmt: skip
+                                schedule=schedule.name, virtual_stages=virtual_stages)  # fmt: skip
         first = device_states(net, balance, comm.world_size) if comm.rank == 0 else None
         return piped, first
     piped = PipelinedSequential(net, balance, comm, chunks=chunks, checkpoint=checkpoint,
-                                schedule=schedule)  # fmt: skip
+                                schedule=schedule.name)  # fmt: skip
     if comm.rank != 0:
         return piped, None
     return piped, [s.state_dict() for s in split_sequential(net, list(balance))]

@@ -3,8 +3,9 @@
 A schedule is, for each stage, the ordered list of :class:`Step` (stage, op, micro-batch)
 it executes; a stage forwards micro-batch ``i`` once the previous stage sent its
 activation, and runs its backward once the next stage sent the gradient. The lists can be
-printed and checked without any process; :func:`clock_table` replays them on an ideal
+printed and checked without any process; :func:`unit_time_table` replays them on an ideal
 machine (every step takes one time slot, messages are free) to draw the textbook diagrams.
+The schedules by name, with what else each knows: :mod:`.schedules`.
 
 * **GPipe** (Huang et al., 2019, figure 2): every stage runs all M forwards, then all M
   backwards in reverse order. Idle fraction per stage (the bubble): (K-1)/(M+K-1).
@@ -17,8 +18,6 @@ machine (every step takes one time slot, messages are free) to draw the textbook
 from __future__ import annotations
 
 from typing import NamedTuple
-
-SCHEDULES = ("gpipe", "1f1b")
 
 
 class Step(NamedTuple):
@@ -64,26 +63,12 @@ def one_f_one_b_steps(stage: int, num_stages: int, chunks: int) -> list[Step]:
     return steps
 
 
-def stage_steps(schedule: str, stage: int, num_stages: int, chunks: int) -> list[Step]:
-    """The ordered steps of ``stage`` under ``schedule`` ("gpipe" or "1f1b")."""
-    if schedule == "gpipe":
-        return gpipe_steps(stage, num_stages, chunks)
-    if schedule == "1f1b":
-        return one_f_one_b_steps(stage, num_stages, chunks)
-    raise ValueError(f"unknown schedule {schedule!r}: choose one of {SCHEDULES}")
-
-
-def schedule_steps(schedule: str, num_stages: int, chunks: int) -> list[list[Step]]:
-    """Every stage's step list."""
-    return [stage_steps(schedule, s, num_stages, chunks) for s in range(num_stages)]
-
-
-def clock_table(schedule: str, num_stages: int, chunks: int) -> list[list[Step | None]]:
-    """Replay the schedule with unit-time steps: ``table[t][s]`` is what stage ``s`` does in
-    time slot ``t`` (``None``: idle). Forward of micro-batch i on stage s waits for stage
-    s-1's forward of i; its backward waits for stage s+1's backward of i (or, on the last
-    stage, for its own forward)."""
-    per_stage = schedule_steps(schedule, num_stages, chunks)
+def unit_time_table(per_stage: list[list[Step]]) -> list[list[Step | None]]:
+    """Replay one step list per stage (whole backwards) with unit-time steps: ``table[t][s]``
+    is what stage ``s`` does in time slot ``t`` (``None``: idle). Forward of micro-batch i on
+    stage s waits for stage s-1's forward of i; its backward waits for stage s+1's backward
+    of i (or, on the last stage, for its own forward)."""
+    num_stages = len(per_stage)
     done: dict[Step, int] = {}  # step -> slot it ran in
     position = [0] * num_stages
     table: list[list[Step | None]] = []
@@ -102,7 +87,7 @@ def clock_table(schedule: str, num_stages: int, chunks: int) -> list[list[Step |
             if dep is None or done.get(dep, len(table)) < len(table):
                 row[s] = step
         if all(step is None for step in row):
-            raise RuntimeError(f"schedule {schedule!r} deadlocks at slot {len(table)}")
+            raise RuntimeError(f"these step lists deadlock at slot {len(table)}")
         for s, step in enumerate(row):
             if step is not None:
                 done[step] = len(table)

@@ -31,30 +31,18 @@ model is cut into ``S = v*K`` stages and device ``d`` holds stages ``d, d+K, d+2
   1F1B's idle time (the W fill the drain, where 1F1B's first stage waits).
 
 * **ZBV** (Qi et al., 2024, arXiv:2405.15362): zero bubble with two stages per device laid
-  out in a V (device ``d`` holds stages ``d`` and ``2K-1-d``, :func:`placement`), in
-  :mod:`.schedules_zbv`; bubble ``(K-1)/(6M+K-1)`` with equal F, B, W costs.
+  out in a V (device ``d`` holds stages ``d`` and ``2K-1-d``), in :mod:`.schedules_zbv`;
+  bubble ``(K-1)/(6M+K-1)`` with equal F, B, W costs.
 
 torch's ``torch.distributed.pipelining.schedules`` builds the same kinds of per-rank action
 lists (``ScheduleInterleaved1F1B``, ``ScheduleInterleavedZeroBubble``); this module is our
-own construction, checked by :mod:`lightning_par.pipeline.validate`.
+own construction, checked by :mod:`lightning_par.pipeline.validate`. Each schedule, with its
+placement, bubble and rules, is one object of :mod:`.schedules`, which calls these functions.
 """
 
 from __future__ import annotations
 
-import functools
-from collections.abc import Callable
-
-from lightning_par.pipeline.schedule import SCHEDULES, Step, one_f_one_b_steps, schedule_steps
-from lightning_par.pipeline.schedules_zbv import v_device_of, zbv_bubble, zbv_order
-
-NEW_SCHEDULES = ("interleaved", "zero_bubble")
-#: schedules whose stages are not dealt round-robin (see :func:`placement`); ZBV's V layout
-#: is not offered by the strategies, only by :class:`~lightning_par.pipeline.multistage.
-#: DeviceStages`, :func:`~lightning_par.pipeline.step.scheduled_step` and the benchmark
-V_SCHEDULES = ("zbv",)
-#: schedules whose backward is split into B and W
-SPLIT_SCHEDULES = ("zero_bubble", "zbv")
-OPS = ("fwd", "bwd", "bwd_input", "bwd_weight")
+from lightning_par.pipeline.schedule import Step, one_f_one_b_steps
 
 
 def device_of(stage: int, num_devices: int) -> int:
@@ -62,35 +50,37 @@ def device_of(stage: int, num_devices: int) -> int:
     return stage % num_devices
 
 
-def placement(schedule: str, num_devices: int) -> Callable[[int], int]:
-    """``device_of(stage)`` under ``schedule``: the V layout for ZBV
-    (:func:`~lightning_par.pipeline.schedules_zbv.v_device_of`), round-robin otherwise."""
-    if schedule in V_SCHEDULES:
-        return functools.partial(v_device_of, num_devices=num_devices)
-    return functools.partial(device_of, num_devices=num_devices)
-
-
-def _check(num_devices: int, virtual_stages: int, chunks: int) -> None:
+def check_sizes(num_devices: int, virtual_stages: int, chunks: int) -> None:
+    """Devices, stages per device and micro-batches are positive integers."""
     for name, value in (("devices", num_devices), ("virtual_stages", virtual_stages),
                         ("chunks", chunks)):  # fmt: skip
         if not isinstance(value, int) or value < 1:
             raise ValueError(f"{name} must be a positive integer, got {value!r}")
 
 
+def check_interleaved_chunks(chunks: int, num_devices: int, plugin: str | None = None) -> None:
+    """Megatron's rule: ``chunks`` a multiple of the devices (a partial last group can
+    deadlock; see the module docstring). ``plugin`` names the strategy in the message."""
+    k = num_devices
+    if chunks % k:
+        who = f"{plugin}: " if plugin else ""
+        up, down = chunks + k - chunks % k, max(k, chunks - chunks % k)
+        raise ValueError(
+            f"{who}schedule='interleaved' needs chunks to be a multiple of the {k} devices "
+            f"(Megatron's rule: micro-batches go round the stages in groups of {k}), got "
+            f"chunks={chunks}: use chunks={up} or {down}"
+        )
+
+
 def interleaved_steps(
     device: int, num_devices: int, virtual_stages: int, chunks: int
 ) -> list[Step]:
     """Interleaved 1F1B on ``device`` (Megatron-LM's order; see the module docstring)."""
-    _check(num_devices, virtual_stages, chunks)
+    check_sizes(num_devices, virtual_stages, chunks)
     k, v = num_devices, virtual_stages
     if v == 1:
         return one_f_one_b_steps(device, k, chunks)
-    if chunks % k:
-        raise ValueError(
-            f"interleaved 1F1B needs chunks to be a multiple of the {k} devices (Megatron's "
-            f"rule: micro-batches go round the stages in groups of {k}); got chunks={chunks}, "
-            f"use chunks={chunks + k - chunks % k} or {max(k, chunks - chunks % k)}"
-        )
+    check_interleaved_chunks(chunks, k)
     total = chunks * v
 
     def nth(n: int, op: str) -> Step:
@@ -154,50 +144,3 @@ def greedy_order(num_stages: int, chunks: int) -> list[list[Step]]:
                 pending_w[s].pop(0)
         slot += 1
     return order
-
-
-def zero_bubble_steps(device: int, num_devices: int, chunks: int) -> list[Step]:
-    """Zero bubble (ZB-H1 order, :func:`greedy_order`) on ``device``."""
-    _check(num_devices, 1, chunks)
-    return greedy_order(num_devices, chunks)[device]
-
-
-def device_schedule(
-    schedule: str, num_devices: int, chunks: int, virtual_stages: int = 1
-) -> list[list[Step]]:
-    """Every device's step list under ``schedule`` (``"gpipe"``, ``"1f1b"``,
-    ``"interleaved"``, ``"zero_bubble"`` or ``"zbv"``); stages are placed by
-    :func:`placement` (ZBV: ``2K`` stages in a V, ``virtual_stages`` must be 2)."""
-    if schedule in SCHEDULES:
-        return schedule_steps(schedule, num_devices, chunks)
-    if schedule == "interleaved":
-        return [
-            interleaved_steps(d, num_devices, virtual_stages, chunks) for d in range(num_devices)
-        ]
-    if schedule == "zero_bubble":
-        if virtual_stages != 1:
-            raise ValueError("schedule='zero_bubble' is ZB-H1, one stage per device: "
-                             f"use virtual_stages=1, not {virtual_stages}")  # fmt: skip
-        return [zero_bubble_steps(d, num_devices, chunks) for d in range(num_devices)]
-    if schedule == "zbv":
-        if virtual_stages != 2:
-            raise ValueError("schedule='zbv' holds two stages per device (the V): use "
-                             f"virtual_stages=2, not {virtual_stages}")  # fmt: skip
-        _check(num_devices, 2, chunks)
-        return zbv_order(num_devices, chunks)
-    known = SCHEDULES + NEW_SCHEDULES + V_SCHEDULES
-    raise ValueError(f"unknown schedule {schedule!r}: choose one of {known}")
-
-
-def formula_bubble(schedule: str, num_devices: int, chunks: int, virtual_stages: int = 1) -> float:
-    """The textbook idle fraction: GPipe/1F1B ``(K-1)/(M+K-1)``, interleaved
-    ``(K-1)/(v*M+K-1)``, zero bubble (ZB-H1, ``t_F = t_B = t_W``) ``(K-1)/(3M+K-1)``, ZBV
-    (the same costs per stage, two stages per device) ``(K-1)/(6M+K-1)``."""
-    k, m = num_devices, chunks
-    if schedule == "zbv":
-        return zbv_bubble(k, m)
-    if schedule == "interleaved":
-        return (k - 1) / (virtual_stages * m + k - 1)
-    if schedule == "zero_bubble":
-        return (k - 1) / (3 * m + k - 1)
-    return (k - 1) / (m + k - 1)

@@ -32,8 +32,8 @@ import torch
 from lightning_par.pipeline.microbatch import micro_batch_sizes, scatter
 from lightning_par.pipeline.multistage import DeviceStages
 from lightning_par.pipeline.runtime import PipelineStage
-from lightning_par.pipeline.schedule import Step, stage_steps
-from lightning_par.pipeline.schedules_v import device_schedule, placement
+from lightning_par.pipeline.schedule import Step, gpipe_steps, one_f_one_b_steps
+from lightning_par.pipeline.schedules import GPIPE, Schedule, get_schedule
 from lightning_par.pipeline.validate import validate
 
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
@@ -45,7 +45,7 @@ def forward_half(
     """GPipe's forward half: every micro-batch's forward on this stage. Returns the backward
     steps still to run and, on the last stage, the joined output (``None`` elsewhere)."""
     stage.begin(x.shape, chunks)
-    steps = stage_steps("gpipe", stage.stage, stage.num_stages, chunks)
+    steps = gpipe_steps(stage.stage, stage.num_stages, chunks)
     stage.run(steps[:chunks], scatter(x, chunks) if stage.is_first else None)
     return steps[chunks:], (stage.joined_output() if stage.is_last else None)
 
@@ -86,7 +86,7 @@ def one_f_one_b(
         losses.append(loss.detach())
         return torch.autograd.grad(loss * scale, out)[0]
 
-    steps = stage_steps("1f1b", stage.stage, stage.num_stages, chunks)
+    steps = one_f_one_b_steps(stage.stage, stage.num_stages, chunks)
     stage.run(steps, scatter(x, chunks) if stage.is_first else None, output_grad=micro_grad)
     if not stage.is_last:
         return None, None
@@ -99,12 +99,13 @@ def forward_backward(
     target: torch.Tensor | None,
     loss_fn: LossFn,
     chunks: int,
-    schedule: str = "gpipe",
+    schedule: str | Schedule = GPIPE,
 ) -> torch.Tensor | None:
     """Run one step's forward and backward passes on every stage (each rank calls it with
     the same batch ``x``; only stage 0 reads its values, only the last stage ``target``).
-    Accumulates parameter gradients; returns the batch loss on the last stage, else None."""
-    if schedule != "gpipe":
+    Accumulates parameter gradients; returns the batch loss on the last stage, else None.
+    A schedule with the loss per micro-batch runs as 1F1B (one stage per device)."""
+    if get_schedule(schedule).loss_per_micro_batch:
         _, loss = one_f_one_b(stage, x, target, loss_fn, chunks)
         stage.finish()
         return loss
@@ -125,24 +126,25 @@ def scheduled_step(
     target: torch.Tensor | None,
     loss_fn: LossFn,
     chunks: int,
-    schedule: str,
+    schedule: str | Schedule,
     virtual_stages: int = 1,
     scale: float = 1.0,
 ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
     """One training step of ``device`` (a :class:`DeviceStages`) under any schedule of
-    :func:`~lightning_par.pipeline.schedules_v.device_schedule`, validated before it runs,
+    :mod:`~lightning_par.pipeline.schedules` (or its name), validated before it runs,
     with a mean-reduced ``loss_fn`` per micro-batch as in :func:`one_f_one_b`. ``x`` is the
     batch (a tensor or a tuple of tensors that the first stage takes). Returns, on the device
     holding the last stage, its joined (first) output and the batch loss; else ``(None, None)``.
     Calls ``device.finish()``."""
-    k = device.comm.world_size
+    schedule, k = get_schedule(schedule), device.comm.world_size
     steps = checked_schedule(schedule, k, chunks, virtual_stages)[device.comm.rank]
-    where = placement(schedule, k)
+    where = schedule.placement(k)
     wrong = [s for s in device.stages if where(s) != device.comm.rank]
     if wrong:
-        raise ValueError(f"schedule={schedule!r} places stage {wrong[0]} on device "
+        name = schedule.name
+        raise ValueError(f"schedule={name!r} places stage {wrong[0]} on device "
                          f"{where(wrong[0])}, but device {device.comm.rank} holds it: build "
-                         f"DeviceStages with device_of=placement({schedule!r}, {k})")  # fmt: skip
+                         f"DeviceStages with device_of=placement({name!r}, {k})")  # fmt: skip
     xs = x if isinstance(x, tuple) else (x,)
     batch = xs[0].shape[0]
     sizes = micro_batch_sizes(batch, chunks)
@@ -166,9 +168,10 @@ def scheduled_step(
 
 @functools.lru_cache(maxsize=64)
 def checked_schedule(
-    schedule: str, num_devices: int, chunks: int, virtual_stages: int = 1
+    schedule: str | Schedule, num_devices: int, chunks: int, virtual_stages: int = 1
 ) -> list[list[Step]]:
     """Every device's steps under ``schedule``, after :func:`validate` passed (cached)."""
-    steps = device_schedule(schedule, num_devices, chunks, virtual_stages)
-    validate(steps, num_devices * virtual_stages, chunks, placement(schedule, num_devices))
+    schedule = get_schedule(schedule)
+    steps = schedule.steps(num_devices, chunks, virtual_stages)
+    validate(steps, num_devices * virtual_stages, chunks, schedule.placement(num_devices))
     return steps

@@ -16,7 +16,7 @@ from the measured run:
   compute that is not forward and backward), then the forward waits for the pulls.
   ``async_sgd`` has no barrier: a server answers each push on its own.
 * **gpipe / layerwise**: ``K = p`` stage lanes running
-  :func:`lightning_par.pipeline.schedule.stage_steps` for ``M`` micro-batches (layerwise: 1),
+  :func:`lightning_par.pipeline.schedule.gpipe_steps` for ``M`` micro-batches (layerwise: 1),
   activations and gradients as messages between neighbours; forward and backward per stage
   are the measured ones over ``K`` (an even partition).
 * **tensor_parallel**: the busiest rank computes its slice of every layer the automatic plan
@@ -51,7 +51,7 @@ import torch
 
 from lightning_par.collectives.cost_model import predict
 from lightning_par.compare.run import make_model
-from lightning_par.pipeline.schedule import stage_steps
+from lightning_par.pipeline.schedule import gpipe_steps
 from lightning_par.simulate.cores import lightning_threads, placement_wait
 from lightning_par.simulate.engine import (
     After,
@@ -165,7 +165,7 @@ def pipeline_graph(prof: Profile, p: int, topo: Topology, cores: int | None,
         lane.extend(Post(act[(s - 1, i)]) for i in range(chunks) if s > 0)
         lane.extend(Post(grad[(s, i)]) for i in range(chunks) if s < p - 1)
         sent = []
-        for step in stage_steps("gpipe", s, p, chunks):
+        for step in gpipe_steps(s, p, chunks):
             i = step.micro_batch
             if step.op == "fwd":
                 if s > 0:

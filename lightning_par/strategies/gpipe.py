@@ -38,6 +38,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+from lightning_par.components.pipeline_options import PipelineOptions
 from lightning_par.components.pipeline_split import PipelineSplit
 from lightning_par.strategies._base import ParStrategy
 
@@ -55,7 +56,7 @@ class GPipeStrategy(ParStrategy):
         schedule: ``"gpipe"`` (all forwards, then all backwards), ``"1f1b"``,
             ``"interleaved"`` (interleaved 1F1B, ``virtual_stages`` stages per device) or
             ``"zero_bubble"`` (ZB-H1: backward split into input- and weight-gradient steps);
-            see :mod:`lightning_par.pipeline.schedules_v`.
+            see :mod:`lightning_par.pipeline.schedules`.
         virtual_stages: stages per device under ``"interleaved"`` (``v``; ``balance`` then
             has ``devices * v`` entries and ``chunks`` must be a multiple of ``devices``).
         module_attr: the LightningModule's attribute holding the network (``None``: ``net``,
@@ -101,11 +102,8 @@ class GPipeStrategy(ParStrategy):
         target_index: int | str = 1,
         **kwargs: Any,
     ) -> None:
-        split = PipelineSplit(
-            balance, chunks, checkpoint, schedule, module_attr, loss_attr, balance_by,
-            deferred_batch_norm, virtual_stages=virtual_stages, split_points=split_points,
-            loss_fn=loss_fn, target_index=target_index,
-        )  # fmt: skip
+        # every argument above is a pipeline option, checked (and the schedule looked up) here
+        split = PipelineSplit(PipelineOptions.of(locals()))
         super().__init__(**kwargs)
         self.splitter = split
         split.bind(self)

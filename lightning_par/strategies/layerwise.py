@@ -34,6 +34,7 @@ import lightning.pytorch as pl
 import torch
 from typing_extensions import override
 
+from lightning_par.components.pipeline_options import LAYERWISE, PipelineOptions
 from lightning_par.components.pipeline_split import PipelineSplit
 from lightning_par.modelparallel.memory import stage_memory
 from lightning_par.output import format_bytes, say
@@ -70,10 +71,7 @@ class LayerwiseStrategy(ParStrategy):
         split_points: list[str] | None = None,
         **kwargs: Any,
     ) -> None:
-        split = PipelineSplit(
-            balance, chunks=1, checkpoint="never", schedule="gpipe", module_attr=module_attr,
-            balance_by=balance_by, time_chunk=time_chunk, split_points=split_points,
-        )  # fmt: skip
+        split = PipelineSplit(PipelineOptions.of(locals(), **LAYERWISE))
         super().__init__(**kwargs)
         self.splitter = split
         split.bind(self)

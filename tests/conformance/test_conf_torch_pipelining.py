@@ -22,11 +22,13 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_par.comm import run_on_ranks
 from lightning_par.pipeline.schedule import Step
-from lightning_par.pipeline.schedules_v import NEW_SCHEDULES, device_schedule
+from lightning_par.pipeline.schedules import SCHEDULES as REGISTRY
+from lightning_par.pipeline.schedules import device_schedule
 from lightning_par.pipeline.validate import ScheduleError, validate
 from lightning_par.strategies.gpipe import GPipeStrategy
 
-SCHEDULES = ("gpipe", "1f1b", *NEW_SCHEDULES)
+#: the schedules GPipeStrategy runs: stages dealt round-robin (ZBV's V is refused)
+SCHEDULES = tuple(name for name, s in REGISTRY.items() if not s.v_shape)
 BATCH, STEPS, WIDTH = 8, 2, 16
 
 

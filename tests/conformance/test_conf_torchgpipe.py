@@ -18,7 +18,7 @@ from lightning_par.comm import Communicator, run_on_ranks
 from lightning_par.graphcut import split_module
 from lightning_par.pipeline.batchnorm import DeferredBatchNorm
 from lightning_par.pipeline.network import PipelinedNetwork
-from lightning_par.pipeline.schedule import clock_table
+from lightning_par.pipeline.schedules import clock_table
 
 CHUNKS = 4
 
