@@ -11,7 +11,6 @@ import pickle
 import pytest
 
 import lightning_par
-from lightning_par.components import pipeline_checks
 from lightning_par.components.pipeline_options import PipelineOptions
 from lightning_par.pipeline import schedules
 from lightning_par.pipeline.schedules import (
@@ -138,7 +137,6 @@ def test_the_strategy_looks_the_name_up_once_and_holds_the_object(monkeypatch):
     # from here on nothing looks a name up: with the registry gone, the split's schedule
     # still answers, its steps are checked and its options build again
     monkeypatch.setattr(schedules, "SCHEDULES", {})
-    monkeypatch.setattr(pipeline_checks, "SCHEDULES", {})
     assert split.stages_per_device == 2
     assert len(checked_schedule(split.schedule, 2, split.chunks, split.stages_per_device)) == 2
     split.schedule.check_chunks(split.chunks, 2, "gpipe")

@@ -15,17 +15,18 @@ from torch import nn
 from lightning_par.components.pipeline_loss import check_loss
 from lightning_par.pipeline import CHECKPOINT_MODES, balance_by_params
 from lightning_par.pipeline.partition import balance_by_time, check_balance, split_sequential
-from lightning_par.pipeline.schedules import SCHEDULES, Schedule
+from lightning_par.pipeline.schedules import SCHEDULES, Schedule, get_schedule
 from lightning_par.pipeline.sequential import PipelinedSequential
 
 
-def strategy_schedule(schedule: object) -> Schedule:
+def strategy_schedule(schedule: str | Schedule) -> Schedule:
     """The strategies' ``schedule``, looked up once (in the constructor): one whose stages
     are dealt round-robin over the ranks, as the strategies place them."""
-    found = SCHEDULES.get(schedule) if isinstance(schedule, str) else schedule
-    if not isinstance(found, Schedule):
+    try:
+        found = get_schedule(schedule)
+    except ValueError:  # the names a strategy runs, in the form of its other options' errors
         choices = tuple(name for name, s in SCHEDULES.items() if not s.v_shape)
-        raise ValueError(f"schedule={schedule!r}: choose one of {choices}")
+        raise ValueError(f"schedule={schedule!r}: choose one of {choices}") from None
     if found.v_shape:
         raise ValueError(
             f"GPipeStrategy does not run schedule={found.name!r}: its V-shaped stage layout "

@@ -68,7 +68,7 @@ class PipelineSplit(ModelSplitter):
     def __init__(self, options: PipelineOptions | None = None) -> None:
         super().__init__()
         self.options = o = options if options is not None else PipelineOptions()
-        self.schedule: Schedule = o.schedule  # type: ignore[assignment]  (looked up: a Schedule)
+        self.schedule: Schedule = o.schedule  # looked up by PipelineOptions
         self.balance, self.chunks, self.checkpoint = o.balance, o.chunks, o.checkpoint
         self.module_attr, self.loss_attr, self.balance_by = o.module_attr, o.loss_attr, o.balance_by
         self.loss_fn, self.target_index = o.loss_fn, o.target_index
