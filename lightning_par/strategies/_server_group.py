@@ -56,16 +56,16 @@ class ServerGroupStrategy(ParStrategy):
     it, builds :attr:`servers` in ``__init__`` and starts them in ``setup_distributed`` with
     :meth:`start_servers`.
 
-    Why a base class and not one strategy with a ``staleness`` option: the two take
-    different options (``bucket_cap_mb``; ``staleness``, ``share_work`` and the
-    remedies), which the command line reads from each class's signature, and
-    ``async_sgd(staleness=0)`` computes the synchronous server's updates but is another
-    run (one push after backward to asynchronous servers, the ``staleness`` log, no
-    lock-step while fitting, lost workers survived): one class would ask "asynchronous?"
-    in most of its hooks. This base is the only class allowed between a registered
-    strategy and :class:`~lightning_par.strategies._base.ParStrategy`
-    (``tests/test_architecture.py``): it is registered under no name, and neither
-    strategy redefines a hook written here, so each hook is in exactly one place.
+    Why a named base, not one strategy class with a ``staleness`` option: the two take
+    different options (``bucket_cap_mb``; ``staleness``, ``share_work``, the remedies) and
+    the command line offers each class's own signature; ``async_sgd(staleness=0)`` trains
+    the synchronous server's weights but runs otherwise (one push after backward to
+    asynchronous servers, the ``staleness`` log, no lock-step while fitting, a lost worker
+    survived), so one class would ask "asynchronous?" in most of its hooks. Why not the
+    class decorator this replaces: it installed these hooks at import, out of a reader's
+    sight. The cost is a third class of ours above Lightning's, the one exception
+    ``tests/test_architecture.py`` allows (``FAMILY_BASES``): registered under no name,
+    and neither strategy redefines a hook written here, so each hook is in one place.
     """
 
     #: the server processes and this worker's client (built by the strategy's ``__init__``)

@@ -9,8 +9,8 @@ below:
 * each worker pushes its whole gradient after backward and the servers apply it at once
   with the user's optimiser; the worker takes back the newest weights and goes on;
 * ``staleness=s`` bounds how far a worker may run ahead of the slowest (stale synchronous
-  parallel, Ho et al. 2013); ``0`` is exactly the synchronous parameter server, ``None``
-  fully asynchronous;
+  parallel, Ho et al. 2013); ``0`` trains the synchronous parameter server's weights
+  (through the asynchronous servers, one push per step), ``None`` is fully asynchronous;
 * **no collective among the workers during an epoch**: Lightning broadcasts a SIGTERM flag
   from rank 0 before every training batch, which would keep the workers in lock-step; here
   each worker checks only its own flag. While fitting, Lightning's other collectives
