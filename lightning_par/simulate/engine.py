@@ -6,7 +6,7 @@ background thread, ``(rank, "bg")``), an ordered list of operations:
 * :class:`Compute` ``seconds`` of local work (divided by the rank's speed factor);
 * :class:`Post` of one end of a :class:`Msg` (``isend``/``irecv``: returns at once);
 * :class:`Wait` for a message: it completes ``alpha + beta * nbytes`` after *both* ends were
-  posted (a rendezvous, as :mod:`lightning_par.compare.breakdown` reads the traces); a
+  posted (a rendezvous, as :mod:`lightning_par.measure.breakdown` reads the traces); a
   one-sided message (the peer has no trace, e.g. a parameter server) completes ``extra_s +
   alpha + beta * nbytes`` after its own post, ``extra_s`` (the peer's work: the server's
   update) scaled like the traced rank's compute;

@@ -18,7 +18,7 @@ rank did and where it blocked, and forgets how long each block took:
   lane's compute.
 
 Sends and receives match as gloo and NCCL match them: the k-th send ``src -> dst`` with the
-k-th receive at ``dst`` from ``src`` (as in :mod:`lightning_par.compare.breakdown`). A message
+k-th receive at ``dst`` from ``src`` (as in :mod:`lightning_par.measure.breakdown`). A message
 whose other end is not traced (a parameter server) or falls outside the replayed interval is
 *one-sided*: it keeps its measured time beyond what the fitted link explains.
 """
@@ -30,7 +30,7 @@ from collections import defaultdict
 from collections.abc import Sequence
 
 from lightning_par.comm.trace import CommTrace, Message
-from lightning_par.compare.breakdown import COMPUTE_EVENTS
+from lightning_par.measure.breakdown import COMPUTE_EVENTS
 from lightning_par.simulate.engine import After, Compute, Graph, Join, Msg, Post, Wait
 from lightning_par.simulate.links import Link
 

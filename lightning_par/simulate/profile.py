@@ -14,7 +14,7 @@ from __future__ import annotations
 import statistics
 from dataclasses import dataclass, field
 
-from lightning_par.compare.run import make_model
+from lightning_par.measure.run import make_model
 from lightning_par.simulate.engine import Compute, Graph
 from lightning_par.simulate.replay import Run
 from lightning_par.strategies.registry import spec

@@ -50,7 +50,7 @@ from dataclasses import replace
 import torch
 
 from lightning_par.collectives.cost_model import predict
-from lightning_par.compare.run import make_model
+from lightning_par.measure.run import make_model, sample_shape
 from lightning_par.pipeline.schedule import stage_steps
 from lightning_par.simulate.cores import lightning_threads, placement_wait
 from lightning_par.simulate.engine import (
@@ -216,11 +216,9 @@ def busiest_share(model_name: str, p: int, measure_batch: int = 0) -> float:
     (:func:`~.tp_share.measured_busiest_share`). :class:`NotApplicable` where that plan cuts
     nothing: the strategy refuses such a run."""
     model = make_model(model_name)
-    example = getattr(model, "example_input_array", None)
-    if not isinstance(example, torch.Tensor):
-        example = torch.zeros(2, 3, 32, 32)  # a CIFAR batch, as the compare feeds
+    example = torch.zeros(2, *sample_shape(model))
     try:
-        plan = resolve_plan(model, p, example_inputs=(example[:2],))
+        plan = resolve_plan(model, p, example_inputs=(example,))
     except ValueError as err:
         raise NotApplicable(f"{model_name} at {p} ranks: {err}") from err
     if p > 1 and not any(cut.style != "norm" for cut in plan.cuts):
