@@ -19,7 +19,7 @@ the server group's): each is afterwards a plain method of the decorated class, m
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from contextlib import nullcontext
 from typing import Any, TypeVar
 
@@ -29,6 +29,10 @@ from typing_extensions import override
 from lightning_par.strategies._carry_back import dump_rank_checkpoint, with_training_state
 
 S = TypeVar("S", bound=type)
+Base = Callable[[Any], Any]
+
+#: The step hooks run with the splitter's piece of the model in place.
+STEPS = ("training_step", "validation_step", "test_step", "predict_step")
 
 
 def splitter_hooks(cls: S) -> S:
@@ -37,6 +41,21 @@ def splitter_hooks(cls: S) -> S:
 
     def base(self: Any) -> Any:
         return super(cls, self)  # what super() means in the body of cls
+
+    for name, hook in {**_step_hooks(base), **_checkpoint_hooks(base)}.items():
+        if name in vars(cls):
+            raise TypeError(f"{cls.__name__}.{name} is installed by splitter_hooks")
+        func = hook.fget if isinstance(hook, property) else hook
+        func.__qualname__ = f"{cls.__qualname__}.{name}"
+        func.__module__ = cls.__module__
+        if name != "holds_whole_model":
+            override(func)  # a Lightning hook (holds_whole_model is ours)
+        setattr(cls, name, hook)
+    return cls
+
+
+def _step_hooks(base: Base) -> dict[str, Any]:
+    """The data each rank reads, the four steps, backward and the optimiser step."""
 
     @property  # type: ignore[misc]
     def distributed_sampler_kwargs(self) -> dict[str, Any]:
@@ -68,6 +87,17 @@ def splitter_hooks(cls: S) -> S:
         output = base(self).optimizer_step(optimizer, closure, model, **kwargs)
         self.splitter.after_optimizer_step(optimizer)
         return output
+
+    return {
+        "distributed_sampler_kwargs": distributed_sampler_kwargs,
+        **{hook: split_step(hook) for hook in STEPS},
+        "backward": backward,
+        "optimizer_step": optimizer_step,
+    }
+
+
+def _checkpoint_hooks(base: Base) -> dict[str, Any]:
+    """Checkpoints in one process's format, and the end of ``fit`` of a fork launch."""
 
     @property  # type: ignore[misc]
     def holds_whole_model(self) -> bool:
@@ -107,11 +137,7 @@ def splitter_hooks(cls: S) -> S:
         if not self.splitter.load_optimizer_states(self.optimizers, checkpoint["optimizer_states"]):
             base(self).load_optimizer_state_dict(checkpoint)
 
-    hooks = {
-        "distributed_sampler_kwargs": distributed_sampler_kwargs,
-        **{hook: split_step(hook) for hook in STEPS},
-        "backward": backward,
-        "optimizer_step": optimizer_step,
+    return {
         "holds_whole_model": holds_whole_model,
         "on_train_end": on_train_end,
         "lightning_module_state_dict": lightning_module_state_dict,
@@ -120,17 +146,3 @@ def splitter_hooks(cls: S) -> S:
         "optimizer_state": optimizer_state,
         "load_optimizer_state_dict": load_optimizer_state_dict,
     }
-    for name, hook in hooks.items():
-        if name in vars(cls):
-            raise TypeError(f"{cls.__name__}.{name} is installed by splitter_hooks")
-        func = hook.fget if isinstance(hook, property) else hook
-        func.__qualname__ = f"{cls.__qualname__}.{name}"
-        func.__module__ = cls.__module__
-        if name != "holds_whole_model":
-            override(func)  # a Lightning hook (holds_whole_model is ours)
-        setattr(cls, name, hook)
-    return cls
-
-
-#: The step hooks run with the splitter's piece of the model in place.
-STEPS = ("training_step", "validation_step", "test_step", "predict_step")
