@@ -24,9 +24,9 @@ from contextlib import nullcontext
 from typing import Any, TypeVar
 
 import torch
-from typing_extensions import override
 
 from lightning_par.strategies._carry_back import dump_rank_checkpoint, with_training_state
+from lightning_par.strategies._install import install_hooks
 
 S = TypeVar("S", bound=type)
 Base = Callable[[Any], Any]
@@ -42,15 +42,8 @@ def splitter_hooks(cls: S) -> S:
     def base(self: Any) -> Any:
         return super(cls, self)  # what super() means in the body of cls
 
-    for name, hook in {**_step_hooks(base), **_checkpoint_hooks(base)}.items():
-        if name in vars(cls):
-            raise TypeError(f"{cls.__name__}.{name} is installed by splitter_hooks")
-        func = hook.fget if isinstance(hook, property) else hook
-        func.__qualname__ = f"{cls.__qualname__}.{name}"
-        func.__module__ = cls.__module__
-        if name != "holds_whole_model":
-            override(func)  # a Lightning hook (holds_whole_model is ours)
-        setattr(cls, name, hook)
+    hooks = {**_step_hooks(base), **_checkpoint_hooks(base)}
+    install_hooks(cls, hooks, "splitter_hooks", ours={"holds_whole_model"})
     return cls
 
 
