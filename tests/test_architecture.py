@@ -112,28 +112,24 @@ def test_the_check_sees_a_missing_override() -> None:
 
 
 # ---- imports --------------------------------------------------------------------------------
-#: The layers, lowest first (a module's top-level package under lightning_par).
-LAYERS = {
-    "components": 1,
-    "strategies": 2,
-    "callbacks": 2,
-    **dict.fromkeys(
-        [
-            "compare",
-            "bench",
-            "cli",
-            "cli_checks",
-            "cli_help",
-            "cli_strategy",
-            "gpucheck",
-            "check",
-            "summary",
-            "__main__",
-            "simulate",
-        ],
-        3,
+#: The layers, lowest first, each with its packages lowest first (a package is a folder or a
+#: module right under lightning_par; ``""`` is lightning_par itself, which registers the
+#: strategies). A module imports from its own package and from packages placed before it:
+#: never up a layer, never up the order within one, so never in a circle.
+LAYERS: dict[str, tuple[str, ...]] = {
+    "algorithms": (
+        "_compat", "quiet", "output", "split", "launch", "comm", "collectives", "graphcut",
+        "pipeline", "modelparallel", "tensorparallel", "hybrid", "paramserver", "data", "models",
     ),
-}
+    "components": ("components",),
+    "strategies": ("callbacks", "strategies", ""),
+    "tools": (
+        "features", "summary", "cli_checks", "cli_help", "cli_strategy", "check", "gpucheck",
+        "measure", "simulate", "compare", "bench", "cli", "__main__",
+    ),
+}  # fmt: skip
+#: Every package's place, lowest first.
+ORDER = [package for packages in LAYERS.values() for package in packages]
 
 
 def _module_name(path: pathlib.Path) -> str:
@@ -141,9 +137,14 @@ def _module_name(path: pathlib.Path) -> str:
     return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
 
 
-def _layer(module: str) -> int:
+def _package(module: str) -> str:
+    """``lightning_par.pipeline.partition`` -> ``pipeline``; ``lightning_par`` -> ``""``."""
     parts = module.split(".")
-    return LAYERS.get(parts[1], 0) if len(parts) > 1 else 3  # the package root: the top
+    return parts[1] if len(parts) > 1 else ""
+
+
+def _layer(module: str) -> str:
+    return next(name for name, packages in LAYERS.items() if _package(module) in packages)
 
 
 def _imports() -> list[tuple[str, str, int]]:
@@ -163,16 +164,20 @@ def _imports() -> list[tuple[str, str, int]]:
     return [(a, b, line) for a, b, line in found if b in modules]
 
 
-def test_no_module_imports_a_higher_layer() -> None:
-    upward = [(a, b, line) for a, b, line in _imports() if _layer(b) > _layer(a)]
-    assert not upward, f"imports pointing up the layers: {upward}"
+def upward_imports() -> list[str]:
+    """Every import of a package placed above the importer's (:data:`LAYERS`)."""
+    return sorted(
+        {
+            f"{a}:{line} -> {b} ({_layer(a)} -> {_layer(b)})"
+            for a, b, line in _imports()
+            if ORDER.index(_package(b)) > ORDER.index(_package(a))
+        }
+    )
 
 
-def test_no_import_circle() -> None:
-    graph: dict[str, set[str]] = {}
-    for a, b, _ in _imports():
-        if not b.startswith(a + ".") and not a.startswith(b + "."):  # a package and its parts
-            graph.setdefault(a, set()).add(b)
+def _circles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """One circle through each back edge of a depth-first walk of ``graph``: none when
+    ``graph`` has no circle."""
     state: dict[str, int] = {}
     path: list[str] = []
     circles: list[list[str]] = []
@@ -182,9 +187,7 @@ def test_no_import_circle() -> None:
         path.append(node)
         for nxt in sorted(graph.get(node, ())):
             if state.get(nxt) == 1:
-                circle = path[path.index(nxt) :] + [nxt]
-                if not any(m.count(".") <= 1 and _is_package(m) for m in circle):
-                    circles.append(circle)
+                circles.append(path[path.index(nxt) :] + [nxt])
             elif nxt not in state:
                 visit(nxt)
         path.pop()
@@ -193,11 +196,51 @@ def test_no_import_circle() -> None:
     for node in sorted(graph):
         if node not in state:
             visit(node)
-    assert not circles, f"import circles: {circles}"
+    return circles
 
 
-def _is_package(module: str) -> bool:
-    return (PACKAGE.parent / module.replace(".", "/") / "__init__.py").exists()
+def module_circles() -> list[list[str]]:
+    """Circles of imports between modules (a package importing its own parts, or a part its
+    package, is not an edge: ``__init__`` re-exports)."""
+    graph: dict[str, set[str]] = {}
+    for a, b, _ in _imports():
+        if not b.startswith(a + ".") and not a.startswith(b + "."):
+            graph.setdefault(a, set()).add(b)
+    return _circles(graph)
+
+
+def package_circles() -> list[list[str]]:
+    """Circles of imports between packages: ``pipeline.network`` importing ``graphcut`` while
+    ``graphcut.auto`` imports ``pipeline.partition`` is one, though no module is in it twice."""
+    graph: dict[str, set[str]] = {}
+    for a, b, _ in _imports():
+        if _package(a) != _package(b):
+            graph.setdefault(_package(a), set()).add(_package(b))
+    return _circles(graph)
+
+
+def test_every_package_has_its_place() -> None:
+    found = {_package(_module_name(p)) for p in PACKAGE.rglob("*.py")}
+    assert found == set(ORDER), f"place in LAYERS: {found - set(ORDER)}; gone: {set(ORDER) - found}"
+
+
+def test_no_import_points_up() -> None:
+    upward = upward_imports()
+    assert not upward, f"imports pointing up the layers or the order within one: {upward}"
+
+
+def test_no_import_circle_between_packages() -> None:
+    assert not package_circles(), f"packages importing each other: {package_circles()}"
+
+
+def test_no_import_circle_between_modules() -> None:
+    assert not module_circles(), f"import circles: {module_circles()}"
+
+
+def test_the_circle_check_sees_a_circle() -> None:
+    graph = {"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}
+    assert _circles(graph) == [["a", "b", "c", "a"]]
+    assert _circles({"a": {"b"}, "b": {"c"}, "d": {"a", "c"}}) == []
 
 
 def test_the_registry_holds_classes_not_names() -> None:

@@ -18,6 +18,7 @@ from torch.utils.data import DataLoader, DistributedSampler
 from lightning_par.collectives.cost_model import ring_cost
 from lightning_par.comm.buckets import make_buckets
 from lightning_par.comm.trace import load_traces
+from lightning_par.compare.costs import hybrid_bytes
 from lightning_par.components.pipeline_split import PipelineSplit
 from lightning_par.components.tensor_split import TensorParallelSplit
 from lightning_par.data import SyntheticCIFAR10
@@ -192,7 +193,7 @@ def test_cnn_gpipe_grid_trains_like_one_process_and_its_trace_draws_the_grid(tmp
         assert sent == STEPS * per_step > 0
     # all of a step's bytes (but the one-off shape headers and the checkpoint) as the
     # hybrid cost model predicts them for the compare report
-    predicted = HybridStrategy.compare_bytes_per_step(_model("cnn"), 4, GLOBAL_BATCH, {})
+    predicted = hybrid_bytes(_model("cnn"), 4, GLOBAL_BATCH, {})
     once = ("header", "size", "state")
     for trace in traces:
         sent = sum(m.nbytes for m in trace.messages if m.op == "send" and m.tag not in once)

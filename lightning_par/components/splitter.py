@@ -25,6 +25,7 @@ import lightning.pytorch as pl
 from torch import nn
 
 from lightning_par.comm import Communicator
+from lightning_par.pipeline.materialize import has_meta, materialize
 
 
 class ModelSplitter:
@@ -66,6 +67,16 @@ class ModelSplitter:
     # ---- before launch and at setup ---------------------------------------------------------
     def check_before_launch(self, trainer: pl.Trainer | None) -> None:
         """Reject what this split cannot run exactly, before any rank starts."""
+
+    def materialize_whole(self, module: pl.LightningModule | None) -> None:
+        """Storage for a model built on the meta device, at ``setup``, in the dtype it was
+        built in and before precision or SyncBatchNorm conversion: each network by its own
+        names, as the pipelines do, so the values are one process's ``materialize(network)``.
+        Nothing here for a splitter that :attr:`materializes_meta` (stage by stage, later)."""
+        if module is not None and not self.materializes_meta and has_meta(module):
+            for child in module.children():
+                materialize(child)
+            materialize(module)
 
     def split(self, trainer: pl.Trainer) -> None:
         """Cut the network (``prepare_model``: before it moves to its device)."""

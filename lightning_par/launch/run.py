@@ -168,6 +168,30 @@ def _failure_report(procs, results, failures, world_size) -> str:
     return "\n".join(dead + [f"rank {r} of {world_size} raised:\n{tb}" for r, _, tb in failures])
 
 
+def _wait_for_results(procs: list, queue: Any, results: dict[int, Any], deadline_s: float) -> None:
+    """Collect every rank's result into ``results``; :class:`RankFailed` as soon as a rank
+    raised or died (naming it), or when ``deadline_s`` passed (naming those not done)."""
+    world_size = len(procs)
+    deadline = time.monotonic() + deadline_s
+    while len(results) < world_size:
+        failures = _collect(queue, results)
+        exited = any(p.exitcode not in (None, 0) for p in procs)
+        if failures or exited:
+            time.sleep(0.3)  # let the root cause (often a dead peer) surface too
+            failures += _collect(queue, results)
+            report = _failure_report(procs, results, failures, world_size)
+            # only a mesh that failed to connect, no rank dead or done: start again
+            retry = not exited and not results and all(k == "mesh" for _, k, _ in failures)
+            raise (_MeshFailed if retry else RankFailed)(report)
+        if time.monotonic() > deadline:
+            missing = sorted(set(range(world_size)) - set(results))
+            raise RankFailed(
+                f"rank(s) {missing} of {world_size} did not finish within {deadline_s:.0f} s"
+                " (hung or deadlocked); all ranks were stopped"
+            )
+        time.sleep(0.005)
+
+
 def run_on_ranks(
     fn: Callable[..., Any],
     world_size: int,
@@ -209,52 +233,20 @@ def _run_once(fn, world_size, backend, group_timeout, args, kwargs) -> list[Any]
         ctx.set_forkserver_preload(FORKSERVER_PRELOAD)
         threads = forkserver_threads(world_size)
     queue = ctx.SimpleQueue()
-    port = find_free_port()
     store_dir = tempfile.mkdtemp(prefix="lightning_par-ranks-")
-    store = os.path.join(store_dir, "rendezvous")
+    store, port = os.path.join(store_dir, "rendezvous"), find_free_port()
     procs = [
-        ctx.Process(
-            target=_rank_main,
-            args=(
-                fn,
-                r,
-                world_size,
-                backend,
-                store,
-                port,
-                group_timeout,
-                threads,
-                args,
-                kwargs,
-                queue,
-                ParentState(),
-            ),
-            daemon=True,
-        )  # fmt: skip
+        ctx.Process(target=_rank_main, daemon=True, args=(
+            fn, r, world_size, backend, store, port, group_timeout, threads, args, kwargs,
+            queue, ParentState(),
+        ))
         for r in range(world_size)
-    ]
+    ]  # fmt: skip
     for proc in procs:
         proc.start()
     results: dict[int, Any] = {}
-    deadline = time.monotonic() + deadline_s
     try:
-        while len(results) < world_size:
-            failures = _collect(queue, results)
-            exited = any(p.exitcode not in (None, 0) for p in procs)
-            if failures or exited:
-                time.sleep(0.3)  # let the root cause (often a dead peer) surface too
-                failures += _collect(queue, results)
-                report = _failure_report(procs, results, failures, world_size)
-                # only a mesh that failed to connect, no rank dead or done: start again
-                retry = not exited and not results and all(k == "mesh" for _, k, _ in failures)
-                raise (_MeshFailed if retry else RankFailed)(report)
-            if time.monotonic() > deadline:
-                missing = sorted(set(range(world_size)) - set(results))
-                raise RankFailed(
-                    f"rank(s) {missing} of {world_size} did not finish within {deadline_s:.0f} s"
-                    " (hung or deadlocked); all ranks were stopped"
-                )
-            time.sleep(0.005)
+        _wait_for_results(procs, queue, results, deadline_s)
     finally:
         for proc in procs:
             proc.join(timeout=5 if len(results) == world_size else 0)

@@ -24,9 +24,10 @@ from torch import nn
 
 from lightning_par.comm import Communicator
 from lightning_par.modelparallel.recurrent import CarriedState, is_recurrent
-from lightning_par.pipeline.partition import balance_by_cost, check_balance, split_sequential
+from lightning_par.pipeline.partition import check_balance, split_sequential
 from lightning_par.pipeline.runtime import PipelineStage
 from lightning_par.pipeline.schedule import Step, bubble_fraction, clock_table, schedule_steps
+from lightning_par.split import balance_by_cost
 
 
 # ---- the schedule, without processes ---------------------------------------------------------

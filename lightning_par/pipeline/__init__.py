@@ -21,7 +21,6 @@ The Lightning adapter is :class:`lightning_par.strategies.gpipe.GPipeStrategy`.
 from lightning_par.pipeline.checkpoint import CHECKPOINT_MODES, SavedActivations, recomputes
 from lightning_par.pipeline.microbatch import gather, micro_batch_sizes, scatter
 from lightning_par.pipeline.partition import (
-    balance_by_cost,
     balance_by_params,
     balance_by_time,
     check_balance,
@@ -39,6 +38,7 @@ from lightning_par.pipeline.schedule import (
     stage_steps,
 )
 from lightning_par.pipeline.step import forward_backward
+from lightning_par.split import balance_by_cost
 
 __all__ = [
     "CHECKPOINT_MODES",

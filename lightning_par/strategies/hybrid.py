@@ -58,9 +58,7 @@ from lightning_par.components.hybrid_kinds import (  # noqa: F401  (mp_kinds: th
     make_splitter,
     mp_kinds,
 )
-from lightning_par.components.splitter import find_network
 from lightning_par.components.strategy_options import PLUMBING_ARGUMENTS
-from lightning_par.hybrid.cost import hybrid_bytes_per_step
 from lightning_par.hybrid.grid import (
     Grid,
     GridGroups,
@@ -273,23 +271,6 @@ class HybridStrategy(ParStrategy):
         if self.groups is not None and self.dp_rank != 0:
             return {}
         return super().optimizer_state(optimizer)
-
-    @classmethod
-    def compare_bytes_per_step(
-        cls, model: pl.LightningModule, devices: int, global_batch: int, options: dict
-    ) -> list[int]:
-        """Bytes per rank and step (:mod:`lightning_par.compare`'s hook), for the pipelined
-        kinds (:func:`lightning_par.hybrid.cost.hybrid_bytes_per_step`)."""
-        kind = options.get("mp_kind", DEFAULT_KIND)
-        if kind not in ("gpipe", "layerwise") or options.get("time_chunk") is not None:
-            raise ValueError(f"hybrid: no byte model for mp_kind={kind!r} with these options")
-        grid = make_grid(devices, options.get("dp"), options.get("mp"))
-        return hybrid_bytes_per_step(
-            getattr(model, find_network(model, options.get("module_attr"), "hybrid")), grid,
-            global_batch,
-            dp_algorithm=options.get("dp_algorithm", "ring"),
-            bucket_cap_mb=options.get("bucket_cap_mb", 4.0),
-        )  # fmt: skip
 
     @override
     def teardown(self) -> None:
