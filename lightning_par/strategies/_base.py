@@ -20,15 +20,15 @@ process) → ranks start → ``setup_environment`` (process group) → ``setup``
 The pieces live in components: :mod:`~lightning_par.components.process_group`,
 :mod:`~lightning_par.components.strategy_options` and the model splitter
 (:mod:`~lightning_par.components.splitter`; the default one holds the whole model), which
-the four ``*_step`` hooks, ``backward``, the optimiser step and the checkpoint hooks hand the
-model to (:mod:`._split_hooks`, installed on :class:`ParStrategy`).
+the four ``*_step`` hooks, ``backward``, the optimiser step and the checkpoint hooks below
+hand the model to.
 """
 
 from __future__ import annotations
 
 import os
-from collections.abc import Generator
-from contextlib import contextmanager
+from collections.abc import Generator, Mapping
+from contextlib import contextmanager, nullcontext
 from datetime import timedelta
 from pathlib import Path
 from typing import Any, ClassVar
@@ -54,11 +54,10 @@ from lightning_par.components.strategy_options import (
 from lightning_par.launch import default_timeout, liveness
 from lightning_par.launch.policy import LaunchPlan
 from lightning_par.launch.rendezvous import StoreAddress
+from lightning_par.strategies._carry_back import dump_rank_checkpoint, with_training_state
 from lightning_par.strategies._launchers import log_startup, make_launcher
-from lightning_par.strategies._split_hooks import splitter_hooks
 
 
-@splitter_hooks
 class ParStrategy(DDPStrategy):
     """Shared plumbing of the lightning_par strategies (see the module docstring).
 
@@ -252,7 +251,7 @@ class ParStrategy(DDPStrategy):
                 raise
             raise better from err
 
-    # ---- the model split over ranks (the splitter; its hooks: ._split_hooks) ---------------------
+    # ---- the model split over ranks: each hook hands its piece to the splitter ---------------
     @property
     def split_comm(self) -> Communicator | None:
         """The ranks one model is split over (every rank; hybrid: one row of its grid)."""
@@ -262,6 +261,91 @@ class ParStrategy(DDPStrategy):
     def split_size(self) -> int:
         """How many pieces one model is cut into (every process; hybrid: its ``mp``)."""
         return self.num_processes * self.num_nodes
+
+    @property
+    @override
+    def distributed_sampler_kwargs(self) -> dict[str, Any]:
+        # a model split over the ranks is one replica whose every rank reads the whole batch
+        # (as Lightning's ModelParallelStrategy says): a sharded loader reads one process's
+        if self.shards_data:
+            return super().distributed_sampler_kwargs
+        return {"num_replicas": 1, "rank": 0}
+
+    @override
+    def training_step(self, *args: Any, **kwargs: Any) -> Any:
+        self.splitter.before_training_step(args[0] if args else kwargs.get("batch"))
+        with self.splitter.running():
+            return super().training_step(*args, **kwargs)
+
+    @override
+    def validation_step(self, *args: Any, **kwargs: Any) -> Any:
+        with self.splitter.running():
+            return super().validation_step(*args, **kwargs)
+
+    @override
+    def test_step(self, *args: Any, **kwargs: Any) -> Any:
+        with self.splitter.running():
+            return super().test_step(*args, **kwargs)
+
+    @override
+    def predict_step(self, *args: Any, **kwargs: Any) -> Any:
+        with self.splitter.running():
+            return super().predict_step(*args, **kwargs)
+
+    @override
+    def backward(self, closure_loss: torch.Tensor, optimizer: Any, *args: Any, **kw: Any) -> Any:
+        self.splitter.before_backward(closure_loss)  # before a GradScaler scales it
+        closure_loss = super().backward(closure_loss, optimizer, *args, **kw)
+        self.splitter.after_backward()
+        return closure_loss
+
+    @override
+    def optimizer_step(self, optimizer: Any, closure: Any, model: Any = None, **kw: Any) -> Any:
+        output = super().optimizer_step(optimizer, closure, model, **kw)
+        self.splitter.after_optimizer_step(optimizer)
+        return output
+
+    # ---- checkpoints in one process's format ------------------------------------------------
+    @property
+    def holds_whole_model(self) -> bool:
+        """True in the script's process after a fork launch: no rank was set up here and the
+        model holds the whole network, brought back from the ranks."""
+        return self.comm is None
+
+    @override
+    def on_train_end(self) -> None:
+        super().on_train_end()
+        if getattr(self.launcher, "carries_back", False) and not self.holds_whole_model:
+            # while every component (servers, stages) is still up: the script gets it
+            with self.trace.left_out() if self.trace is not None else nullcontext():
+                self.end_of_fit_checkpoint = dump_rank_checkpoint(self.lightning_module.trainer)
+
+    @override
+    def lightning_module_state_dict(self) -> dict[str, Any]:
+        whole = super().lightning_module_state_dict()
+        return whole if self.holds_whole_model else self.splitter.full_state_dict(whole)
+
+    @override
+    def save_checkpoint(
+        self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None
+    ) -> None:
+        if self.holds_whole_model:  # the script's checkpoint: rank 0's training state too
+            checkpoint = with_training_state(checkpoint, self.training_state)
+        super().save_checkpoint(checkpoint, filepath, storage_options=storage_options)
+
+    @override
+    def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
+        state = self.splitter.piece_state_dict(checkpoint["state_dict"])
+        super().load_model_state_dict({**checkpoint, "state_dict": state}, strict=strict)
+
+    @override
+    def optimizer_state(self, optimizer: Any) -> dict[str, Any]:
+        return self.splitter.full_optimizer_state(super().optimizer_state(optimizer), optimizer)
+
+    @override
+    def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
+        if not self.splitter.load_optimizer_states(self.optimizers, checkpoint["optimizer_states"]):
+            super().load_optimizer_state_dict(checkpoint)
 
     # ---- gradient accumulation ------------------------------------------------------------------
     def gradient_buckets(self) -> GradientBuckets | None:
