@@ -30,7 +30,8 @@ strategy. After ``k`` steps every replica holds the weights one process reaches 
 global batch (``dp`` × the per-rank batch).
 
 The strategy is two components on a grid: the splitter of ``mp_kind``
-(:class:`~lightning_par.components.pipeline_split.PipelineSplit` or
+(:class:`~lightning_par.components.pipeline_split.PipelineSplit`,
+:class:`~lightning_par.components.wavefront_split.WavefrontSplit` or
 :class:`~lightning_par.components.tensor_split.TensorParallelSplit`, built by
 :func:`~lightning_par.components.hybrid_kinds.make_splitter` from the kind's own options:
 ``chunks``, ``balance``, ``time_chunk``, ``plan``, ...) over each row, and a
