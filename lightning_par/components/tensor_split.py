@@ -27,7 +27,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info
 
 from lightning_par import _compat
 from lightning_par.collectives import broadcast_parameters
-from lightning_par.components.graph_pipeline import capture_inputs
+from lightning_par.components.pipeline_inputs import capture_inputs
 from lightning_par.components.splitter import ModelSplitter, find_network
 from lightning_par.pipeline.state import gather_objects
 from lightning_par.tensorparallel import (
