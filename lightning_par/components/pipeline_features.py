@@ -98,9 +98,9 @@ def clip_by_whole_model(precision_plugin: Any, clip: Callable[[Any, float], None
         agree_on_overflow(scaler)
 
 
-def refuse_sync_batchnorm(strategy: Any, who: str) -> None:
+def refuse_sync_batchnorm(sync_batchnorm: bool, who: str) -> None:
     """``Trainer(sync_batchnorm=True)`` has no meaning when every stage holds other layers."""
-    if _compat.layer_sync(strategy) is not None:
+    if sync_batchnorm:
         raise ValueError(
             f"{who} refuses sync_batchnorm=True: it synchronises BatchNorm "
             "over data-parallel replicas, but every stage holds different layers and sees "

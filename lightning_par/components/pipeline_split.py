@@ -29,7 +29,6 @@ import torch
 from lightning.pytorch.trainer.states import TrainerFn
 from torch import nn
 
-from lightning_par import _compat
 from lightning_par.components import pipeline_checks as checks
 from lightning_par.components import pipeline_features as features
 from lightning_par.components import pipeline_loss as losses
@@ -92,7 +91,7 @@ class PipelineSplit(ModelSplitter):
 
     @property
     def name(self) -> str:  # type: ignore[override]
-        return self.strategy.strategy_name if self.strategy is not None else "gpipe"
+        return self.context.name if self.context is not None else "gpipe"
 
     @property
     def attr(self) -> str:
@@ -116,12 +115,12 @@ class PipelineSplit(ModelSplitter):
         """Reject a network, balance or loss this split cannot run, before any process
         starts (the launcher calls this in the main process)."""
         net = getattr(self.module, self.attr, None)
-        features.refuse_sync_batchnorm(self.strategy, self.name)
+        features.refuse_sync_batchnorm(self.context.sync_batchnorm, self.name)
         features.warn_batchnorm(net, self.chunks, self.name, self.deferred_batch_norm)
         if trainer is None or trainer.state.fn == TrainerFn.FITTING:
             features.warn_dropout(net, self.name)
-        backend = _compat.process_group_backend(self.strategy)
-        devices = self.strategy.parallel_devices or []
+        backend = self.context.backend
+        devices = self.context.devices
         if isinstance(net, nn.Sequential) and self.split_points is None:
             checks.check_before_launch(
                 self.module, trainer, module_attr=self.attr, stages=self.size,
@@ -142,8 +141,8 @@ class PipelineSplit(ModelSplitter):
 
     # ---- splitting --------------------------------------------------------------------------
     def split(self, trainer: pl.Trainer) -> None:
-        checks.check_trainer(trainer, self.schedule, self.strategy.precision_plugin)
-        checks.check_backend(self.schedule, _compat.process_group_backend(self.strategy))
+        checks.check_trainer(trainer, self.schedule, self.context.precision)
+        checks.check_backend(self.schedule, self.context.backend)
         if self.graph is not None:
             return
         self.check_before_launch(self.module.trainer)
@@ -162,8 +161,8 @@ class PipelineSplit(ModelSplitter):
             return self.split_points
         balance = checks.resolve_balance(
             self.module, net, stages=self.size * self.stages_per_device, balance=self.balance,
-            balance_by=self.balance_by, rank=self.strategy.global_rank,
-            broadcast=self.strategy.broadcast,
+            balance_by=self.balance_by, rank=self.context.rank,
+            broadcast=self.context.broadcast,
         )  # fmt: skip
         names = [name for name, _ in net.named_children()]
         return [names[sum(balance[:i])] for i in range(1, len(balance))]
@@ -171,15 +170,15 @@ class PipelineSplit(ModelSplitter):
     def after_setup(self, trainer: pl.Trainer) -> None:
         self.batch_checked = False
         if trainer.state.fn == TrainerFn.FITTING:
-            features.clip_by_whole_model(self.strategy.precision_plugin, self._clip_by_whole_norm)
+            features.clip_by_whole_model(self.context.precision, self._clip_by_whole_norm)
 
     def explain_optimizer_error(self, error: ValueError) -> ValueError | None:
-        return features.empty_optimizer_error(self.name, self.strategy.global_rank, error)
+        return features.empty_optimizer_error(self.name, self.context.rank, error)
 
     def _clip_by_whole_norm(self, optimizer: Any, clip_val: float) -> None:
         """Lightning's clipping by norm, by the norm of every stage's gradients together (a
         tied parameter counts once, on its first device)."""
-        params = list(self.strategy.precision_plugin.main_params(optimizer))
+        params = list(self.context.precision.main_params(optimizer))
         counted = {id(p) for p in self.network.counted_parameters()}
         outside = {id(p) for p in getattr(self.module, self.attr).parameters()}
         features.clip_grad_norm_across_stages(
@@ -237,7 +236,7 @@ class PipelineSplit(ModelSplitter):
     def full_state_dict(self, local: dict[str, Any]) -> dict[str, Any]:
         """The full model's state dict on rank 0 (every stage's layers, original names)."""
         held = self.graph.held(local) if self.graph is not None else local
-        return gather_full_state_dict(self.comm, held, f"{self.attr}.", self.strategy.root_device)
+        return gather_full_state_dict(self.comm, held, f"{self.attr}.", self.context.root_device)
 
     def piece_state_dict(self, full: Mapping[str, Any]) -> Mapping[str, Any]:
         return self.graph.piece_state_dict(dict(full)) if self.graph is not None else full

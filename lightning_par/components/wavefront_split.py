@@ -82,7 +82,7 @@ class WavefrontSplit(ModelSplitter):
 
     @property
     def name(self) -> str:  # type: ignore[override]
-        return self.strategy.strategy_name if self.strategy is not None else "layerwise"
+        return self.context.name if self.context is not None else "layerwise"
 
     @property
     def attr(self) -> str:
@@ -114,7 +114,7 @@ class WavefrontSplit(ModelSplitter):
                 f"{self.attr}` is a {type(net).__name__}: leave time_chunk out to cut any "
                 "network layer-wise"
             )
-        features.refuse_sync_batchnorm(self.strategy, self.name)
+        features.refuse_sync_batchnorm(self.context.sync_batchnorm, self.name)
         if trainer is None or trainer.state.fn == TrainerFn.FITTING:
             features.warn_dropout(net, self.name)
         # one micro-batch under GPipe's order: no schedule, loss or backend to check
@@ -135,7 +135,7 @@ class WavefrontSplit(ModelSplitter):
         first = None
         if self.comm.rank == 0:  # every stage starts from rank 0's weights
             first = [s.state_dict() for s in split_sequential(net, balance)]
-        device = self.strategy.root_device
+        device = self.context.root_device
         piped.to(device)
         send_weights_from_first(self.comm, first, piped.state_dict(), device)
         setattr(self.module, self.attr, piped)
@@ -143,14 +143,14 @@ class WavefrontSplit(ModelSplitter):
     def after_setup(self, trainer: pl.Trainer) -> None:
         self.batch_checked = False
         if trainer.state.fn == TrainerFn.FITTING:
-            features.clip_by_whole_model(self.strategy.precision_plugin, self._clip_by_whole_norm)
+            features.clip_by_whole_model(self.context.precision, self._clip_by_whole_norm)
 
     def explain_optimizer_error(self, error: ValueError) -> ValueError | None:
-        return features.empty_optimizer_error(self.name, self.strategy.global_rank, error)
+        return features.empty_optimizer_error(self.name, self.context.rank, error)
 
     def _clip_by_whole_norm(self, optimizer: Any, clip_val: float) -> None:
         """Lightning's clipping by norm, by the norm of every stage's gradients together."""
-        params = list(self.strategy.precision_plugin.main_params(optimizer))
+        params = list(self.context.precision.main_params(optimizer))
         stage_ids = {id(p) for p in self.pipelined.parameters()}
         features.clip_grad_norm_across_stages(
             [p for p in params if id(p) in stage_ids], clip_val,
@@ -185,7 +185,7 @@ class WavefrontSplit(ModelSplitter):
     # ---- checkpoints: the full model on rank 0 ----------------------------------------------
     def full_state_dict(self, local: dict[str, Any]) -> dict[str, Any]:
         """The full model's state dict on rank 0 (every stage's layers, original names)."""
-        return gather_full_state_dict(self.comm, local, f"{self.attr}.", self.strategy.root_device)
+        return gather_full_state_dict(self.comm, local, f"{self.attr}.", self.context.root_device)
 
     def _stage_names(self, optimizer: Any) -> tuple[list[str], list[list[str]]]:
         """This stage's parameter names, in module order and per optimiser group."""
@@ -198,7 +198,7 @@ class WavefrontSplit(ModelSplitter):
         """On rank 0, the optimiser state of the whole model in the format of the user's
         optimiser in one process (so it resumes under any strategy); ``{}`` elsewhere."""
         names, groups = self._stage_names(getattr(optimizer, "_optimizer", optimizer))
-        stages = gather_objects(self.comm, (local, names, groups), self.strategy.root_device)
+        stages = gather_objects(self.comm, (local, names, groups), self.context.root_device)
         if stages is None:
             return {}
         order = model_order([s[1] for s in stages], f"{self.attr}.")

@@ -71,6 +71,7 @@ from lightning_par.hybrid.grid import (
     make_grid,
 )
 from lightning_par.strategies._base import ParStrategy
+from lightning_par.strategies._split_context import StrategyContext
 
 
 class HybridStrategy(ParStrategy):
@@ -146,7 +147,7 @@ class HybridStrategy(ParStrategy):
         super().__init__(**kwargs)  # by name, so that jsonargparse shows ParStrategy's options
         self.mp_kind = mp_kind
         self.splitter = split
-        split.bind(self)
+        split.bind(StrategyContext(self))
         self.dp, self.mp, self.dp_algorithm = dp, mp, dp_algorithm
         self._overlap = overlap
         self.grad_sync = GradientSync(

@@ -40,6 +40,7 @@ from lightning_par.modelparallel.memory import stage_memory
 from lightning_par.output import format_bytes, say
 from lightning_par.pipeline.state import gather_objects
 from lightning_par.strategies._base import ParStrategy
+from lightning_par.strategies._split_context import StrategyContext
 
 
 class LayerwiseStrategy(ParStrategy):
@@ -74,7 +75,7 @@ class LayerwiseStrategy(ParStrategy):
         split = layerwise_split(balance, time_chunk, balance_by, module_attr, split_points)
         super().__init__(**kwargs)
         self.splitter = split
-        split.bind(self)
+        split.bind(StrategyContext(self))
         self.memory: list[dict[str, int]] | None = None  # per stage, on rank 0
 
     @property
