@@ -196,8 +196,9 @@ class DeviceStages(ReceiveAhead):
             if grad:
                 x = tuple(t.requires_grad_(True) if t.is_floating_point() else t for t in x)
         recompute = grad and recomputes(self.checkpoint, i, self.chunks)
-        hooks = self.saved.hooks() if self.saved is not None else contextlib.nullcontext()
-        capture = self.weights.capture(key) if self.weights else contextlib.nullcontext()
+        none = contextlib.nullcontext()
+        hooks = self.saved.hooks() if self.saved is not None else none
+        capture = self.weights.capture(key) if self.weights is not None else none
         with self._span("fwd", i), hooks, capture:
             if recompute:  # keep only the inputs; the backward runs the forward again
                 out = as_tuple(checkpoint(self.stages[s], *x, use_reentrant=False), s)
