@@ -14,26 +14,15 @@ from typing import Any
 from lightning_par.components.pipeline_split import PipelineSplit
 from lightning_par.components.splitter import ModelSplitter
 from lightning_par.components.tensor_split import TensorParallelSplit
+from lightning_par.components.wavefront_split import layerwise_split
 
 DEFAULT_KIND = "gpipe"
-
-
-def _layerwise(
-    balance: list[int] | None = None, time_chunk: int | None = None,
-    balance_by: str = "params", module_attr: str | None = None,
-    split_points: list[str] | None = None,
-) -> PipelineSplit:  # fmt: skip
-    """The layer-wise split: one micro-batch, no re-materialisation (``LayerwiseStrategy``)."""
-    return PipelineSplit(
-        balance, chunks=1, checkpoint="never", schedule="gpipe", module_attr=module_attr,
-        balance_by=balance_by, time_chunk=time_chunk, split_points=split_points,
-    )  # fmt: skip
 
 
 #: The model-parallel kinds a hybrid row can run: kind -> splitter factory (its options).
 KINDS: dict[str, Any] = {
     "gpipe": PipelineSplit,
-    "layerwise": _layerwise,
+    "layerwise": layerwise_split,
     "tensor_parallel": TensorParallelSplit,
 }
 

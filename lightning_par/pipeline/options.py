@@ -1,25 +1,13 @@
-"""The pipeline strategies' schedule options, checked and turned into a network, with no
-Lightning in sight: :class:`~lightning_par.strategies.gpipe.GPipeStrategy` (and the hybrid
-grid's pipelines) call these.
+"""The pipeline strategies' schedule options, checked with no Lightning in sight:
+:class:`~lightning_par.strategies.gpipe.GPipeStrategy` (and the hybrid grid's pipelines)
+call these.
 
-* ``schedule="gpipe"`` or ``"1f1b"``: one stage per device,
-  :class:`~lightning_par.pipeline.sequential.PipelinedSequential`;
+* ``schedule="gpipe"`` or ``"1f1b"``: one stage per device;
 * ``schedule="interleaved"`` (``virtual_stages`` stages per device, ``chunks`` a multiple of
-  the devices) or ``"zero_bubble"`` (ZB-H1, one stage per device, no re-materialisation):
-  :class:`~lightning_par.pipeline.sequential_v.PipelinedStages`.
+  the devices) or ``"zero_bubble"`` (ZB-H1, one stage per device, no re-materialisation).
 """
 
 from __future__ import annotations
-
-from collections.abc import Sequence
-
-from torch import nn
-
-from lightning_par.comm import Communicator
-from lightning_par.pipeline.partition import split_sequential
-from lightning_par.pipeline.schedules_v import NEW_SCHEDULES
-from lightning_par.pipeline.sequential import PipelinedSequential
-from lightning_par.pipeline.sequential_v import PipelinedStages, device_states
 
 
 def resolve_checkpoint(checkpoint: str | None, schedule: str) -> str:
@@ -53,20 +41,3 @@ def check_chunks(plugin: str, schedule: str, chunks: int, devices: int) -> None:
             f"devices (micro-batches go round the stages in groups of {devices}), got "
             f"chunks={chunks}: use chunks={chunks + devices - chunks % devices} or {lower}"
         )
-
-
-def build_network(net: nn.Sequential, balance: Sequence[int], comm: Communicator, *,
-                  chunks: int, checkpoint: str, schedule: str,
-                  virtual_stages: int = 1) -> tuple[nn.Module, list[dict] | None]:  # fmt: skip
-    """This rank's pipelined network and, on rank 0, every device's state dict from ``net``
-    (to send the same initial weights everywhere); ``balance`` has one entry per stage."""
-    if schedule in NEW_SCHEDULES:
-        piped = PipelinedStages(net, balance, comm, chunks=chunks, checkpoint=checkpoint,
-                                schedule=schedule, virtual_stages=virtual_stages)  # fmt: skip
-        first = device_states(net, balance, comm.world_size) if comm.rank == 0 else None
-        return piped, first
-    piped = PipelinedSequential(net, balance, comm, chunks=chunks, checkpoint=checkpoint,
-                                schedule=schedule)  # fmt: skip
-    if comm.rank != 0:
-        return piped, None
-    return piped, [s.state_dict() for s in split_sequential(net, list(balance))]

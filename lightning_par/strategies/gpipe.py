@@ -40,6 +40,7 @@ from typing import Any
 
 from lightning_par.components.pipeline_split import PipelineSplit
 from lightning_par.strategies._base import ParStrategy
+from lightning_par.strategies._split_context import StrategyContext
 
 
 class GPipeStrategy(ParStrategy):
@@ -108,4 +109,4 @@ class GPipeStrategy(ParStrategy):
         )  # fmt: skip
         super().__init__(**kwargs)
         self.splitter = split
-        split.bind(self)
+        split.bind(StrategyContext(self))

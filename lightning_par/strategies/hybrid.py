@@ -30,7 +30,8 @@ strategy. After ``k`` steps every replica holds the weights one process reaches 
 global batch (``dp`` × the per-rank batch).
 
 The strategy is two components on a grid: the splitter of ``mp_kind``
-(:class:`~lightning_par.components.pipeline_split.PipelineSplit` or
+(:class:`~lightning_par.components.pipeline_split.PipelineSplit`,
+:class:`~lightning_par.components.wavefront_split.WavefrontSplit` or
 :class:`~lightning_par.components.tensor_split.TensorParallelSplit`, built by
 :func:`~lightning_par.components.hybrid_kinds.make_splitter` from the kind's own options:
 ``chunks``, ``balance``, ``time_chunk``, ``plan``, ...) over each row, and a
@@ -68,6 +69,7 @@ from lightning_par.hybrid.grid import (
     make_grid,
 )
 from lightning_par.strategies._base import ParStrategy
+from lightning_par.strategies._split_context import StrategyContext
 
 
 class HybridStrategy(ParStrategy):
@@ -143,7 +145,7 @@ class HybridStrategy(ParStrategy):
         super().__init__(**kwargs)  # by name, so that jsonargparse shows ParStrategy's options
         self.mp_kind = mp_kind
         self.splitter = split
-        split.bind(self)
+        split.bind(StrategyContext(self))
         self.dp, self.mp, self.dp_algorithm = dp, mp, dp_algorithm
         self._overlap = overlap
         self.grad_sync = GradientSync(

@@ -39,6 +39,7 @@ from lightning_par.components.tensor_split import (
     check_trainer,
 )
 from lightning_par.strategies._base import ParStrategy
+from lightning_par.strategies._split_context import StrategyContext
 
 
 class TensorParallelStrategy(ParStrategy):
@@ -67,7 +68,7 @@ class TensorParallelStrategy(ParStrategy):
         split = TensorParallelSplit(plan, module_attr, algorithm)
         super().__init__(**kwargs)
         self.splitter = split
-        split.bind(self)
+        split.bind(StrategyContext(self))
 
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
