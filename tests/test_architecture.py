@@ -15,6 +15,7 @@ import pytest
 
 import lightning_par
 from lightning_par.strategies import strategy_specs
+from lightning_par.strategies._server_group import ServerGroupStrategy
 
 PACKAGE = pathlib.Path(lightning_par.__file__).parent
 
@@ -27,14 +28,50 @@ def _lightning(cls: type) -> list[type]:
     return [c for c in cls.__mro__ if c.__module__.split(".")[0] == "lightning"]
 
 
+#: Bases a family of registered strategies shares, the one kind of class allowed between a
+#: strategy and ParStrategy: registered under no name, holding the hooks the family has in
+#: common, none of which a strategy above redefines (each hook is in one place a reader
+#: sees). ``parameter_server`` and ``async_sgd`` share 18 hooks (ARCHITECTURE.md).
+FAMILY_BASES = ("ServerGroupStrategy",)
+
+
 @pytest.mark.parametrize("spec", strategy_specs(), ids=lambda s: s.name)
 def test_a_registered_strategy_is_at_most_two_of_our_classes_above_lightnings(spec) -> None:
     ours = _ours(spec.cls)
     assert _lightning(spec.cls), f"{spec.name} is not a Lightning strategy"
-    assert len(ours) <= 2, f"{spec.name}: {' -> '.join(c.__name__ for c in ours)}"
+    family = [c for c in ours[1:-1] if c.__name__ in FAMILY_BASES]
+    chain = " -> ".join(c.__name__ for c in ours)
+    assert len(ours) - len(family) <= 2 and len(family) <= 1, f"{spec.name}: {chain}"
     assert "__new__" not in vars(spec.cls), f"{spec.name} swaps its class in __new__"
     lightning_bases = [b for b in spec.cls.__bases__ if b.__module__.startswith("lightning.")]
     assert len(spec.cls.__bases__) == 1 or not lightning_bases, "multiple inheritance"
+
+
+def _redefined(cls: type, base: type) -> list[str]:
+    """The methods and properties of ``base`` that ``cls`` writes again."""
+    return [
+        name
+        for name, value in vars(cls).items()
+        if not name.startswith("__")
+        and (callable(value) or isinstance(value, property))
+        and name in vars(base)
+    ]
+
+
+@pytest.mark.parametrize("spec", strategy_specs(), ids=lambda s: s.name)
+def test_a_family_base_is_unregistered_and_no_strategy_redefines_its_hooks(spec) -> None:
+    registered = {row.cls for row in strategy_specs()}
+    for base in [c for c in _ours(spec.cls) if c.__name__ in FAMILY_BASES]:
+        assert base not in registered, f"{base.__name__} is registered"
+        assert not _redefined(spec.cls, base), f"{spec.name} redefines {_redefined(spec.cls, base)}"
+
+
+def test_the_family_check_sees_a_redefined_hook() -> None:
+    class Own(ServerGroupStrategy):
+        def teardown(self) -> None:
+            pass
+
+    assert _redefined(Own, ServerGroupStrategy) == ["teardown"]
 
 
 def _our_classes() -> list[type]:
@@ -75,28 +112,24 @@ def test_the_check_sees_a_missing_override() -> None:
 
 
 # ---- imports --------------------------------------------------------------------------------
-#: The layers, lowest first (a module's top-level package under lightning_par).
-LAYERS = {
-    "components": 1,
-    "strategies": 2,
-    "callbacks": 2,
-    **dict.fromkeys(
-        [
-            "compare",
-            "bench",
-            "cli",
-            "cli_checks",
-            "cli_help",
-            "cli_strategy",
-            "gpucheck",
-            "check",
-            "summary",
-            "__main__",
-            "simulate",
-        ],
-        3,
+#: The layers, lowest first, each with its packages lowest first (a package is a folder or a
+#: module right under lightning_par; ``""`` is lightning_par itself, which registers the
+#: strategies). A module imports from its own package and from packages placed before it:
+#: never up a layer, never up the order within one, so never in a circle.
+LAYERS: dict[str, tuple[str, ...]] = {
+    "algorithms": (
+        "_compat", "quiet", "output", "split", "launch", "comm", "collectives", "graphcut",
+        "pipeline", "modelparallel", "tensorparallel", "hybrid", "paramserver", "data", "models",
     ),
-}
+    "components": ("components",),
+    "strategies": ("callbacks", "strategies", ""),
+    "tools": (
+        "features", "summary", "cli_checks", "cli_help", "cli_strategy", "check", "gpucheck",
+        "measure", "simulate", "compare", "bench", "cli", "__main__",
+    ),
+}  # fmt: skip
+#: Every package's place, lowest first.
+ORDER = [package for packages in LAYERS.values() for package in packages]
 
 
 def _module_name(path: pathlib.Path) -> str:
@@ -104,9 +137,14 @@ def _module_name(path: pathlib.Path) -> str:
     return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
 
 
-def _layer(module: str) -> int:
+def _package(module: str) -> str:
+    """``lightning_par.pipeline.partition`` -> ``pipeline``; ``lightning_par`` -> ``""``."""
     parts = module.split(".")
-    return LAYERS.get(parts[1], 0) if len(parts) > 1 else 3  # the package root: the top
+    return parts[1] if len(parts) > 1 else ""
+
+
+def _layer(module: str) -> str:
+    return next(name for name, packages in LAYERS.items() if _package(module) in packages)
 
 
 def _imports() -> list[tuple[str, str, int]]:
@@ -126,16 +164,20 @@ def _imports() -> list[tuple[str, str, int]]:
     return [(a, b, line) for a, b, line in found if b in modules]
 
 
-def test_no_module_imports_a_higher_layer() -> None:
-    upward = [(a, b, line) for a, b, line in _imports() if _layer(b) > _layer(a)]
-    assert not upward, f"imports pointing up the layers: {upward}"
+def upward_imports() -> list[str]:
+    """Every import of a package placed above the importer's (:data:`LAYERS`)."""
+    return sorted(
+        {
+            f"{a}:{line} -> {b} ({_layer(a)} -> {_layer(b)})"
+            for a, b, line in _imports()
+            if ORDER.index(_package(b)) > ORDER.index(_package(a))
+        }
+    )
 
 
-def test_no_import_circle() -> None:
-    graph: dict[str, set[str]] = {}
-    for a, b, _ in _imports():
-        if not b.startswith(a + ".") and not a.startswith(b + "."):  # a package and its parts
-            graph.setdefault(a, set()).add(b)
+def _circles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """One circle through each back edge of a depth-first walk of ``graph``: none when
+    ``graph`` has no circle."""
     state: dict[str, int] = {}
     path: list[str] = []
     circles: list[list[str]] = []
@@ -145,9 +187,7 @@ def test_no_import_circle() -> None:
         path.append(node)
         for nxt in sorted(graph.get(node, ())):
             if state.get(nxt) == 1:
-                circle = path[path.index(nxt) :] + [nxt]
-                if not any(m.count(".") <= 1 and _is_package(m) for m in circle):
-                    circles.append(circle)
+                circles.append(path[path.index(nxt) :] + [nxt])
             elif nxt not in state:
                 visit(nxt)
         path.pop()
@@ -156,11 +196,51 @@ def test_no_import_circle() -> None:
     for node in sorted(graph):
         if node not in state:
             visit(node)
-    assert not circles, f"import circles: {circles}"
+    return circles
 
 
-def _is_package(module: str) -> bool:
-    return (PACKAGE.parent / module.replace(".", "/") / "__init__.py").exists()
+def module_circles() -> list[list[str]]:
+    """Circles of imports between modules (a package importing its own parts, or a part its
+    package, is not an edge: ``__init__`` re-exports)."""
+    graph: dict[str, set[str]] = {}
+    for a, b, _ in _imports():
+        if not b.startswith(a + ".") and not a.startswith(b + "."):
+            graph.setdefault(a, set()).add(b)
+    return _circles(graph)
+
+
+def package_circles() -> list[list[str]]:
+    """Circles of imports between packages: ``pipeline.network`` importing ``graphcut`` while
+    ``graphcut.auto`` imports ``pipeline.partition`` is one, though no module is in it twice."""
+    graph: dict[str, set[str]] = {}
+    for a, b, _ in _imports():
+        if _package(a) != _package(b):
+            graph.setdefault(_package(a), set()).add(_package(b))
+    return _circles(graph)
+
+
+def test_every_package_has_its_place() -> None:
+    found = {_package(_module_name(p)) for p in PACKAGE.rglob("*.py")}
+    assert found == set(ORDER), f"place in LAYERS: {found - set(ORDER)}; gone: {set(ORDER) - found}"
+
+
+def test_no_import_points_up() -> None:
+    upward = upward_imports()
+    assert not upward, f"imports pointing up the layers or the order within one: {upward}"
+
+
+def test_no_import_circle_between_packages() -> None:
+    assert not package_circles(), f"packages importing each other: {package_circles()}"
+
+
+def test_no_import_circle_between_modules() -> None:
+    assert not module_circles(), f"import circles: {module_circles()}"
+
+
+def test_the_circle_check_sees_a_circle() -> None:
+    graph = {"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}
+    assert _circles(graph) == [["a", "b", "c", "a"]]
+    assert _circles({"a": {"b"}, "b": {"c"}, "d": {"a", "c"}}) == []
 
 
 def test_the_registry_holds_classes_not_names() -> None:

@@ -192,3 +192,44 @@ def test_a_bounded_command_dies_with_the_process_that_ran_it(tmp_path):
     finally:
         if parent.poll() is None:
             parent.kill()
+
+
+def _fail_the_first_mesh_of_rank_1(marker):
+    """``init_process_group`` as gloo fails it now and then on loopback: once, in rank 1."""
+    from lightning_par.launch import run
+
+    real = run.init_process_group
+
+    def init(rank, world_size, **kw):
+        if rank == 1 and not os.path.exists(marker):
+            open(marker, "w").close()
+            raise RuntimeError(
+                "Gloo connectFullMesh failed with [pair.cc:561] Connection closed by peer"
+            )
+        return real(rank, world_size, **kw)
+
+    return init
+
+
+def test_a_start_whose_gloo_mesh_failed_to_connect_is_tried_again(tmp_path, monkeypatch):
+    from lightning_par.launch import run
+    from lightning_par.launch.policy import LaunchPlan
+
+    marker = str(tmp_path / "failed-once")
+    monkeypatch.setattr(run, "init_process_group", _fail_the_first_mesh_of_rank_1(marker))
+    monkeypatch.setattr(run, "plan_launch", lambda *a, **k: LaunchPlan("fork", 1, "test"))
+    assert run_on_ranks(_echo, 2, 5) == [(0, 2, 5), (1, 2, 5)]
+    assert os.path.exists(marker)  # the first start did fail
+
+
+def test_a_mesh_that_keeps_failing_is_reported_with_the_rank(tmp_path, monkeypatch):
+    from lightning_par.launch import run
+    from lightning_par.launch.policy import LaunchPlan
+
+    def never(rank, world_size, **kw):
+        raise RuntimeError("Gloo connectFullMesh failed with [pair.cc:561] Connection refused")
+
+    monkeypatch.setattr(run, "init_process_group", never)
+    monkeypatch.setattr(run, "plan_launch", lambda *a, **k: LaunchPlan("fork", 1, "test"))
+    with pytest.raises(RankFailed, match="rank 0 of 2 raised"):
+        run_on_ranks(_echo, 2, 5)

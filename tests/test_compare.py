@@ -4,10 +4,19 @@ import json
 import math
 
 import pytest
+import torch
 
 from lightning_par.comm.trace import CommTrace, Event, Message
 from lightning_par.compare import __main__ as cli
-from lightning_par.compare.breakdown import (
+from lightning_par.compare.costs import (
+    allreduce_bytes,
+    hybrid_bytes,
+    predicted_bytes,
+    tensor_parallel_bytes,
+)
+from lightning_par.hybrid.cost import hybrid_bytes_per_step
+from lightning_par.hybrid.grid import Grid
+from lightning_par.measure.breakdown import (
     intersect,
     measure,
     split_rank,
@@ -15,8 +24,9 @@ from lightning_par.compare.breakdown import (
     subtract,
     union,
 )
-from lightning_par.compare.costs import allreduce_bytes, predicted_bytes
-from lightning_par.compare.run import make_model
+from lightning_par.measure.run import make_model
+from lightning_par.tensorparallel import resolve_plan
+from lightning_par.tensorparallel.cost import step_cost
 
 
 def test_interval_arithmetic():
@@ -78,6 +88,31 @@ def test_strategy_hints_and_models_degrade_for_unknown_names():
     params = len(list(model.parameters()))
     # one bucket of gradients and flags; the ring sends 2(p-1)/p of it per rank
     assert allreduce_bytes(model, "ring", 2) == [(n + params) * 4] * 2
+
+
+class Features(torch.nn.Module):
+    """A network of 20 features in (not CIFAR images), which says so by its example input."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        layers = [torch.nn.Linear(20, 16), torch.nn.ReLU(), torch.nn.Linear(16, 8)]
+        self.net = torch.nn.Sequential(*layers, torch.nn.ReLU(), torch.nn.Linear(8, 4))
+        self.example_input_array = torch.zeros(2, 20)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.net(x)
+
+
+def test_split_models_read_the_input_shape_from_the_example_input():
+    model = Features()
+    batch = torch.zeros(8, 20)
+    plan = resolve_plan(model, 2, None, "net", (batch[:2],))
+    assert tensor_parallel_bytes(model, 2, 8, {}) == list(step_cost(model, plan, batch).bytes_sent)
+    assert hybrid_bytes(model, 4, 8, {"mp": 2}) == hybrid_bytes_per_step(
+        model.net, Grid(2, 2), 8, sample_shape=(20,)
+    )
+    with pytest.raises(ValueError, match="no byte model"):
+        hybrid_bytes(model, 4, 8, {"mp": 2, "mp_kind": "tensor_parallel"})
 
 
 @pytest.mark.parametrize(

@@ -1,4 +1,4 @@
-"""Every private Lightning/torch name in lightning_par/_compat.py still exists and still
+"""Every private Lightning/torch name in lightning_par/_compat/ still exists and still
 does what lightning_par relies on; an upgrade that moves one fails here, by name."""
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ def _trainer(**kwargs) -> pl.Trainer:
 def test_a_moved_name_is_a_clear_error() -> None:
     with pytest.raises(_compat.CompatError, match=r"torch\.nn\._no_such_name.*needed by me"):
         _compat.private("torch.nn", "_no_such_name", "needed by me")
-    missing = _compat._class("torch.nn", "_NoSuchLauncher", "a launch")
+    missing = _compat.private_class("torch.nn", "_NoSuchLauncher", "a launch")
     with pytest.raises(_compat.CompatError, match="_NoSuchLauncher is missing"):
         type("Sub", (missing,), {})()
     with pytest.raises(_compat.CompatError, match=r"_broadcast_sigterm_tensor is missing"):

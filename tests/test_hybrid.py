@@ -18,8 +18,10 @@ from torch.utils.data import DataLoader, DistributedSampler
 from lightning_par.collectives.cost_model import ring_cost
 from lightning_par.comm.buckets import make_buckets
 from lightning_par.comm.trace import load_traces
+from lightning_par.compare.costs import hybrid_bytes
 from lightning_par.components.pipeline_split import PipelineSplit
 from lightning_par.components.tensor_split import TensorParallelSplit
+from lightning_par.components.wavefront_split import WavefrontSplit
 from lightning_par.data import SyntheticCIFAR10
 from lightning_par.hybrid import Grid, make_grid, talk_groups
 from lightning_par.models import CifarCNN, CifarRNN
@@ -114,7 +116,7 @@ def test_registered_name_defaults_to_a_2_by_2_gpipe_grid():
     trainer = _trainer("hybrid", 4)
     strategy = trainer.strategy
     assert type(strategy) is HybridStrategy and type(strategy.splitter) is PipelineSplit
-    assert strategy.splitter.chunks == 4 and strategy.splitter.time_chunk is None
+    assert strategy.splitter.chunks == 4  # (the wavefront's splitter is WavefrontSplit)
     assert strategy.grid == Grid(2, 2) and strategy.num_stages == 2
     assert strategy.distributed_sampler_kwargs == {"num_replicas": 2, "rank": 0}
 
@@ -192,7 +194,7 @@ def test_cnn_gpipe_grid_trains_like_one_process_and_its_trace_draws_the_grid(tmp
         assert sent == STEPS * per_step > 0
     # all of a step's bytes (but the one-off shape headers and the checkpoint) as the
     # hybrid cost model predicts them for the compare report
-    predicted = HybridStrategy.compare_bytes_per_step(_model("cnn"), 4, GLOBAL_BATCH, {})
+    predicted = hybrid_bytes(_model("cnn"), 4, GLOBAL_BATCH, {})
     once = ("header", "size", "state")
     for trace in traces:
         sent = sum(m.nbytes for m in trace.messages if m.op == "send" and m.tag not in once)
@@ -211,7 +213,7 @@ def test_cnn_gpipe_grid_trains_like_one_process_and_its_trace_draws_the_grid(tmp
 @pytest.mark.parametrize(
     "kind, options, cls",
     [
-        ("rnn", {"mp_kind": "layerwise", "time_chunk": 8}, PipelineSplit),  # the wavefront
+        ("rnn", {"mp_kind": "layerwise", "time_chunk": 8}, WavefrontSplit),  # the wavefront
         ("rnn", {"mp_kind": "tensor_parallel"}, TensorParallelSplit),  # LSTM units
         ("cnn", {"mp_kind": "tensor_parallel"}, TensorParallelSplit),
     ],

@@ -12,6 +12,7 @@ import torch
 from test_parameter_server import CNN, fit
 
 from lightning_par.launch.processes import descendants
+from lightning_par.launch.store_host import job_store_host
 from lightning_par.paramserver.faults import TEST_EXIT_ENV
 from lightning_par.strategies.parameter_server import ParameterServerStrategy
 
@@ -39,6 +40,7 @@ def _assert_nothing_left(before: set[int]) -> None:
 
 
 def _failing_fit(model, servers: int = 2):
+    job_store_host()  # the launching process's store host lives as long as it does, by design
     before = _live_descendants()
     strategy = ParameterServerStrategy(num_servers=servers, timeout=TIMEOUT)
     start = time.monotonic()

@@ -11,7 +11,7 @@ from torch import nn
 
 from lightning_par.comm import CommTrace, Communicator, run_on_ranks
 from lightning_par.pipeline import (
-    PipelineStage,
+    DeviceStages,
     balance_by_cost,
     balance_by_params,
     balance_by_time,
@@ -188,7 +188,7 @@ def _grid(rank: int, world_size: int, configs) -> list[tuple]:
         net = _net()
         balance = balance_by_params(net, world_size)
         module = split_sequential(net, balance)[rank]
-        stage = PipelineStage(module, comm, checkpoint=mode)
+        stage = DeviceStages({rank: module}, world_size, comm, checkpoint=mode)
         opt = torch.optim.SGD(module.parameters(), lr=0.1, momentum=0.9)
         grad_err = weight_err = loss_err = 0.0
         for step in range(3):
@@ -236,12 +236,12 @@ def _eval_and_trace(rank: int, world_size: int) -> tuple:
     net = _net()
     module = split_sequential(net, [5, 8])[rank]
     comm = Communicator(trace=CommTrace(rank))
-    stage = PipelineStage(module, comm)
+    stage = DeviceStages({rank: module}, world_size, comm)
     x, _ = _data(0)
     with torch.no_grad():
         stage.begin(x.shape, 4)
         stage.run(schedule_steps("gpipe", 2, 4)[rank][:4], [t for t in scatter(x, 4)])
-        out = stage.share_output(torch.cat(stage.outputs) if stage.is_last else None)
+        (out,) = stage.share_output([stage.joined_output()] if stage.is_last else None)
         stage.finish()
     expected = _net()(x)
     tags = sorted({m.tag for m in comm.trace.messages})
@@ -258,14 +258,14 @@ def _view_only_last_stage(rank: int, world_size: int) -> float:
     torch.manual_seed(0)
     net = nn.Sequential(nn.Linear(12, 12), nn.Flatten())  # stage 1 holds only a view
     module = split_sequential(net, [1, 1])[rank]
-    stage, kept, expected = PipelineStage(module, Communicator()), [], []
+    stage, kept, expected = DeviceStages({rank: module}, world_size, Communicator()), [], []
     with torch.no_grad():
         for step in range(2):  # both steps receive into the same kept buffer
             x, _ = _data(step)
             stage.begin(x.shape, 1)
             stage.run(schedule_steps("gpipe", 2, 1)[rank][:1], [x])
             if stage.is_last:
-                kept.append(stage.outputs[0])  # as trainer.predict keeps each batch's output
+                kept.append(stage.results[0][0])  # as trainer.predict keeps each batch's output
                 expected.append(net(x))
             stage.finish()
     return max(float((k - e).abs().max()) for k, e in zip(kept, expected)) if kept else 0.0

@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 from lightning_par.comm import CommTrace, Communicator, run_on_ranks
-from lightning_par.pipeline import PipelineStage, forward_backward, split_sequential
+from lightning_par.pipeline import DeviceStages, forward_backward, split_sequential
 
 matplotlib.use("Agg")
 
@@ -26,8 +26,11 @@ def _memory(rank: int, world_size: int) -> dict:
     x, y = torch.randn(BATCH, WIDTH), torch.randn(BATCH, WIDTH)
     out = {}
     for schedule, mode in [("gpipe", "never"), ("1f1b", "never"), ("gpipe", "always")]:
-        stage = PipelineStage(
-            split_sequential(_net(), [4, 4])[rank], Communicator(), checkpoint=mode
+        stage = DeviceStages(
+            {rank: split_sequential(_net(), [4, 4])[rank]},
+            world_size,
+            Communicator(),
+            checkpoint=mode,
         )
         stage.measure_memory()
         for _ in range(2):  # the counter restarts every step
@@ -55,7 +58,8 @@ def test_peak_saved_bytes_follow_the_schedule():
 
 def _traced(rank: int, world_size: int) -> CommTrace:
     comm = Communicator(trace=CommTrace(rank))
-    stage = PipelineStage(split_sequential(_net(), [4, 4])[rank], comm)
+    module = split_sequential(_net(), [4, 4])[rank]
+    stage = DeviceStages({rank: module}, world_size, comm, checkpoint="except_last")
     x, y = torch.randn(BATCH, WIDTH), torch.randn(BATCH, WIDTH)
     for step in range(2):
         if step == 1 and rank == 0:

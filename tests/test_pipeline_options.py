@@ -1,6 +1,7 @@
 """One options dataclass behind gpipe, layerwise and hybrid's pipelines
 (:mod:`lightning_par.components.pipeline_options`): the strategies' keywords are its fields
-with its defaults, each builds it alike, and it refuses bad values when the strategy is made."""
+with its defaults, each builds it alike, and it refuses bad values when the strategy is made;
+layerwise's ``time_chunk`` picks the wavefront's own splitter instead."""
 
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ from lightning_par.components.pipeline_options import (
     LAYERWISE_OPTIONS,
     PipelineOptions,
 )
+from lightning_par.components.wavefront_split import WavefrontSplit, layerwise_split
 from lightning_par.pipeline.schedules import GPIPE, ONE_F_ONE_B
 from lightning_par.strategies._base import ParStrategy
 from lightning_par.strategies.gpipe import GPipeStrategy
@@ -35,17 +37,17 @@ def _own_keywords(cls: type) -> dict[str, object]:
 
 def test_gpipe_declares_every_option_with_the_dataclass_default():
     defaults = {f.name: f.default for f in dataclasses.fields(PipelineOptions)}
-    del defaults["time_chunk"]  # the wavefront: layerwise's, and hybrid's layerwise rows'
     assert _own_keywords(GPipeStrategy) == defaults
-    assert list(_own_keywords(GPipeStrategy)) == [n for n in PipelineOptions.names()
-                                                  if n != "time_chunk"]  # fmt: skip
+    assert list(_own_keywords(GPipeStrategy)) == list(PipelineOptions.names())
 
 
 def test_layerwise_declares_its_options_and_fixes_the_rest():
     keywords = _own_keywords(LayerwiseStrategy)
     assert tuple(keywords) == LAYERWISE_OPTIONS
+    # time_chunk (None: no wavefront) is the wavefront's, every other option the pipeline's
     defaults = {f.name: f.default for f in dataclasses.fields(PipelineOptions)}
-    assert keywords == {name: defaults[name] for name in LAYERWISE_OPTIONS}
+    assert keywords == {name: defaults.get(name) for name in LAYERWISE_OPTIONS}
+    assert set(LAYERWISE_OPTIONS) - set(defaults) == {"time_chunk"}
     split = LayerwiseStrategy(balance_by="time").splitter
     assert (split.chunks, split.checkpoint, split.schedule) == (1, "never", GPIPE)
     assert split.options == PipelineOptions(balance_by="time", **LAYERWISE)
@@ -57,8 +59,10 @@ def test_hybrid_offers_each_kinds_options():
     assert kind_option_names("layerwise") == list(LAYERWISE_OPTIONS)
     grid = HybridStrategy(schedule="1f1b", chunks=2, loss_fn=nn.MSELoss()).splitter
     assert grid.options == PipelineOptions(schedule="1f1b", chunks=2, loss_fn=grid.loss_fn)
-    rows = HybridStrategy(mp_kind="layerwise", time_chunk=3).splitter
-    assert rows.options == PipelineOptions(time_chunk=3, **LAYERWISE)
+    rows = HybridStrategy(mp_kind="layerwise", split_points=["a"]).splitter
+    assert rows.options == PipelineOptions(split_points=["a"], **LAYERWISE)
+    wavefront = HybridStrategy(mp_kind="layerwise", time_chunk=3).splitter
+    assert isinstance(wavefront, WavefrontSplit) and wavefront.time_chunk == 3
 
 
 def test_the_strategy_hands_the_split_its_arguments_checked():
@@ -90,10 +94,8 @@ def test_the_strategy_hands_the_split_its_arguments_checked():
         ({"balance_by": "flops"}, ValueError, "balance_by='flops': choose one of"),
         ({"virtual_stages": True}, ValueError, "gpipe: virtual_stages must be an int >= 1"),
         ({"deferred_batch_norm": 1}, TypeError, "deferred_batch_norm must be True or False"),
-        ({"time_chunk": 0}, ValueError, "time_chunk must be an int >= 1 or None"),
         ({"split_points": "layer3"}, TypeError, "split_points must be a list of module names"),
         ({"split_points": ["a"], "balance": [1, 1]}, ValueError, "not both"),
-        ({"split_points": ["a"], "time_chunk": 2}, ValueError, "not by split_points"),
         ({"loss_fn": 3}, TypeError, "loss_fn must be a callable"),
         ({"target_index": 1.5}, TypeError, "target_index must be an int"),
         ({"schedule": "zero_bubble", "checkpoint": "always"}, ValueError, "refuses checkpoint"),
@@ -102,3 +104,19 @@ def test_the_strategy_hands_the_split_its_arguments_checked():
 def test_bad_values_are_refused_when_the_options_are_built(options, error, message):
     with pytest.raises(error, match=message.replace("(", r"\(").replace(")", r"\)")):
         PipelineOptions(**options)
+
+
+@pytest.mark.parametrize(
+    "options, error, message",
+    [
+        ({"time_chunk": 0}, ValueError, "time_chunk must be an int >= 1 or None"),
+        ({"split_points": ["a"], "time_chunk": 2}, ValueError, "not by split_points"),
+        ({"split_points": "layer3"}, TypeError, "split_points must be a list of module names"),
+        ({"balance_by": "flops"}, ValueError, "balance_by='flops': choose one of"),
+    ],
+)
+def test_the_layerwise_split_refuses_bad_values_with_or_without_the_wavefront(
+    options, error, message
+):
+    with pytest.raises(error, match=message):
+        layerwise_split(**options)

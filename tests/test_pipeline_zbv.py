@@ -8,11 +8,7 @@ import itertools
 
 import pytest
 
-from lightning_par.pipeline.partition import (
-    balance_by_cost,
-    balance_by_replay,
-    balance_for_devices,
-)
+from lightning_par.pipeline.partition import balance_by_replay, balance_for_devices
 from lightning_par.pipeline.schedule import max_in_flight
 from lightning_par.pipeline.schedules import (
     device_schedule,
@@ -21,6 +17,7 @@ from lightning_par.pipeline.schedules import (
 )
 from lightning_par.pipeline.schedules_zbv import v_device_of
 from lightning_par.pipeline.validate import ScheduleError, simulated_bubble, validate
+from lightning_par.split import balance_by_cost
 
 # K devices, M micro-batches: the ideal bubble is reached whenever M is a multiple of K
 GRID = [(k, m) for k, m in itertools.product([1, 2, 3, 4, 8], [1, 2, 3, 4, 6, 8, 12, 16])

@@ -146,10 +146,6 @@ def test_the_strategy_looks_the_name_up_once_and_holds_the_object(monkeypatch):
 
 
 # ---- a schedule's name is compared in one place ------------------------------------------
-#: modules that still branch on names, and are deleted with the nn.Sequential path
-LEGACY = {"pipeline/sequential.py", "pipeline/sequential_v.py"}
-
-
 def _name_comparisons(path: pathlib.Path) -> list[str]:
     """``x == "1f1b"``, ``x != "zbv"``, ``x in ("interleaved", ...)``: a schedule name against
     a value (``"gpipe"`` only against something called schedule: it names a strategy too)."""
@@ -172,8 +168,7 @@ def test_no_module_but_the_registry_compares_schedule_names():
     package = pathlib.Path(lightning_par.__file__).parent
     found = []
     for path in sorted(package.rglob("*.py")):
-        if str(path.relative_to(package)) not in LEGACY:
-            found += _name_comparisons(path)
+        found += _name_comparisons(path)
     assert not found, "ask the Schedule object instead:\n" + "\n".join(found)
 
 

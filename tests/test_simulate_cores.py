@@ -5,8 +5,9 @@ from __future__ import annotations
 import pytest
 
 from lightning_par.simulate.cores import lightning_threads, stretches
-from lightning_par.simulate.engine import Compute, Graph, Msg, Post, Wait, simulate
+from lightning_par.simulate.engine import simulate
 from lightning_par.simulate.links import Link, Topology
+from lightning_par.simulate.ops import Compute, Graph, Msg, Post, Wait
 from lightning_par.simulate.profile import Profile
 from lightning_par.simulate.scale import predict_split, predict_step
 

@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from lightning_par.simulate.engine import After, Compute, Graph, Join, Msg, Post, Wait, simulate
+from lightning_par.simulate.engine import simulate
 from lightning_par.simulate.links import Link, Topology, parse_topology
+from lightning_par.simulate.ops import After, Compute, Graph, Join, Msg, Post, Wait
 
 LINK = Link("test", alpha=1.0, beta=0.5)  # 1 s per message, 2 bytes per second
 FLAT = Topology(LINK, LINK)

@@ -5,9 +5,10 @@ from __future__ import annotations
 import pytest
 
 from lightning_par.comm.trace import CommTrace, Event, Message
-from lightning_par.simulate.engine import Join, simulate
+from lightning_par.simulate.engine import simulate
 from lightning_par.simulate.graph import build_graph, match, transfer_samples
 from lightning_par.simulate.links import Link, Topology
+from lightning_par.simulate.ops import Join
 
 RUN_LINK = Link("run", alpha=6.0, beta=0.0)
 

@@ -5,10 +5,11 @@ from __future__ import annotations
 import pytest
 
 from lightning_par.simulate import scheduler
+from lightning_par.simulate.builders import build
 from lightning_par.simulate.cores import placement_wait
 from lightning_par.simulate.links import Link, Topology
 from lightning_par.simulate.profile import Profile
-from lightning_par.simulate.scale import build, late_replicas, predict_split, predict_step
+from lightning_par.simulate.scale import late_replicas, predict_split, predict_step
 from lightning_par.simulate.scheduler import delay_from_excess, measure_delay
 
 LATENCY_ONLY = Topology(Link("a", alpha=1.0, beta=0.0), Link("a", alpha=1.0, beta=0.0))

@@ -103,80 +103,93 @@ def ring_allreduce(
     comm, flat = prepare(tensor, group, comm, trace)
     if flat is None:
         return tensor
-    p, rank = comm.world_size, comm.rank
-    sizes = chunk_sizes(flat.numel(), p)
-    starts = split_offsets(sizes)
-    k = segments_per_chunk(max(sizes), flat.element_size(), segment_bytes)
-    # pieces[c][j]: (start, stop) in ``flat`` of segment j of chunk c (empty when c is small)
-    pieces = [[(starts[c] + a, starts[c] + b) for a, b in bounds(even_sizes(sizes[c], k))]
-              for c in range(p)]  # fmt: skip
-    schedule = ring_schedule(rank, p)
-    reduce_iters, total = (p - 1) * k, 2 * (p - 1) * k
-    right, left = (rank + 1) % p, (rank - 1) % p
-    # p = 2 on NCCL: one peer on both sides, whose messages NCCL runs on one stream in
-    # posting order, so both ranks post (send i, receive i) pairs, the lower rank's send
-    # first (see ordered_exchange). Elsewhere receives are posted as far ahead as buffers
-    # allow, so a sender is never held up by a receiver that has not asked yet.
-    paired = p == 2 and comm.backend == "nccl"
-    depth = 2 if paired else min(receives_in_flight, total)
-    slot_len = max(b - a for a, b in pieces[0])
-    # one 1-D view per slot, made once: indexing a 2-D tensor per message costs ~30 us
-    slots = scratch((depth, slot_len), flat.dtype, flat.device).unbind(0)
-    recvs: list[tuple[Handle, torch.Tensor, torch.Tensor] | None] = [None] * total
-    sends: list[Handle | None] = []
+    _SegmentRing(comm, flat, segment_bytes, receives_in_flight).run()
+    return finish(tensor, flat)
 
-    def post_recv(i: int) -> None:
-        step, j = divmod(i, k)
-        chunk = schedule[step][1]
-        a, b = pieces[chunk][j]
+
+class _SegmentRing:
+    """One pipelined ring allreduce of ``flat`` on ``comm``: each chunk's segments, the
+    receive slots and the stream of ``2 (p - 1) k`` iterations (the module docstring)."""
+
+    def __init__(self, comm: Communicator, flat: torch.Tensor, segment_bytes: int | None,
+                 receives_in_flight: int) -> None:  # fmt: skip
+        p, rank = comm.world_size, comm.rank
+        self.comm, self.flat = comm, flat
+        sizes = chunk_sizes(flat.numel(), p)
+        starts = split_offsets(sizes)
+        self.k = k = segments_per_chunk(max(sizes), flat.element_size(), segment_bytes)
+        # pieces[c][j]: (start, stop) in ``flat`` of segment j of chunk c (empty when c is small)
+        self.pieces = [[(starts[c] + a, starts[c] + b) for a, b in bounds(even_sizes(sizes[c], k))]
+                       for c in range(p)]  # fmt: skip
+        self.schedule = ring_schedule(rank, p)
+        self.reduce_iters, self.total = (p - 1) * k, 2 * (p - 1) * k
+        self.right, self.left = (rank + 1) % p, (rank - 1) % p
+        # p = 2 on NCCL: one peer on both sides, whose messages NCCL runs on one stream in
+        # posting order, so both ranks post (send i, receive i) pairs, the lower rank's send
+        # first (see ordered_exchange). Elsewhere receives are posted as far ahead as buffers
+        # allow, so a sender is never held up by a receiver that has not asked yet.
+        self.paired = p == 2 and comm.backend == "nccl"
+        self.depth = 2 if self.paired else min(receives_in_flight, self.total)
+        slot_len = max(b - a for a, b in self.pieces[0])
+        # one 1-D view per slot, made once: indexing a 2-D tensor per message costs ~30 us
+        self.slots = scratch((self.depth, slot_len), flat.dtype, flat.device).unbind(0)
+        self.recvs: list[tuple[Handle, torch.Tensor, torch.Tensor] | None] = [None] * self.total
+        self.sends: list[Handle] = []
+
+    def _tag(self, i: int) -> str:
+        return "reduce-scatter" if i < self.reduce_iters else "all-gather"
+
+    def post_recv(self, i: int) -> None:
+        step, j = divmod(i, self.k)
+        chunk = self.schedule[step][1]
+        a, b = self.pieces[chunk][j]
         if b > a:
             # reduce-scatter: into a slot, added later; all-gather: straight into place (it
             # cannot arrive before this rank's own send from there was received: the
             # finished chunk needs it)
-            reducing = i < reduce_iters
-            own = flat[a:b]
-            target = slots[i % depth][: b - a] if reducing else own
-            tag = "reduce-scatter" if reducing else "all-gather"
-            recvs[i] = (comm.irecv(target, left, step=step, chunk=chunk, tag=tag), own, target)
+            own = self.flat[a:b]
+            target = self.slots[i % self.depth][: b - a] if i < self.reduce_iters else own
+            handle = self.comm.irecv(target, self.left, step=step, chunk=chunk, tag=self._tag(i))
+            self.recvs[i] = (handle, own, target)
 
-    def complete(i: int) -> None:
+    def complete(self, i: int) -> None:
         """Wait for receive ``i``; in the reduce-scatter add it to this rank's chunk."""
-        received = recvs[i]
+        received = self.recvs[i]
         if received is not None:
             handle, own, incoming = received
             handle.wait()
-            if i < reduce_iters:
+            if i < self.reduce_iters:
                 own.add_(incoming)
 
-    def send(i: int) -> None:
-        step, j = divmod(i, k)
-        chunk = schedule[step][0]
-        a, b = pieces[chunk][j]
+    def send(self, i: int) -> None:
+        step, j = divmod(i, self.k)
+        chunk = self.schedule[step][0]
+        a, b = self.pieces[chunk][j]
         if b > a:
-            tag = "reduce-scatter" if i < reduce_iters else "all-gather"
-            sends.append(comm.isend(flat[a:b], right, step=step, chunk=chunk, tag=tag))
+            self.sends.append(self.comm.isend(self.flat[a:b], self.right, step=step, chunk=chunk,
+                                              tag=self._tag(i)))  # fmt: skip
 
-    # Send i carries receive i - k, added. Waiting one receive later than that (lag 2)
-    # lets the next segment arrive while this one is added and sent on.
-    lag = min(k, 2)
-    completed = posted = 0
-    for i in range(total):
-        while completed <= i - lag:
-            complete(completed)
-            completed += 1
-        if paired:
-            if rank == 0:
-                send(i)
-            post_recv(i)
-            if rank == 1:
-                send(i)
-            continue
-        while posted < min(completed + depth, total):  # a free buffer for each
-            post_recv(posted)
-            posted += 1
-        send(i)
-    for i in range(completed, total):
-        complete(i)
-    for handle in sends:
-        handle.wait()
-    return finish(tensor, flat)
+    def run(self) -> None:
+        # Send i carries receive i - k, added. Waiting one receive later than that (lag 2)
+        # lets the next segment arrive while this one is added and sent on.
+        lag, rank, total = min(self.k, 2), self.comm.rank, self.total
+        completed = posted = 0
+        for i in range(total):
+            while completed <= i - lag:
+                self.complete(completed)
+                completed += 1
+            if self.paired:
+                if rank == 0:
+                    self.send(i)
+                self.post_recv(i)
+                if rank == 1:
+                    self.send(i)
+                continue
+            while posted < min(completed + self.depth, total):  # a free buffer for each
+                self.post_recv(posted)
+                posted += 1
+            self.send(i)
+        for i in range(completed, total):
+            self.complete(i)
+        for handle in self.sends:
+            handle.wait()

@@ -17,10 +17,10 @@ import tempfile
 from pathlib import Path
 
 from lightning_par.cli_help import DefaultsFormatter, plain
-from lightning_par.compare import report, run
+from lightning_par.compare import report
 from lightning_par.compare.predicted import predicted_section
 from lightning_par.compare.rows import build_row, combine
-from lightning_par.compare.run import MODELS
+from lightning_par.measure.run import MODELS, describe_model, run_all
 from lightning_par.quiet import quiet_lightning
 from lightning_par.strategies.registry import strategy_specs
 
@@ -52,11 +52,7 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--out", default="runs/compare", help="folder of report.md and PNGs")
     parser.add_argument("--timeout", type=float, default=180, help="seconds per strategy")
     parser.add_argument("--json", action="store_true", help="print the report as JSON")
-    parser.add_argument("--run-rows", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
-    if args.run_rows:
-        return args
-
     known = [s.name for s in strategy_specs()]
     unknown = [s for s in args.strategies or [] if s not in known]
     if unknown:
@@ -116,10 +112,6 @@ def main(argv: list[str] | None = None) -> int:
     args = parse(argv)
 
     quiet_lightning()
-
-    if args.run_rows:
-        return run.run_rows(json.loads(args.run_rows), args.timeout)
-
     machine = report.machine_info(args.accelerator)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -128,11 +120,11 @@ def main(argv: list[str] | None = None) -> int:
         if not args.json:
             print(f"comparing {len(rows) // args.rounds} strategies on {args.model}, "
                   f"{args.steps} steps, {args.rounds} rounds ...", flush=True)  # fmt: skip
-        results = run.run_all(rows, args.timeout)
+        results = run_all(rows, args.timeout)
         built = combine([build_row(r, results[r["index"]], args.warmup) for r in rows])
         keep_runs(rows, built, out / "runs", args.warmup)
     machine["load_1m_end"] = round(os.getloadavg()[0], 2)
-    settings = {"model": args.model, "model_spec": run.describe_model(args.model),
+    settings = {"model": args.model, "model_spec": describe_model(args.model),
                 "steps": args.steps, "warmup": args.warmup,
                 "devices": args.devices, "global_batch": args.batch_size, "rounds": args.rounds,
                 "accelerator": args.accelerator, "data": args.data}  # fmt: skip

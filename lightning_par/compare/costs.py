@@ -12,11 +12,18 @@ strategy                 bytes sent by rank ``r`` per step (``n``: gradient elem
                          stage) the joined output to the ``K - 1`` others (Huang et al. 2019)
 ``parameter_server``,    a worker pushes its whole gradient, ``4n`` bytes (Li et al. 2014);
 ``async_sgd``            the per-piece flags and control headers come on top (a few bytes)
+``tensor_parallel``      the ``f``/``g`` allreduces of the automatic (or given) plan on the
+                         global batch (:func:`lightning_par.tensorparallel.cost.step_cost`;
+                         Shoeybi et al. 2019)
+``hybrid``               a pipelined ``mp_kind``'s cuts on its row plus the allreduce of its
+                         stage's gradient buckets over its column
+                         (:func:`lightning_par.hybrid.cost.hybrid_bytes_per_step`)
 =======================  =====================================================================
 
+The inputs are zeros shaped as the model's (:func:`~lightning_par.measure.run.sample_shape`).
 A strategy not listed here has no model in the compare, unless its class offers one: a
 ``compare_bytes_per_step(model, devices, global_batch, options) -> list[int]`` class method
-(per rank). The repor    says "no model" rather than guess.
+(per rank). The report says "no model" rather than guess.
 """
 
 from __future__ import annotations
@@ -29,8 +36,15 @@ from torch import nn
 from lightning_par.collectives.averaging import averaged_tensors
 from lightning_par.collectives.cost_model import bucketed_allreduce_bytes as allreduce_bytes
 from lightning_par.collectives.cost_model import predict
+from lightning_par.components.hybrid_kinds import DEFAULT_KIND
+from lightning_par.components.splitter import find_network
 from lightning_par.graphcut.cost import network_bytes
+from lightning_par.hybrid.cost import hybrid_bytes_per_step
+from lightning_par.hybrid.grid import make_grid
+from lightning_par.measure.run import sample_shape
 from lightning_par.pipeline.cost import pipeline_bytes
+from lightning_par.tensorparallel import resolve_plan
+from lightning_par.tensorparallel.cost import step_cost
 
 #: Why a strategy has no byte model (shown in the report).
 NO_MODEL = {
@@ -46,6 +60,41 @@ def local_sgd_bytes(model: nn.Module, world: int, period: int, algorithm: str = 
     return [b / period for b in predict(algorithm, numel, world).bytes_sent]
 
 
+def tensor_parallel_bytes(model: Any, devices: int, global_batch: int,
+                          options: dict[str, Any]) -> list[int]:  # fmt: skip
+    """Per rank and step: the plan's ``f``/``g`` allreduces on the whole global batch (every
+    rank of ``tensor_parallel`` reads all of it)."""
+    attr = find_network(model, options.get("module_attr"), "tensor_parallel")
+    sample = torch.zeros(global_batch, *sample_shape(model))
+    plan = resolve_plan(model, devices, options.get("plan"), attr, (sample[:2],))
+    algorithm = options.get("algorithm", "ring")
+    return list(step_cost(model, plan, sample, algorithm=algorithm).bytes_sent)
+
+
+def hybrid_bytes(model: Any, devices: int, global_batch: int, options: dict[str, Any]) -> list[int]:
+    """Per rank and step, for the pipelined kinds of ``hybrid`` (``gpipe``, or ``layerwise``
+    without ``time_chunk``); ``ValueError`` for the others."""
+    kind = options.get("mp_kind", DEFAULT_KIND)
+    if kind not in ("gpipe", "layerwise") or options.get("time_chunk") is not None:
+        raise ValueError(f"hybrid: no byte model for mp_kind={kind!r} with these options")
+    grid = make_grid(devices, options.get("dp"), options.get("mp"))
+    return hybrid_bytes_per_step(
+        getattr(model, find_network(model, options.get("module_attr"), "hybrid")), grid,
+        global_batch, dp_algorithm=options.get("dp_algorithm", "ring"),
+        bucket_cap_mb=options.get("bucket_cap_mb", 4.0), sample_shape=sample_shape(model),
+    )  # fmt: skip
+
+
+#: The models of strategies whose bytes depend on how their kind splits the model.
+SPLIT_MODELS = {
+    "tensor_parallel": (tensor_parallel_bytes, "the f/g allreduces of the tensor-parallel plan"),
+    "hybrid": (
+        hybrid_bytes,
+        "the stage cuts of each row plus each stage's allreduce over its column",
+    ),
+}
+
+
 def predicted_bytes(
     name: str,
     options: dict[str, Any],
@@ -56,9 +105,10 @@ def predicted_bytes(
 ) -> tuple[list[float] | None, str]:
     """(bytes per rank per step or ``None``, what the model counts)."""
     own = getattr(strategy_cls, "compare_bytes_per_step", None)
-    if own is not None:
+    model_of, note = SPLIT_MODELS.get(name, (own, "the strategy's own model"))
+    if model_of is not None:
         try:
-            return list(own(model, devices, global_batch, options)), "the strategy's own model"
+            return list(model_of(model, devices, global_batch, options)), note
         except ValueError as error:  # e.g. no byte model for this network
             return None, str(error)
     if name in NO_MODEL:
@@ -77,7 +127,7 @@ def predicted_bytes(
             f"cost_model.predict('{algo}') of all parameters / period {period}"
         )
     if name in ("gpipe", "layerwise") and options.get("time_chunk") is None:
-        sample = torch.zeros(global_batch, 3, 32, 32)
+        sample = torch.zeros(global_batch, *sample_shape(model))
         net = model.net
         sent = (
             pipeline_bytes(net, devices, sample)

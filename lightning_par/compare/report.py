@@ -192,7 +192,7 @@ def markdown(doc: dict, pictures: list[str], predicted: list[str] | None = None)
         *[f"- **{name}**: {text}" for name, text in COLUMNS],
         "",
         "compute + comm + wait = step ms. The split comes from the traces every plugin "
-        "records (`trace_dir=`): see `lightning_par/compare/breakdown.py` for the rules.",
+        "records (`trace_dir=`): see `lightning_par/measure/breakdown.py` for the rules.",
         "",
         "## Cost models",
         "",

@@ -10,16 +10,16 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from lightning_par.compare.analyse import analyse
 from lightning_par.compare.costs import predicted_bytes
-from lightning_par.compare.run import make_model
+from lightning_par.measure.analyse import analyse
+from lightning_par.measure.run import make_model
 from lightning_par.strategies.registry import spec
 
 REFERENCE = "lightning_ddp"
 
 
 def build_row(row: dict, result: dict, warmup: int) -> dict:
-    """One run's row: what :func:`~lightning_par.compare.analyse.analyse` measured, the cost
+    """One run's row: what :func:`~lightning_par.measure.analyse.analyse` measured, the cost
     model's bytes beside the measured ones, or the error."""
     s = spec(row["strategy"])
     out = {"strategy": s.name, "kind": s.kind, "model": row["model"],

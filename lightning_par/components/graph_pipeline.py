@@ -1,14 +1,15 @@
-"""The pipeline splitter's path for any network: cut from its traced graph, run in place.
+"""The pipeline splitter's network: cut from its traced graph, run in place.
 
-:class:`~lightning_par.components.pipeline_split.PipelineSplit` hands a network to
-:class:`GraphPipeline` when it is not an ``nn.Sequential`` of one-tensor layers or when the
-user names ``split_points``. Here the network is
+:class:`~lightning_par.components.pipeline_split.PipelineSplit` hands every network to
+:class:`GraphPipeline` (an ``nn.Sequential`` is cut between its layers, each layer an
+untraced call). Here the network is
 
 1. found on the LightningModule (``module_attr``, or the one child module with parameters:
-   :func:`find_network`);
+   :func:`~lightning_par.components.splitter.find_network`);
 2. called once the way the user's code calls it, to learn its inputs: on
    ``module.example_input_array`` through ``module.forward``, or else on the first batch
-   through the user's own step (:func:`capture_inputs`);
+   through the user's own step
+   (:func:`~lightning_par.components.pipeline_inputs.capture_inputs`);
 3. traced and cut (:func:`lightning_par.graphcut.split_module`, before the named modules or
    at points balanced by parameters or time), and run by
    :class:`~lightning_par.pipeline.network.PipelinedNetwork`, which keeps the user's module
@@ -21,6 +22,7 @@ only what it holds), so they load without the strategy and resume under any othe
 
 from __future__ import annotations
 
+import functools
 import inspect
 import json
 from collections.abc import Callable
@@ -29,83 +31,17 @@ from typing import Any
 import lightning.pytorch as pl
 import torch
 import torch.distributed as dist
-from lightning.pytorch.trainer.states import TrainerFn
 from torch import nn
 
-from lightning_par import _compat
 from lightning_par.comm import Communicator
 from lightning_par.components import pipeline_inputs as inputs
+from lightning_par.components.pipeline_inputs import capture_inputs
 from lightning_par.graphcut import UnsplittableModel, auto_split_points, cut, trace
 from lightning_par.pipeline.batchnorm import commit_batch_norm, defer_batch_norm
 from lightning_par.pipeline.materialize import has_meta
 from lightning_par.pipeline.network import PipelinedNetwork
 from lightning_par.pipeline.schedules import Schedule
 from lightning_par.pipeline.state import gather_objects
-
-
-class _Captured(Exception):
-    """Raised by the recording forward once it has the network's inputs."""
-
-
-def capture_inputs(
-    module: pl.LightningModule,
-    net: nn.Module,
-    trainer: pl.Trainer | None,
-    who: str,
-    first_batch: Callable[[], Any] | None = None,
-) -> tuple[tuple, dict]:
-    """``(args, kwargs)`` of one call of ``net`` as the user's code makes it (on
-    ``first_batch()`` when given, else on the trainer's first batch)."""
-    seen: dict[str, Any] = {}
-
-    def record(*args: Any, **kwargs: Any) -> None:
-        seen["call"] = (args, kwargs)
-        raise _Captured
-
-    # a network split by an earlier run has its pipeline as the instance's forward: put it back
-    own = net.__dict__.get("forward")
-    net.forward = record  # type: ignore[method-assign]
-    sample = getattr(module, "example_input_array", None)
-    # the look must not draw random numbers the training would have drawn (a shuffling data
-    # loader seeds its sampler from torch's generator): dropout masks stay one process's
-    cuda = [torch.cuda.current_device()] if torch.cuda.is_initialized() else []  # (no init)
-    try:
-        with torch.no_grad(), torch.random.fork_rng(devices=cuda):
-            if sample is not None:
-                if isinstance(sample, dict):
-                    module(**sample)
-                else:
-                    module(*(sample if isinstance(sample, tuple) else (sample,)))
-            elif trainer is not None:
-                fn = trainer.state.fn
-                # as the step will see it: floating tensors in the precision's dtype
-                raw = first_batch() if first_batch is not None else _compat.first_batch(trainer)
-                batch = trainer.precision_plugin.convert_input(raw)
-                step = {
-                    TrainerFn.VALIDATING: module.validation_step,
-                    TrainerFn.TESTING: module.test_step,
-                    TrainerFn.PREDICTING: module.predict_step,
-                }.get(fn, module.training_step)
-                step(batch, 0)
-    except _Captured:
-        pass
-    except Exception as error:  # the step failed before calling the network
-        raise ValueError(
-            f"{who} runs the network once to learn its inputs and could not ({error}): set "
-            "`self.example_input_array` in your LightningModule (a small batch of the inputs "
-            "forward() takes)"
-        ) from error
-    finally:
-        if own is None:
-            net.__dict__.pop("forward", None)
-        else:
-            net.forward = own  # type: ignore[method-assign]
-    if "call" not in seen:
-        raise ValueError(
-            f"{who}: the network was never called by forward or the step; set "
-            "`self.example_input_array`"
-        )
-    return seen["call"]
 
 
 def _agree(comm: Communicator, points: list[str]) -> list[str]:
@@ -207,10 +143,7 @@ class GraphPipeline:
                 f"{who}: {len(split_points)} split points make {len(split_points) + 1} stages "
                 f"but {comm.world_size} devices x {virtual_stages} need {stages}"
             )
-        args, kwargs = capture_inputs(module, net, trainer, who)
-        if kwargs:
-            names = list(_signature_names(net))
-            args = args + tuple(kwargs[n] for n in names[len(args) :] if n in kwargs)
+        args = _positional(net, *capture_inputs(module, net, trainer, who))
         n = args[0].shape[0] if args and isinstance(args[0], torch.Tensor) and args[0].dim() else 1
         micro = -(-n // chunks)
         example, input_dims = inputs.micro_example(args, micro)
@@ -219,50 +152,25 @@ class GraphPipeline:
         # a Sequential is cut between its layers only: each layer stays a call, untraced, so
         # no shape inside it is fixed at the example's
         leaf = [n for n, _ in net.named_children()] if isinstance(net, nn.Sequential) else []
-        try:
-            traced = trace(net, example, leaf)
-        except UnsplittableModel as error:
-            raise ValueError(refusal(who, net, error)) from None
+        traced = _refused_as_value_error(who, net, trace, net, example, leaf)
         points = split_points
         if points is None:
             by = "parameters" if balance_by == "params" else balance_by
             points = auto_split_points(net, traced, stages, by, example)
             if by == "time":  # measured: each rank's own timing would cut differently
                 points = _agree(comm, points)
-        try:
-            split = cut(traced, points)
-        except UnsplittableModel as error:
-            raise ValueError(refusal(who, net, error)) from None
+        split = _refused_as_value_error(who, net, cut, traced, points)
         output_dims = inputs.output_dims(net, args, traced, leaf) if micro < n else None
         self.split_points = list(points)
         if not has_meta(net):  # (a meta network is initialised alike on every device)
-            with torch.no_grad():  # every device starts from rank 0's weights
-                for t in [*net.parameters(), *net.buffers()]:
-                    if comm.world_size > 1:
-                        dist.broadcast(t.data, comm.global_rank_of(0), group=comm.group)
+            _from_rank_0(net, comm)
         self.network = PipelinedNetwork(
-            net,
-            split,
-            comm,
-            chunks=chunks,
-            schedule=schedule,
-            virtual_stages=virtual_stages,
-            checkpoint=checkpoint,
-            input_dims=input_dims or None,
-            output_dims=output_dims,
-        )
+            net, split, comm, chunks=chunks, schedule=schedule, virtual_stages=virtual_stages,
+            checkpoint=checkpoint, input_dims=input_dims or None, output_dims=output_dims,
+        )  # fmt: skip
         net.__dict__[_RUN_BY] = self.network
-        if not leaf:
-            network = self.network
-
-            def recut(micro: tuple) -> Any:
-                own = net.__dict__.pop("forward")  # trace the network's own forward
-                try:
-                    return cut(trace(net, micro, leaf, network.full_shapes), points)
-                finally:
-                    net.forward = own  # type: ignore[method-assign]
-
-            self.network.recut = recut
+        if not leaf:  # a traced forward may fix shapes: traced again for new ones
+            self.network.recut = functools.partial(_recut, net, self.network, points)
             self.network.traced_at(tuple(inputs.input_leaves(example)))
 
     @property
@@ -318,5 +226,35 @@ class GraphPipeline:
                         optimizer.state.pop(p, None)
 
 
-def _signature_names(net: nn.Module) -> list[str]:
-    return list(inspect.signature(net.forward).parameters)
+def _positional(net: nn.Module, args: tuple, kwargs: dict) -> tuple:
+    """The captured call's inputs as positional arguments, in ``forward``'s order."""
+    if not kwargs:
+        return args
+    names = list(inspect.signature(net.forward).parameters)
+    return args + tuple(kwargs[n] for n in names[len(args) :] if n in kwargs)
+
+
+def _refused_as_value_error(who: str, net: nn.Module, fn: Callable, *args: Any) -> Any:
+    """``fn(*args)``, a network that cannot be traced or cut refused by :func:`refusal`."""
+    try:
+        return fn(*args)
+    except UnsplittableModel as error:
+        raise ValueError(refusal(who, net, error)) from None
+
+
+def _from_rank_0(net: nn.Module, comm: Communicator) -> None:
+    """Every device starts from rank 0's weights and buffers."""
+    if comm.world_size == 1:
+        return
+    with torch.no_grad():
+        for t in [*net.parameters(), *net.buffers()]:
+            dist.broadcast(t.data, comm.global_rank_of(0), group=comm.group)
+
+
+def _recut(net: nn.Module, network: PipelinedNetwork, points: list[str], micro: tuple) -> Any:
+    """``net`` traced again for the micro-batch inputs ``micro`` and cut at ``points``."""
+    own = net.__dict__.pop("forward")  # trace the network's own forward
+    try:
+        return cut(trace(net, micro, [], network.full_shapes), points)
+    finally:
+        net.forward = own  # type: ignore[method-assign]

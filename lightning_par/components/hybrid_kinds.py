@@ -12,14 +12,11 @@ import inspect
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
-from lightning_par.components.pipeline_options import (
-    LAYERWISE,
-    LAYERWISE_OPTIONS,
-    PipelineOptions,
-)
+from lightning_par.components.pipeline_options import LAYERWISE_OPTIONS, PipelineOptions
 from lightning_par.components.pipeline_split import PipelineSplit
 from lightning_par.components.splitter import ModelSplitter
 from lightning_par.components.tensor_split import TensorParallelSplit
+from lightning_par.components.wavefront_split import layerwise_split
 
 DEFAULT_KIND = "gpipe"
 
@@ -36,17 +33,12 @@ def _pipeline(**options: Any) -> PipelineSplit:
     return PipelineSplit(PipelineOptions(**options))
 
 
-def _layerwise(**options: Any) -> PipelineSplit:
-    """The layer-wise split of ``LayerwiseStrategy``: one micro-batch, no re-materialisation."""
-    return PipelineSplit(PipelineOptions(**options, **LAYERWISE))
-
-
 _TENSOR = tuple(n for n in inspect.signature(TensorParallelSplit).parameters if n != "self")
 
 #: The model-parallel kinds a hybrid row can run.
 KINDS: dict[str, Kind] = {
     "gpipe": Kind(PipelineOptions.names(), _pipeline),
-    "layerwise": Kind(LAYERWISE_OPTIONS, _layerwise),
+    "layerwise": Kind(LAYERWISE_OPTIONS, layerwise_split),
     "tensor_parallel": Kind(_TENSOR, TensorParallelSplit),
 }
 

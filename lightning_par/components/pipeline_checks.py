@@ -16,7 +16,6 @@ from lightning_par.components.pipeline_loss import check_loss
 from lightning_par.pipeline import CHECKPOINT_MODES, balance_by_params
 from lightning_par.pipeline.partition import balance_by_time, check_balance, split_sequential
 from lightning_par.pipeline.schedules import SCHEDULES, Schedule, get_schedule
-from lightning_par.pipeline.sequential import PipelinedSequential
 
 
 def strategy_schedule(schedule: str | Schedule) -> Schedule:
@@ -52,6 +51,17 @@ def check_settings(
         check_balance(sum(balance) if all(isinstance(b, int) for b in balance) else 0, balance)
 
 
+def check_split_points(balance: list[int] | None, split_points: Any) -> None:
+    """``split_points``: a list of module names, not given together with ``balance``."""
+    if split_points is None:
+        return
+    if balance is not None:
+        raise ValueError("give balance (layers of an nn.Sequential per stage) or "
+                         "split_points (module names), not both")  # fmt: skip
+    if isinstance(split_points, str) or not all(isinstance(p, str) for p in split_points):
+        raise TypeError(f"split_points must be a list of module names: {split_points!r}")
+
+
 def check_before_launch(
     module: pl.LightningModule | None,
     trainer: pl.Trainer | None,
@@ -69,10 +79,10 @@ def check_before_launch(
     who: str = "gpipe",
 ) -> None:
     """Reject a network, balance or loss the strategy cannot run; nothing to check when there
-    is no module yet or its network is already split. ``stages``: number of processes."""
-    net = getattr(module, module_attr, None) if module is not None else None
-    if module is None or isinstance(net, PipelinedSequential):
+    is no module yet. ``stages``: number of processes."""
+    if module is None:
         return
+    net = getattr(module, module_attr, None)
     if not isinstance(net, nn.Sequential):
         found = "nothing" if net is None else type(net).__name__
         raise TypeError(

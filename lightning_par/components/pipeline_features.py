@@ -1,6 +1,7 @@
 """What a model split into stages needs so that Lightning's everyday features mean what they
-mean in one process (:class:`~lightning_par.strategies.gpipe.GPipeStrategy` and
-:class:`~lightning_par.strategies.layerwise.LayerwiseStrategy`):
+mean in one process (the splitters of :class:`~lightning_par.strategies.gpipe.GPipeStrategy`
+and :class:`~lightning_par.strategies.layerwise.LayerwiseStrategy`: ``PipelineSplit`` and
+``WavefrontSplit``):
 
 * **clipping by norm** uses the whole model's norm: each stage adds up its gradients'
   squares, the stages sum them (one scalar allreduce) and every stage scales by the same
@@ -11,7 +12,8 @@ mean in one process (:class:`~lightning_par.strategies.gpipe.GPipeStrategy` and
   stay equal (:func:`agree_on_overflow`);
 * **the same batch on every stage**: checked once, on the first training batch, with a
   checksum (:func:`check_same_batch`); a user's sampler or an unseeded shuffle would
-  otherwise pair stage 0's inputs with another batch's labels;
+  otherwise pair stage 0's inputs with another batch's labels; and at least one sample per
+  micro-batch (:func:`check_batch_size`);
 * **BatchNorm** normalises each micro-batch on its own: :func:`warn_batchnorm` says so
   before launch (``deferred_batch_norm=True`` keeps the running statistics over the whole
   mini-batch: :mod:`lightning_par.pipeline.batchnorm`).
@@ -19,7 +21,7 @@ mean in one process (:class:`~lightning_par.strategies.gpipe.GPipeStrategy` and
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
@@ -84,6 +86,55 @@ def agree_on_overflow(scaler: Any, group: Any = None) -> None:
 
     scaler.unscale_ = unscale_
     scaler._lightning_par_agrees = True
+
+
+def clip_by_whole_model(precision_plugin: Any, clip: Callable[[Any, float], None]) -> None:
+    """At setup for fitting: Lightning's clipping by norm calls ``clip`` (which uses every
+    stage's gradients, :func:`clip_grad_norm_across_stages`), and a gradient scaler agrees
+    with the other stages on overflows (:func:`agree_on_overflow`)."""
+    _compat.replace_clip_grad_by_norm(precision_plugin, clip)
+    scaler = getattr(precision_plugin, "scaler", None)
+    if scaler is not None:
+        agree_on_overflow(scaler)
+
+
+def refuse_sync_batchnorm(sync_batchnorm: bool, who: str) -> None:
+    """``Trainer(sync_batchnorm=True)`` has no meaning when every stage holds other layers."""
+    if sync_batchnorm:
+        raise ValueError(
+            f"{who} refuses sync_batchnorm=True: it synchronises BatchNorm "
+            "over data-parallel replicas, but every stage holds different layers and sees "
+            "the same batch; remove sync_batchnorm"
+        )
+
+
+def empty_optimizer_error(who: str, rank: int, error: ValueError) -> ValueError | None:
+    """A clear error for torch's "empty parameter list" on a stage without trainable
+    parameters (None for any other error)."""
+    if "empty parameter list" not in str(error):
+        return None
+    return ValueError(
+        f"{who}: stage {rank} has no trainable parameters "
+        "(all frozen) and configure_optimizers left them out, so its optimiser is "
+        "empty: give the optimiser the frozen parameters too (self.parameters()), "
+        "to unfreeze them later, or choose a balance=[...] that gives every stage a "
+        "trainable layer"
+    )
+
+
+def check_batch_size(batch: Any, chunks: int, first_step: bool) -> None:
+    """A batch needs a sample per micro-batch: refused on the first step (a setting to fix);
+    later (a short last batch) it runs as fewer micro-batches, with a warning."""
+    x = batch if isinstance(batch, torch.Tensor) else batch[0]
+    if x.shape[0] >= chunks:
+        return
+    if first_step:
+        raise ValueError(
+            f"chunks={chunks} micro-batches but the batch has {x.shape[0]} samples: "
+            f"use chunks <= batch size"
+        )
+    rank_zero_warn(f"a batch of {x.shape[0]} < chunks={chunks} samples runs as "
+                   f"{x.shape[0]} micro-batches")  # fmt: skip
 
 
 def batch_checksum(batch: Any) -> float:

@@ -1,7 +1,9 @@
-"""The network's inputs as the pipeline sees them: one micro-batch to trace, the batch
-dimension of each input and output tensor, and a first batch to look at before launch.
+"""The network's inputs as the pipeline sees them: one call of the network as the user's code
+makes it (:func:`capture_inputs`), one micro-batch to trace, the batch dimension of each
+input and output tensor, and a first batch to look at before launch.
 
-Used by :mod:`lightning_par.components.graph_pipeline`. The rules for batch dimensions are
+Used by :mod:`lightning_par.components.graph_pipeline` (and ``capture_inputs`` by the
+tensor-parallel split). The rules for batch dimensions are
 :mod:`lightning_par.pipeline.batch_dims`'s; containers of tensors (an LSTM's ``hidden``)
 are flattened as :mod:`lightning_par.graphcut.nested` does.
 """
@@ -12,10 +14,12 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import lightning.pytorch as pl
+import torch
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.model_helpers import is_overridden
 from torch import fx, nn
 
+from lightning_par import _compat
 from lightning_par.graphcut import nested, trace
 from lightning_par.pipeline import batch_dims as bd
 
@@ -97,3 +101,68 @@ def own_first_batch(module: pl.LightningModule, trainer: Any) -> Callable[[], An
         return next(iter(loaders))
 
     return first
+
+
+class _Captured(Exception):
+    """Raised by the recording forward once it has the network's inputs."""
+
+
+def capture_inputs(
+    module: pl.LightningModule,
+    net: nn.Module,
+    trainer: pl.Trainer | None,
+    who: str,
+    first_batch: Callable[[], Any] | None = None,
+) -> tuple[tuple, dict]:
+    """``(args, kwargs)`` of one call of ``net`` as the user's code makes it (on
+    ``first_batch()`` when given, else on the trainer's first batch)."""
+    seen: dict[str, Any] = {}
+
+    def record(*args: Any, **kwargs: Any) -> None:
+        seen["call"] = (args, kwargs)
+        raise _Captured
+
+    # a network split by an earlier run has its pipeline as the instance's forward: put it back
+    own = net.__dict__.get("forward")
+    net.forward = record  # type: ignore[method-assign]
+    sample = getattr(module, "example_input_array", None)
+    # the look must not draw random numbers the training would have drawn (a shuffling data
+    # loader seeds its sampler from torch's generator): dropout masks stay one process's
+    cuda = [torch.cuda.current_device()] if torch.cuda.is_initialized() else []  # (no init)
+    try:
+        with torch.no_grad(), torch.random.fork_rng(devices=cuda):
+            if sample is not None:
+                if isinstance(sample, dict):
+                    module(**sample)
+                else:
+                    module(*(sample if isinstance(sample, tuple) else (sample,)))
+            elif trainer is not None:
+                fn = trainer.state.fn
+                # as the step will see it: floating tensors in the precision's dtype
+                raw = first_batch() if first_batch is not None else _compat.first_batch(trainer)
+                batch = trainer.precision_plugin.convert_input(raw)
+                step = {
+                    TrainerFn.VALIDATING: module.validation_step,
+                    TrainerFn.TESTING: module.test_step,
+                    TrainerFn.PREDICTING: module.predict_step,
+                }.get(fn, module.training_step)
+                step(batch, 0)
+    except _Captured:
+        pass
+    except Exception as error:  # the step failed before calling the network
+        raise ValueError(
+            f"{who} runs the network once to learn its inputs and could not ({error}): set "
+            "`self.example_input_array` in your LightningModule (a small batch of the inputs "
+            "forward() takes)"
+        ) from error
+    finally:
+        if own is None:
+            net.__dict__.pop("forward", None)
+        else:
+            net.forward = own  # type: ignore[method-assign]
+    if "call" not in seen:
+        raise ValueError(
+            f"{who}: the network was never called by forward or the step; set "
+            "`self.example_input_array`"
+        )
+    return seen["call"]

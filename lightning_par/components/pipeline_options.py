@@ -4,9 +4,11 @@
 :class:`~lightning_par.components.pipeline_split.PipelineSplit`, which takes one
 :class:`PipelineOptions`. ``GPipeStrategy`` declares every option as a keyword of its own
 (jsonargparse reads constructors' signatures) and passes them on with
-:meth:`PipelineOptions.of`; ``LayerwiseStrategy`` declares :data:`LAYERWISE_OPTIONS` and fixes
-the rest (:data:`LAYERWISE`: one micro-batch, nothing re-materialised); ``HybridStrategy``
-passes those of its ``mp_kind`` (:mod:`~lightning_par.components.hybrid_kinds`).
+:meth:`PipelineOptions.of`; ``LayerwiseStrategy`` declares :data:`LAYERWISE_OPTIONS` and,
+without ``time_chunk`` (the wavefront's,
+:class:`~lightning_par.components.wavefront_split.WavefrontSplit`), fixes the rest
+(:data:`LAYERWISE`: one micro-batch, nothing re-materialised); ``HybridStrategy`` passes
+those of its ``mp_kind`` (:mod:`~lightning_par.components.hybrid_kinds`).
 
 Building the options checks every value and looks ``schedule`` up once
 (:func:`~lightning_par.components.pipeline_checks.strategy_schedule`): from then on it is a
@@ -23,7 +25,8 @@ from lightning_par.components import pipeline_checks as checks
 from lightning_par.components.pipeline_loss import check_loss_options
 from lightning_par.pipeline.schedules import GPIPE, Schedule
 
-#: the options ``LayerwiseStrategy`` (and ``hybrid(mp_kind="layerwise")``) takes
+#: the options ``LayerwiseStrategy`` (and ``hybrid(mp_kind="layerwise")``) takes: ``time_chunk``
+#: picks the wavefront (:func:`~lightning_par.components.wavefront_split.layerwise_split`)
 LAYERWISE_OPTIONS = ("balance", "time_chunk", "balance_by", "module_attr", "split_points")
 #: what the layer-wise split fixes: GPipe with one micro-batch and no re-materialisation
 #: (the naive split of slides 003, or the wavefront with ``time_chunk``)
@@ -36,11 +39,9 @@ PLUGIN = "gpipe"
 class PipelineOptions:
     """Every option of a pipeline split, checked (see the module docstring).
 
-    Fields: as :class:`~lightning_par.strategies.gpipe.GPipeStrategy`'s arguments, plus
-    ``time_chunk`` (the RNN wavefront of
-    :class:`~lightning_par.strategies.layerwise.LayerwiseStrategy`). Once built, ``schedule``
-    is a :class:`~lightning_par.pipeline.schedules.Schedule` and ``checkpoint`` a mode
-    (``None`` given: the schedule's default).
+    Fields: as :class:`~lightning_par.strategies.gpipe.GPipeStrategy`'s arguments. Once built,
+    ``schedule`` is a :class:`~lightning_par.pipeline.schedules.Schedule` and ``checkpoint`` a
+    mode (``None`` given: the schedule's default).
     """
 
     balance: list[int] | None = None
@@ -51,7 +52,6 @@ class PipelineOptions:
     loss_attr: str = "criterion"
     balance_by: str = "params"
     deferred_batch_norm: bool = False
-    time_chunk: int | None = None
     virtual_stages: int = 2
     split_points: list[str] | None = None
     loss_fn: Callable | None = None
@@ -82,28 +82,9 @@ class PipelineOptions:
             raise TypeError(
                 f"deferred_batch_norm must be True or False: {self.deferred_batch_norm!r}"
             )
-        _check_time_chunk(self.time_chunk)
-        _check_split_points(self.split_points, self.balance, self.time_chunk)
+        checks.check_split_points(self.balance, self.split_points)
         # frozen: the schedule found and the checkpoint resolved stand in for what was given
         object.__setattr__(self, "schedule", schedule)
         object.__setattr__(self, "checkpoint", checkpoint)
         if self.split_points is not None:
             object.__setattr__(self, "split_points", list(self.split_points))
-
-
-def _check_time_chunk(time_chunk: Any) -> None:
-    if time_chunk is not None and (not isinstance(time_chunk, int) or time_chunk < 1):
-        raise ValueError(f"time_chunk must be an int >= 1 or None, got {time_chunk!r}")
-
-
-def _check_split_points(split_points: Any, balance: Any, time_chunk: Any) -> None:
-    if split_points is None:
-        return
-    if balance is not None:
-        raise ValueError("give balance (layers of an nn.Sequential per stage) or "
-                         "split_points (module names), not both")  # fmt: skip
-    if isinstance(split_points, str) or not all(isinstance(p, str) for p in split_points):
-        raise TypeError(f"split_points must be a list of module names: {split_points!r}")
-    if time_chunk is not None:
-        raise ValueError("time_chunk (the wavefront) splits an nn.Sequential of "
-                         "recurrent layers by balance, not by split_points")  # fmt: skip

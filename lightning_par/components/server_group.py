@@ -11,23 +11,29 @@ gradients and pulls weights. :class:`ServerGroup` is that plumbing as one object
 each strategy is *this update rule = a server group + these Lightning hooks* instead of a
 subclass of the other. What differs between the two strategies comes in as arguments: the
 client class, the servers' options and the client's options.
+
+The group takes what it uses, not its strategy: a :class:`WorkerContext` (names, ranks,
+store, timeout) when the servers start, the model, optimiser, communicator and trace when
+the client connects, and the precision plugin at each step.
 """
 
 from __future__ import annotations
 
 import atexit
 from collections.abc import Callable
+from dataclasses import dataclass
+from datetime import timedelta
 from typing import Any
 
 import lightning.pytorch as pl
 import torch.distributed as dist
-from lightning.pytorch.trainer.states import TrainerStatus
 
 from lightning_par import _compat
-from lightning_par.comm import Event
+from lightning_par.comm import CommTrace, Communicator, Event
 from lightning_par.components.process_group import destroy_process_group
 from lightning_par.components.worker_group import WorkerGroup, check_positive
 from lightning_par.launch import liveness
+from lightning_par.launch.rendezvous import StoreAddress
 from lightning_par.paramserver import process as servers
 from lightning_par.paramserver.faults import explain
 from lightning_par.paramserver.worker import ParameterClient
@@ -41,6 +47,36 @@ def gloo_only(kwargs: dict[str, Any]) -> None:
             f"process_group_backend={backend!r}: the parameter server talks to CPU servers "
             "over gloo (CUDA workers stage through pinned memory); leave it unset"
         )
+
+
+@dataclass(frozen=True)
+class WorkerContext:
+    """What a :class:`ServerGroup` needs of the worker it runs in, given by the strategy
+    once the ranks are known (``setup_distributed``).
+
+    Args:
+        strategy_name: the strategy, as error messages name it.
+        workers: ``W``, the training processes (the servers are ranks ``W .. W+S-1``).
+        rank, local_rank, node_rank, num_nodes: where this worker stands.
+        timeout: how long a collective or a receive may wait.
+        group_store: a new ``(store, address)`` for each process group the workers join.
+        outlives_the_call: the user's script goes on in this rank after ``fit`` (popen,
+            torchrun, SLURM), rather than in a process that forked it.
+    """
+
+    strategy_name: str
+    workers: int
+    rank: int
+    local_rank: int
+    node_rank: int
+    num_nodes: int
+    timeout: timedelta
+    group_store: Callable[[], tuple[Any, StoreAddress]]
+    outlives_the_call: bool
+
+    def rank_name(self, rank: int) -> str:
+        """How reports name group rank ``rank`` (a worker or a server)."""
+        return servers.role_name(self.workers, rank)
 
 
 class _BetweenCalls:
@@ -59,17 +95,15 @@ def _end_group_between_calls() -> None:
 
 
 class ServerGroup:
-    """``num_servers`` server processes and this worker's client, for the strategy ``host``.
+    """``num_servers`` server processes and this worker's client.
 
     Args:
-        host: the strategy (its ranks, timeout, communicator, trace and model are read).
         num_servers, bucket_cap_mb, split_mb: see the strategies.
         client_cls: :class:`ParameterClient` or a subclass.
     """
 
     def __init__(
         self,
-        host: Any,
         num_servers: int,
         bucket_cap_mb: float,
         split_mb: float,
@@ -78,10 +112,12 @@ class ServerGroup:
         check_positive("num_servers", num_servers, int)
         check_positive("bucket_cap_mb", bucket_cap_mb)
         check_positive("split_mb", split_mb)
-        self.host = host
         self.num_servers, self.bucket_cap_mb, self.split_mb = num_servers, bucket_cap_mb, split_mb
         self.client_cls = client_cls
+        #: where this worker stands (:meth:`start`)
+        self.context: WorkerContext | None = None
         self.client: ParameterClient | None = None
+        self.trace: CommTrace | None = None
         #: Lightning's collectives among the workers only (the servers are in no loop)
         self.workers = WorkerGroup()
         #: the server processes this process started (each node's local rank 0 its share)
@@ -95,69 +131,79 @@ class ServerGroup:
         self._backward_start = 0.0
 
     # ---- processes -----------------------------------------------------------------------------
-    def start(self, server_options: dict[str, Any], watched: list[int]) -> None:
-        """Start this node's servers, join the group of workers and servers, watch them."""
-        host = self.host
+    def start(
+        self,
+        context: WorkerContext,
+        server_options: dict[str, Any],
+        watched: list[int],
+        module: Any,
+    ) -> None:
+        """Start this node's servers (``server_options`` go to each), join the group of
+        workers and servers, watch the ranks ``watched``; ``module``'s ``prepare_data`` waits
+        for the workers only."""
+        self.context = ctx = context
         if _between_calls.group is not None:  # the workers' group kept since the last call
             _end_group_between_calls()  # (of this strategy or another's) ends here
         if dist.is_initialized():
             raise RuntimeError(
-                f"{host.strategy_name} builds its own process group of workers and servers; it "
+                f"{ctx.strategy_name} builds its own process group of workers and servers; it "
                 "cannot join one that exists. Start W workers (Trainer(devices=W), torchrun "
                 "--nproc-per-node W) without initialising torch.distributed first"
             )
-        workers = host.world_size
-        store, address = host.group_store()
-        if host.local_rank == 0:  # each node starts its share of the servers
-            mine = servers.servers_of_node(self.num_servers, host.num_nodes, host.node_rank)
+        store, address = ctx.group_store()
+        if ctx.local_rank == 0:  # each node starts its share of the servers
+            mine = servers.servers_of_node(self.num_servers, ctx.num_nodes, ctx.node_rank)
             self.started = mine
             self.processes = servers.start_servers(
-                mine, workers, self.num_servers, address, host.timeout, **server_options
+                mine, ctx.workers, self.num_servers, address, ctx.timeout, **server_options
             )
+        world = ctx.workers + self.num_servers
         dist.init_process_group(
-            "gloo",
-            store=store,
-            rank=host.global_rank,
-            world_size=workers + self.num_servers,
-            timeout=host.timeout,
+            "gloo", store=store, rank=ctx.rank, world_size=world, timeout=ctx.timeout
         )
-        self._watch = servers.watch_servers(self.processes, workers) if self.processes else None
-        liveness.watch_group(store, host.global_rank, watched, host.timeout, host.rank_name)
-        self.workers.create(workers)
-        self.workers.prepare_data(host.lightning_module)
+        self._watch = servers.watch_servers(self.processes, ctx.workers) if self.processes else None
+        liveness.watch_group(store, ctx.rank, watched, ctx.timeout, ctx.rank_name)
+        self.workers.create(ctx.workers)
+        self.workers.prepare_data(module)
 
     def watch_sigterm(self, trainer: pl.Trainer) -> None:
         """Lightning broadcasts a SIGTERM flag on the default group every step; servers are in
         that group but not in the loop, so the flag travels among the workers only."""
-        rank = self.host.global_rank
+        rank = self._context.rank
         _compat.replace_sigterm_broadcast(
             trainer, lambda: self.workers.broadcast_sigterm(trainer, rank)
         )
 
-    def connect(self, options: dict[str, Any], check: Callable[[Any], None]) -> None:
-        """The client over the model and the (single) optimiser, which ``check`` sees first;
-        ``options`` go to the client."""
-        host = self.host
-        if len(host.optimizers) != 1:
-            raise ValueError(
-                f"{host.strategy_name} runs one optimiser; configure_optimizers "
-                f"returned {len(host.optimizers)}"
-            )
-        assert host.model is not None and host.comm is not None
-        check(host.optimizers[0])
+    def connect(
+        self,
+        model: Any,
+        optimizer: Any,
+        comm: Communicator,
+        trace: CommTrace | None,
+        options: dict[str, Any],
+    ) -> None:
+        """The client over ``model`` and its one ``optimizer``, talking over ``comm``
+        (recorded in ``trace``); ``options`` go to the client."""
+        ctx = self._context
         self.final_state = None
+        self.trace = trace
         self.client = self.client_cls(
-            host.model,
-            host.optimizers[0],
-            host.comm,
-            host.world_size,
+            model,
+            optimizer,
+            comm,
+            ctx.workers,
             self.num_servers,
             bucket_cap_mb=self.bucket_cap_mb,
             split_mb=self.split_mb,
-            trace=host.trace,
-            name=host.strategy_name,
+            trace=trace,
+            name=ctx.strategy_name,
             **options,
         )
+
+    @property
+    def _context(self) -> WorkerContext:
+        assert self.context is not None, "the servers have not started (setup_distributed)"
+        return self.context
 
     # ---- the step ------------------------------------------------------------------------------
     def settle(self) -> None:
@@ -167,34 +213,35 @@ class ServerGroup:
 
     def pre_backward(self) -> None:
         self.settle()  # any layer the forward did not wait for (unused, reused)
-        if self.host.trace is not None:
-            self._backward_start = self.host.trace.now()
+        if self.client is not None and self.trace is not None:
+            self._backward_start = self.trace.now()
 
     def post_backward(self) -> None:
-        trace = self.host.trace
+        trace = self.trace
         if self.client is None or not self.client.buckets.enabled:
             return
         if trace is None:
             self.client.finish_backward()
             return
         trace.events.append(
-            Event(self.host.global_rank, "backward", self._backward_start, trace.now())
+            Event(self._context.rank, "backward", self._backward_start, trace.now())
         )
         with trace.span("wait for pushes"):
             self.client.finish_backward()
 
-    def step(self, optimizer: Any, closure: Callable[[], Any], model: Any) -> Any:
-        """Forward, backward (which pushed the gradients) and the pre-step hooks; the servers
-        step the optimiser, so the worker's ``optimizer.step`` is not called."""
-        host = self.host
+    def step(
+        self, optimizer: Any, closure: Callable[[], Any], module: pl.LightningModule, precision: Any
+    ) -> Any:
+        """Forward, backward (which pushed the gradients) and the pre-step hooks of
+        ``precision`` (a precision plugin) and ``module``; the servers step the optimiser,
+        so the worker's ``optimizer.step`` is not called."""
         result = closure()
         if result is None:
             raise RuntimeError(
-                f"{host.strategy_name}: training_step returned None; every worker "
+                f"{self._context.strategy_name}: training_step returned None; every worker "
                 "must push every step (the servers wait for all of them)"
             )
-        module = model if isinstance(model, pl.LightningModule) else host.lightning_module
-        _compat.after_closure(host.precision_plugin, module, optimizer)
+        _compat.after_closure(precision, module, optimizer)
         _compat.mark_optimizer_stepped(optimizer)  # it did, on the servers: no scheduler warning
         return result
 
@@ -210,21 +257,20 @@ class ServerGroup:
 
     def describe_failure(self, error: BaseException) -> None:
         """Name a server that died, if one did."""
-        if dist.is_initialized():
-            servers.name_dead_server(error, self.host.global_rank)
+        if dist.is_initialized() and self.context is not None:
+            servers.name_dead_server(error, self.context.rank)
 
-    def close(self) -> None:
-        """Say goodbye to the servers (after a clean run), end them and the group."""
-        host = self.host
-        trainer = _compat.attached_trainer(host.lightning_module)  # None once detached
-        interrupted = trainer is not None and trainer.state.status == TrainerStatus.INTERRUPTED
-        clean = not (interrupted or self.failed) and dist.is_initialized()
+    def close(self, comm: Communicator | None, interrupted: bool) -> None:
+        """Say goodbye to the servers over ``comm`` (after a clean run: not ``interrupted``),
+        end them and the group."""
+        ctx = self.context
+        clean = not (interrupted or self.failed) and dist.is_initialized() and ctx is not None
         if self.client is not None:
             if clean:
                 self.client.close()
             self.client = None
-        elif clean and host.global_rank == 0 and host.comm is not None:
-            self.client_cls.close_untrained(host.comm, host.world_size, self.num_servers)
+        elif clean and ctx.rank == 0 and comm is not None:
+            self.client_cls.close_untrained(comm, ctx.workers, self.num_servers)
         if self._watch is not None:
             self._watch.set()  # the servers end now: no longer news
         if self.processes:
@@ -233,25 +279,17 @@ class ServerGroup:
         liveness.stop_watching()
         if clean:  # the servers are gone: a later fit/test/validate builds a new group
             dist.destroy_process_group()
-            if self.ranks_outlive_the_call():
-                self._join_workers_between_calls()
+            if ctx.outlives_the_call:
+                self._join_workers_between_calls(ctx)
 
-    def ranks_outlive_the_call(self) -> bool:
-        """Whether the user's script goes on in these ranks after ``fit``/``validate``/...
-        (popen, torchrun, SLURM) rather than in a process that forked them."""
-        return not getattr(self.host.launcher, "carries_back", False)
-
-    def _join_workers_between_calls(self) -> None:
+    def _join_workers_between_calls(self, ctx: WorkerContext) -> None:
         """The script goes on in every worker: Lightning's barrier in ``save_checkpoint``
         and the collectives of the next call's set-up need a group, as under Lightning's
         DDP, whose group lives on after ``fit``. The servers are gone: the workers alone."""
-        host = self.host
-        store, _ = host.group_store()
-        dist.init_process_group("gloo", store=store, rank=host.global_rank,
-                                world_size=host.world_size, timeout=host.timeout)  # fmt: skip
+        store, _ = ctx.group_store()
+        dist.init_process_group(
+            "gloo", store=store, rank=ctx.rank, world_size=ctx.workers, timeout=ctx.timeout
+        )
         self.workers.group = None  # the default group holds the workers alone
         _between_calls.group = dist.group.WORLD
         atexit.register(destroy_process_group)  # (a gloo group alive at exit can abort it)
-
-    def all_ranks(self) -> list[int]:
-        return list(range(self.host.world_size + self.num_servers))

@@ -3,7 +3,9 @@ does at Lightning's hooks, with nothing to do by default.
 
 A :class:`ModelSplitter` has one job: cut the LightningModule's network over the ranks of
 one communicator (the strategy's :attr:`~lightning_par.strategies._base.ParStrategy.split_comm`:
-every rank, or one model-parallel row of the hybrid grid) and run the pieces. The strategy
+every rank, or one model-parallel row of the hybrid grid) and run the pieces. What it reads
+from the strategy is a :class:`SplitContext` (the module, communicator, devices, precision
+and rank), not the strategy itself. The strategy
 holds one in :attr:`~lightning_par.strategies._base.ParStrategy.splitter` and calls it from
 its hooks (``prepare_model``, ``training_step``, ``backward``, checkpoints, ...), the way
 Lightning's own strategies hold a precision plugin and a checkpoint I/O object
@@ -11,7 +13,8 @@ Lightning's own strategies hold a precision plugin and a checkpoint I/O object
 composition over class inheritance").
 
 The implementations: :class:`~lightning_par.components.pipeline_split.PipelineSplit`
-(GPipe/1F1B stages, the naive layer-wise split and the recurrent wavefront) and
+(pipeline stages of any network, the naive layer-wise split),
+:class:`~lightning_par.components.wavefront_split.WavefrontSplit` (the recurrent wavefront) and
 :class:`~lightning_par.components.tensor_split.TensorParallelSplit` (Megatron shards).
 """
 
@@ -19,19 +22,73 @@ from __future__ import annotations
 
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
-from typing import Any
+from typing import Any, Protocol
 
 import lightning.pytorch as pl
+import torch
 from torch import nn
 
 from lightning_par.comm import Communicator
+from lightning_par.pipeline.materialize import has_meta, materialize
+
+
+class SplitContext(Protocol):
+    """Everything a splitter reads from the strategy that holds it, and nothing else (as
+    torchgpipe's ``Pipeline`` takes its partitions and devices, not its owner). Each is read
+    when needed: Lightning fills them in while it sets the strategy up (the module when it
+    connects it, the communicator at setup, the devices and precision from the Trainer).
+    :class:`~lightning_par.strategies._split_context.StrategyContext` reads them from a
+    :class:`~lightning_par.strategies._base.ParStrategy`."""
+
+    @property
+    def name(self) -> str:
+        """The strategy's registered name, for messages."""
+
+    @property
+    def module(self) -> pl.LightningModule:
+        """The LightningModule whose network is split."""
+
+    @property
+    def comm(self) -> Communicator | None:
+        """The ranks one model is split over (``None`` before setup)."""
+
+    @property
+    def size(self) -> int:
+        """How many pieces one model is cut into."""
+
+    @property
+    def rank(self) -> int:
+        """This process's global rank."""
+
+    @property
+    def devices(self) -> list[torch.device]:
+        """The devices of the job's processes on this node (empty before they are known)."""
+
+    @property
+    def root_device(self) -> torch.device:
+        """This process's device."""
+
+    @property
+    def precision(self) -> Any:
+        """Lightning's precision plugin (gradient scaler, clipping, main parameters)."""
+
+    @property
+    def backend(self) -> str | None:
+        """The process group backend asked for (``None``: by device)."""
+
+    @property
+    def sync_batchnorm(self) -> bool:
+        """Whether ``Trainer(sync_batchnorm=True)`` was asked for."""
+
+    def broadcast(self, obj: Any) -> Any:
+        """Rank 0's ``obj`` on every rank."""
 
 
 class ModelSplitter:
     """Base of the model splitters: every method is a no-op or returns its input unchanged.
 
-    :meth:`bind` gives the splitter its strategy, whose devices, precision plugin, rank and
-    communicator (``split_comm``) it reads.
+    :meth:`bind` gives the splitter its :class:`SplitContext`: the communicator, devices,
+    precision plugin and rank it reads.
     """
 
     #: The name used in messages (the strategy's registered name once bound).
@@ -40,32 +97,43 @@ class ModelSplitter:
     materializes_meta = False
 
     def __init__(self) -> None:
-        self.strategy: Any = None
+        self.context: SplitContext | None = None
 
-    def bind(self, strategy: Any) -> None:
-        """Attach to ``strategy`` (a :class:`~lightning_par.strategies._base.ParStrategy`)."""
-        self.strategy = strategy
+    def bind(self, context: SplitContext) -> None:
+        """Read the strategy's communicator, devices, precision and rank from ``context``."""
+        self.context = context
 
     # ---- where the pieces live --------------------------------------------------------------
     @property
     def comm(self) -> Communicator:
         """The ranks that share one model (stage or shard index = rank in it)."""
-        comm = self.strategy.split_comm
+        assert self.context is not None, "the splitter is not bound to a strategy"
+        comm = self.context.comm
         assert comm is not None, "the strategy has not been set up yet"
         return comm
 
     @property
     def size(self) -> int:
         """How many pieces the model is cut into."""
-        return self.strategy.split_size
+        return self.context.size
 
     @property
     def module(self) -> pl.LightningModule:
-        return self.strategy.lightning_module
+        return self.context.module
 
     # ---- before launch and at setup ---------------------------------------------------------
     def check_before_launch(self, trainer: pl.Trainer | None) -> None:
         """Reject what this split cannot run exactly, before any rank starts."""
+
+    def materialize_whole(self, module: pl.LightningModule | None) -> None:
+        """Storage for a model built on the meta device, at ``setup``, in the dtype it was
+        built in and before precision or SyncBatchNorm conversion: each network by its own
+        names, as the pipelines do, so the values are one process's ``materialize(network)``.
+        Nothing here for a splitter that :attr:`materializes_meta` (stage by stage, later)."""
+        if module is not None and not self.materializes_meta and has_meta(module):
+            for child in module.children():
+                materialize(child)
+            materialize(module)
 
     def split(self, trainer: pl.Trainer) -> None:
         """Cut the network (``prepare_model``: before it moves to its device)."""

@@ -27,7 +27,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info
 
 from lightning_par import _compat
 from lightning_par.collectives import broadcast_parameters
-from lightning_par.components.graph_pipeline import capture_inputs
+from lightning_par.components.pipeline_inputs import capture_inputs
 from lightning_par.components.splitter import ModelSplitter, find_network
 from lightning_par.pipeline.state import gather_objects
 from lightning_par.tensorparallel import (
@@ -83,8 +83,8 @@ class TensorParallelSplit(ModelSplitter):
 
     @property
     def rank(self) -> int:
-        comm = self.strategy.split_comm
-        return comm.rank if comm is not None else self.strategy.global_rank
+        comm = self.context.comm
+        return comm.rank if comm is not None else self.context.rank
 
     @property
     def attr(self) -> str:
@@ -128,31 +128,29 @@ class TensorParallelSplit(ModelSplitter):
                 "fewer devices"
             )
         if trainer is not None:
-            check_trainer(trainer, self.strategy.precision_plugin)
+            check_trainer(trainer, self.context.precision)
 
     def split(self, trainer: pl.Trainer) -> None:
         module = self.module
         if module_shards(module):  # already split (validate or test after fit)
             return
-        check_trainer(trainer, self.strategy.precision_plugin)
+        check_trainer(trainer, self.context.precision)
         example = self._example(trainer)  # the first batch, to trace the network (uncut)
         self._check(trainer, example, in_ranks=True)  # torchrun/srun ranks skip the launcher
         # Every rank cuts its slice of rank 0's weights (popen ranks built their own).
         broadcast_parameters(module, self.comm)
         # ... and draws rank 0's random numbers: dropout masks as one process's (random.py)
-        share_random_state(self.comm, self.strategy.root_device)
+        share_random_state(self.comm, self.context.root_device)
         group = TPGroup(self.comm, self.algorithm)
         plan = resolve_plan(module, self.size, self.plan, self.attr, example)
-        check_same_plan(plan, self.strategy.root_device, self._group())
+        check_same_plan(plan, self.context.root_device, self._group())
         self.tp_plan = parallelize(module, group, plan, root=self.attr)
         rank_zero_info(f"tensor_parallel plan over {self.size} ranks:\n  "
                        + self.tp_plan.describe().replace("\n", "\n  "))  # fmt: skip
 
     def after_setup(self, trainer: pl.Trainer) -> None:
         if trainer.state.fn == TrainerFn.FITTING:  # Lightning's clipping calls this by norm
-            _compat.replace_clip_grad_by_norm(
-                self.strategy.precision_plugin, self._clip_by_whole_norm
-            )
+            _compat.replace_clip_grad_by_norm(self.context.precision, self._clip_by_whole_norm)
 
     def _clip_by_whole_norm(self, optimizer: Any, clip_val: float) -> None:
         """Clip by the norm of the whole model's gradient, not of this rank's slices: summed
@@ -162,27 +160,27 @@ class TensorParallelSplit(ModelSplitter):
         module = self.module
         shards = module_shards(module)
         split = {id(p) for name, p in module.named_parameters() if name in shards}
-        params = list(self.strategy.precision_plugin.main_params(optimizer))
+        params = list(self.context.precision.main_params(optimizer))
         clip_grad_norm_split([p for p in params if id(p) in split],
                              [p for p in params if id(p) not in split], float(clip_val),
                              TPGroup(comm, self.algorithm))  # fmt: skip
 
     def _group(self) -> Any:
         """The process group of one model's ranks (``None``: every rank)."""
-        comm = self.strategy.split_comm
+        comm = self.context.comm
         return comm.group if comm is not None else None
 
     def before_training_step(self, batch: Any) -> None:
-        check_same_batch(batch, self.strategy.root_device, self._group())
+        check_same_batch(batch, self.context.root_device, self._group())
 
     # ---- checkpoints: one process's format -------------------------------------------------
     def full_state_dict(self, local: dict[str, Any]) -> dict[str, Any]:
         """The full model's state dict on rank 0 (every rank takes part)."""
         shards = module_shards(self.module)
-        if self.strategy.split_comm is None or not shards:
+        if self.context.comm is None or not shards:
             return local
         mine = {k: v for k, v in local.items() if k in shards}
-        states = gather_objects(self.comm, mine, self.strategy.root_device)
+        states = gather_objects(self.comm, mine, self.context.root_device)
         if states is None:
             return local
         return {**local, **assemble_state_dict(states, shards)}
@@ -191,9 +189,9 @@ class TensorParallelSplit(ModelSplitter):
         return shard_state_dict(full, module_shards(self.module), self.rank)
 
     def full_optimizer_state(self, local: dict[str, Any], optimizer: Any) -> dict[str, Any]:
-        if self.strategy.split_comm is None or not module_shards(self.module):
+        if self.context.comm is None or not module_shards(self.module):
             return local
-        states = gather_objects(self.comm, local, self.strategy.root_device)
+        states = gather_objects(self.comm, local, self.context.root_device)
         if states is None:
             return {}
         return assemble_optimizer_state(states, self._shards_of(optimizer))

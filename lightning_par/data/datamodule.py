@@ -9,15 +9,12 @@ import lightning.pytorch as pl
 import torch
 from lightning.pytorch.utilities import rank_zero_info
 from torch.utils.data import DataLoader, Dataset, random_split
-from torchvision.transforms import v2
 from typing_extensions import override
 
 from lightning_par import _compat
+from lightning_par.data.datasets import ImageTensorDataset, Subset, eval_transform, train_transform
 from lightning_par.data.device import DeviceBatches
 from lightning_par.data.sources import (
-    CIFAR_MEAN,
-    CIFAR_STD,
-    CLASSES,
     MINI_ENV,
     DataNotFoundError,
     batches_dir,
@@ -47,60 +44,6 @@ def data_rank(trainer: pl.Trainer) -> tuple[int, int]:
     if not kwargs:
         return trainer.global_rank, trainer.world_size
     return int(kwargs["rank"]), int(kwargs["num_replicas"])
-
-
-def eval_transform() -> v2.Compose:
-    return v2.Compose([v2.ToDtype(torch.float32, scale=True), v2.Normalize(CIFAR_MEAN, CIFAR_STD)])
-
-
-def train_transform() -> v2.Compose:
-    """The standard CIFAR augmentation: 4-pixel padded random crop, horizontal flip."""
-    return v2.Compose(
-        [v2.RandomCrop(32, padding=4), v2.RandomHorizontalFlip(), *eval_transform().transforms]
-    )
-
-
-class ImageTensorDataset(Dataset):
-    """uint8 images ``[N, 3, 32, 32]`` and labels, transformed on access."""
-
-    classes = CLASSES
-
-    def __init__(self, images: torch.Tensor, labels: torch.Tensor, transform=None) -> None:
-        if len(images) != len(labels):
-            raise ValueError(f"{len(images)} images but {len(labels)} labels")
-        self.images, self.labels, self.transform = images, labels, transform
-
-    def __len__(self) -> int:
-        return len(self.images)
-
-    def __getitem__(self, index: int):
-        image = self.images[index]
-        if self.transform is not None:
-            image = self.transform(image)
-        return image, int(self.labels[index])
-
-
-class SyntheticCIFAR10(ImageTensorDataset):
-    """Learnable synthetic CIFAR-shaped data (see :func:`~lightning_par.data.sources.synthesize`),
-    normalised like CIFAR, with no augmentation unless ``transform`` is given."""
-
-    def __init__(self, size: int = 2048, seed: int = 0, train: bool = True, transform=None):
-        images, labels = synthesize(size, seed, split=0 if train else 1)
-        super().__init__(images, labels, eval_transform() if transform is None else transform)
-
-
-class _Subset(Dataset):
-    """A split of the training images that keeps its own transform."""
-
-    def __init__(self, base: ImageTensorDataset, indices: list[int], transform) -> None:
-        self.base, self.indices, self.transform = base, indices, transform
-
-    def __len__(self) -> int:
-        return len(self.indices)
-
-    def __getitem__(self, i: int):
-        j = self.indices[i]
-        return self.transform(self.base.images[j]), int(self.base.labels[j])
 
 
 class CIFAR10DataModule(pl.LightningDataModule):
@@ -241,8 +184,8 @@ class CIFAR10DataModule(pl.LightningDataModule):
         split = random_split(
             range(len(full)), [len(full) - n_val, n_val], torch.Generator().manual_seed(hp.seed)
         )
-        self.train_set = _Subset(full, list(split[0]), train_tf)
-        self.val_set = _Subset(full, list(split[1]), eval_transform())
+        self.train_set = Subset(full, list(split[0]), train_tf)
+        self.val_set = Subset(full, list(split[1]), eval_transform())
         test_images, test_labels, _ = self._load(train=False)
         self.test_set = ImageTensorDataset(test_images, test_labels, eval_transform())
         self.source_used = where

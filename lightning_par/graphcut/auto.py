@@ -4,7 +4,7 @@ The candidates are :func:`~lightning_par.graphcut.cut.units` (the root's childre
 containers opened: ResNet's blocks, a GPT's decoder layers); each unit's cost is its
 parameter count (a parameter shared by several units counts once, where it is first used)
 or its measured forward + backward time, and the exact linear partition of
-:func:`lightning_par.pipeline.partition.balance_by_cost` groups consecutive units into
+:func:`lightning_par.split.balance_by_cost` groups consecutive units into
 stages so that the costliest stage is as cheap as possible (GPipe's rule: the pipeline runs
 at the pace of its slowest stage; Huang et al., 2019, section 2.2).
 """
@@ -18,7 +18,7 @@ import torch
 from torch import fx, nn
 
 from lightning_par.graphcut.cut import _belongs, units
-from lightning_par.pipeline.partition import balance_by_cost
+from lightning_par.split import balance_by_cost
 
 BALANCE_BY = ("parameters", "time")
 

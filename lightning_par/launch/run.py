@@ -45,6 +45,16 @@ class RankFailed(RuntimeError):
     """A rank raised, died or timed out inside :func:`run_on_ranks`."""
 
 
+class _MeshFailed(RankFailed):
+    """gloo could not connect the ranks' mesh: nothing of ``fn`` ran yet, so the start can be
+    tried again with a fresh store (a rare loopback race, also seen in torch's own CI:
+    pytorch/pytorch#53270)."""
+
+
+#: How often a start whose gloo mesh failed to connect is tried again.
+MESH_RETRIES = 2
+
+
 def _rank_main(fn, rank, world_size, backend, store, port, timeout_s, threads, args, kwargs,
                queue, parent):  # fmt: skip
     import torch.distributed as dist
@@ -67,13 +77,18 @@ def _rank_main(fn, rank, world_size, backend, store, port, timeout_s, threads, a
             rank, world_size, backend=backend, rendezvous_file=store,
             timeout=timedelta(seconds=timeout_s),
         )  # fmt: skip
+    except RuntimeError as err:
+        mesh = "connectFullMesh" in str(err)
+        queue.put((rank, "mesh" if mesh else "error", traceback.format_exc()))
+        return
+    try:
         args, kwargs = own_copies((args, kwargs))
         result = fn(rank, world_size, *args, **kwargs)
         # plain pickle copies tensors' data: the queue's own pickler would share their
         # memory with the parent, which fails once this rank has exited
-        queue.put((rank, True, pickle.dumps(result)))
+        queue.put((rank, "ok", pickle.dumps(result)))
     except BaseException:
-        queue.put((rank, False, traceback.format_exc()))
+        queue.put((rank, "error", traceback.format_exc()))
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
@@ -130,26 +145,51 @@ def _same_kind(original: dict, items: dict) -> dict:
         return original
 
 
-def _collect(queue, results: dict[int, Any]) -> list[tuple[int, str]]:
-    """Move finished ranks' results into ``results``; return the failures seen."""
+def _collect(queue, results: dict[int, Any]) -> list[tuple[int, str, str]]:
+    """Move finished ranks' results into ``results``; return the failures seen as
+    ``(rank, kind, traceback)``, ``kind`` being ``"mesh"`` or ``"error"``."""
     failures = []
     while not queue.empty():
-        rank, ok, value = queue.get()
-        if ok:
+        rank, kind, value = queue.get()
+        if kind == "ok":
             results[rank] = pickle.loads(value)
         else:
-            failures.append((rank, value))
+            failures.append((rank, kind, value))
     return failures
 
 
 def _failure_report(procs, results, failures, world_size) -> str:
-    failed = {r for r, _ in failures}
+    failed = {r for r, _, _ in failures}
     dead = [
         f"rank {r} of {world_size} died with exit code {p.exitcode} before returning a result"
         for r, p in enumerate(procs)
         if r not in results and r not in failed and p.exitcode not in (None, 0)
     ]
-    return "\n".join(dead + [f"rank {r} of {world_size} raised:\n{tb}" for r, tb in failures])
+    return "\n".join(dead + [f"rank {r} of {world_size} raised:\n{tb}" for r, _, tb in failures])
+
+
+def _wait_for_results(procs: list, queue: Any, results: dict[int, Any], deadline_s: float) -> None:
+    """Collect every rank's result into ``results``; :class:`RankFailed` as soon as a rank
+    raised or died (naming it), or when ``deadline_s`` passed (naming those not done)."""
+    world_size = len(procs)
+    deadline = time.monotonic() + deadline_s
+    while len(results) < world_size:
+        failures = _collect(queue, results)
+        exited = any(p.exitcode not in (None, 0) for p in procs)
+        if failures or exited:
+            time.sleep(0.3)  # let the root cause (often a dead peer) surface too
+            failures += _collect(queue, results)
+            report = _failure_report(procs, results, failures, world_size)
+            # only a mesh that failed to connect, no rank dead or done: start again
+            retry = not exited and not results and all(k == "mesh" for _, k, _ in failures)
+            raise (_MeshFailed if retry else RankFailed)(report)
+        if time.monotonic() > deadline:
+            missing = sorted(set(range(world_size)) - set(results))
+            raise RankFailed(
+                f"rank(s) {missing} of {world_size} did not finish within {deadline_s:.0f} s"
+                " (hung or deadlocked); all ranks were stopped"
+            )
+        time.sleep(0.005)
 
 
 def run_on_ranks(
@@ -173,8 +213,19 @@ def run_on_ranks(
     """
     if world_size < 1:
         raise ValueError(f"world_size must be >= 1, got {world_size}")
-    plan = plan_launch("cpu", world_size, can_exec=False)
     group_timeout = default_timeout(RUN_TIMEOUT_S).total_seconds() if timeout is None else timeout
+    for attempt in range(MESH_RETRIES + 1):
+        try:
+            return _run_once(fn, world_size, backend, group_timeout, args, kwargs)
+        except _MeshFailed:
+            if attempt == MESH_RETRIES:
+                raise
+    raise AssertionError("unreachable")
+
+
+def _run_once(fn, world_size, backend, group_timeout, args, kwargs) -> list[Any]:
+    """One start of :func:`run_on_ranks`: ranks in a fresh store, stopped whatever happens."""
+    plan = plan_launch("cpu", world_size, can_exec=False)
     deadline_s = group_timeout + 10
     ctx = mp.get_context(plan.method)
     threads = plan.threads_per_rank
@@ -182,49 +233,20 @@ def run_on_ranks(
         ctx.set_forkserver_preload(FORKSERVER_PRELOAD)
         threads = forkserver_threads(world_size)
     queue = ctx.SimpleQueue()
-    port = find_free_port()
     store_dir = tempfile.mkdtemp(prefix="lightning_par-ranks-")
-    store = os.path.join(store_dir, "rendezvous")
+    store, port = os.path.join(store_dir, "rendezvous"), find_free_port()
     procs = [
-        ctx.Process(
-            target=_rank_main,
-            args=(
-                fn,
-                r,
-                world_size,
-                backend,
-                store,
-                port,
-                group_timeout,
-                threads,
-                args,
-                kwargs,
-                queue,
-                ParentState(),
-            ),
-            daemon=True,
-        )  # fmt: skip
+        ctx.Process(target=_rank_main, daemon=True, args=(
+            fn, r, world_size, backend, store, port, group_timeout, threads, args, kwargs,
+            queue, ParentState(),
+        ))
         for r in range(world_size)
-    ]
+    ]  # fmt: skip
     for proc in procs:
         proc.start()
     results: dict[int, Any] = {}
-    deadline = time.monotonic() + deadline_s
     try:
-        while len(results) < world_size:
-            failures = _collect(queue, results)
-            exited = any(p.exitcode not in (None, 0) for p in procs)
-            if failures or exited:
-                time.sleep(0.3)  # let the root cause (often a dead peer) surface too
-                failures += _collect(queue, results)
-                raise RankFailed(_failure_report(procs, results, failures, world_size))
-            if time.monotonic() > deadline:
-                missing = sorted(set(range(world_size)) - set(results))
-                raise RankFailed(
-                    f"rank(s) {missing} of {world_size} did not finish within {deadline_s:.0f} s"
-                    " (hung or deadlocked); all ranks were stopped"
-                )
-            time.sleep(0.005)
+        _wait_for_results(procs, queue, results, deadline_s)
     finally:
         for proc in procs:
             proc.join(timeout=5 if len(results) == world_size else 0)

@@ -17,7 +17,6 @@ from lightning_par.modelparallel.recurrent import (
 )
 from lightning_par.modelparallel.wavefront import (
     WavefrontSequential,
-    WavefrontStage,
     recurrent_parts,
     time_chunk_sizes,
     train_step,
@@ -31,7 +30,6 @@ __all__ = [
     "CarriedState",
     "RecurrentLayer",
     "WavefrontSequential",
-    "WavefrontStage",
     "is_recurrent",
     "recurrent_parts",
     "stacked_rnn",

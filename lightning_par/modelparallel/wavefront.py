@@ -10,7 +10,8 @@ the same wavefront in reverse: chunk ``t``'s backward needs the gradient of its 
 stage ``k + 1``) and of its final state (from this stage's backward of chunk ``t + 1``).
 
 This is GPipe's schedule (:mod:`lightning_par.pipeline.schedule`) with time chunks in place
-of micro-batches, so the pipeline runtime, traces and timelines are reused as they are.
+of micro-batches, so the pipeline runtime (:class:`~lightning_par.pipeline.multistage.
+DeviceStages`, one stage per device), traces and timelines are reused as they are.
 With ``T`` chunks and ``K`` equal stages a stage is busy ``T / (T + K - 1)`` of the step;
 ``time_chunk=None`` (one chunk) is the naive layer split, busy ``1 / K``.
 """
@@ -24,10 +25,11 @@ from torch import nn
 
 from lightning_par.comm import Communicator
 from lightning_par.modelparallel.recurrent import CarriedState, is_recurrent
-from lightning_par.pipeline.partition import balance_by_cost, check_balance, split_sequential
-from lightning_par.pipeline.runtime import PipelineStage
+from lightning_par.pipeline.multistage import DeviceStages
+from lightning_par.pipeline.partition import check_balance, split_sequential
 from lightning_par.pipeline.schedule import Step, bubble_fraction, unit_time_table
 from lightning_par.pipeline.schedules import GPIPE
+from lightning_par.split import balance_by_cost
 
 
 # ---- the schedule, without processes ---------------------------------------------------------
@@ -124,24 +126,8 @@ def wavefront_balance(net: nn.Sequential, num_stages: int) -> list[int]:
     return balance
 
 
-class WavefrontStage(PipelineStage):
-    """A :class:`PipelineStage` whose micro-batches are time chunks of one sequence batch."""
-
-    def begin(self, batch_shape: Sequence[int], time_chunk: int | None) -> list[int]:  # type: ignore[override]
-        self._reset()
-        self.sizes = time_chunk_sizes(int(batch_shape[1]), time_chunk)
-        self.chunks = len(self.sizes)
-        self._key = (tuple(batch_shape), "time", time_chunk)
-        self._step_start = self.comm.trace.now() if self.comm.trace is not None else 0.0
-        if self.saved is not None:
-            self.measure_memory()
-        self.module.reset()
-        return self.sizes
-
-
 class WavefrontSequential(nn.Module):
-    """This rank's stage of a stacked RNN ``net``, standing in for the whole ``net`` (as
-    :class:`~lightning_par.pipeline.sequential.PipelinedSequential` does for GPipe).
+    """This rank's stage of a stacked RNN ``net``, standing in for the whole ``net``.
 
     ``forward(x)`` runs the forward wavefront on every stage and returns the network's output
     on all of them (a leaf in training); after the loss's backward, :meth:`backward` runs the
@@ -164,14 +150,18 @@ class WavefrontSequential(nn.Module):
         # a tuple, not submodules: the layers are registered above under their own names
         self._ends = (net[start:first], net[last:stop])
         self.time_chunk, self.balance = time_chunk, list(balance)
-        self.runtime = WavefrontStage(CarriedState(list(net[first:last])), comm, checkpoint="never")
+        # the recurrent layers are this device's one stage; the layers before (after) them run
+        # on the whole sequence, on the first (last) device
+        carried = CarriedState(list(net[first:last]))
+        self.runtime = DeviceStages({comm.rank: carried}, comm.world_size, comm)
         self._seq_len: dict[tuple, int] = {}
         self._pending: tuple | None = None
         self._pre = self._post = None
         self.active = False  # set around steps, when every stage runs forward
 
     def extra_repr(self) -> str:
-        return f"stage={self.runtime.stage}/{self.runtime.num_stages}, time_chunk={self.time_chunk}"
+        comm = self.runtime.comm
+        return f"stage={comm.rank}/{comm.world_size}, time_chunk={self.time_chunk}"
 
     def _sequence_length(self, x: torch.Tensor, h: torch.Tensor | None) -> int:
         # stage 0 learns the length from its input layers and tells the others (once per shape)
@@ -203,23 +193,28 @@ class WavefrontSequential(nn.Module):
                 self._pre = (h, h.detach().requires_grad_(True))
                 h = self._pre[1]
         seq_len = self._sequence_length(x, h)
-        sizes = stage.begin((x.shape[0], seq_len), self.time_chunk)
+        sizes = time_chunk_sizes(seq_len, self.time_chunk)
+        stage.begin((x.shape[0], seq_len, self.time_chunk), len(sizes))
+        stage.stages[stage.comm.rank].reset()  # the carried state starts anew
         if stage.is_first:
-            inputs = list(torch.split(h, sizes, dim=1))
-        stage.run(wavefront_steps(stage.num_stages, len(sizes))[stage.stage][: len(sizes)], inputs)
+            inputs = [(c,) for c in torch.split(h, sizes, dim=1)]
+        stage.run(self._steps(len(sizes))[: len(sizes)], inputs)
         out = None
         if stage.is_last:
-            seq = torch.cat([o.detach() for o in stage.outputs], dim=1)
+            seq = torch.cat([stage.results[i][0] for i in range(len(sizes))], dim=1)
             seq.requires_grad_(training)
             self._post = (seq, self._ends[1](seq))
-            out = self._post[1]
-        out = stage.share_output(out)
+            out = [self._post[1]]
+        out = stage.share_output(out)[0]
         if not training:
             stage.finish()
             return out
         leaf = out.detach().requires_grad_(out.is_floating_point())
         self._pending = (leaf, sizes)
         return leaf
+
+    def _steps(self, num_chunks: int) -> list[Step]:
+        return wavefront_steps(self.runtime.num_stages, num_chunks)[self.runtime.comm.rank]
 
     def backward(self) -> None:
         """The backward wavefront, with the gradient the loss left on the output."""
@@ -233,8 +228,7 @@ class WavefrontSequential(nn.Module):
             torch.autograd.backward(out, grad)
             seq_grad = seq.grad if seq.grad is not None else torch.zeros_like(seq)
             grads = torch.split(seq_grad, sizes, dim=1)
-        stage.run(wavefront_steps(stage.num_stages, len(sizes))[stage.stage][len(sizes) :],
-                  output_grad=lambda i, _out: grads[i])  # fmt: skip
+        stage.run(self._steps(len(sizes))[len(sizes) :], output_grad=lambda i, _: [grads[i]])
         if self._pre is not None and self._pre[1].grad is not None:
             self._pre[0].backward(self._pre[1].grad)
         self._pre = self._post = None

@@ -6,31 +6,30 @@
 * :mod:`.schedules`: every schedule as one object (steps, placement, B/W split, loss per
   micro-batch, rules), looked up by name once (:func:`get_schedule`);
 * :mod:`.checkpoint`: re-materialisation modes and saved-activation counting;
-* :mod:`.runtime`: one stage in one process, exchanging tensors through
-  :class:`lightning_par.comm.Communicator`;
 * :mod:`.schedules_v`: interleaved 1F1B and zero bubble (B/W split) as per-device step lists;
 * :mod:`.validate`: the rules every schedule keeps, checked before it runs;
-* :mod:`.multistage`: one device holding several stages (tuples of tensors between them,
-  :mod:`.messages`), running any validated schedule;
-* :mod:`.step`: a full training step for a loss on the joined output (``scheduled_step``:
-  under any schedule);
-* :mod:`.sequential`, :mod:`.sequential_v`, :mod:`.options`: the networks the strategies
-  put in the model's place.
+* :mod:`.multistage`: the one stage runtime, :class:`DeviceStages`: the stages one device
+  holds (tuples of tensors between them, :mod:`.messages`; receives posted ahead,
+  :mod:`.receives`; the B/W split, :mod:`.weight_grads`), running any validated schedule
+  through :class:`lightning_par.comm.Communicator`;
+* :mod:`.step`: a full training step (:func:`forward_backward`: GPipe with any loss on the
+  joined output; :func:`~.step.scheduled_step`: any schedule, the loss per micro-batch);
+* :mod:`.network` (with :mod:`.network_io`, :mod:`.tied`): the user's network run as
+  pipeline stages in place, which the strategies install.
 
 The Lightning adapter is :class:`lightning_par.strategies.gpipe.GPipeStrategy`.
 """
 
 from lightning_par.pipeline.checkpoint import CHECKPOINT_MODES, SavedActivations, recomputes
 from lightning_par.pipeline.microbatch import gather, micro_batch_sizes, scatter
+from lightning_par.pipeline.multistage import DeviceStages
 from lightning_par.pipeline.partition import (
-    balance_by_cost,
     balance_by_params,
     balance_by_time,
     check_balance,
     split_sequential,
     stage_bounds,
 )
-from lightning_par.pipeline.runtime import PipelineStage
 from lightning_par.pipeline.schedule import Step, bubble_fraction, format_table
 from lightning_par.pipeline.schedules import (
     SCHEDULES,
@@ -39,12 +38,13 @@ from lightning_par.pipeline.schedules import (
     get_schedule,
     schedule_steps,
 )
-from lightning_par.pipeline.step import forward_backward
+from lightning_par.pipeline.step import forward_backward, scheduled_step
+from lightning_par.split import balance_by_cost
 
 __all__ = [
     "CHECKPOINT_MODES",
     "SCHEDULES",
-    "PipelineStage",
+    "DeviceStages",
     "SavedActivations",
     "Schedule",
     "Step",
@@ -61,6 +61,7 @@ __all__ = [
     "micro_batch_sizes",
     "recomputes",
     "scatter",
+    "scheduled_step",
     "schedule_steps",
     "split_sequential",
     "stage_bounds",

@@ -16,10 +16,8 @@ the random state, so dropout masks match between the two forwards.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
 
 import torch
-from torch.utils.checkpoint import checkpoint
 
 CHECKPOINT_MODES = ("never", "except_last", "always")
 
@@ -36,15 +34,6 @@ def recomputes(mode: str, micro_batch: int, chunks: int) -> bool:
     if mode == "always":
         return True
     return mode == "except_last" and micro_batch < chunks - 1
-
-
-def run_forward(
-    fn: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor, recompute: bool
-) -> torch.Tensor:
-    """``fn(x)``, storing only ``x`` for the backward pass when ``recompute`` is true."""
-    if recompute and torch.is_grad_enabled():
-        return checkpoint(fn, x, use_reentrant=False)
-    return fn(x)
 
 
 class SavedActivations:

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import os
 import zlib
-from collections.abc import Collection
+from collections.abc import Collection, Iterator
 
 import torch
 from torch import nn
@@ -74,3 +74,17 @@ def materialize(
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(_seed(prefix))
             module.reset_parameters()
+
+
+def named_tensors(net: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
+    """Every parameter and buffer of ``net`` by name, tied ones under each of their names."""
+    yield from net.named_parameters(remove_duplicate=False)
+    yield from net.named_buffers(remove_duplicate=False)
+
+
+def release(net: nn.Module, keep: Collection[str]) -> None:
+    """Empty every parameter and buffer of ``net`` not named in ``keep`` (storage freed; the
+    ``Parameter`` objects stay, so an optimiser over the whole network never steps them)."""
+    for name, t in list(named_tensors(net)):
+        if name not in keep and t.numel():
+            t.data = torch.empty(0, dtype=t.dtype, device=t.device)

@@ -8,6 +8,7 @@ a header: the number of tensors of the tuple, then each tensor's rank, dtype and
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from enum import IntEnum
 
 import torch
@@ -17,6 +18,16 @@ _DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.in
            torch.uint8, torch.bool]  # fmt: skip
 _MAX_DIMS, _MAX_TENSORS = 8, 8
 HEADER_LEN = 1 + _MAX_TENSORS * (2 + _MAX_DIMS)
+
+
+def as_tuple(value: torch.Tensor | Sequence[torch.Tensor], stage: int) -> Tensors:
+    """What a stage returned, as the tuple of tensors that travels (a tensor: a 1-tuple)."""
+    if isinstance(value, torch.Tensor):
+        return (value,)
+    if isinstance(value, (tuple, list)) and all(isinstance(t, torch.Tensor) for t in value):
+        return tuple(value)
+    raise TypeError(f"stage {stage} returned {type(value).__name__}: a stage maps a tuple of "
+                    "tensors to a tensor or a tuple of tensors")  # fmt: skip
 
 
 class Kind(IntEnum):

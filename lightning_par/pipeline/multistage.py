@@ -1,8 +1,12 @@
-"""One device of a pipeline that may hold several stages and split backwards into B and W.
+"""The pipeline runtime: the stages one device holds, and the loop that runs its steps.
 
-:class:`DeviceStages` runs any step list of :mod:`.schedules_v` (and GPipe's and 1F1B's):
-interleaved 1F1B, where device ``d`` holds stages ``d, d+K, ...``, and zero bubble, whose
-backward is an input-gradient step B and a weight-gradient step W.
+:class:`DeviceStages` is the package's one stage runtime. It runs any step list of
+:mod:`.schedule` and :mod:`.schedules_v`: GPipe and 1F1B (one stage per device), interleaved
+1F1B (device ``d`` holds stages ``d, d+K, ...``) and zero bubble (the backward split into an
+input-gradient step B and a weight-gradient step W, :mod:`.weight_grads`). The strategies'
+networks (:mod:`.network`), the RNN wavefront (:mod:`lightning_par.modelparallel.wavefront`,
+time chunks in place of micro-batches), the benchmark and the course all run on it, as
+torch's pipelining runs every schedule on one ``PipelineStage``.
 
 **Stage interface.** A stage is a module mapping a tuple of tensors to a tuple of tensors
 (``stage(*inputs) -> tuple``; a single tensor is read as a 1-tuple both ways), so a cut
@@ -14,24 +18,13 @@ a tuple is one message; a header (count, dtypes, shapes) precedes the first mess
 each (batch shape, micro-batch, stage) and both ends cache it.
 
 **Messages.** Per (peer, kind) messages are matched in order (the transport tag is the
-kind, :class:`Kind`), which :func:`lightning_par.pipeline.validate.validate` checks the
-schedule respects; sends are asynchronous and complete at :meth:`DeviceStages.finish`.
+kind, :class:`~.messages.Kind`), which :func:`lightning_par.pipeline.validate.validate`
+checks the schedule respects; sends are asynchronous and complete at
+:meth:`DeviceStages.finish`. Receives are posted ahead of the compute that needs them
+(:mod:`.receives`), into buffers kept from step to step.
 
-**B/W split** (Qi et al., 2023, arXiv:2401.10241, section 2): B is
-``torch.autograd.grad(outputs, inputs=stage inputs + the outputs of each module that owns
-parameters, retain_graph=True)``: the stage input's gradient (sent at once) and, on the way,
-the gradient w.r.t. each parameter-owning module's output, kept for W. W is then, per such
-module, ``torch.autograd.backward(module output, its gradient, inputs=its own parameters)``,
-which runs only that module's weight-gradient kernels (e.g. ``dW = dY^T X`` of a Linear),
-not the input-gradient chain again. (Computing normalisation layers' weight gradients in B
-instead saves about 10 % of the split's CPU on the CIFAR CNN, but their saved tensors then
-stay until the step ends, doubling the peak activations: see benchmarks/pipeline.md.) Both
-halves need the forward's saved activations, so re-materialisation
-(``torch.utils.checkpoint``) would recompute the forward for B and again for W: the split
-refuses checkpointing, and a parameter tied between two modules of one stage (whose W would
-count the other module's path twice) is refused too.
-
-**Receives** are posted ahead of the compute that needs them (:mod:`.receives`).
+**Re-materialisation** (:mod:`.checkpoint`, torchgpipe's modes) keeps only a stage's input
+per micro-batch and runs its forward again in the backward; the B/W split refuses it.
 """
 
 from __future__ import annotations
@@ -45,22 +38,13 @@ from torch.utils.checkpoint import checkpoint
 
 from lightning_par.comm import Communicator, Event, Handle
 from lightning_par.pipeline.checkpoint import SavedActivations, check_mode, recomputes
-from lightning_par.pipeline.messages import HEADER_LEN, Kind, read_header, write_header
+from lightning_par.pipeline.messages import Kind, Tensors, as_tuple, write_header
 from lightning_par.pipeline.receives import ReceiveAhead
 from lightning_par.pipeline.schedule import Step
+from lightning_par.pipeline.weight_grads import WeightGrads
 
-Tensors = tuple[torch.Tensor, ...]
 #: last stage: the gradients of the loss w.r.t. micro-batch i's outputs
 OutputGrad = Callable[[int, Tensors], Sequence[torch.Tensor | None]]
-
-
-def as_tuple(value: torch.Tensor | Sequence[torch.Tensor], stage: int) -> Tensors:
-    if isinstance(value, torch.Tensor):
-        return (value,)
-    if isinstance(value, (tuple, list)) and all(isinstance(t, torch.Tensor) for t in value):
-        return tuple(value)
-    raise TypeError(f"stage {stage} returned {type(value).__name__}: a stage maps a tuple of "
-                    "tensors to a tensor or a tuple of tensors")  # fmt: skip
 
 
 class DeviceStages(ReceiveAhead):
@@ -90,16 +74,15 @@ class DeviceStages(ReceiveAhead):
                 f"checkpoint={checkpoint!r} with the B/W split (zero bubble): re-materialising "
                 "would recompute each forward for B and again for W; use checkpoint='never'"
             )
-        self.step_index = 0
+        self.weights = WeightGrads(self.stages) if split_backward else None
+        self.step_index, self.chunks = 0, 0
         self.saved: SavedActivations | None = None  # set by measure_memory()
+        #: Called just before the step's last parameter-gradient step (``bwd`` or
+        #: ``bwd_weight``), after which every gradient is complete (hybrid parallelism
+        #: starts its data-parallel buckets then).
+        self.before_last_backward: Callable[[], None] | None = None
         self._shapes: dict[tuple, list[tuple[torch.Size, torch.dtype]]] = {}
-        self._owners: dict[int, list[nn.Module]] = {}
-        if split_backward:
-            for s, module in self.stages.items():
-                self._owners[s] = _parameter_owners(module, s)
-                for owner in self._owners[s]:
-                    owner.register_forward_hook(self._capture)
-        self._capturing: list | None = None
+        self._output_shapes: dict[tuple, list[tuple[torch.Size, torch.dtype]]] = {}
         self._local: dict[tuple[Kind, int, int], Tensors] = {}
         self._buffers: dict[tuple, torch.Tensor] = {}
         self._reset()
@@ -107,20 +90,27 @@ class DeviceStages(ReceiveAhead):
     def _reset(self) -> None:
         self._inputs: dict[tuple[int, int], Tensors] = {}
         self._outputs: dict[tuple[int, int], Tensors] = {}
-        self._captured: dict[tuple[int, int], list] = {}
-        self._w_grads: dict[tuple[int, int], list] = {}
         self._sends: list[Handle] = []
         self._posted: dict[tuple[Kind, tuple[int, int]], list[Handle]] = {}
         self._queues: dict[Kind, list[tuple[int, int]]] = {}
+        self._gradient_steps = 0
         self.results: dict[int, Tensors] = {}  # last stage: detached outputs per micro-batch
+        if self.weights is not None:
+            self.weights.reset()
 
-    def _capture(self, module: nn.Module, args, output) -> None:
-        if self._capturing is not None:
-            for t in as_tuple(output, -1):
-                if t.requires_grad:
-                    self._capturing.append((module, t))
+    @property
+    def is_first(self) -> bool:
+        """Whether this device holds stage 0 (it feeds the micro-batches in)."""
+        return 0 in self.stages
 
-    def _device(self) -> torch.device:
+    @property
+    def is_last(self) -> bool:
+        """Whether this device holds the last stage (it computes the loss)."""
+        return self.num_stages - 1 in self.stages
+
+    @property
+    def device(self) -> torch.device:
+        """Where received tensors go: the device of the stages' parameters."""
         for module in self.stages.values():
             for p in module.parameters():
                 return p.device
@@ -132,10 +122,14 @@ class DeviceStages(ReceiveAhead):
         params = [p for m in self.stages.values() for p in m.parameters()]
         self.saved = SavedActivations(exclude=params)
 
-    def begin(self, batch_shape: Sequence[int], chunks: int) -> None:
+    def begin(self, batch_shape: Sequence, chunks: int) -> None:
+        """Start a step of ``chunks`` micro-batches; ``batch_shape`` (equal on every device:
+        the batch's shape, and whatever else fixes the messages' shapes) keys the cached
+        headers."""
         self._reset()
         if self.saved is not None:
             self.measure_memory()
+        self.chunks = chunks
         self._key = (tuple(batch_shape), chunks)
         self._start = self.comm.trace.now() if self.comm.trace is not None else 0.0
 
@@ -150,6 +144,10 @@ class DeviceStages(ReceiveAhead):
         self._reset()
         self.step_index += 1
 
+    def joined_output(self) -> torch.Tensor:
+        """Last stage: the first output tensor of every micro-batch, joined along dim 0."""
+        return torch.cat([self.results[i][0] for i in range(self.chunks)])
+
     def _span(self, name: str, i: int):
         trace = self.comm.trace
         return trace.span(name, micro_batch=i) if trace is not None else contextlib.nullcontext()
@@ -163,37 +161,53 @@ class DeviceStages(ReceiveAhead):
         self._post_ready(queues)
         for step in steps:
             key = (step.stage, step.micro_batch)
+            if step.op in ("bwd", "bwd_weight"):
+                self._gradient_step()
             if step.op == "fwd":
                 self._forward(key, inputs)
             elif step.op == "bwd_weight":
                 with self._span("bwd_weight", step.micro_batch):
-                    self._weight_grads(key)
+                    self._split().run(key)
             else:
                 self._backward(key, output_grad, split=step.op == "bwd_input")
             self._post_ready(queues)
 
+    def _gradient_step(self) -> None:
+        self._gradient_steps += 1
+        last = self._gradient_steps == self.chunks * len(self.stages)
+        if last and self.before_last_backward is not None:
+            self.before_last_backward()
+
+    def _split(self) -> WeightGrads:
+        if self.weights is None:
+            raise ValueError("a schedule with a split backward (bwd_input, bwd_weight) runs on "
+                             "DeviceStages(..., split_backward=True)")  # fmt: skip
+        return self.weights
+
     def _forward(self, key: tuple[int, int], inputs: Sequence[Tensors] | None) -> None:
         s, i = key
+        grad = torch.is_grad_enabled()
         if s == 0:
             if inputs is None:
                 raise ValueError("the device holding stage 0 needs the micro-batches as `inputs`")
             x = as_tuple(inputs[i], s)
         else:
             x = self._receive(Kind.ACT, s - 1, key)
-            if torch.is_grad_enabled():
+            if grad:
                 x = tuple(t.requires_grad_(True) if t.is_floating_point() else t for t in x)
-        self._capturing = [] if s in self._owners and torch.is_grad_enabled() else None
-        hooks = self.saved.hooks() if self.saved is not None else contextlib.nullcontext()
-        recompute = torch.is_grad_enabled() and recomputes(self.checkpoint, i, self._key[1])
-        with self._span("fwd", i), hooks:
+        recompute = grad and recomputes(self.checkpoint, i, self.chunks)
+        none = contextlib.nullcontext()
+        hooks = self.saved.hooks() if self.saved is not None else none
+        capture = self.weights.capture(key) if self.weights is not None else none
+        with self._span("fwd", i), hooks, capture:
             if recompute:  # keep only the inputs; the backward runs the forward again
                 out = as_tuple(checkpoint(self.stages[s], *x, use_reentrant=False), s)
             else:
                 out = as_tuple(self.stages[s](*x), s)
-        if self._capturing is not None:
-            self._captured[key] = self._capturing
-        self._capturing = None
-        if torch.is_grad_enabled():
+        if recompute and self.saved is not None:  # the inputs it keeps to recompute from
+            for t in x:
+                self.saved.hold(t, out[0])
+        if grad:
             self._inputs[key], self._outputs[key] = x, out
         if s == self.num_stages - 1:  # kept past the step: never a view of a kept buffer
             kept = {t.untyped_storage().data_ptr() for t in x} if s > 0 else set()
@@ -223,16 +237,12 @@ class DeviceStages(ReceiveAhead):
             if not pairs:
                 x_grads = [None] * len(wanted)
             elif split:
-                captured = self._captured.pop(key, [])
-                got = torch.autograd.grad([o for o, _ in pairs], wanted + [t for _, t in captured],
-                                          [g for _, g in pairs], retain_graph=True,
-                                          allow_unused=True)  # fmt: skip
-                x_grads = list(got[: len(wanted)])
-                self._w_grads[key] = [(m, t, g) for (m, t), g in zip(captured, got[len(wanted):])
-                                      if g is not None]  # fmt: skip
+                x_grads = self._split().input_grads(
+                    key, [o for o, _ in pairs], [g for _, g in pairs], wanted
+                )
             else:
                 torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
-                x_grads = [t.grad for t in wanted]
+                x_grads = [t.grad for t in wanted] if s > 0 else []  # (stage 0 sends nothing)
         if s > 0:
             it = iter(x_grads)
             back = []
@@ -240,13 +250,7 @@ class DeviceStages(ReceiveAhead):
                 if t.is_floating_point():  # unused inputs get a zero gradient
                     g = next(it) if t.requires_grad else None
                     back.append(torch.zeros_like(t) if g is None else g)
-            back = tuple(back)
-            self._send(Kind.GRAD, s - 1, key, back)
-
-    def _weight_grads(self, key: tuple[int, int]) -> None:
-        for module, out, grad in self._w_grads.pop(key, []):
-            params = [p for p in module.parameters(recurse=False) if p.requires_grad]
-            torch.autograd.backward(out, grad, inputs=params)
+            self._send(Kind.GRAD, s - 1, key, tuple(back))
 
     # ---- messages -------------------------------------------------------------------------
     def _send(self, kind: Kind, to_stage: int, key: tuple[int, int], tensors: Tensors) -> None:
@@ -257,52 +261,36 @@ class DeviceStages(ReceiveAhead):
             return
         hkey = self._key + (kind, to_stage, key[1], "sent")
         if kind == Kind.ACT and hkey not in self._shapes:
-            header = write_header(tensors).to(self._device())
+            header = write_header(tensors).to(self.device)
             self._sends.append(self.comm.isend(header, dst, tag=Kind.HEADER, **meta))
             self._shapes[hkey] = [(t.shape, t.dtype) for t in tensors]
         for t in tensors:
             self._sends.append(self.comm.isend(t, dst, tag=kind, **meta))
 
-    def _receive(self, kind: Kind, from_stage: int, key: tuple[int, int],
-                 like: Sequence[torch.Tensor] = ()) -> Tensors:  # fmt: skip
-        src = self.device_of(from_stage)
-        s, i = key
-        if src == self.comm.rank:
-            return self._local.pop((kind, s, i))
-        posted = self._posted.pop((kind, key), None)
-        if posted is not None:  # a new tensor on each kept buffer (see below)
-            return tuple(h.wait().detach() for h in posted)
-        queue = self._queues.get(kind, [])
-        if queue and queue[0] == key:  # not posted ahead (shape unknown yet): posted now
-            queue.pop(0)
-        meta = {"step": self.step_index, "chunk": i}
-        dev = self._device()
-        if kind == Kind.ACT:
-            hkey = self._key + (kind, s, i)
-            if hkey not in self._shapes:
-                header = torch.empty(HEADER_LEN, dtype=torch.int64, device=dev)
-                header = self.comm.recv(header, src, tag=Kind.HEADER, **meta)
-                self._shapes[hkey] = read_header(header.cpu())
-            specs = self._shapes[hkey]
-        else:  # gradients of this stage's floating outputs, shaped like them
-            specs = [(t.shape, t.dtype) for t in like]
-        handles = self._post(kind, key, src, specs)
-        # a new tensor on each kept buffer: its own requires_grad and .grad every step
-        return tuple(h.wait().detach() for h in handles)
-
-
-def _parameter_owners(module: nn.Module, stage: int) -> list[nn.Module]:
-    owners, seen = [], {}
-    for name, sub in module.named_modules():
-        params = list(sub.parameters(recurse=False))
-        for p in params:
-            if id(p) in seen:
-                raise ValueError(
-                    f"schedule='zero_bubble' refuses stage {stage}: parameter {name} is shared "
-                    f"with {seen[id(p)]} (tied weights), whose weight-gradient step W would count "
-                    "one module's path twice; use schedule='1f1b', or put the tied layers apart"
-                )
-            seen[id(p)] = name or "the stage"
-        if params:
-            owners.append(sub)
-    return owners
+    def share_output(self, outputs: Sequence[torch.Tensor] | None) -> list[torch.Tensor]:
+        """The device holding the last stage sends ``outputs`` (this step's joined output
+        tensors; ``None`` elsewhere) to every other device, as traced messages of kind
+        ``OUTPUT`` after a header the first time this step's shapes are seen (both ends cache
+        it); returns them on every device, so each runs the user's loss on real values."""
+        k, last = self.comm.world_size, self.device_of(self.num_stages - 1)
+        meta = {"step": self.step_index, "chunk": -1}
+        if self.comm.rank == last:
+            assert outputs is not None
+            outs = [t.detach().contiguous() for t in outputs]
+            others, handles = [d for d in range(k) if d != last], []
+            if others and self._key not in self._output_shapes:
+                header = write_header(tuple(outs)).to(self.device)
+                handles += [self.comm.isend(header, d, tag=Kind.HEADER, **meta) for d in others]
+                self._output_shapes[self._key] = [(t.shape, t.dtype) for t in outs]
+            handles += [self.comm.isend(t, d, tag=Kind.OUTPUT, **meta)
+                        for d in others for t in outs]  # fmt: skip
+            for handle in handles:
+                handle.wait()
+            return outs
+        if self._key not in self._output_shapes:
+            self._output_shapes[self._key] = self._receive_header(last, -1)
+        return [
+            self.comm.recv(torch.empty(shape, dtype=dtype, device=self.device), last,
+                           tag=Kind.OUTPUT, **meta)
+            for shape, dtype in self._output_shapes[self._key]
+        ]  # fmt: skip

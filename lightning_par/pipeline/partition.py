@@ -18,7 +18,7 @@ from torch import nn
 
 from lightning_par.pipeline.schedule import Step
 from lightning_par.pipeline.validate import simulate
-from lightning_par.split import bounds
+from lightning_par.split import balance_by_cost, bounds
 
 
 def check_balance(num_layers: int, balance: Sequence[int], world_size: int | None = None) -> None:
@@ -67,38 +67,6 @@ def split_sequential(net: nn.Sequential, balance: Sequence[int]) -> list[nn.Sequ
 def stage_bounds(balance: Sequence[int]) -> list[tuple[int, int]]:
     """``[(first, stop), ...]`` layer index ranges of each stage."""
     return bounds(balance)
-
-
-def balance_by_cost(costs: Sequence[float], num_stages: int) -> list[int]:
-    """Cut ``costs`` (one per layer) into ``num_stages`` consecutive non-empty parts so that the
-    most expensive part is as cheap as possible (the classic linear-partition dynamic
-    programme; exact, O(K·n²) for n layers)."""
-    n = len(costs)
-    if not 1 <= num_stages <= n:
-        raise ValueError(
-            f"cannot split {n} layers into {num_stages} stages: need 1 <= stages <= layers"
-        )
-    prefix = [0.0]
-    for c in costs:
-        prefix.append(prefix[-1] + float(c))
-    inf = float("inf")
-    # best[k][i]: lowest max-stage cost for the first i layers in k stages; cut[k][i]: last cut.
-    best = [[inf] * (n + 1) for _ in range(num_stages + 1)]
-    cut = [[0] * (n + 1) for _ in range(num_stages + 1)]
-    best[0][0] = 0.0
-    for k in range(1, num_stages + 1):
-        for i in range(k, n + 1):
-            for j in range(k - 1, i):
-                # ties go to the later cut, which keeps earlier stages light
-                cost = max(best[k - 1][j], prefix[i] - prefix[j])
-                if cost <= best[k][i]:
-                    best[k][i], cut[k][i] = cost, j
-    balance, i = [], n
-    for k in range(num_stages, 0, -1):
-        j = cut[k][i]
-        balance.append(i - j)
-        i = j
-    return balance[::-1]
 
 
 def balance_for_devices(

@@ -1,6 +1,6 @@
-"""Receives posted ahead of the compute that needs them, for ``DeviceStages``.
-
-(:class:`~lightning_par.pipeline.multistage.DeviceStages`.)
+"""The receive side of the pipeline runtime
+(:class:`~lightning_par.pipeline.multistage.DeviceStages`): receives posted ahead of the
+compute that needs them, into buffers kept from step to step.
 
 At the start of a step list the device knows every message it will receive from another
 device, in the order its steps consume them (:meth:`ReceiveAhead._receive_queues`). It posts
@@ -20,7 +20,7 @@ from collections.abc import Callable, Sequence
 import torch
 
 from lightning_par.comm import Communicator, Handle
-from lightning_par.pipeline.messages import Kind
+from lightning_par.pipeline.messages import HEADER_LEN, Kind, Tensors, read_header
 from lightning_par.pipeline.schedule import Step
 
 Key = tuple[int, int]  # (stage, micro-batch)
@@ -39,8 +39,10 @@ class ReceiveAhead:
     _buffers: dict[tuple, torch.Tensor]
     _posted: dict[tuple[Kind, Key], list[Handle]]
     _queues: dict[Kind, list[Key]]
+    _local: dict[tuple[Kind, int, int], Tensors]
 
-    def _device(self) -> torch.device:
+    @property
+    def device(self) -> torch.device:
         raise NotImplementedError
 
     def _receive_queues(self, steps: Sequence[Step]) -> dict[Kind, list[Key]]:
@@ -76,16 +78,49 @@ class ReceiveAhead:
     def _post(self, kind: Kind, key: Key, src: int,
               specs: Sequence[tuple[torch.Size, torch.dtype]]) -> list[Handle]:  # fmt: skip
         meta = {"step": self.step_index, "chunk": key[1]}
-        dev = self._device()
+        dev = self.device
         return [self.comm.irecv(self._buffer(kind, key, n, sh, dt, dev), src, tag=kind, **meta)
                 for n, (sh, dt) in enumerate(specs)]  # fmt: skip
 
     def _buffer(self, kind: Kind, key: Key, n: int, shape: torch.Size,
                 dtype: torch.dtype, dev: torch.device) -> torch.Tensor:  # fmt: skip
-        # One receive buffer per (kind, stage, micro-batch, tensor), kept from step to step
-        # (a fresh one per message costs page faults every step: see runtime.PipelineStage).
-        # The next step's receive rewrites it only after this step's backward used it.
+        # One receive buffer per (kind, stage, micro-batch, tensor), kept from step to step: a
+        # fresh allocation per message made the C library hand the pages back to the OS and
+        # fault them in again every step (up to 1700 page faults per step on the CNN's second
+        # stage at M = 8; see benchmarks/pipeline.md). The next step's receive rewrites it only
+        # after this step's backward used it (on CUDA, NCCL's stream and the staging copy wait
+        # for the compute stream's earlier kernels).
         buf = self._buffers.get((kind, key, n))
         if buf is None or buf.shape != shape or buf.dtype != dtype or buf.device != dev:
             buf = self._buffers[(kind, key, n)] = torch.empty(shape, dtype=dtype, device=dev)
         return buf
+
+    def _receive(self, kind: Kind, from_stage: int, key: Key,
+                 like: Sequence[torch.Tensor] = ()) -> Tensors:  # fmt: skip
+        """The tensors of ``key``'s message of ``kind`` from ``from_stage``: posted ahead, or
+        posted now (after reading the shape header of a first activation)."""
+        src = self.device_of(from_stage)
+        s, i = key
+        if src == self.comm.rank:
+            return self._local.pop((kind, s, i))
+        posted = self._posted.pop((kind, key), None)
+        if posted is not None:  # a new tensor on each kept buffer (see below)
+            return tuple(h.wait().detach() for h in posted)
+        queue = self._queues.get(kind, [])
+        if queue and queue[0] == key:  # not posted ahead (shape unknown yet): posted now
+            queue.pop(0)
+        if kind == Kind.ACT:
+            hkey = self._key + (kind, s, i)
+            if hkey not in self._shapes:
+                self._shapes[hkey] = self._receive_header(src, i)
+            specs = self._shapes[hkey]
+        else:  # gradients of this stage's floating outputs, shaped like them
+            specs = [(t.shape, t.dtype) for t in like]
+        handles = self._post(kind, key, src, specs)
+        # a new tensor on each kept buffer: its own requires_grad and .grad every step
+        return tuple(h.wait().detach() for h in handles)
+
+    def _receive_header(self, src: int, chunk: int) -> list[tuple[torch.Size, torch.dtype]]:
+        header = torch.empty(HEADER_LEN, dtype=torch.int64, device=self.device)
+        meta = {"step": self.step_index, "chunk": chunk}
+        return read_header(self.comm.recv(header, src, tag=Kind.HEADER, **meta).cpu())

@@ -73,7 +73,7 @@ def gather_full_state_dict(
     comm: Communicator | None, local: dict[str, Any], prefix: str, device: torch.device
 ) -> dict[str, Any]:
     """The full model's state dict on rank 0 (every stage's layers under their original
-    names, which ``PipelinedSequential`` keeps), ``local`` elsewhere or without a ``comm``
+    names, which every stage keeps), ``local`` elsewhere or without a ``comm``
     (network not split). Entries starting with ``prefix`` (the network's attribute) are per
     stage; the others are equal on all ranks."""
     if comm is None:

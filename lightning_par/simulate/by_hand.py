@@ -9,7 +9,7 @@ optimal all-reduce algorithms for clusters of workstations", JPDC 69(2), 2009; H
     step = compute_s + 2 (p - 1) * (alpha + beta * grad_bytes / p)
 
 (``grad_bytes / p`` rounded up to whole float32 elements). :func:`predict_step` builds the
-same step as the scale-out does (:func:`.scale.data_parallel_graph`) and replays it in the
+same step as the scale-out does (:func:`.builders.data_parallel_graph`) and replays it in the
 engine; :func:`step_parts` gives the terms, so a wrong guess shows which term was wrong.
 With ``backward_s`` and ``buckets`` the allreduce overlaps backward, as in
 :mod:`lightning_par.comm.buckets`; the formula above is then only an upper bound.

@@ -1,12 +1,12 @@
 """The discrete-event engine: replay lanes of operations over a link model.
 
-A :class:`Graph` is, per *lane* (``(rank, "main")`` and, where a rank communicates on a
-background thread, ``(rank, "bg")``), an ordered list of operations:
+A :class:`~.ops.Graph` is, per *lane* (``(rank, "main")`` and, where a rank communicates on
+a background thread, ``(rank, "bg")``), an ordered list of operations (:mod:`.ops`):
 
 * :class:`Compute` ``seconds`` of local work (divided by the rank's speed factor);
 * :class:`Post` of one end of a :class:`Msg` (``isend``/``irecv``: returns at once);
 * :class:`Wait` for a message: it completes ``alpha + beta * nbytes`` after *both* ends were
-  posted (a rendezvous, as :mod:`lightning_par.compare.breakdown` reads the traces); a
+  posted (a rendezvous, as :mod:`lightning_par.measure.breakdown` reads the traces); a
   one-sided message (the peer has no trace, e.g. a parameter server) completes ``extra_s +
   alpha + beta * nbytes`` after its own post, ``extra_s`` (the peer's work: the server's
   update) scaled like the traced rank's compute;
@@ -35,85 +35,7 @@ from dataclasses import dataclass, field
 
 from lightning_par.simulate.cores import stretches
 from lightning_par.simulate.links import Topology
-
-Lane = tuple[int, str]
-
-
-@dataclass(frozen=True)
-class Msg:
-    src: int
-    dst: int
-    nbytes: int
-    one_sided: bool = False
-    extra_s: float = 0.0
-
-
-@dataclass(frozen=True)
-class Compute:
-    seconds: float
-    name: str = "compute"
-
-
-@dataclass(frozen=True)
-class Comm:
-    """``seconds`` of communication priced by a cost model (a whole collective), not scaled
-    by the compute speed: what the scale-out graphs use where one rank stands for all."""
-
-    seconds: float
-    name: str = "collective"
-
-
-@dataclass(frozen=True)
-class Post:
-    msg: int
-
-
-@dataclass(frozen=True)
-class Wait:
-    msg: int
-
-
-@dataclass(frozen=True)
-class Join:
-    lane: Lane
-    upto: int
-
-
-@dataclass(frozen=True)
-class After:
-    lane: Lane
-    op: int
-    frac: float = 0.0
-    #: and ``delay_s`` more (waiting: the slowest of the ranks a lane stands for is late)
-    delay_s: float = 0.0
-
-
-Op = Compute | Comm | Post | Wait | Join | After
-
-
-@dataclass
-class Graph:
-    """Lanes of operations, the messages they name and each lane's start time (s)."""
-
-    lanes: dict[Lane, list[Op]] = field(default_factory=dict)
-    messages: list[Msg] = field(default_factory=list)
-    start: dict[Lane, float] = field(default_factory=dict)
-    steps: int = 1
-    #: Where each op ran in the measured run (graphs built from traces), for charts.
-    measured: dict[Lane, list[tuple[float, float]]] = field(default_factory=dict)
-    #: How many identical ranks a rank's lanes stand for (default 1), for core sharing.
-    weight: dict[int, int] = field(default_factory=dict)
-
-    def message(self, msg: Msg) -> int:
-        self.messages.append(msg)
-        return len(self.messages) - 1
-
-    def lane(self, rank: int, name: str = "main") -> list[Op]:
-        return self.lanes.setdefault((rank, name), [])
-
-    @property
-    def ranks(self) -> list[int]:
-        return sorted({rank for rank, _ in self.lanes})
+from lightning_par.simulate.ops import Comm, Compute, Graph, Join, Lane, Op, Post, Wait
 
 
 @dataclass
@@ -160,106 +82,124 @@ def _speed(speed: float | dict[int, float], rank: int) -> float:
     return value
 
 
-def _run(graph: Graph, topo: Topology, speed, share: dict[int, float],
-         stretch: dict | None = None) -> Result:  # fmt: skip
-    lanes = graph.lanes
-    pc = {lane: 0 for lane in lanes}
-    # a lane's start (the ranks' skew at the replayed window) is scaled like its compute
-    clock = {lane: graph.start.get(lane, 0.0) / _speed(speed, lane[0]) for lane in lanes}
-    starts: dict[Lane, list[float]] = {lane: [] for lane in lanes}
-    ends: dict[Lane, list[float]] = {lane: [] for lane in lanes}
-    posted: dict[int, dict[int, float]] = defaultdict(dict)
-    done: dict[int, float] = {}
-    transfers: dict[int, tuple[float, float]] = {}
-    spans: list[Span] = []
-    computes: dict[tuple[Lane, int], tuple[float, float, float]] = {}
-    stretch = stretch or {}
-    split = {r: {"compute": 0.0, "communication": 0.0, "waiting": 0.0} for r in graph.ranks}
+class _Replay:
+    """One replay of ``graph``: each lane's program counter and clock, the messages posted
+    and done, and the spans and split the :class:`Result` reports."""
 
-    def complete(i: int) -> float | None:
-        if i in done:
-            return done[i]
-        m, ends_ = graph.messages[i], posted.get(i, {})
+    def __init__(self, graph: Graph, topo: Topology, speed, share: dict[int, float],
+                 stretch: dict | None = None) -> None:  # fmt: skip
+        self.graph, self.topo, self.speed, self.share = graph, topo, speed, share
+        self.stretch = stretch or {}
+        lanes = graph.lanes
+        self.pc = {lane: 0 for lane in lanes}
+        # a lane's start (the ranks' skew at the replayed window) is scaled like its compute
+        self.clock = {lane: graph.start.get(lane, 0.0) / _speed(speed, lane[0]) for lane in lanes}
+        self.starts: dict[Lane, list[float]] = {lane: [] for lane in lanes}
+        self.ends: dict[Lane, list[float]] = {lane: [] for lane in lanes}
+        self.posted: dict[int, dict[int, float]] = defaultdict(dict)
+        self.done: dict[int, float] = {}
+        self.transfers: dict[int, tuple[float, float]] = {}
+        self.spans: list[Span] = []
+        self.computes: dict[tuple[Lane, int], tuple[float, float, float]] = {}
+        self.split = {r: {"compute": 0.0, "communication": 0.0, "waiting": 0.0}
+                      for r in graph.ranks}  # fmt: skip
+
+    def complete(self, i: int) -> float | None:
+        """When message ``i`` has arrived, or None while an end it needs is not posted."""
+        if i in self.done:
+            return self.done[i]
+        m, ends = self.graph.messages[i], self.posted.get(i, {})
         if m.one_sided:
-            if not ends_:
+            if not ends:
                 return None
-            begin = min(ends_.values())
-        elif m.src in ends_ and m.dst in ends_:
-            begin = max(ends_.values())
+            begin = min(ends.values())
+        elif m.src in ends and m.dst in ends:
+            begin = max(ends.values())
         else:
             return None
-        link = topo.link(m.src, m.dst)
-        extra = m.extra_s / _speed(speed, m.src if (m.src, "main") in lanes else m.dst)
-        took = max(0.0, link.alpha + link.beta * m.nbytes * share.get(i, 1.0) + extra)
-        done[i], transfers[i] = begin + took, (begin, begin + took)
-        return done[i]
+        link = self.topo.link(m.src, m.dst)
+        computing = m.src if (m.src, "main") in self.graph.lanes else m.dst
+        extra = m.extra_s / _speed(self.speed, computing)
+        took = max(0.0, link.alpha + link.beta * m.nbytes * self.share.get(i, 1.0) + extra)
+        self.done[i], self.transfers[i] = begin + took, (begin, begin + took)
+        return self.done[i]
 
-    def record(lane: Lane, a: float, b: float, kind: str, label: str = "") -> None:
+    def record(self, lane: Lane, a: float, b: float, kind: str, label: str = "") -> None:
         if b > a:
-            spans.append(Span(lane, a, b, kind, label))
+            self.spans.append(Span(lane, a, b, kind, label))
             if lane[1] == "main":
-                split[lane[0]][kind] += b - a
+                self.split[lane[0]][kind] += b - a
 
-    progress = True
-    while progress:
-        progress = False
-        for lane, ops in lanes.items():
-            rank = lane[0]
-            while pc[lane] < len(ops):
-                op, t = ops[pc[lane]], clock[lane]
-                if isinstance(op, Compute):
-                    own = op.seconds / _speed(speed, rank)
-                    new = t + own * stretch.get((lane, pc[lane]), 1.0)
-                    computes[(lane, pc[lane])] = (t, new, own)
-                    record(lane, t, new, "compute", op.name)
-                elif isinstance(op, Comm):
-                    new = t + op.seconds
-                    record(lane, t, new, "communication", op.name)
-                elif isinstance(op, Post):
-                    posted[op.msg][rank] = t
-                    new = t
-                elif isinstance(op, Wait):
-                    finish = complete(op.msg)
-                    if finish is None:
+    def advance(self, lane: Lane, op: Op, t: float) -> float | None:
+        """Run ``op``, the next operation of ``lane``, from ``t``: when it ends, or None
+        while it is blocked."""
+        rank = lane[0]
+        if isinstance(op, Compute):
+            own = op.seconds / _speed(self.speed, rank)
+            new = t + own * self.stretch.get((lane, self.pc[lane]), 1.0)
+            self.computes[(lane, self.pc[lane])] = (t, new, own)
+            self.record(lane, t, new, "compute", op.name)
+        elif isinstance(op, Comm):
+            new = t + op.seconds
+            self.record(lane, t, new, "communication", op.name)
+        elif isinstance(op, Post):
+            self.posted[op.msg][rank] = t
+            new = t
+        elif isinstance(op, Wait):
+            finish = self.complete(op.msg)
+            if finish is None:
+                return None
+            new = max(t, finish)
+            other = [v for k, v in self.posted[op.msg].items() if k != rank]
+            ready = min(max(other, default=t), new)
+            self.record(lane, t, ready, "waiting", f"msg {op.msg}")
+            self.record(lane, max(t, ready), new, "communication", f"msg {op.msg}")
+        elif isinstance(op, Join):
+            if self.pc[op.lane] < op.upto:
+                return None
+            new = max(t, max(self.ends[op.lane][: op.upto], default=t))
+            self.record(lane, t, new, "communication", "join")
+        else:  # After
+            if len(self.starts[op.lane]) <= op.op:
+                return None
+            a, b = self.starts[op.lane][op.op], self.ends[op.lane][op.op]
+            ready = a + op.frac * (b - a)
+            new = max(t, ready + op.delay_s)
+            self.record(lane, max(t, ready), new, "waiting", "slowest rank")
+        return new
+
+    def run(self) -> Result:
+        lanes, pc = self.graph.lanes, self.pc
+        progress = True
+        while progress:
+            progress = False
+            for lane, ops in lanes.items():
+                while pc[lane] < len(ops):
+                    t = self.clock[lane]
+                    new = self.advance(lane, ops[pc[lane]], t)
+                    if new is None:
                         break
-                    new = max(t, finish)
-                    other = [v for k, v in posted[op.msg].items() if k != rank]
-                    ready = min(max(other, default=t), new)
-                    record(lane, t, ready, "waiting", f"msg {op.msg}")
-                    record(lane, max(t, ready), new, "communication", f"msg {op.msg}")
-                elif isinstance(op, Join):
-                    if pc[op.lane] < op.upto:
-                        break
-                    finish = max(ends[op.lane][: op.upto], default=t)
-                    new = max(t, finish)
-                    record(lane, t, new, "communication", "join")
-                else:  # After
-                    if len(starts[op.lane]) <= op.op:
-                        break
-                    a, b = starts[op.lane][op.op], ends[op.lane][op.op]
-                    ready = a + op.frac * (b - a)
-                    new = max(t, ready + op.delay_s)
-                    record(lane, max(t, ready), new, "waiting", "slowest rank")
-                starts[lane].append(t)
-                ends[lane].append(new)
-                clock[lane] = new
-                pc[lane] += 1
-                progress = True
-    stuck = {lane: ops[pc[lane]] for lane, ops in lanes.items() if pc[lane] < len(ops)}
-    if stuck:
-        first = list(stuck.items())[:4]
-        raise RuntimeError(f"the graph deadlocks: lanes blocked at {first} (a receive without "
-                           "its send, or a join on a lane that waits for this one)")  # fmt: skip
-    main = [lane for lane in lanes if lane[1] == "main"]
-    return Result(
-        start={r: graph.start.get((r, n), 0.0) / _speed(speed, r) for r, n in main},
-        end={r: clock[(r, n)] for r, n in main},
-        split={r: split[r] for r, _ in main},
-        spans=spans,
-        transfers=transfers,
-        steps=graph.steps,
-        computes=computes,
-    )
+                    self.starts[lane].append(t)
+                    self.ends[lane].append(new)
+                    self.clock[lane] = new
+                    pc[lane] += 1
+                    progress = True
+        stuck = {lane: ops[pc[lane]] for lane, ops in lanes.items() if pc[lane] < len(ops)}
+        if stuck:
+            first = list(stuck.items())[:4]
+            raise RuntimeError(f"the graph deadlocks: lanes blocked at {first} (a receive "
+                               "without its send, or a join on a lane that waits for this "
+                               "one)")  # fmt: skip
+        main = [lane for lane in lanes if lane[1] == "main"]
+        return Result(
+            start={r: self.graph.start.get((r, n), 0.0) / _speed(self.speed, r) for r, n in main},
+            end={r: self.clock[(r, n)] for r, n in main},
+            split={r: self.split[r] for r, _ in main},
+            spans=self.spans,
+            transfers=self.transfers,
+            steps=self.graph.steps,
+            computes=self.computes,
+        )
 
 
 def _shares(graph: Graph, topo: Topology, transfers: dict[int, tuple[float, float]]):
@@ -298,7 +238,7 @@ def simulate(
     cores, each rank computing on ``threads`` threads (:mod:`.cores`); ``None``: every rank has
     its own processor. See the module docstring for the rules."""
 
-    result = _run(graph, topo, speed, {})
+    result = _Replay(graph, topo, speed, {}).run()
     if not contention and cores is None:
         return result
     share: dict[int, float] = {}
@@ -310,5 +250,5 @@ def simulate(
         if new == share and moved < 1e-6:
             break
         share, stretch = new, more
-        result = _run(graph, topo, speed, share, stretch)
+        result = _Replay(graph, topo, speed, share, stretch).run()
     return result

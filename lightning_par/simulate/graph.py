@@ -1,24 +1,24 @@
-"""From per-rank traces to the step's dependency graph (:class:`~.engine.Graph`).
+"""From per-rank traces to the step's dependency graph (:class:`~.ops.Graph`).
 
 A rank's trace (:class:`~lightning_par.comm.trace.CommTrace`) holds its messages (post time,
 ``wait()`` time, return time, peer, bytes) and spans of its own work. The graph keeps what the
 rank did and where it blocked, and forgets how long each block took:
 
-* **main lane**: the time between blocks is :class:`~.engine.Compute`; each message the rank
-  blocked on outside its compute spans becomes a :class:`~.engine.Post` at its post time and a
-  :class:`~.engine.Wait` where it called ``wait()``; a ``wait for ...`` span (the plugins'
-  ``wait for buckets`` / ``wait for pushes``) becomes a :class:`~.engine.Join` on the
+* **main lane**: the time between blocks is :class:`~.ops.Compute`; each message the rank
+  blocked on outside its compute spans becomes a :class:`~.ops.Post` at its post time and a
+  :class:`~.ops.Wait` where it called ``wait()``; a ``wait for ...`` span (the plugins'
+  ``wait for buckets`` / ``wait for pushes``) becomes a :class:`~.ops.Join` on the
   background lane, plus the span's own overhead after the last background message ended.
 * **background lane**: messages the rank blocked on inside a ``bucket N``, compute or
   ``wait for`` span ran on the communication thread (a parameter server's pull is posted
   there but waited for by the next forward: its post is on this lane, its wait on the
   main lane). Gaps inside a
   bucket are its own work (the reduction); a gap outside one waited for backward to fill
-  the next bucket, and becomes an :class:`~.engine.After` at the same point of the main
+  the next bucket, and becomes an :class:`~.ops.After` at the same point of the main
   lane's compute.
 
 Sends and receives match as gloo and NCCL match them: the k-th send ``src -> dst`` with the
-k-th receive at ``dst`` from ``src`` (as in :mod:`lightning_par.compare.breakdown`). A message
+k-th receive at ``dst`` from ``src`` (as in :mod:`lightning_par.measure.breakdown`). A message
 whose other end is not traced (a parameter server) or falls outside the replayed interval is
 *one-sided*: it keeps its measured time beyond what the fitted link explains.
 """
@@ -30,9 +30,9 @@ from collections import defaultdict
 from collections.abc import Sequence
 
 from lightning_par.comm.trace import CommTrace, Message
-from lightning_par.compare.breakdown import COMPUTE_EVENTS
-from lightning_par.simulate.engine import After, Compute, Graph, Join, Msg, Post, Wait
+from lightning_par.measure.breakdown import COMPUTE_EVENTS
 from lightning_par.simulate.links import Link
+from lightning_par.simulate.ops import After, Compute, Graph, Join, Msg, Post, Wait
 
 Interval = tuple[float, float]
 

@@ -2,7 +2,7 @@
 
 :func:`profile` reads one run (:class:`~.replay.Run`, a strategy at ``p`` ranks) and keeps
 only what does not depend on ``p`` or on the network: the compute of a step (the main lane's
-:class:`~.engine.Compute` in the replayed graph, mean over ranks), its backward and buckets
+:class:`~.ops.Compute` in the replayed graph, mean over ranks), its backward and buckets
 (data parallel), the pipeline's forward and backward per micro-batch summed over stages, the
 bytes of each collective or message, and the model's limits (a pipeline cannot have more
 stages than the network has layers; tensor parallelism cannot split a layer narrower than
@@ -14,8 +14,8 @@ from __future__ import annotations
 import statistics
 from dataclasses import dataclass, field
 
-from lightning_par.compare.run import make_model
-from lightning_par.simulate.engine import Compute, Graph
+from lightning_par.measure.run import make_model
+from lightning_par.simulate.ops import Compute, Graph
 from lightning_par.simulate.replay import Run
 from lightning_par.strategies.registry import spec
 

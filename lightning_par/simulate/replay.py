@@ -14,10 +14,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from lightning_par.comm.trace import CommTrace, load_traces
-from lightning_par.compare.analyse import load_probes, step_windows
-from lightning_par.simulate.engine import Graph, Result, simulate
+from lightning_par.measure.probe import load_probes, step_windows
+from lightning_par.simulate.engine import Result, simulate
 from lightning_par.simulate.graph import build_graph, transfer_samples
 from lightning_par.simulate.links import Link, Topology, fit_link
+from lightning_par.simulate.ops import Graph
 
 
 @dataclass

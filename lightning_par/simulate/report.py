@@ -9,7 +9,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from lightning_par.simulate.engine import Graph, Join, Result, Span, Wait
+from lightning_par.simulate.engine import Result, Span
+from lightning_par.simulate.ops import Graph, Join, Wait
 
 KIND_COLOURS = {"compute": "tab:blue", "communication": "tab:green", "waiting": "tab:red",
                 "blocked": "tab:olive"}  # fmt: skip

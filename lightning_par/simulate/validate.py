@@ -1,7 +1,7 @@
 """How well the simulator predicts this machine: replay and 2 -> 3, 4 scale-out rows.
 
 :func:`measure` trains each strategy at 2, 3 and 4 workers through the compare's own runner
-(:func:`lightning_par.compare.run.run_all`: one ``Trainer.fit`` per row, probes and traces
+(:func:`lightning_par.measure.run.run_all`: one ``Trainer.fit`` per row, probes and traces
 kept), interleaved over ``rounds`` (every strategy and size once per round, so load that comes
 and goes on a shared machine hits all alike) and keeps each (strategy, size)'s fastest round.
 
@@ -34,8 +34,8 @@ import json
 import os
 from pathlib import Path
 
-from lightning_par.compare.analyse import analyse
-from lightning_par.compare.run import run_all
+from lightning_par.measure.analyse import analyse
+from lightning_par.measure.run import run_all
 from lightning_par.simulate.cores import lightning_threads
 from lightning_par.simulate.graph import transfer_samples
 from lightning_par.simulate.links import Link, Topology, fit_link

@@ -19,7 +19,9 @@ process) → ranks start → ``setup_environment`` (process group) → ``setup``
 :meth:`configure_sync` and the optimisers → the loop → ``teardown`` (trace written).
 The pieces live in components: :mod:`~lightning_par.components.process_group`,
 :mod:`~lightning_par.components.strategy_options` and the model splitter
-(:mod:`~lightning_par.components.splitter`; the default one holds the whole model).
+(:mod:`~lightning_par.components.splitter`; the default one holds the whole model), which
+the four ``*_step`` hooks, ``backward``, the optimiser step and the checkpoint hooks below
+hand the model to.
 """
 
 from __future__ import annotations
@@ -52,7 +54,6 @@ from lightning_par.components.strategy_options import (
 from lightning_par.launch import default_timeout, liveness
 from lightning_par.launch.policy import LaunchPlan
 from lightning_par.launch.rendezvous import StoreAddress
-from lightning_par.pipeline.materialize import has_meta, materialize
 from lightning_par.strategies._carry_back import dump_rank_checkpoint, with_training_state
 from lightning_par.strategies._launchers import log_startup, make_launcher
 
@@ -206,7 +207,7 @@ class ParStrategy(DDPStrategy):
         fitting = trainer.state.fn == TrainerFn.FITTING
         if not self.shards_data:  # read before the loop sets its data loaders up
             _compat.set_use_distributed_sampler(trainer, False)
-        self._materialize_whole()  # before any conversion, as one process would build it
+        self.splitter.materialize_whole(self.lightning_module)  # as one process builds it
         layer_sync = _compat.layer_sync(self)
         if fitting and layer_sync:
             self.model = layer_sync.apply(self.model)
@@ -225,17 +226,6 @@ class ParStrategy(DDPStrategy):
         self.splitter.after_setup(trainer)
         if self.trace is not None:
             self.trace.clear()  # keep only what training, testing, ... send
-
-    def _materialize_whole(self) -> None:
-        """A model built on the meta device gets storage here, in the dtype it was built in
-        and before precision or SyncBatchNorm conversion (a pipeline's splitter gives it
-        stage by stage instead): each network by its own names, as the pipelines do, so the
-        values are one process's ``materialize(network)``."""
-        module = self.lightning_module
-        if module is not None and not self.splitter.materializes_meta and has_meta(module):
-            for child in module.children():
-                materialize(child)
-            materialize(module)
 
     def prepare_model(self, trainer: pl.Trainer) -> None:
         """Change the model before it moves to its device (default: the splitter cuts it)."""
@@ -261,18 +251,7 @@ class ParStrategy(DDPStrategy):
                 raise
             raise better from err
 
-    # ---- the model split over ranks (the splitter) ----------------------------------------------
-    @property
-    @override
-    def distributed_sampler_kwargs(self) -> dict[str, Any]:
-        """Lightning's convention for which samples this rank reads: the data-parallel size
-        and rank. A model split over the ranks (pipeline, tensor parallel) is one replica
-        whose every rank reads the whole batch, as Lightning's ``ModelParallelStrategy``
-        reports; a loader sharded by these kwargs then reads what one process would."""
-        if self.shards_data:
-            return super().distributed_sampler_kwargs
-        return {"num_replicas": 1, "rank": 0}
-
+    # ---- the model split over ranks: each hook hands its piece to the splitter ---------------
     @property
     def split_comm(self) -> Communicator | None:
         """The ranks one model is split over (every rank; hybrid: one row of its grid)."""
@@ -283,55 +262,50 @@ class ParStrategy(DDPStrategy):
         """How many pieces one model is cut into (every process; hybrid: its ``mp``)."""
         return self.num_processes * self.num_nodes
 
-    def _split_step(self, hook: str, *args: Any, **kwargs: Any) -> Any:
-        with self.splitter.running():
-            return getattr(super(), hook)(*args, **kwargs)
+    @property
+    @override
+    def distributed_sampler_kwargs(self) -> dict[str, Any]:
+        # a model split over the ranks is one replica whose every rank reads the whole batch
+        # (as Lightning's ModelParallelStrategy says): a sharded loader reads one process's
+        if self.shards_data:
+            return super().distributed_sampler_kwargs
+        return {"num_replicas": 1, "rank": 0}
 
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
         self.splitter.before_training_step(args[0] if args else kwargs.get("batch"))
-        return self._split_step("training_step", *args, **kwargs)
+        with self.splitter.running():
+            return super().training_step(*args, **kwargs)
 
     @override
     def validation_step(self, *args: Any, **kwargs: Any) -> Any:
-        return self._split_step("validation_step", *args, **kwargs)
+        with self.splitter.running():
+            return super().validation_step(*args, **kwargs)
 
     @override
     def test_step(self, *args: Any, **kwargs: Any) -> Any:
-        return self._split_step("test_step", *args, **kwargs)
+        with self.splitter.running():
+            return super().test_step(*args, **kwargs)
 
     @override
     def predict_step(self, *args: Any, **kwargs: Any) -> Any:
-        return self._split_step("predict_step", *args, **kwargs)
+        with self.splitter.running():
+            return super().predict_step(*args, **kwargs)
 
     @override
-    def backward(self, closure_loss: torch.Tensor, optimizer: Any, *args: Any, **kwargs: Any):
+    def backward(self, closure_loss: torch.Tensor, optimizer: Any, *args: Any, **kw: Any) -> Any:
         self.splitter.before_backward(closure_loss)  # before a GradScaler scales it
-        closure_loss = super().backward(closure_loss, optimizer, *args, **kwargs)
+        closure_loss = super().backward(closure_loss, optimizer, *args, **kw)
         self.splitter.after_backward()
         return closure_loss
 
     @override
-    def optimizer_step(self, optimizer: Any, closure: Any, model: Any = None, **kwargs: Any):
-        output = super().optimizer_step(optimizer, closure, model, **kwargs)
+    def optimizer_step(self, optimizer: Any, closure: Any, model: Any = None, **kw: Any) -> Any:
+        output = super().optimizer_step(optimizer, closure, model, **kw)
         self.splitter.after_optimizer_step(optimizer)
         return output
 
-    # ---- gradient accumulation ------------------------------------------------------------------
-    def gradient_buckets(self) -> GradientBuckets | None:
-        """The buckets this strategy's backward communicates through (None: none)."""
-        return None
-
-    @override
-    @contextmanager
-    def block_backward_sync(self) -> Generator[None, None, None]:
-        """Gradient accumulation: no communication on the accumulating micro-steps (the
-        buckets' ``no_sync``; without buckets, DDPStrategy's: torch DDP's ``no_sync``)."""
-        buckets = self.gradient_buckets()
-        with super().block_backward_sync() if buckets is None else buckets.no_sync():
-            yield
-
-    # ---- checkpoints ----------------------------------------------------------------------------
+    # ---- checkpoints in one process's format ------------------------------------------------
     @property
     def holds_whole_model(self) -> bool:
         """True in the script's process after a fork launch: no rank was set up here and the
@@ -341,12 +315,10 @@ class ParStrategy(DDPStrategy):
     @override
     def on_train_end(self) -> None:
         super().on_train_end()
-        launcher = self.launcher
-        if getattr(launcher, "carries_back", False) and not self.holds_whole_model:
+        if getattr(self.launcher, "carries_back", False) and not self.holds_whole_model:
             # while every component (servers, stages) is still up: the script gets it
             with self.trace.left_out() if self.trace is not None else nullcontext():
-                trainer = self.lightning_module.trainer
-                self.end_of_fit_checkpoint = dump_rank_checkpoint(trainer)
+                self.end_of_fit_checkpoint = dump_rank_checkpoint(self.lightning_module.trainer)
 
     @override
     def lightning_module_state_dict(self) -> dict[str, Any]:
@@ -374,6 +346,20 @@ class ParStrategy(DDPStrategy):
     def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
         if not self.splitter.load_optimizer_states(self.optimizers, checkpoint["optimizer_states"]):
             super().load_optimizer_state_dict(checkpoint)
+
+    # ---- gradient accumulation ------------------------------------------------------------------
+    def gradient_buckets(self) -> GradientBuckets | None:
+        """The buckets this strategy's backward communicates through (None: none)."""
+        return None
+
+    @override
+    @contextmanager
+    def block_backward_sync(self) -> Generator[None, None, None]:
+        """Gradient accumulation: no communication on the accumulating micro-steps (the
+        buckets' ``no_sync``; without buckets, DDPStrategy's: torch DDP's ``no_sync``)."""
+        buckets = self.gradient_buckets()
+        with super().block_backward_sync() if buckets is None else buckets.no_sync():
+            yield
 
     # ---- end of a run ---------------------------------------------------------------------------
     @override

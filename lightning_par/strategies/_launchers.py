@@ -16,7 +16,7 @@
   (:class:`~lightning_par.launch.parent_state.ParentState`);
 * an interrupt of the main process (Ctrl-C, Jupyter's "interrupt kernel", SIGTERM from a
   scheduler) or any error there stops every rank and what it started, and says where the
-  newest checkpoint is;
+  newest checkpoint is (:mod:`._interrupts`);
 * a rank's exception reaches the main process with its own type (``ValueError``, ...),
   chained to torch's report of the rank's traceback (:mod:`._rank_errors`);
 * after a fork ``fit`` the main process gets the FULL model and the training state
@@ -35,12 +35,9 @@ import os
 import shutil
 import signal
 import tempfile
-import threading
 import time
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 from dataclasses import replace
-from pathlib import Path
 from typing import Any
 
 import lightning.pytorch as pl
@@ -59,13 +56,14 @@ from lightning_par.launch.policy import (
     process_state,
     warn_if_oversubscribed,
 )
-from lightning_par.launch.processes import die_with_parent, stop_process_groups
+from lightning_par.launch.processes import die_with_parent
 from lightning_par.launch.rendezvous import STORE_ENV, host_job_store
 from lightning_par.strategies._carry_back import (
     load_in_script,
     restore_random_states,
     save_for_script,
 )
+from lightning_par.strategies._interrupts import sigterm_as_interrupt, stop_ranks
 from lightning_par.strategies._lost_workers import tolerate_lost_workers
 from lightning_par.strategies._rank_errors import RankErrors
 
@@ -94,32 +92,6 @@ class ExistingRanksLauncher(_compat.SubprocessScriptLauncher):
         if trainer is not None:
             trainer.strategy.launch_arguments = launch_arguments(function, args, kw)
         return function(*args, **kw)
-
-
-class _Terminated(KeyboardInterrupt):
-    """SIGTERM in the main process, handled like Ctrl-C."""
-
-
-@contextmanager
-def _sigterm_as_interrupt() -> Iterator[None]:
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
-
-    def handler(signum, frame):
-        raise _Terminated(f"signal {signum}")
-
-    previous = signal.signal(signal.SIGTERM, handler)
-    try:
-        yield
-    finally:
-        signal.signal(signal.SIGTERM, previous)
-
-
-def newest_checkpoint(root: str | os.PathLike, since: float) -> Path | None:
-    """The newest ``*.ckpt`` under ``root`` written after ``since`` (a ``time.time()``)."""
-    found = [p for p in Path(root).rglob("*.ckpt") if p.stat().st_mtime >= since]
-    return max(found, key=lambda p: p.stat().st_mtime, default=None)
 
 
 class PolicyLauncher(_compat.MultiProcessingLauncher):
@@ -164,7 +136,7 @@ class PolicyLauncher(_compat.MultiProcessingLauncher):
         # forked ranks leave their exceptions here, raised again below with their own type
         errors = self._rank_errors = RankErrors() if self.plan.method != "popen" else None
         try:
-            with _sigterm_as_interrupt():
+            with sigterm_as_interrupt():
                 if self.plan.method == "popen":
                     self._script = _compat.SubprocessScriptLauncher(
                         strategy.cluster_environment, strategy.num_processes, strategy.num_nodes
@@ -179,7 +151,8 @@ class PolicyLauncher(_compat.MultiProcessingLauncher):
                 with tolerate_lost_workers(getattr(strategy, "survives_lost_workers", False)):
                     return super().launch(function, *args, trainer=trainer, **kw)
         except BaseException as error:
-            self._stop_ranks(trainer, error, started)
+            procs = self._script.procs if self._script is not None else self.procs
+            stop_ranks(procs, trainer, error, started)
             original = errors.original(error) if errors is not None else None
             if original is not None:
                 raise original from error
@@ -188,25 +161,6 @@ class PolicyLauncher(_compat.MultiProcessingLauncher):
             self._rank_errors = None
             if errors is not None:
                 errors.remove()
-
-    def _stop_ranks(self, trainer: pl.Trainer | None, error: BaseException, started: float):
-        procs = self._script.procs if self._script is not None else self.procs
-        alive = [p for p in procs if _alive(p)]
-        stop_process_groups(alive)
-        if not isinstance(error, KeyboardInterrupt):
-            return
-        what = "SIGTERM" if isinstance(error, _Terminated) else "an interrupt"
-        message = f"lightning_par: stopped every rank after {what}"
-        if alive:
-            message += f" ({len(alive)} still running were killed)"
-        root = trainer.default_root_dir if trainer is not None else None
-        checkpoint = newest_checkpoint(root, started) if root else None
-        message += (
-            f"; the newest checkpoint is {checkpoint}"
-            if checkpoint
-            else "; no checkpoint was saved"
-        )
-        print(message, flush=True)
 
     @override
     def kill(self, signum: Any) -> None:
@@ -285,11 +239,6 @@ class PolicyLauncher(_compat.MultiProcessingLauncher):
         state = super().__getstate__()
         state["_script"] = None
         return state
-
-
-def _alive(proc: Any) -> bool:
-    poll = getattr(proc, "poll", None)
-    return proc.poll() is None if poll is not None else proc.is_alive()
 
 
 def _device_count(device: str) -> int | None:

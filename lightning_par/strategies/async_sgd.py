@@ -1,15 +1,16 @@
 """Asynchronous SGD on sharded parameter servers, as a Lightning strategy (``async_sgd``).
 
 The servers and the update rule are in :mod:`lightning_par.paramserver.asynchronous`; the
-processes, checkpoints and refusals are those of
-:class:`~lightning_par.strategies.parameter_server.ParameterServerStrategy`, through the same
-component (:class:`~lightning_par.components.server_group.ServerGroup`). What changes:
+processes, checkpoints and refusals are those of ``parameter_server``, in their shared base
+:class:`~lightning_par.strategies._server_group.ServerGroupStrategy` (which hands them to a
+:class:`~lightning_par.components.server_group.ServerGroup`). What changes, in the hooks
+below:
 
 * each worker pushes its whole gradient after backward and the servers apply it at once
   with the user's optimiser; the worker takes back the newest weights and goes on;
 * ``staleness=s`` bounds how far a worker may run ahead of the slowest (stale synchronous
-  parallel, Ho et al. 2013); ``0`` is exactly the synchronous parameter server, ``None``
-  fully asynchronous;
+  parallel, Ho et al. 2013); ``0`` trains the synchronous parameter server's weights
+  (through the asynchronous servers, one push per step), ``None`` is fully asynchronous;
 * **no collective among the workers during an epoch**: Lightning broadcasts a SIGTERM flag
   from rank 0 before every training batch, which would keep the workers in lock-step; here
   each worker checks only its own flag. While fitting, Lightning's other collectives
@@ -71,18 +72,12 @@ from lightning_par.strategies._async_loader import (
     shared_loader,
 )
 from lightning_par.strategies._async_progress import show_own_progress
-from lightning_par.strategies._base import ParStrategy
-from lightning_par.strategies._late_params import (
-    refuse_frozen_in_optimizer,
-    refuse_late_parameters,
-)
-from lightning_par.strategies._launchers import log_startup
+from lightning_par.strategies._late_params import refuse_late_parameters
 from lightning_par.strategies._ps_features import trainer_clip
-from lightning_par.strategies._ps_hooks import server_group_hooks
+from lightning_par.strategies._server_group import ServerGroupStrategy
 
 
-@server_group_hooks
-class AsyncSGDStrategy(ParStrategy):
+class AsyncSGDStrategy(ServerGroupStrategy):
     """Asynchronous (or stale synchronous) SGD through ``num_servers`` parameter servers.
 
     Args:
@@ -139,7 +134,7 @@ class AsyncSGDStrategy(ParStrategy):
                 "bucket_cap_mb does not apply"
             )
         gloo_only(kwargs)
-        self.servers = ServerGroup(self, num_servers, ONE_BUCKET_MB, split_mb, AsyncParameterClient)
+        self.servers = ServerGroup(num_servers, ONE_BUCKET_MB, split_mb, AsyncParameterClient)
         super().__init__(process_group_backend="gloo", **kwargs)
         self.num_servers, self.bucket_cap_mb, self.split_mb = num_servers, ONE_BUCKET_MB, split_mb
         self._logged = 0
@@ -153,11 +148,8 @@ class AsyncSGDStrategy(ParStrategy):
     # ---- processes ----------------------------------------------------------------------------
     @override
     def setup_distributed(self) -> None:
-        # (no reset_seed(): see ParStrategy.setup_distributed)
-        self.set_world_ranks()
-        self.servers.start(self._server_options(), self.watched_ranks())
-        name = f"{self.strategy_name} ({self.num_servers} server(s))"
-        log_startup(name, self.world_size, self.launch_plan, "gloo")
+        self.set_world_ranks()  # (no reset_seed(): see ParStrategy.setup_distributed)
+        self.start_servers(self._server_options())  # asynchronous, and the remedies
 
     @override
     def watched_ranks(self) -> list[int]:
@@ -183,10 +175,7 @@ class AsyncSGDStrategy(ParStrategy):
         self.check_before_launch(trainer)  # also under torchrun, where no launcher calls it
         super().setup(trainer)
         if trainer.state.fn == TrainerFn.FITTING:
-            self.servers.connect(
-                self._client_options(trainer_clip(trainer)),
-                lambda opt: refuse_frozen_in_optimizer(self.model, opt, self.strategy_name),
-            )
+            self.connect_servers(self._client_options(trainer_clip(trainer)))
             _compat.replace_sigterm_broadcast(trainer, self._own_sigterm)
             if self.share_work:
                 show_own_progress(trainer)  # this worker's batches, no false total

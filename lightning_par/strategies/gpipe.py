@@ -41,6 +41,7 @@ from typing import Any
 from lightning_par.components.pipeline_options import PipelineOptions
 from lightning_par.components.pipeline_split import PipelineSplit
 from lightning_par.strategies._base import ParStrategy
+from lightning_par.strategies._split_context import StrategyContext
 
 
 class GPipeStrategy(ParStrategy):
@@ -106,4 +107,4 @@ class GPipeStrategy(ParStrategy):
         split = PipelineSplit(PipelineOptions.of(locals()))
         super().__init__(**kwargs)
         self.splitter = split
-        split.bind(self)
+        split.bind(StrategyContext(self))

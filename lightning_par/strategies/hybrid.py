@@ -30,7 +30,8 @@ strategy. After ``k`` steps every replica holds the weights one process reaches 
 global batch (``dp`` × the per-rank batch).
 
 The strategy is two components on a grid: the splitter of ``mp_kind``
-(:class:`~lightning_par.components.pipeline_split.PipelineSplit` or
+(:class:`~lightning_par.components.pipeline_split.PipelineSplit`,
+:class:`~lightning_par.components.wavefront_split.WavefrontSplit` or
 :class:`~lightning_par.components.tensor_split.TensorParallelSplit`, built by
 :func:`~lightning_par.components.hybrid_kinds.make_splitter` from the kind's own options:
 ``chunks``, ``balance``, ``time_chunk``, ``plan``, ...) over each row, and a
@@ -58,9 +59,7 @@ from lightning_par.components.hybrid_kinds import (  # noqa: F401  (mp_kinds: th
     make_splitter,
     mp_kinds,
 )
-from lightning_par.components.splitter import find_network
 from lightning_par.components.strategy_options import PLUMBING_ARGUMENTS
-from lightning_par.hybrid.cost import hybrid_bytes_per_step
 from lightning_par.hybrid.grid import (
     Grid,
     GridGroups,
@@ -70,6 +69,7 @@ from lightning_par.hybrid.grid import (
     make_grid,
 )
 from lightning_par.strategies._base import ParStrategy
+from lightning_par.strategies._split_context import StrategyContext
 
 
 class HybridStrategy(ParStrategy):
@@ -145,7 +145,7 @@ class HybridStrategy(ParStrategy):
         super().__init__(**kwargs)  # by name, so that jsonargparse shows ParStrategy's options
         self.mp_kind = mp_kind
         self.splitter = split
-        split.bind(self)
+        split.bind(StrategyContext(self))
         self.dp, self.mp, self.dp_algorithm = dp, mp, dp_algorithm
         self._overlap = overlap
         self.grad_sync = GradientSync(
@@ -273,23 +273,6 @@ class HybridStrategy(ParStrategy):
         if self.groups is not None and self.dp_rank != 0:
             return {}
         return super().optimizer_state(optimizer)
-
-    @classmethod
-    def compare_bytes_per_step(
-        cls, model: pl.LightningModule, devices: int, global_batch: int, options: dict
-    ) -> list[int]:
-        """Bytes per rank and step (:mod:`lightning_par.compare`'s hook), for the pipelined
-        kinds (:func:`lightning_par.hybrid.cost.hybrid_bytes_per_step`)."""
-        kind = options.get("mp_kind", DEFAULT_KIND)
-        if kind not in ("gpipe", "layerwise") or options.get("time_chunk") is not None:
-            raise ValueError(f"hybrid: no byte model for mp_kind={kind!r} with these options")
-        grid = make_grid(devices, options.get("dp"), options.get("mp"))
-        return hybrid_bytes_per_step(
-            getattr(model, find_network(model, options.get("module_attr"), "hybrid")), grid,
-            global_batch,
-            dp_algorithm=options.get("dp_algorithm", "ring"),
-            bucket_cap_mb=options.get("bucket_cap_mb", 4.0),
-        )  # fmt: skip
 
     @override
     def teardown(self) -> None:

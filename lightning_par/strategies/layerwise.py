@@ -21,8 +21,9 @@ this strategy), validation/test/predict and traces are those of
 :class:`~lightning_par.strategies.gpipe.GPipeStrategy`: both are
 :class:`~lightning_par.strategies._base.ParStrategy` with a
 :class:`~lightning_par.components.pipeline_split.PipelineSplit` as splitter (here with one
-micro-batch, no re-materialisation, and the wavefront option ``time_chunk``); this class adds
-the memory report.
+micro-batch and no re-materialisation; with ``time_chunk``, a
+:class:`~lightning_par.components.wavefront_split.WavefrontSplit`); this class adds the
+memory report.
 """
 
 from __future__ import annotations
@@ -34,12 +35,12 @@ import lightning.pytorch as pl
 import torch
 from typing_extensions import override
 
-from lightning_par.components.pipeline_options import LAYERWISE, PipelineOptions
-from lightning_par.components.pipeline_split import PipelineSplit
+from lightning_par.components.wavefront_split import WavefrontSplit, layerwise_split
 from lightning_par.modelparallel.memory import stage_memory
 from lightning_par.output import format_bytes, say
 from lightning_par.pipeline.state import gather_objects
 from lightning_par.strategies._base import ParStrategy
+from lightning_par.strategies._split_context import StrategyContext
 
 
 class LayerwiseStrategy(ParStrategy):
@@ -71,15 +72,17 @@ class LayerwiseStrategy(ParStrategy):
         split_points: list[str] | None = None,
         **kwargs: Any,
     ) -> None:
-        split = PipelineSplit(PipelineOptions.of(locals(), **LAYERWISE))
+        split = layerwise_split(balance, time_chunk, balance_by, module_attr, split_points)
         super().__init__(**kwargs)
         self.splitter = split
-        split.bind(self)
+        split.bind(StrategyContext(self))
         self.memory: list[dict[str, int]] | None = None  # per stage, on rank 0
 
     @property
     def time_chunk(self) -> int | None:
-        return self.splitter.time_chunk
+        """Time steps per message of the wavefront; ``None``: the naive split."""
+        split = self.splitter
+        return split.time_chunk if isinstance(split, WavefrontSplit) else None
 
     @override
     def prepare_model(self, trainer: pl.Trainer) -> None:

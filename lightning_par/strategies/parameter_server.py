@@ -4,8 +4,11 @@ Workers are Lightning's training processes (``devices`` x ``num_nodes``); ``num_
 extra processes, started by the workers (:mod:`lightning_par.paramserver.process`), hold the
 parameters and the optimiser state and apply the updates (course material 003: "store the
 model parameters outside of the workers"). The algorithm is in :mod:`lightning_par.paramserver`;
-this file plugs it into Lightning, holding the plumbing shared with ``async_sgd`` as a
-component (:class:`~lightning_par.components.server_group.ServerGroup`):
+this file plugs it into Lightning. The hooks it shares with ``async_sgd`` (Lightning's
+collectives among the workers, the step through the servers, checkpoints from the servers,
+the goodbye) are in its base,
+:class:`~lightning_par.strategies._server_group.ServerGroupStrategy`, which hands them to a
+:class:`~lightning_par.components.server_group.ServerGroup`; the hooks below are its own:
 
 * ``setup_distributed``: each node's local rank 0 starts its share of the servers
   (:mod:`lightning_par.paramserver.process`), then all ``W + S`` ranks join one gloo
@@ -39,18 +42,12 @@ from typing_extensions import override
 
 from lightning_par.components.server_group import ServerGroup, gloo_only
 from lightning_par.paramserver.worker import ParameterClient
-from lightning_par.strategies._base import ParStrategy
-from lightning_par.strategies._late_params import (
-    refuse_frozen_in_optimizer,
-    refuse_late_parameters,
-)
-from lightning_par.strategies._launchers import log_startup
+from lightning_par.strategies._late_params import refuse_late_parameters
 from lightning_par.strategies._ps_features import trainer_clip
-from lightning_par.strategies._ps_hooks import server_group_hooks
+from lightning_par.strategies._server_group import ServerGroupStrategy
 
 
-@server_group_hooks
-class ParameterServerStrategy(ParStrategy):
+class ParameterServerStrategy(ServerGroupStrategy):
     """Data parallelism through ``num_servers`` sharded, synchronous parameter servers.
 
     Args:
@@ -72,7 +69,7 @@ class ParameterServerStrategy(ParStrategy):
         **kwargs: Any,
     ) -> None:
         gloo_only(kwargs)
-        self.servers = ServerGroup(self, num_servers, bucket_cap_mb, split_mb, ParameterClient)
+        self.servers = ServerGroup(num_servers, bucket_cap_mb, split_mb, ParameterClient)
         super().__init__(process_group_backend="gloo", **kwargs)
         self.num_servers, self.bucket_cap_mb, self.split_mb = num_servers, bucket_cap_mb, split_mb
 
@@ -84,11 +81,13 @@ class ParameterServerStrategy(ParStrategy):
     # ---- processes -----------------------------------------------------------------------------
     @override
     def setup_distributed(self) -> None:
-        # (no reset_seed(): see ParStrategy.setup_distributed)
-        self.set_world_ranks()
-        self.servers.start({}, self.watched_ranks())
-        name = f"{self.strategy_name} ({self.num_servers} server(s))"
-        log_startup(name, self.world_size, self.launch_plan, "gloo")
+        self.set_world_ranks()  # (no reset_seed(): see ParStrategy.setup_distributed)
+        self.start_servers({})  # the synchronous servers: no options
+
+    @override
+    def watched_ranks(self) -> list[int]:
+        """Every worker and server: the step waits for all of them."""
+        return list(range(self.world_size + self.num_servers))
 
     @override
     def setup(self, trainer: pl.Trainer) -> None:
@@ -97,12 +96,9 @@ class ParameterServerStrategy(ParStrategy):
         if trainer.state.fn != TrainerFn.FITTING:
             return
         self.servers.watch_sigterm(trainer)
-        self.servers.connect(
-            {"clip": trainer_clip(trainer)},  # the servers clip the mean
-            lambda opt: refuse_frozen_in_optimizer(self.model, opt, self.strategy_name),
-        )
+        self.connect_servers({"clip": trainer_clip(trainer)})  # the servers clip the mean
 
-    # ---- Lightning's collectives: among the workers (the rest: _ps_hooks) ---------------------
+    # ---- Lightning's collectives: among the workers (broadcast, all_gather: the base) --------
     @override
     def barrier(self, *args: Any, **kwargs: Any) -> None:
         self.servers.workers.barrier()
@@ -111,19 +107,15 @@ class ParameterServerStrategy(ParStrategy):
     def reduce(self, tensor: Any, group: Any | None = None, reduce_op: Any | None = "mean") -> Any:
         return super().reduce(tensor, group=group or self.worker_group, reduce_op=reduce_op)
 
-    # ---- the step (the rest: _ps_hooks) ---------------------------------------------------------
+    # ---- the step (backward and optimizer_step: the base) ------------------------------------
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
         if self.client is not None:  # before this step pushes or pulls anything
             refuse_late_parameters(self.lightning_module, self.client.params, self.strategy_name)
         return super().training_step(*args, **kwargs)
 
-    # ---- checkpoints ---------------------------------------------------------------------------
+    # ---- checkpoints (the optimiser state: the base) -----------------------------------------
     @override
     def lightning_module_state_dict(self) -> dict[str, Any]:
         self.servers.settle()
         return super().lightning_module_state_dict()
-
-    @override
-    def watched_ranks(self) -> list[int]:
-        return self.servers.all_ranks()

@@ -32,7 +32,6 @@ from typing import Any
 import torch
 from typing_extensions import override
 
-from lightning_par.components.splitter import find_network
 from lightning_par.components.tensor_split import (
     EXACT_ALGORITHMS,
     TensorParallelSplit,
@@ -40,8 +39,7 @@ from lightning_par.components.tensor_split import (
     check_trainer,
 )
 from lightning_par.strategies._base import ParStrategy
-from lightning_par.tensorparallel import resolve_plan
-from lightning_par.tensorparallel.cost import step_cost
+from lightning_par.strategies._split_context import StrategyContext
 
 
 class TensorParallelStrategy(ParStrategy):
@@ -70,7 +68,7 @@ class TensorParallelStrategy(ParStrategy):
         split = TensorParallelSplit(plan, module_attr, algorithm)
         super().__init__(**kwargs)
         self.splitter = split
-        split.bind(self)
+        split.bind(StrategyContext(self))
 
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
@@ -89,20 +87,6 @@ class TensorParallelStrategy(ParStrategy):
         (:mod:`lightning_par.simulate.profile`). Their collectives stay on the main lane."""
         with self.trace.span(name) if self.trace is not None else nullcontext():
             yield
-
-    @classmethod
-    def compare_bytes_per_step(cls, model: Any, devices: int, global_batch: int,
-                               options: Mapping[str, Any]) -> list[int]:  # fmt: skip
-        """Bytes each rank sends per training step (for ``python -m lightning_par.compare``):
-        :func:`~lightning_par.tensorparallel.cost.step_cost` of the plan on a batch of
-        ``global_batch`` CIFAR images (or ``model.example_input_array``'s shape)."""
-        attr = find_network(model, options.get("module_attr"), "tensor_parallel")
-        sample = getattr(model, "example_input_array", None)
-        if not isinstance(sample, torch.Tensor):
-            sample = torch.zeros(global_batch, 3, 32, 32)
-        plan = resolve_plan(model, devices, options.get("plan"), attr, (sample[:2],))
-        algorithm = options.get("algorithm", "ring")
-        return list(step_cost(model, plan, sample, algorithm=algorithm).bytes_sent)
 
 
 __all__ = [

@@ -1,163 +1,18 @@
-"""The parameter-server protocol, all of it: commands, message kinds, and the encoder and
-decoder of every kind (:mod:`~lightning_par.paramserver.messages` moves them over a
-:class:`~lightning_par.comm.Communicator`; nothing else builds or reads a message).
-
-Ranks: workers are ``0 .. W-1`` and servers ``W .. W+S-1`` of one process group
-(:func:`server_rank`). Like ps-lite's one message type with a command field and gloo's one
-header struct, every exchange starts with one **header** from a worker to a server, a
-float64 tensor (float64 so every hyperparameter arrives exactly)::
-
-    [MAGIC, command, step, n, hyper_1 .. hyper_n, trained_epoch, trained_batch, count]
-
-``step`` is the worker's step (``NEXT``: the epoch it asks a batch of); ``hyper`` every
-number of every optimiser param group, so what a scheduler changes on the workers reaches
-the servers (:func:`~lightning_par.paramserver.spec.hyper_values`); ``trained`` the shared
-batch the worker trained last (asynchronous SGD with shared work; :data:`NONE` else);
-``count`` (``NEXT``) the number of batches in the epoch.
-
-Every kind travels on its own gloo tag (:class:`Kind`), so a receive matches the next
-message *of its kind* from that peer, whatever else was posted in between. By command:
-
-* ``STEP``: per gradient bucket one ``PUSH`` (:func:`encode_push`) and one ``PULL`` back
-  (:func:`encode_slices`); the asynchronous server adds one ``INFO`` (:class:`Info`) after
-  the last bucket; with clipping by norm every synchronous server sends every other one its
-  shard's squared gradient norm (``NORM``) before it applies any;
-* ``PULL`` (asynchronous): the server's current slices, one ``PULL`` per bucket;
-* ``NEXT`` (asynchronous, server 0): one ``WORK`` reply, int64 ``[epoch, batch]``;
-* ``GET_STATE`` / ``SET_STATE``: optimiser state slices to worker 0 / the full state from
-  worker 0 (``OBJECT``, :func:`decode_state`);
-* ``STOP``: the server ends (asynchronous: once every worker stopped, each gets the final
-  slices, one ``PULL`` per bucket).
-
-Before the first header, worker 0 sends each server its
-:class:`~lightning_par.paramserver.spec.ServerSpec` (``OBJECT``, :func:`decode_spec`;
-``None`` means stop: nothing is trained), then its initial weight slices (``INIT``), which
-the server sends to every worker. An ``OBJECT`` is its length (int64), then its bytes in
-:mod:`~lightning_par.paramserver.wire` (tensors plus a JSON description, never pickle).
-
-Every decoder first checks the dtype and size the protocol gives its kind, so a message of
-another kind or layout, or a pickle's bytes, is a :class:`ProtocolError` (an object's bytes:
-a :class:`~lightning_par.paramserver.wire.WireError`), never silently mis-read.
-"""
+"""The encoder and decoder of every message kind but the header (:mod:`.header`): each
+decoder checks the dtype and size its kind has before reading anything (the protocol as a
+whole: :mod:`lightning_par.paramserver.protocol`)."""
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from datetime import timedelta
-from enum import IntEnum
 from typing import Any
 
 import torch
 
 from lightning_par.paramserver import wire
+from lightning_par.paramserver.protocol.header import Kind, ProtocolError
 from lightning_par.paramserver.spec import ServerSpec
-
-
-class ProtocolError(RuntimeError):
-    """A message that is not what the protocol says comes next."""
-
-
-class Command(IntEnum):
-    """What a header asks of a server."""
-
-    STOP = 0
-    STEP = 1
-    GET_STATE = 2
-    SET_STATE = 3
-    PULL = 4
-    NEXT = 5
-
-
-class Kind(IntEnum):
-    """A kind of message, and the gloo tag it travels on (0 is left to everything else)."""
-
-    HEADER = 1
-    OBJECT = 2
-    INIT = 3
-    PUSH = 4
-    PULL = 5
-    INFO = 6
-    WORK = 7
-    NORM = 8
-
-
-#: "No batch" in a header's trained/count fields and in a ``WORK`` reply.
-NONE = -1
-#: The first number of every header ("PS").
-MAGIC = 20563.0
-#: Numbers in an ``INFO`` message: staleness of the update just applied, the worker's lead
-#: over the slowest worker when answered, the server's version.
-INFO_SIZE = 3
-#: How long a server waits for the next header (validation, checkpointing, a slow data
-#: loader happen between steps); messages within a step keep the group's timeout.
-IDLE_TIMEOUT = timedelta(days=7)
-
-_FIXED = 4  # MAGIC, command, step, n
-_TAIL = 3  # trained_epoch, trained_batch, count
-
-
-def server_rank(num_workers: int, server: int) -> int:
-    """The group rank of server ``server``."""
-    return num_workers + server
-
-
-def header_size(num_hyper: int) -> int:
-    """Numbers in a header carrying ``num_hyper`` hyperparameters."""
-    return _FIXED + num_hyper + _TAIL
-
-
-@dataclass(frozen=True)
-class Header:
-    """One header (see the module docstring for each field)."""
-
-    command: Command
-    step: int = 0
-    hyper: tuple[float, ...] = ()
-    trained: tuple[int, int] = (NONE, NONE)
-    count: int = NONE
-
-    def encode(self) -> torch.Tensor:
-        """The float64 tensor that travels (every int here is exact in a float64)."""
-        head = [MAGIC, float(self.command), float(self.step), float(len(self.hyper))]
-        values = [*head, *map(float, self.hyper), *map(float, self.trained), float(self.count)]
-        return torch.tensor(values, dtype=torch.float64)
-
-    @staticmethod
-    def buffer(num_hyper: int) -> torch.Tensor:
-        """An empty header to receive into."""
-        return torch.zeros(header_size(num_hyper), dtype=torch.float64)
-
-    @staticmethod
-    def decode(message: torch.Tensor, num_hyper: int, sender: str = "a worker") -> Header:
-        """Read a received header, checking that it is one, of the layout the server
-        expects (``num_hyper`` hyperparameters, as the spec said)."""
-        values = message.tolist()
-        if message.dtype != torch.float64 or not values or values[0] != MAGIC:
-            raise ProtocolError(
-                f"the message from {sender} is not a parameter-server header (it starts "
-                f"{values[:4]} in {message.dtype}, a header starts [{MAGIC}, ...] in float64): "
-                "a message of another kind was taken for a header (parameter servers accept no "
-                "pickled objects)"
-            )
-        if len(values) != header_size(num_hyper) or values[3] != num_hyper:
-            carried = int(values[3]) if len(values) > 3 else "?"
-            raise ProtocolError(
-                f"the header from {sender} has {len(values)} numbers carrying {carried} "
-                f"hyperparameters; this server expects "
-                f"{header_size(num_hyper)} carrying {num_hyper}: its sender uses another header "
-                "layout, or its optimiser's param groups differ from worker 0's"
-            )
-        try:
-            command = Command(int(values[1]))
-        except ValueError:
-            raise ProtocolError(
-                f"the header from {sender} has an unknown command {values[1]} "
-                f"(known: {', '.join(f'{c.name}={c.value}' for c in Command)})"
-            ) from None
-        tail = values[_FIXED + num_hyper :]
-        return Header(command, int(values[2]), tuple(values[_FIXED : _FIXED + num_hyper]),
-                      (int(tail[0]), int(tail[1])), int(tail[2]))  # fmt: skip
 
 
 def _expect(message: torch.Tensor, kind: Kind, dtypes: tuple[torch.dtype, ...], numel: int) -> None:
@@ -216,6 +71,11 @@ def decode_push(message: torch.Tensor, num_elements: int, num_slices: int
 
 
 # ---- INFO: what an asynchronous server says about the update it applied ----------------------
+#: Numbers in an ``INFO`` message: staleness of the update just applied, the worker's lead
+#: over the slowest worker when answered, the server's version.
+INFO_SIZE = 3
+
+
 @dataclass(frozen=True)
 class Info:
     """Staleness of the update just applied, the worker's lead over the slowest worker when

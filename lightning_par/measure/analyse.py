@@ -1,29 +1,15 @@
-"""One result row from a finished run's probes and traces (see :mod:`lightning_par.compare.run`)."""
+"""What a finished run's probes and traces say: step times, their split, bytes, memory, loss
+(the run: :mod:`lightning_par.measure.run`)."""
 
 from __future__ import annotations
 
-import json
 import statistics
 from pathlib import Path
 from typing import Any
 
 from lightning_par.comm.trace import CommTrace, load_traces
-from lightning_par.compare.breakdown import bytes_sent_in, split_steps
-
-
-def load_probes(folder: Path) -> dict[int, dict]:
-    probes = {}
-    for path in (folder / "probe").glob("rank*.json"):
-        record = json.loads(path.read_text())
-        probes[record["rank"]] = record
-    return probes
-
-
-def step_windows(probe: dict) -> list[tuple[float, float]]:
-    """Step ``k`` runs from its start to the next step's start (loading that batch included);
-    the last step ends where it ended."""
-    starts, ends = probe["starts"], probe["ends"]
-    return [(s, starts[k + 1] if k + 1 < len(starts) else ends[k]) for k, s in enumerate(starts)]
+from lightning_par.measure.breakdown import bytes_sent_in, split_steps
+from lightning_par.measure.probe import load_probes, step_windows
 
 
 def analyse(folder: Path, warmup: int, global_batch: int) -> dict[str, Any]:

@@ -1,22 +1,20 @@
-"""Running the compare's rows: one ``Trainer.fit`` per strategy, each rank probed.
+"""Running rows: one ``Trainer.fit`` per strategy, each rank probed.
 
-The rows run one after the other in one subprocess (``python -m lightning_par.compare
---run-rows``), as :mod:`lightning_par.check` runs its rows: start-up paid once, ranks
-through a clean forkserver, each row under :func:`~lightning_par.launch.processes.time_limit`, after
-which its ranks are stopped. A row that takes the subprocess down is reported as failed and
-the rows after it go on in a fresh one (:func:`run_all`, under
+The rows run one after the other in one subprocess (``python -m lightning_par.measure``), as
+:mod:`lightning_par.check` runs its rows: start-up paid once, ranks through a clean
+forkserver, each row under :func:`~lightning_par.launch.processes.time_limit`, after which its
+ranks are stopped. A row that takes the subprocess down is reported as failed and the rows
+after it go on in a fresh one (:func:`run_all`, under
 :func:`~lightning_par.launch.processes.run_bounded`).
 
-On every rank :class:`Probe` writes ``probe/rank<N>.json``: step start and end times
-(``time.perf_counter``, the traces' clock), the training loss of each step, peak memory and
-the bytes of model state the rank holds. The strategy's own trace goes to ``trace/``.
+On every rank :class:`~.probe.Probe` writes ``probe/rank<N>.json``; the strategy's own trace
+goes to ``trace/``.
 """
 
 from __future__ import annotations
 
 import json
 import os
-import resource
 import sys
 import time
 from pathlib import Path
@@ -24,54 +22,18 @@ from typing import Any
 
 import lightning.pytorch as pl
 import torch
+from torch import nn
 from torch.utils.data import DataLoader, DistributedSampler
 from typing_extensions import override
 
 from lightning_par.launch.processes import run_bounded, time_limit
-from lightning_par.modelparallel.memory import stage_memory
+from lightning_par.measure.probe import Probe
 from lightning_par.models import CifarCNN, CifarRNN, ResNet18
 
-RESULT_TAG = "COMPARE_RESULT "
+RESULT_TAG = "MEASURE_RESULT "
 MODELS = ("CifarCNN", "CifarRNN", "resnet18")
-
-
-class Probe(pl.Callback):
-    """Per rank: step times, losses, peak memory and model-state bytes, written at the end."""
-
-    def __init__(self, folder: str | os.PathLike) -> None:
-        self.folder = Path(folder)
-        self.starts: list[float] = []
-        self.ends: list[float] = []
-        self.losses: list[float] = []
-
-    @override
-    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
-        self.starts.append(time.perf_counter())
-
-    @override
-    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
-        self.ends.append(time.perf_counter())
-        loss = outputs.get("loss") if isinstance(outputs, dict) else outputs
-        self.losses.append(float(loss) if loss is not None else float("nan"))
-
-    @override
-    def on_train_end(self, trainer, pl_module) -> None:
-        optimizer = trainer.optimizers[0] if trainer.optimizers else None
-        state = stage_memory(pl_module, optimizer)
-        device = trainer.strategy.root_device
-        record = {
-            "rank": trainer.global_rank,
-            "starts": self.starts,
-            "ends": self.ends,
-            "losses": self.losses,
-            "state_bytes": state["param_bytes"] + state["grad_bytes"] + state["optimizer_bytes"],
-            "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
-            "peak_device_bytes": (
-                torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None
-            ),
-        }
-        self.folder.mkdir(parents=True, exist_ok=True)
-        (self.folder / f"rank{trainer.global_rank}.json").write_text(json.dumps(record))
+#: One sample of what the rows train on: a CIFAR-10 image.
+CIFAR_SAMPLE = (3, 32, 32)
 
 
 def make_model(name: str) -> pl.LightningModule:
@@ -83,6 +45,13 @@ def make_model(name: str) -> pl.LightningModule:
     if name == "CifarRNN":
         return CifarRNN(hidden_size=64)
     raise ValueError(f"unknown model {name!r}; choose one of {MODELS}")
+
+
+def sample_shape(model: nn.Module) -> tuple[int, ...]:
+    """One input sample's shape: ``model.example_input_array``'s where the model has one,
+    else a CIFAR-10 image's (what the rows feed every model)."""
+    example = getattr(model, "example_input_array", None)
+    return tuple(example.shape[1:]) if isinstance(example, torch.Tensor) else CIFAR_SAMPLE
 
 
 def describe_model(name: str) -> str:
@@ -183,8 +152,8 @@ def run_all(rows: list[dict], timeout: float) -> dict[int, dict]:
     results: dict[int, dict] = {}
     todo = list(rows)
     while todo:
-        cmd = [sys.executable, "-m", "lightning_par.compare", "--timeout", str(timeout),
-               "--run-rows", json.dumps(todo)]  # fmt: skip
+        cmd = [sys.executable, "-m", "lightning_par.measure", "--timeout", str(timeout),
+               json.dumps(todo)]  # fmt: skip
         proc = run_bounded(cmd, timeout * len(todo) + 120)
         for line in proc.stdout.splitlines():
             if line.startswith(RESULT_TAG):

@@ -1,0 +1,236 @@
+"""Each strategy's step graph at ``p`` devices, from its :class:`~.profile.Profile` (what
+:mod:`.scale` replays).
+
+The graph at ``p`` comes from the plugin's own schedule and cost model; only compute is taken
+from the measured run:
+
+* **allreduce family** (and ``lightning_ddp``, ``local_sgd``): forward, then backward in
+  ``B`` slices, each filling one bucket that a background lane allreduces as soon as it is
+  full (overlap, as :mod:`lightning_par.comm.buckets` does); each bucket costs
+  :func:`lightning_par.collectives.cost_model.predict` (ring ``2(p-1)`` steps, tree ``2D``,
+  butterfly ``log2 p``, ...) on the slowest link the ``p`` ranks span. Local SGD averages the
+  parameters once every ``period`` steps, after the step.
+* **parameter servers**: ``p`` worker lanes and ``S`` server lanes with explicit push and
+  pull messages, the servers' ports shared (contention): ``S`` links carry ``p`` workers'
+  traffic. A step runs from the pushes to the end of the next backward: the servers'
+  turn overlaps the worker's work between steps (optimiser, next batch: the part of its
+  compute that is not forward and backward), then the forward waits for the pulls.
+  ``async_sgd`` has no barrier: a server answers each push on its own.
+* **gpipe / layerwise**: ``K = p`` stage lanes running
+  :func:`lightning_par.pipeline.schedule.gpipe_steps` for ``M`` micro-batches (layerwise: 1),
+  activations and gradients as messages between neighbours; forward and backward per stage
+  are the measured ones over ``K`` (an even partition).
+* **tensor_parallel**: the busiest rank computes its slice of every layer the automatic plan
+  cuts at ``p`` (the plan changes with ``p``: a layer whose width does not split is left
+  whole, a cut may be uneven) and every other layer whole, weighed by FLOPs, or by their
+  times on this machine when predicting it (:func:`busiest_share`); the step's overhead
+  outside forward and backward is not split; each of the step's allreduces (measured count
+  and size) is a ring allreduce at ``p``.
+  A user's own run (no compare model to plan) assumes every layer split evenly.
+* **hybrid**: its ``mp`` stays as measured, ``dp = p / mp`` replicas ring-allreduce ``1/mp``
+  of the gradients.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+from lightning_par.collectives.cost_model import predict
+from lightning_par.measure.run import make_model, sample_shape
+from lightning_par.pipeline.schedule import gpipe_steps
+from lightning_par.simulate.links import Topology
+from lightning_par.simulate.ops import After, Comm, Compute, Graph, Join, Msg, Post, Wait
+from lightning_par.simulate.profile import Profile
+from lightning_par.simulate.tp_share import measured_busiest_share
+from lightning_par.tensorparallel.cost import busiest_rank_share
+from lightning_par.tensorparallel.plan import resolve_plan
+
+
+class NotApplicable(ValueError):
+    """The strategy cannot run at that many devices (the reason is the message)."""
+
+
+def _allreduce_s(algorithm: str, nbytes: int, p: int, topo: Topology) -> float:
+    link = topo.slowest(p)
+    return predict(algorithm, max(nbytes // 4, 1), p).time(link.alpha, link.beta)
+
+
+def batch_share(prof: Profile, p: int, weak: bool) -> float:
+    """Data-parallel compute at ``p`` over the measured: the per-sample part
+    (:attr:`~.profile.Profile.batch_s`) scales by ``world / p`` at a fixed global batch
+    (strong scaling), by 1 at a fixed batch per device (weak scaling); the per-step part
+    stays."""
+    if weak or not prof.compute_s:
+        return 1.0
+    fixed = prof.compute_s - prof.batch_s
+    return (fixed + prof.batch_s * prof.world / p) / prof.compute_s
+
+
+def data_parallel_graph(prof: Profile, p: int, topo: Topology, cores: int | None,
+                        weak: bool = False) -> Graph:  # fmt: skip
+    work = prof.compute_s * batch_share(prof, p, weak)
+    bwd = min(prof.backward_s, prof.batch_s) * (1.0 if weak else prof.world / p)
+    g = Graph(weight={0: p})
+    main = g.lane(0)
+    if prof.family == "local_sgd":
+        period = int(prof.options.get("period") or 1)
+        main.append(Compute(work))
+        main.append(Comm(_allreduce_s(prof.algorithm, prof.grad_bytes, p, topo) / period,
+                         "average / period"))  # fmt: skip
+        return g
+    buckets = prof.buckets if bwd > 0 else 1
+    main.append(Compute(work - bwd, "forward"))
+    bg = g.lane(0, "bg")
+    each = _allreduce_s(prof.algorithm, prof.grad_bytes // buckets, p, topo)
+    for _ in range(buckets):
+        if bwd > 0:
+            main.append(Compute(bwd / buckets, "backward"))
+        bg.extend([After((0, "main"), len(main) - 1, 1.0), Comm(each, "allreduce bucket")])
+    main.append(Join((0, "bg"), len(bg)))
+    return g
+
+
+def ps_graph(prof: Profile, p: int, topo: Topology, cores: int | None,
+             weak: bool = False) -> Graph:  # fmt: skip
+    s_count = prof.servers or 1
+    scale = batch_share(prof, p, weak)
+    g = Graph()
+    share = prof.grad_bytes // s_count
+    push = [[g.message(Msg(w, p + s, share)) for s in range(s_count)] for w in range(p)]
+    pull = [[g.message(Msg(p + s, w, share)) for s in range(s_count)] for w in range(p)]
+    # one step from the pushes on: the server's turn overlaps the worker's loop between
+    # steps (optimiser, next batch); the next forward waits for the pulls
+    between = max(prof.compute_s - prof.batch_s, 0.0)
+    for w in range(p):
+        lane = g.lane(w)
+        lane.extend([*map(Post, push[w]), *map(Post, pull[w]), *map(Wait, push[w])])
+        lane.extend([Compute(between, "between steps"), *map(Wait, pull[w])])
+        lane.append(Compute(prof.compute_s * scale - between))
+    serve = Compute(prof.server_s, "update")
+    for s in range(s_count):
+        lane = g.lane(p + s)
+        pushes, pulls = [push[w][s] for w in range(p)], [pull[w][s] for w in range(p)]
+        if prof.family == "ps":  # synchronous: every push, one update, every pull
+            lane.extend([*map(Post, pushes), *map(Wait, pushes), serve, *map(Post, pulls)])
+            lane.extend(map(Wait, pulls))
+        else:
+            for one_push, one_pull in zip(pushes, pulls):
+                lane.extend([Post(one_push), Wait(one_push), serve, Post(one_pull), Wait(one_pull)])
+    return g
+
+
+def pipeline_graph(prof: Profile, p: int, topo: Topology, cores: int | None,
+                   weak: bool = False) -> Graph:  # fmt: skip
+    if prof.max_devices and p > prof.max_devices:
+        raise NotApplicable(f"{p} stages > {prof.limit}")
+    chunks = 1 if prof.family == "layerwise" else prof.chunks
+    fwd, bwd = prof.fwd_s / p, prof.bwd_s / p
+    rest = max(prof.compute_s - chunks * (prof.fwd_s + prof.bwd_s) / prof.world, 0.0)
+    if not fwd and not bwd:  # no fwd/bwd spans: all compute, backward twice the forward
+        whole = prof.compute_s * prof.world / chunks
+        fwd, bwd, rest = whole / 3 / p, 2 * whole / 3 / p, 0.0
+    g = Graph()
+    act = {(s, i): g.message(Msg(s, s + 1, prof.act_bytes)) for s in range(p - 1)
+           for i in range(chunks)}  # fmt: skip
+    grad = {(s, i): g.message(Msg(s + 1, s, prof.act_bytes)) for s in range(p - 1)
+            for i in range(chunks)}  # fmt: skip
+    for s in range(p):
+        lane = g.lane(s)
+        lane.append(Compute(rest, "overhead"))
+        lane.extend(Post(act[(s - 1, i)]) for i in range(chunks) if s > 0)
+        lane.extend(Post(grad[(s, i)]) for i in range(chunks) if s < p - 1)
+        sent = []
+        for step in gpipe_steps(s, p, chunks):
+            i = step.micro_batch
+            if step.op == "fwd":
+                if s > 0:
+                    lane.append(Wait(act[(s - 1, i)]))
+                lane.append(Compute(fwd, f"F{i}"))
+                if s < p - 1:
+                    lane.append(Post(act[(s, i)]))
+                    sent.append(act[(s, i)])
+            else:
+                if s < p - 1:
+                    lane.append(Wait(grad[(s, i)]))
+                lane.append(Compute(bwd, f"B{i}"))
+                if s > 0:
+                    lane.append(Post(grad[(s - 1, i)]))
+                    sent.append(grad[(s - 1, i)])
+        lane.extend(map(Wait, sent))
+    return g
+
+
+def tp_graph(prof: Profile, p: int, topo: Topology, cores: int | None,
+             weak: bool = False) -> Graph:  # fmt: skip
+    if prof.max_devices and p > prof.max_devices:
+        raise NotApplicable(f"{p}-way split > {prof.limit}")
+    if prof.model and prof.model_s:
+        # the busiest rank's share of the model at p over the measured one; the step's
+        # overhead (loop, optimiser, data) is not split
+        # (timed on this machine when predicting it: see simulate/tp_share.py)
+        measure = prof.global_batch if cores is not None else 0
+        ratio = (busiest_share(prof.model, p, measure)
+                 / busiest_share(prof.model, prof.world, measure))  # fmt: skip
+        work = prof.compute_s - prof.model_s + prof.model_s * ratio
+    else:  # a user's own run: every layer assumed split evenly
+        work = prof.compute_s * prof.world / p
+    each = _allreduce_s("ring", prof.collective_bytes, p, topo)
+    g = Graph(weight={0: p})
+    lane = g.lane(0)
+    for _ in range(prof.collectives):
+        lane.extend([Compute(work / (prof.collectives + 1)), Comm(each, "allreduce")])
+    lane.append(Compute(work / (prof.collectives + 1)))
+    return g
+
+
+@functools.cache
+def busiest_share(model_name: str, p: int, measure_batch: int = 0) -> float:
+    """The busiest rank's share of the compare model ``model_name`` under the automatic plan
+    at ``p`` ranks: by FLOPs (:func:`~lightning_par.tensorparallel.cost.busiest_rank_share`),
+    or, with ``measure_batch``, timed on this machine on a batch of that many images
+    (:func:`~.tp_share.measured_busiest_share`). :class:`NotApplicable` where that plan cuts
+    nothing: the strategy refuses such a run."""
+    model = make_model(model_name)
+    example = torch.zeros(2, *sample_shape(model))
+    try:
+        plan = resolve_plan(model, p, example_inputs=(example,))
+    except ValueError as err:
+        raise NotApplicable(f"{model_name} at {p} ranks: {err}") from err
+    if p > 1 and not any(cut.style != "norm" for cut in plan.cuts):
+        raise NotApplicable(f"{model_name} has no layer the automatic plan cuts {p} ways")
+    if measure_batch:
+        batch = torch.randn(measure_batch, *example.shape[1:], generator=torch.Generator())
+        return measured_busiest_share(model, plan, batch)
+    return busiest_rank_share(model, plan, example)
+
+
+def hybrid_graph(prof: Profile, p: int, topo: Topology, cores: int | None,
+                 weak: bool = False) -> Graph:  # fmt: skip
+    mp = int(prof.options.get("mp") or 2)
+    if p % mp:
+        raise NotApplicable(f"{p} devices do not split into replicas of mp = {mp}")
+    dp, dp0 = p // mp, max(prof.world // mp, 1)
+    work = prof.compute_s * (1.0 if weak else dp0 / dp)
+    g = Graph(weight={0: p})
+    g.lane(0).extend(
+        [Compute(work), Comm(_allreduce_s("ring", prof.grad_bytes // mp, dp, topo), "dp ring")]
+    )
+    return g  # fmt: skip
+
+
+BUILDERS = {
+    "allreduce": data_parallel_graph, "ddp": data_parallel_graph,
+    "local_sgd": data_parallel_graph, "ps": ps_graph, "async_ps": ps_graph,
+    "pipeline": pipeline_graph, "layerwise": pipeline_graph, "tp": tp_graph,
+    "hybrid": hybrid_graph,
+}  # fmt: skip
+
+
+def build(prof: Profile, p: int, topo: Topology, cores: int | None = None,
+          weak: bool = False) -> Graph:  # fmt: skip
+    """The step graph of ``prof``'s strategy at ``p`` devices (raises :class:`NotApplicable`)."""
+    if p < 1:
+        raise ValueError(f"devices must be >= 1, got {p}")
+    return BUILDERS[prof.family](prof, p, topo, cores, weak)

@@ -1,0 +1,86 @@
+"""What a step graph is made of: per *lane* (``(rank, "main")`` and, where a rank
+communicates on a background thread, ``(rank, "bg")``) an ordered list of operations, and
+the messages they name. How each operation runs: :mod:`.engine`."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+Lane = tuple[int, str]
+
+
+@dataclass(frozen=True)
+class Msg:
+    src: int
+    dst: int
+    nbytes: int
+    one_sided: bool = False
+    extra_s: float = 0.0
+
+
+@dataclass(frozen=True)
+class Compute:
+    seconds: float
+    name: str = "compute"
+
+
+@dataclass(frozen=True)
+class Comm:
+    """``seconds`` of communication priced by a cost model (a whole collective), not scaled
+    by the compute speed: what the scale-out graphs use where one rank stands for all."""
+
+    seconds: float
+    name: str = "collective"
+
+
+@dataclass(frozen=True)
+class Post:
+    msg: int
+
+
+@dataclass(frozen=True)
+class Wait:
+    msg: int
+
+
+@dataclass(frozen=True)
+class Join:
+    lane: Lane
+    upto: int
+
+
+@dataclass(frozen=True)
+class After:
+    lane: Lane
+    op: int
+    frac: float = 0.0
+    #: and ``delay_s`` more (waiting: the slowest of the ranks a lane stands for is late)
+    delay_s: float = 0.0
+
+
+Op = Compute | Comm | Post | Wait | Join | After
+
+
+@dataclass
+class Graph:
+    """Lanes of operations, the messages they name and each lane's start time (s)."""
+
+    lanes: dict[Lane, list[Op]] = field(default_factory=dict)
+    messages: list[Msg] = field(default_factory=list)
+    start: dict[Lane, float] = field(default_factory=dict)
+    steps: int = 1
+    #: Where each op ran in the measured run (graphs built from traces), for charts.
+    measured: dict[Lane, list[tuple[float, float]]] = field(default_factory=dict)
+    #: How many identical ranks a rank's lanes stand for (default 1), for core sharing.
+    weight: dict[int, int] = field(default_factory=dict)
+
+    def message(self, msg: Msg) -> int:
+        self.messages.append(msg)
+        return len(self.messages) - 1
+
+    def lane(self, rank: int, name: str = "main") -> list[Op]:
+        return self.lanes.setdefault((rank, name), [])
+
+    @property
+    def ranks(self) -> list[int]:
+        return sorted({rank for rank, _ in self.lanes})
