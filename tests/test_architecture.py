@@ -320,3 +320,31 @@ def test_launch_is_apart_from_messaging() -> None:
     crossing = [(a, b) for a, b in imports if a.startswith("lightning_par.launch.") and
                 b.startswith("lightning_par.comm")]  # fmt: skip
     assert not crossing, crossing
+
+
+# ---- ARCHITECTURE.md against the code -------------------------------------------------------
+ARCHITECTURE = PACKAGE.parent / "ARCHITECTURE.md"
+
+
+def test_architecture_md_places_every_package_in_its_layer() -> None:
+    rows = {
+        line.split("|")[1].strip(): line.split("|")[2]
+        for line in ARCHITECTURE.read_text().splitlines()
+        if line.startswith("| ") and line.split("|")[1].strip()[:2] in ("1.", "2.", "3.", "4.")
+    }
+    for number, (layer, packages) in enumerate(LAYERS.items(), 1):
+        row = next(v for k, v in rows.items() if k.startswith(f"{number}."))
+        for package in filter(None, packages):
+            path = PACKAGE / package
+            shown = f"`{package}/`" if path.is_dir() else f"`{package}.py`"
+            assert shown in row, f"ARCHITECTURE.md: {shown} missing from the {layer} row"
+
+
+def test_every_file_architecture_md_names_exists() -> None:
+    import re
+
+    named = set(re.findall(r"`((?:[a-z_]+/)+[a-z_]*(?:\.py)?)`", ARCHITECTURE.read_text()))
+    roots = [PACKAGE, PACKAGE.parent]
+    missing = [n for n in named if not any((root / n).exists() for root in roots)]
+    # a path relative to a package named beside it ("worker.py" under paramserver/) is fine
+    assert not missing, f"ARCHITECTURE.md names paths that do not exist: {sorted(missing)}"
