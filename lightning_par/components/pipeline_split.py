@@ -22,8 +22,7 @@ model on rank 0 and the whole model's optimiser state in one process's format; c
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping
-from contextlib import contextmanager
+from collections.abc import Mapping
 from typing import Any
 
 import lightning.pytorch as pl
@@ -36,14 +35,14 @@ from lightning_par.components import pipeline_features as features
 from lightning_par.components import pipeline_loss as losses
 from lightning_par.components.graph_pipeline import GraphPipeline, try_cut
 from lightning_par.components.pipeline_options import PipelineOptions
-from lightning_par.components.splitter import ModelSplitter, find_network
+from lightning_par.components.stage_split import StageSplit
 from lightning_par.pipeline.multistage import DeviceStages
 from lightning_par.pipeline.network import PipelinedNetwork
 from lightning_par.pipeline.schedules import Schedule
 from lightning_par.pipeline.state import gather_full_state_dict
 
 
-class PipelineSplit(ModelSplitter):
+class PipelineSplit(StageSplit):
     """The network of ``module.<module_attr>`` as pipeline stages (see the module docstring).
 
     Args:
@@ -75,11 +74,6 @@ class PipelineSplit(ModelSplitter):
     @property
     def name(self) -> str:  # type: ignore[override]
         return self.context.name if self.context is not None else "gpipe"
-
-    @property
-    def attr(self) -> str:
-        """The LightningModule's attribute holding the network (``module_attr``, or found)."""
-        return find_network(self.module, self.module_attr, self.name)
 
     @property
     def network(self) -> PipelinedNetwork:
@@ -150,33 +144,17 @@ class PipelineSplit(ModelSplitter):
         names = [name for name, _ in net.named_children()]
         return [names[sum(balance[:i])] for i in range(1, len(balance))]
 
-    def after_setup(self, trainer: pl.Trainer) -> None:
-        self.batch_checked = False
-        if trainer.state.fn == TrainerFn.FITTING:
-            features.clip_by_whole_model(self.context.precision, self._clip_by_whole_norm)
-
-    def explain_optimizer_error(self, error: ValueError) -> ValueError | None:
-        return features.empty_optimizer_error(self.name, self.context.rank, error)
-
-    def _clip_by_whole_norm(self, optimizer: Any, clip_val: float) -> None:
-        """Lightning's clipping by norm, by the norm of every stage's gradients together (a
-        tied parameter counts once, on its first device)."""
-        params = list(self.context.precision.main_params(optimizer))
+    def clipped_parameters(self) -> tuple[set[int], set[int]]:
+        # a tied parameter counts once, on its first device
         counted = {id(p) for p in self.network.counted_parameters()}
-        outside = {id(p) for p in getattr(self.module, self.attr).parameters()}
-        features.clip_grad_norm_across_stages(
-            [p for p in params if id(p) in counted], clip_val,
-            shared_params=[p for p in params if id(p) not in outside],
-            count_shared=self.comm.rank == 0, group=self.comm.group,
-        )  # fmt: skip
+        return counted, {id(p) for p in getattr(self.module, self.attr).parameters()}
+
+    def running_part(self) -> PipelinedNetwork:
+        return self.network
 
     # ---- steps ------------------------------------------------------------------------------
     def before_training_step(self, batch: Any) -> None:
-        if not self.batch_checked and self.size > 1:
-            features.check_same_batch(
-                batch, self.comm.rank, self.size, self.name, group=self.comm.group
-            )
-            self.batch_checked = True
+        self.check_batch_once(batch)
         features.check_batch_size(batch, self.chunks, self.module.trainer.global_step == 0)
         if self.schedule.loss_per_micro_batch:  # 1F1B and past it: the forward runs it all
             target = losses.batch_target(batch, self.target_index, self.name, self.schedule)
@@ -184,15 +162,6 @@ class PipelineSplit(ModelSplitter):
             loss_fn = losses.resolve_loss(self.module, self.loss_fn, self.loss_attr)
             self.loss_scale = scale  # before_backward compares the loss the step returns
             self.network.expect(target, loss_fn, scale)
-
-    @contextmanager
-    def running(self) -> Iterator[None]:
-        network = self.network
-        network.active = True  # every stage runs forward now
-        try:
-            yield
-        finally:
-            network.active = False
 
     def before_backward(self, closure_loss: Any) -> None:
         scale, self.loss_scale = self.loss_scale, None

@@ -18,8 +18,6 @@ check: :mod:`lightning_par.components.pipeline_features`.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from contextlib import contextmanager
 from typing import Any
 
 import lightning.pytorch as pl
@@ -31,7 +29,7 @@ from lightning_par.components import pipeline_checks as checks
 from lightning_par.components import pipeline_features as features
 from lightning_par.components.pipeline_options import LAYERWISE, PipelineOptions
 from lightning_par.components.pipeline_split import PipelineSplit
-from lightning_par.components.splitter import ModelSplitter, find_network
+from lightning_par.components.stage_split import StageSplit
 from lightning_par.modelparallel.wavefront import (
     WavefrontSequential,
     recurrent_parts,
@@ -56,7 +54,7 @@ def check_time_chunk(time_chunk: Any) -> int | None:
     return time_chunk
 
 
-class WavefrontSplit(ModelSplitter):
+class WavefrontSplit(StageSplit):
     """This rank's stage of a stacked RNN, run as the wavefront (see the module docstring).
 
     Args: as :class:`~lightning_par.strategies.layerwise.LayerwiseStrategy`'s; ``time_chunk``
@@ -85,11 +83,6 @@ class WavefrontSplit(ModelSplitter):
     @property
     def name(self) -> str:  # type: ignore[override]
         return self.context.name if self.context is not None else "layerwise"
-
-    @property
-    def attr(self) -> str:
-        """The LightningModule's attribute holding the network (``module_attr``, or found)."""
-        return find_network(self.module, self.module_attr, self.name)
 
     @property
     def pipelined(self) -> WavefrontSequential:
@@ -142,41 +135,17 @@ class WavefrontSplit(ModelSplitter):
         send_weights_from_first(self.comm, first, piped.state_dict(), device)
         setattr(self.module, self.attr, piped)
 
-    def after_setup(self, trainer: pl.Trainer) -> None:
-        self.batch_checked = False
-        if trainer.state.fn == TrainerFn.FITTING:
-            features.clip_by_whole_model(self.context.precision, self._clip_by_whole_norm)
+    def clipped_parameters(self) -> tuple[set[int], set[int]]:
+        stage = {id(p) for p in self.pipelined.parameters()}
+        return stage, stage  # the stage is in the network's place
 
-    def explain_optimizer_error(self, error: ValueError) -> ValueError | None:
-        return features.empty_optimizer_error(self.name, self.context.rank, error)
-
-    def _clip_by_whole_norm(self, optimizer: Any, clip_val: float) -> None:
-        """Lightning's clipping by norm, by the norm of every stage's gradients together."""
-        params = list(self.context.precision.main_params(optimizer))
-        stage_ids = {id(p) for p in self.pipelined.parameters()}
-        features.clip_grad_norm_across_stages(
-            [p for p in params if id(p) in stage_ids], clip_val,
-            shared_params=[p for p in params if id(p) not in stage_ids],
-            count_shared=self.comm.rank == 0, group=self.comm.group,
-        )  # fmt: skip
+    def running_part(self) -> WavefrontSequential:
+        return self.pipelined
 
     # ---- steps ------------------------------------------------------------------------------
     def before_training_step(self, batch: Any) -> None:
-        if not self.batch_checked and self.size > 1:
-            features.check_same_batch(
-                batch, self.comm.rank, self.size, self.name, group=self.comm.group
-            )
-            self.batch_checked = True
+        self.check_batch_once(batch)
         features.check_batch_size(batch, 1, self.module.trainer.global_step == 0)
-
-    @contextmanager
-    def running(self) -> Iterator[None]:
-        piped = self.pipelined
-        piped.active = True  # every stage runs forward now
-        try:
-            yield
-        finally:
-            piped.active = False
 
     def after_backward(self) -> None:
         self.pipelined.backward()  # the backward wavefront
@@ -228,7 +197,7 @@ def layerwise_split(
     balance: list[int] | None = None, time_chunk: int | None = None,
     balance_by: str = "params", module_attr: str | None = None,
     split_points: list[str] | None = None,
-) -> ModelSplitter:  # fmt: skip
+) -> StageSplit:  # fmt: skip
     """The layer-wise split (``LayerwiseStrategy``, ``hybrid(mp_kind="layerwise")``): the
     wavefront with ``time_chunk``; else any network cut into stages run with one
     micro-batch and no re-materialisation (:data:`~.pipeline_options.LAYERWISE`)."""
