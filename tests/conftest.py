@@ -1,5 +1,6 @@
 import logging
 import os
+import signal
 import warnings
 from pathlib import Path
 
@@ -29,3 +30,17 @@ def _run_in_tmp_dir(tmp_path, monkeypatch):
     """Each test runs in its own temporary folder, so Trainer logs and checkpoints written
     to the working directory never land in the repository."""
     monkeypatch.chdir(tmp_path)
+
+
+@pytest.fixture(autouse=True)
+def _signal_handlers_restored():
+    """Each test leaves SIGINT and SIGTERM as it found them. Lightning ignores SIGINT for
+    good once a Trainer call is interrupted (``_call_and_handle_interrupt``, before its
+    ``sys.exit``): a test that interrupts a fit in this process and catches the exit would
+    leave every later child started with SIGINT ignored, deaf to Ctrl-C
+    (tests/test_interrupts.py saw exactly that in a full run)."""
+    saved = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
+    yield
+    for signum, handler in saved.items():
+        if signal.getsignal(signum) is not handler and handler is not None:
+            signal.signal(signum, handler)

@@ -48,6 +48,14 @@ if __name__ == "__main__":
 """
 
 
+def _as_a_shell_starts_it() -> None:
+    """The script starts as a terminal starts a program: SIGINT and SIGTERM at their default
+    and no signal blocked, whatever this test process inherited or was left with."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    signal.pthread_sigmask(signal.SIG_SETMASK, [])
+
+
 def _alive(pid: int) -> bool:
     try:
         os.kill(pid, 0)
@@ -70,6 +78,7 @@ def test_an_interrupt_of_the_main_process_stops_every_rank(tmp_path, start_metho
     proc = subprocess.Popen(
         [sys.executable, str(script), str(tmp_path), start_method], env=env,
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True,
+        preexec_fn=_as_a_shell_starts_it,
     )  # fmt: skip
     try:
         deadline = time.monotonic() + 120
