@@ -118,7 +118,7 @@ def test_the_check_sees_a_missing_override() -> None:
 #: never up a layer, never up the order within one, so never in a circle.
 LAYERS: dict[str, tuple[str, ...]] = {
     "algorithms": (
-        "_compat", "quiet", "output", "split", "launch", "comm", "collectives", "graphcut",
+        "_compat", "quiet", "output", "split", "launch", "comm", "collectives", "zero", "graphcut",
         "pipeline", "modelparallel", "tensorparallel", "hybrid", "paramserver", "data", "models",
     ),
     "components": ("components",),

@@ -22,6 +22,7 @@ from lightning_par.strategies.local_sgd import LocalSGDStrategy
 from lightning_par.strategies.parameter_server import ParameterServerStrategy
 from lightning_par.strategies.reference import LightningDDPStrategy
 from lightning_par.strategies.tensor_parallel import TensorParallelStrategy
+from lightning_par.strategies.zero import ZeroStrategy
 
 
 @dataclass(frozen=True)
@@ -72,6 +73,11 @@ OTHER_STRATEGIES = [
         "local_sgd", LocalSGDStrategy,
         "Local SGD: each rank steps alone, parameters ring-averaged every 4 steps",
         "data parallel", {"period": 4, "algorithm": "ring"},
+    ),
+    StrategySpec(
+        "zero", ZeroStrategy,
+        "ZeRO sharded data parallelism: optimizer state (stage 1), gradients (2) and "
+        "parameters (3, default) sharded over the ranks", "data parallel",
     ),
     StrategySpec(
         "hybrid", HybridStrategy,

@@ -1,0 +1,126 @@
+"""``zero`` (ZeRO stages 1, 2, 3) trains exactly like one process on the whole batch.
+
+Each check runs Lightning inside ranks started by ``run_on_ranks`` (the torchrun path),
+several fits per launch; the reference is Lightning on one device with the same Trainer
+options reading the concatenated batches. Where the sums run in the same order as
+``ring_allreduce``'s the weights are the same bits: stage 1 always (it sums with the ring
+allreduce itself), stages 2-3 on two ranks (a sum of two numbers does not depend on which
+rank starts it; with three or more the reduce-scatter starts each chunk's sum one rank
+later than the fused ring does, so only float tolerance holds).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+import lightning_par  # noqa: F401  (registers the strategy names)
+from lightning_par.comm import run_on_ranks
+from lightning_par.models import CifarCNN, CifarRNN
+from lightning_par.strategies.zero import ZeroStrategy
+from tests.test_allreduce_strategies import PER_RANK, global_batches, shard, trainer
+
+ATOL = 2e-5
+
+
+def make(kind: str) -> nn.Module:
+    torch.manual_seed(0)
+    if kind == "cnn":
+        return CifarCNN(width=8, num_blocks=2, scheduler=None, lr=0.05)
+    if kind == "cnn-adam":
+        return CifarCNN(width=8, num_blocks=2, scheduler=None, lr=0.01, optimizer="adam")
+    return CifarRNN(hidden_size=16, num_layers=2, optimizer="adam", scheduler=None, lr=0.01)
+
+
+def weights(model: nn.Module) -> list:
+    return [p.detach().numpy().copy() for p in model.state_dict().values()]
+
+
+def one_process(kind: str, world_size: int, **options) -> list:
+    x, y = global_batches(world_size)
+    model = make(kind)
+    loader = DataLoader(TensorDataset(x, y), batch_size=world_size * PER_RANK)
+    trainer("auto", 1, **options).fit(model, loader)
+    return weights(model)
+
+
+def _fit(rank: int, world_size: int, runs) -> dict:
+    x, y = global_batches(world_size)
+    out = {}
+    for key, strategy, kind, options in runs:
+        model = make(kind)
+        if rank:  # every rank must start from rank 0's weights
+            with torch.no_grad():
+                for p in model.parameters():
+                    p.add_(0.1)
+        trainer(strategy, world_size, **options).fit(model, shard(x, y, rank, world_size))
+        out[key] = weights(model)
+    return out
+
+
+def fit_on_ranks(world_size: int, runs) -> list[dict]:
+    return run_on_ranks(_fit, world_size, runs, timeout=300)
+
+
+def assert_same(got: list, want: list, exact: bool, what: str, **tolerance: float) -> None:
+    """Equal bits (``exact``), or equal within float tolerance (default :data:`ATOL`)."""
+    tolerance = tolerance or {"atol": ATOL, "rtol": 1e-4}
+    for n, (a, b) in enumerate(zip(got, want)):
+        if exact:
+            assert (a == b).all(), f"{what}: tensor {n} differs from the reference's bits"
+        else:
+            diff = torch.from_numpy(a).double() - torch.from_numpy(b).double()
+            bound = tolerance["atol"] + tolerance["rtol"] * torch.from_numpy(b).double().abs()
+            assert (diff.abs() <= bound).all(), (
+                f"{what}: tensor {n}: max |diff| {diff.abs().max():.2e}"
+            )
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_every_stage_trains_the_cnn_and_the_rnn_like_one_process(world_size):
+    kinds = ("cnn", "cnn-adam", "rnn")
+    runs = [((s, k), ZeroStrategy(stage=s), k, {}) for s in (1, 2, 3) for k in kinds]
+    runs += [(("ring", k), "ring_allreduce", k, {}) for k in kinds]
+    results = fit_on_ranks(world_size, runs)
+    for kind in kinds:
+        want = one_process(kind, world_size)
+        ring = results[0][("ring", kind)]
+        for stage in (1, 2, 3):
+            got = results[0][(stage, kind)]
+            for rank in range(1, world_size):
+                assert_same(results[rank][(stage, kind)], got, True, f"rank {rank} drifted")
+            assert_same(got, want, False, f"stage {stage} {kind} vs one process")
+            bitwise = stage == 1 or world_size == 2
+            assert_same(got, ring, bitwise, f"stage {stage} {kind} vs ring_allreduce")
+
+
+FEATURES = {
+    "clip": {"gradient_clip_val": 0.05},
+    "accumulate": {"accumulate_grad_batches": 2, "max_steps": 2},
+    "bf16": {"precision": "bf16-mixed"},
+}
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_clipping_accumulation_and_bf16_like_one_process(stage):
+    """Clipping by the norm of every rank's shards together, accumulation over micro-steps
+    (no communication until the last), bf16-mixed: the same bits as ``ring_allreduce`` on
+    two ranks (clipping to float tolerance: its norm adds the shards' squares), and one
+    process's weights (bf16's own rounding depends on the batch each matmul sees, so there
+    only to bf16's tolerance)."""
+    runs = [((name, stage), ZeroStrategy(stage=stage), "cnn-adam", opts)
+            for name, opts in FEATURES.items()]  # fmt: skip
+    runs += [
+        ((name, "ring"), "ring_allreduce", "cnn-adam", opts) for name, opts in FEATURES.items()
+    ]
+    results = fit_on_ranks(2, runs)
+    for name, opts in FEATURES.items():
+        got = results[0][(name, stage)]
+        # the clipping norm sums the shards' squares, not the whole gradients': another order
+        bitwise = name != "clip"
+        assert_same(got, results[0][(name, "ring")], bitwise, f"{name}, stage {stage} vs ring")
+        want = one_process("cnn-adam", 2, **opts)
+        tolerance = {"atol": 5e-2, "rtol": 5e-2} if name == "bf16" else {}
+        assert_same(got, want, False, f"{name}, stage {stage} vs one process", **tolerance)
