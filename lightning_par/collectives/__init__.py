@@ -26,6 +26,7 @@ from lightning_par.collectives.baselines import all_to_all_allreduce, master_wor
 from lightning_par.collectives.butterfly import butterfly_allreduce
 from lightning_par.collectives.cost_model import Cost, fit_alpha_beta, predict
 from lightning_par.collectives.ring import ring_allreduce
+from lightning_par.collectives.ring_phases import ring_all_gather, ring_reduce_scatter
 from lightning_par.collectives.round_robin import round_robin_allreduce
 from lightning_par.collectives.tree import tree_allreduce, tree_broadcast
 
