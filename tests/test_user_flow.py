@@ -34,6 +34,8 @@ COVERING = [
     Case("layerwise", "transformer", "popen"),
     Case("tensor_parallel", "mlp", "popen"),
     Case("hybrid", "mlp", "fork"),
+    Case("zero", "vit", "popen"),
+    Case("zero", "transformer", "fork"),
     Case("lightning_ddp", "transformer", "fork"),
     Case("gpipe", "mlp", "torchrun"),
     Case("parameter_server", "mlp", "torchrun"),

@@ -25,7 +25,8 @@ GLOBAL_BATCH = 16
 STEPS_PER_EPOCH = 64 // GLOBAL_BATCH
 #: Strategies each of whose ranks reads its own shard of every batch (the rest: every rank
 #: reads the whole batch); hybrid's rows do, over its data-parallel size.
-DATA_PARALLEL = ("_allreduce", "parameter_server", "async_sgd", "local_sgd", "lightning_ddp")
+DATA_PARALLEL = ("_allreduce", "parameter_server", "async_sgd", "local_sgd", "zero",
+                 "lightning_ddp")  # fmt: skip
 #: Not equal to one process by design: compared for the flow itself, not the weights.
 NOT_SYNCHRONOUS = ("async_sgd", "local_sgd")
 #: Launcher variables a test session may hold that a user's shell does not.
