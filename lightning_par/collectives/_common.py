@@ -37,12 +37,12 @@ _default: dict[int, Communicator] = {}
 
 
 def check_tensor(tensor: torch.Tensor, collective: str = "allreduce") -> None:
-    """Refuse what ``collective`` cannot sum, naming it and the fix."""
+    """Refuse what ``collective`` cannot move and sum, naming it and the fix."""
     if not isinstance(tensor, torch.Tensor):
         raise TypeError(f"{collective} needs a torch.Tensor, got {type(tensor).__name__}")
     if tensor.dtype == torch.bool:
         raise TypeError(
-            f"{collective} cannot sum a bool tensor; convert it first, e.g. tensor.int()"
+            f"{collective} cannot take a bool tensor; convert it first, e.g. tensor.int()"
         )
 
 
