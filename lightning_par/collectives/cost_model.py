@@ -83,34 +83,22 @@ def zero_cost(algorithm: str, numel: int, p: int, element_size: int) -> Cost:
     return Cost(algorithm, p, numel, element_size, (0,) * p, (0,) * p, 0, 0.0, 0.0)
 
 
-def ring_cost(
-    numel: int,
-    world_size: int,
-    element_size: int = 4,
-    segment_bytes: int | None = DEFAULT_SEGMENT_BYTES,
-) -> Cost:
+def ring_cost(numel: int, world_size: int, element_size: int = 4,
+              segment_bytes: int | None = DEFAULT_SEGMENT_BYTES) -> Cost:  # fmt: skip
     return _pipelined_ring_cost("ring", (REDUCE_SCATTER, ALL_GATHER), numel, world_size,
                                 element_size, segment_bytes)  # fmt: skip
 
 
-def reduce_scatter_cost(
-    numel: int,
-    world_size: int,
-    element_size: int = 4,
-    segment_bytes: int | None = DEFAULT_SEGMENT_BYTES,
-) -> Cost:
+def reduce_scatter_cost(numel: int, world_size: int, element_size: int = 4,
+                        segment_bytes: int | None = DEFAULT_SEGMENT_BYTES) -> Cost:  # fmt: skip
     """:func:`~lightning_par.collectives.ring_reduce_scatter`: rank ``r`` sends every chunk
     but its own, half the ring allreduce's volume (the sum over ranks is exactly half)."""
     return _pipelined_ring_cost("ring_reduce_scatter", (REDUCE_SCATTER,), numel, world_size,
                                 element_size, segment_bytes)  # fmt: skip
 
 
-def all_gather_cost(
-    numel: int,
-    world_size: int,
-    element_size: int = 4,
-    segment_bytes: int | None = DEFAULT_SEGMENT_BYTES,
-) -> Cost:
+def all_gather_cost(numel: int, world_size: int, element_size: int = 4,
+                    segment_bytes: int | None = DEFAULT_SEGMENT_BYTES) -> Cost:  # fmt: skip
     """:func:`~lightning_par.collectives.ring_all_gather`: rank ``r`` sends every chunk but
     its right neighbour's (the one chunk that would come back to its owner)."""
     return _pipelined_ring_cost("ring_all_gather", (ALL_GATHER,), numel, world_size,
@@ -131,17 +119,9 @@ def _pipelined_ring_cost(name: str, phases: tuple[str, ...], numel: int, p: int,
         elems.append(sum(sent))
         messages.append(sum(min(size, k) for size in sent))
     steps = len(phases) * (p - 1)
-    return Cost(
-        name,
-        p,
-        numel,
-        element_size,
-        tuple(e * element_size for e in elems),
-        tuple(messages),
-        steps,
-        float(steps),
-        float(steps * max(sizes) * element_size),
-    )
+    return Cost(name, p, numel, element_size, tuple(e * element_size for e in elems),
+                tuple(messages), steps, float(steps),
+                float(steps * max(sizes) * element_size))  # fmt: skip
 
 
 def tree_cost(numel: int, world_size: int, element_size: int = 4) -> Cost:
