@@ -162,6 +162,22 @@ def test_phases_equal_torchs_collectives_and_their_cost_models(p):
         assert problems == [], f"rank {rank} of {p}, {len(problems)} problems: {problems[:6]}"
 
 
+@pytest.mark.parametrize("p", range(2, 8))
+def test_the_phases_alone_end_with_rank_r_owning_chunk_r_on_the_rings_links(p):
+    fused = [ring_steps(r, p, (REDUCE_SCATTER, ALL_GATHER)) for r in range(p)]
+    for phase in (REDUCE_SCATTER, ALL_GATHER):
+        alone = [ring_steps(r, p, (phase,)) for r in range(p)]
+        for s in range(p - 1):  # what rank r sends at step s, its right neighbour receives
+            assert all(alone[r][s][1] == alone[(r + 1) % p][s][2] for r in range(p))
+    for r in range(p):
+        # the reduce-scatter's last addition is chunk r; the all-gather first sends chunk r
+        assert ring_steps(r, p, (REDUCE_SCATTER,))[-1][2] == r
+        assert ring_steps(r, p, (ALL_GATHER,))[0][1] == r
+        assert fused[r][p - 2][2] == fused[r][p - 1][1] == (r + 1) % p  # the fused ring's
+    with pytest.raises(ValueError, match="reduce-scatter, all-gather or both"):
+        ring_steps(0, p, (ALL_GATHER, REDUCE_SCATTER))
+
+
 def _volume(rank: int, p: int, numel: int) -> dict[str, tuple[int, int]]:
     out = {}
     for name, fn in (("allreduce", ring_allreduce), ("reduce-scatter", ring_reduce_scatter),

@@ -99,8 +99,8 @@ def ring_steps(rank: int, world_size: int, phases: tuple[str, ...]) -> list[Ring
 
     Fused, the reduce-scatter leaves rank ``r`` with the sum of chunk ``(r + 1) % p``, from
     which the all-gather starts: :func:`ring_schedule` of ``r``. Alone, a phase takes the
-    schedule of ``r - 1``: the same neighbours, every chunk one further round the ring, so
-    that rank ``r`` owns chunk ``r``, as torch's ``reduce_scatter_tensor`` and
+    schedule of ``r - 1``: the same neighbours, each chunk's sum ending one rank further
+    round the ring, so that rank ``r`` owns chunk ``r``, as torch's ``reduce_scatter_tensor`` and
     ``all_gather_into_tensor`` have it. (The fused ring keeps its own: which rank starts a
     chunk's sum decides the bits of the result.)
     """
