@@ -8,7 +8,13 @@ import pytest
 import torch
 
 from lightning_par.collectives import ALGORITHMS
-from lightning_par.collectives.cost_model import crossover, fit_alpha_beta, predict
+from lightning_par.collectives.cost_model import (
+    all_gather_cost,
+    crossover,
+    fit_alpha_beta,
+    predict,
+    reduce_scatter_cost,
+)
 from lightning_par.comm import CommTrace, run_on_ranks
 
 
@@ -38,6 +44,40 @@ def test_ring_segments_add_messages_not_bytes():
     cut = predict("ring", 4000, 4, segment_bytes=400)  # 100 floats, 10 segments per chunk
     assert cut.bytes_sent == whole.bytes_sent
     assert cut.messages_sent == tuple(10 * m for m in whole.messages_sent)
+
+
+@pytest.mark.parametrize("p", [2, 3, 4, 5, 8])
+def test_each_ring_phase_sends_half_the_rings_volume(p):
+    n = 840  # divisible by 2..8
+    ring = predict("ring", n, p, segment_bytes=None)
+    for phase in (reduce_scatter_cost, all_gather_cost):
+        cost = phase(n, p, segment_bytes=None)
+        assert (
+            cost.bytes_sent == tuple(b // 2 for b in ring.bytes_sent) == ((p - 1) * n // p * 4,) * p
+        )
+        assert cost.messages_sent == (p - 1,) * p and cost.steps == p - 1
+
+
+def test_ring_phases_uneven_chunks_are_counted_exactly():
+    # n = 10, p = 4: chunks 3, 3, 2, 2. The reduce-scatter sends every chunk but the rank's
+    # own, the all-gather every chunk but its right neighbour's.
+    sizes = [3, 3, 2, 2]
+    scatter = reduce_scatter_cost(10, 4, element_size=1, segment_bytes=None)
+    gather = all_gather_cost(10, 4, element_size=1, segment_bytes=None)
+    assert scatter.bytes_sent == tuple(10 - sizes[r] for r in range(4)) == (7, 7, 8, 8)
+    assert gather.bytes_sent == tuple(10 - sizes[(r + 1) % 4] for r in range(4)) == (7, 8, 8, 7)
+    # over all ranks the two phases send what the fused ring sends (it starts elsewhere)
+    ring = predict("ring", 10, 4, element_size=1, segment_bytes=None)
+    assert sum(scatter.bytes_sent) + sum(gather.bytes_sent) == sum(ring.bytes_sent)
+    # fewer elements than ranks: chunks 1, 1, 0, 0, and empty chunks send nothing
+    assert reduce_scatter_cost(2, 4, segment_bytes=None).messages_sent == (1, 1, 2, 2)
+    assert all_gather_cost(2, 4, segment_bytes=None).messages_sent == (1, 2, 2, 1)
+    # segments add messages, not bytes (100 floats, 10 segments per chunk)
+    cut = reduce_scatter_cost(4000, 4, segment_bytes=400)
+    assert cut.bytes_sent == reduce_scatter_cost(4000, 4, segment_bytes=None).bytes_sent
+    assert cut.messages_sent == (30,) * 4
+    for phase in (reduce_scatter_cost, all_gather_cost):
+        assert phase(0, 4).bytes_sent == (0,) * 4 and phase(100, 1).messages_sent == (0,)
 
 
 @pytest.mark.parametrize("p", [2, 4, 8])

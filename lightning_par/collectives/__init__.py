@@ -10,6 +10,11 @@ Each function sums a tensor in place across the ranks of a process group, like
 * :func:`round_robin_allreduce` - every rank in turn reduces one chunk (a master per chunk);
 * :func:`all_to_all_allreduce`, :func:`master_worker_allreduce` - teaching baselines.
 
+The ring's two phases are collectives of their own (:mod:`.ring_phases`, for sharded data
+parallelism): :func:`ring_reduce_scatter` leaves rank ``r`` with the sum of chunk ``r``,
+:func:`ring_all_gather` gives every rank every rank's chunk. They are not allreduces, so
+not in :data:`ALGORITHMS`.
+
 :func:`average_parameters` averages a model's weights with any of them (local SGD).
 
 :mod:`~lightning_par.collectives.cost_model` predicts their bytes, messages and time.
@@ -73,7 +78,9 @@ __all__ = [
     "get_allreduce",
     "master_worker_allreduce",
     "predict",
+    "ring_all_gather",
     "ring_allreduce",
+    "ring_reduce_scatter",
     "round_robin_allreduce",
     "tree_allreduce",
     "tree_broadcast",

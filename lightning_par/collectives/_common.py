@@ -36,11 +36,14 @@ def resolve_communicator(
 _default: dict[int, Communicator] = {}
 
 
-def check_tensor(tensor: torch.Tensor) -> None:
+def check_tensor(tensor: torch.Tensor, collective: str = "allreduce") -> None:
+    """Refuse what ``collective`` cannot move and sum, naming it and the fix."""
     if not isinstance(tensor, torch.Tensor):
-        raise TypeError(f"allreduce needs a torch.Tensor, got {type(tensor).__name__}")
+        raise TypeError(f"{collective} needs a torch.Tensor, got {type(tensor).__name__}")
     if tensor.dtype == torch.bool:
-        raise TypeError("allreduce cannot sum a bool tensor")
+        raise TypeError(
+            f"{collective} cannot take a bool tensor; convert it first, e.g. tensor.int()"
+        )
 
 
 def prepare(
@@ -48,11 +51,12 @@ def prepare(
     group: dist.ProcessGroup | None,
     comm: Communicator | None,
     trace: CommTrace | None,
+    collective: str = "allreduce",
 ) -> tuple[Communicator, torch.Tensor | None]:
-    """What every allreduce does first: check ``tensor``, pick the communicator, and take
-    a flat work view; the view is ``None`` when there is nothing to exchange (one rank,
-    or an empty tensor)."""
-    check_tensor(tensor)
+    """What every collective does first: check ``tensor`` (errors name ``collective``), pick
+    the communicator, and take a flat work view; the view is ``None`` when there is nothing
+    to exchange (one rank, or an empty tensor)."""
+    check_tensor(tensor, collective)
     comm = resolve_communicator(group, comm, trace)
     if comm.world_size == 1 or tensor.numel() == 0:
         return comm, None

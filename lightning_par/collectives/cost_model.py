@@ -1,20 +1,23 @@
-"""The alpha-beta cost model: messages, bytes and time of each allreduce, per rank.
+"""The alpha-beta cost model: messages, bytes and time of each allreduce (and of the ring's
+two phases), per rank.
 
 Sending ``m`` bytes costs ``alpha + beta * m`` (Hockney's model): ``alpha`` is the
 latency of one message, ``beta`` the time per byte (1 / bandwidth). Counts are exact:
 the tests check that the trace of a real run sends exactly these bytes and messages
 (empty messages are never sent). Times are critical-path estimates:
 
-=================  ===================================  ==========================
-algorithm          bytes sent by rank ``r`` (elements)  time
-=================  ===================================  ==========================
-ring               ``2n - c[(r+1)%p] - c[(r+2)%p]``     ``2(p-1)(alpha + c_max b)``
-tree               ``n * (children + (r != 0))``        ``2D(alpha + k n b)``
-butterfly (p=2^k)  ``n log2 p``                         ``log2 p (alpha + n b)``
-all-to-all         ``(p-1) n``                          ``alpha + (p-1) n b``
-master-worker      ``(p-1) n`` at rank 0, ``n`` else    ``2(alpha + (p-1) n b)``
-round-robin        ``n - c[r] + (p-1) c[r]``            ``2(p-1)(alpha + c_max b)``
-=================  ===================================  ==========================
+=====================  ===================================  ==========================
+algorithm              bytes sent by rank ``r`` (elements)  time
+=====================  ===================================  ==========================
+ring                   ``2n - c[(r+1)%p] - c[(r+2)%p]``     ``2(p-1)(alpha + c_max b)``
+tree                   ``n * (children + (r != 0))``        ``2D(alpha + k n b)``
+butterfly (p=2^k)      ``n log2 p``                         ``log2 p (alpha + n b)``
+all-to-all             ``(p-1) n``                          ``alpha + (p-1) n b``
+master-worker          ``(p-1) n`` at rank 0, ``n`` else    ``2(alpha + (p-1) n b)``
+round-robin            ``n - c[r] + (p-1) c[r]``            ``2(p-1)(alpha + c_max b)``
+ring reduce-scatter    ``n - c[r]``                         ``(p-1)(alpha + c_max b)``
+ring all-gather        ``n - c[(r+1)%p]``                   ``(p-1)(alpha + c_max b)``
+=====================  ===================================  ==========================
 
 with ``c[i]`` the ring's chunk sizes (``n // p`` or one more, see
 :func:`~lightning_par.collectives._common.chunk_sizes`), ``b = beta * element_size``,
@@ -23,7 +26,11 @@ with ``c[i]`` the ring's chunk sizes (``n // p`` or one more, see
 divides ``n``; butterfly with ``p`` not a power of two adds a fold-in and a fold-out
 step of ``n`` elements for the folded pairs. Round-robin sends the ring's volume in the
 ring's number of steps (one port per rank, one message per step), but each message goes
-straight to the chunk's owner instead of along the ring.
+straight to the chunk's owner instead of along the ring. The ring's two phases alone
+(:mod:`~lightning_par.collectives.ring_phases`, not allreduces, so not in
+:data:`COST_MODELS`: :func:`reduce_scatter_cost`, :func:`all_gather_cost`) each send
+half the ring's volume, ``(p-1)/p * n`` elements when ``p`` divides ``n``, one message per
+segment of each chunk sent.
 
 Tensor parallelism's ring all-gather and reduce-scatter of unequal slices, and the sum of a
 step's collectives, are costed beside its algorithm, in :mod:`lightning_par.tensorparallel.cost`.
@@ -38,8 +45,10 @@ from torch import nn
 from lightning_par.collectives._common import chunk_sizes
 from lightning_par.collectives.butterfly import butterfly_shape
 from lightning_par.collectives.ring import (
+    ALL_GATHER,
     DEFAULT_SEGMENT_BYTES,
-    ring_schedule,
+    REDUCE_SCATTER,
+    ring_steps,
     segments_per_chunk,
 )
 from lightning_par.collectives.tree import tree_children, tree_depth
@@ -48,7 +57,7 @@ from lightning_par.comm.buckets import make_buckets
 
 @dataclass(frozen=True)
 class Cost:
-    """Predicted communication of one allreduce of ``numel`` elements on ``world_size`` ranks."""
+    """Predicted communication of one collective of ``numel`` elements on ``world_size`` ranks."""
 
     algorithm: str
     world_size: int
@@ -74,35 +83,45 @@ def zero_cost(algorithm: str, numel: int, p: int, element_size: int) -> Cost:
     return Cost(algorithm, p, numel, element_size, (0,) * p, (0,) * p, 0, 0.0, 0.0)
 
 
-def ring_cost(
-    numel: int,
-    world_size: int,
-    element_size: int = 4,
-    segment_bytes: int | None = DEFAULT_SEGMENT_BYTES,
-) -> Cost:
-    p = world_size
+def ring_cost(numel: int, world_size: int, element_size: int = 4,
+              segment_bytes: int | None = DEFAULT_SEGMENT_BYTES) -> Cost:  # fmt: skip
+    return _pipelined_ring_cost("ring", (REDUCE_SCATTER, ALL_GATHER), numel, world_size,
+                                element_size, segment_bytes)  # fmt: skip
+
+
+def reduce_scatter_cost(numel: int, world_size: int, element_size: int = 4,
+                        segment_bytes: int | None = DEFAULT_SEGMENT_BYTES) -> Cost:  # fmt: skip
+    """:func:`~lightning_par.collectives.ring_reduce_scatter`: rank ``r`` sends every chunk
+    but its own, half the ring allreduce's volume (the sum over ranks is exactly half)."""
+    return _pipelined_ring_cost("ring_reduce_scatter", (REDUCE_SCATTER,), numel, world_size,
+                                element_size, segment_bytes)  # fmt: skip
+
+
+def all_gather_cost(numel: int, world_size: int, element_size: int = 4,
+                    segment_bytes: int | None = DEFAULT_SEGMENT_BYTES) -> Cost:  # fmt: skip
+    """:func:`~lightning_par.collectives.ring_all_gather`: rank ``r`` sends every chunk but
+    its right neighbour's (the one chunk that would come back to its owner)."""
+    return _pipelined_ring_cost("ring_all_gather", (ALL_GATHER,), numel, world_size,
+                                element_size, segment_bytes)  # fmt: skip
+
+
+def _pipelined_ring_cost(name: str, phases: tuple[str, ...], numel: int, p: int,
+                         element_size: int, segment_bytes: int | None) -> Cost:  # fmt: skip
+    """The ring engine's traffic for ``phases``, step by step from :func:`ring_steps`."""
     if p == 1 or numel == 0:
-        return zero_cost("ring", numel, p, element_size)
+        return zero_cost(name, numel, p, element_size)
     sizes = chunk_sizes(numel, p)
     # each chunk goes in k segments of near-equal size; a chunk of c < k elements in c
     k = segments_per_chunk(max(sizes), element_size, segment_bytes)
     elems, messages = [], []
     for rank in range(p):
-        sent = [sizes[chunk] for chunk, _ in ring_schedule(rank, p)]
+        sent = [sizes[chunk] for _, chunk, _ in ring_steps(rank, p, phases)]
         elems.append(sum(sent))
         messages.append(sum(min(size, k) for size in sent))
-    steps = 2 * (p - 1)
-    return Cost(
-        "ring",
-        p,
-        numel,
-        element_size,
-        tuple(e * element_size for e in elems),
-        tuple(messages),
-        steps,
-        float(steps),
-        float(steps * max(sizes) * element_size),
-    )
+    steps = len(phases) * (p - 1)
+    return Cost(name, p, numel, element_size, tuple(e * element_size for e in elems),
+                tuple(messages), steps, float(steps),
+                float(steps * max(sizes) * element_size))  # fmt: skip
 
 
 def tree_cost(numel: int, world_size: int, element_size: int = 4) -> Cost:
@@ -254,12 +273,14 @@ def crossover(first: str, second: str, world_size: int, alpha: float, beta: floa
 __all__ = [
     "COST_MODELS",
     "Cost",
+    "all_gather_cost",
     "all_to_all_cost",
     "butterfly_cost",
     "crossover",
     "fit_alpha_beta",
     "master_worker_cost",
     "predict",
+    "reduce_scatter_cost",
     "ring_cost",
     "round_robin_cost",
     "tree_cost",

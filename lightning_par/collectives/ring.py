@@ -16,6 +16,11 @@ sends segment ``i``, which is segment ``i - k`` received and added earlier, whil
 overlaps the transfer of the next and the link never waits for a whole chunk. Chunk and
 step boundaries disappear: the first segments of the all-gather leave while the last ones
 of the reduce-scatter are still being added.
+
+The engine, :class:`SegmentRing`, runs a list of steps (:func:`ring_steps`), so it runs
+either phase alone as well (:mod:`.ring_phases`: the reduce-scatter and all-gather that
+sharded data parallelism needs, Rajbhandari et al., "ZeRO", 2020); :func:`ring_allreduce` is
+the two run as one stream.
 """
 
 from __future__ import annotations
@@ -52,12 +57,23 @@ MIN_SPLIT_BYTES = 1 << 20
 #: receive has not been posted yet waits with it.
 RECEIVES_IN_FLIGHT = 8
 
+#: The two phases, also the trace tags of their messages.
+REDUCE_SCATTER, ALL_GATHER = "reduce-scatter", "all-gather"
+
+#: One step of one rank: (phase, chunk sent to the right, chunk received from the left).
+RingStep = tuple[str, int, int]
+
 __all__ = [
+    "ALL_GATHER",
     "DEFAULT_SEGMENT_BYTES",
     "MIN_SPLIT_BYTES",
     "RECEIVES_IN_FLIGHT",
+    "REDUCE_SCATTER",
+    "SegmentRing",
     "ring_allreduce",
     "ring_schedule",
+    "ring_steps",
+    "run_ring",
     "segments_per_chunk",
 ]
 
@@ -78,6 +94,24 @@ def segments_per_chunk(chunk_elems: int, element_size: int, segment_bytes: int |
     return min(k, chunk_elems)
 
 
+def ring_steps(rank: int, world_size: int, phases: tuple[str, ...]) -> list[RingStep]:
+    """The steps of ``rank`` in ``phases``: both (the allreduce) or one alone.
+
+    Fused, the reduce-scatter leaves rank ``r`` with the sum of chunk ``(r + 1) % p``, from
+    which the all-gather starts: :func:`ring_schedule` of ``r``. Alone, a phase takes the
+    schedule of ``r - 1``: the same neighbours, each chunk's sum ending one rank further
+    round the ring, so that rank ``r`` owns chunk ``r``, as torch's ``reduce_scatter_tensor`` and
+    ``all_gather_into_tensor`` have it. (The fused ring keeps its own: which rank starts a
+    chunk's sum decides the bits of the result.)
+    """
+    if phases not in ((REDUCE_SCATTER, ALL_GATHER), (REDUCE_SCATTER,), (ALL_GATHER,)):
+        raise ValueError(f"ring phases must be reduce-scatter, all-gather or both, got {phases}")
+    p = world_size
+    schedule = ring_schedule(rank if len(phases) == 2 else rank - 1, p)
+    halves = {REDUCE_SCATTER: schedule[: p - 1], ALL_GATHER: schedule[p - 1 :]}
+    return [(phase, sent, received) for phase in phases for sent, received in halves[phase]]
+
+
 def ring_allreduce(
     tensor: torch.Tensor,
     group: dist.ProcessGroup | None = None,
@@ -87,7 +121,8 @@ def ring_allreduce(
     segment_bytes: int | None = DEFAULT_SEGMENT_BYTES,
     receives_in_flight: int = RECEIVES_IN_FLIGHT,
 ) -> torch.Tensor:
-    """Sum ``tensor`` in place over the ranks of ``group`` with the pipelined ring.
+    """Sum ``tensor`` in place over the ranks of ``group`` with the pipelined ring: its
+    reduce-scatter and all-gather (:func:`ring_steps`) run as one stream of segments.
 
     Args:
         tensor: any shape and floating dtype; CPU or CUDA.
@@ -98,22 +133,44 @@ def ring_allreduce(
             each chunk as one message.
         receives_in_flight: receives posted ahead (each with its own buffer); at least 2.
     """
+    both = (REDUCE_SCATTER, ALL_GATHER)
+    run_ring(tensor, both, group, comm, trace, segment_bytes, receives_in_flight, "allreduce")
+    return tensor
+
+
+def run_ring(
+    tensor: torch.Tensor,
+    phases: tuple[str, ...],
+    group: dist.ProcessGroup | None,
+    comm: Communicator | None,
+    trace: CommTrace | None,
+    segment_bytes: int | None,
+    receives_in_flight: int,
+    collective: str,
+) -> tuple[Communicator, torch.Tensor | None]:
+    """Run ``phases`` of the pipelined ring on ``tensor`` in place (``collective`` names the
+    caller in errors). Returns the communicator and the flat view the ring worked on: a
+    view of ``tensor``, or, when ``tensor`` is not contiguous, the copy written back to it;
+    ``None`` when there was nothing to exchange (one rank, or no elements)."""
     if receives_in_flight < 2:
         raise ValueError(f"receives_in_flight must be >= 2, got {receives_in_flight}")
-    comm, flat = prepare(tensor, group, comm, trace)
+    comm, flat = prepare(tensor, group, comm, trace, collective)
     if flat is None:
-        return tensor
-    _SegmentRing(comm, flat, segment_bytes, receives_in_flight).run()
-    return finish(tensor, flat)
+        return comm, None
+    steps = ring_steps(comm.rank, comm.world_size, phases)
+    SegmentRing(comm, flat, steps, segment_bytes, receives_in_flight).run()
+    finish(tensor, flat)
+    return comm, flat
 
 
-class _SegmentRing:
-    """One pipelined ring allreduce of ``flat`` on ``comm``: each chunk's segments, the
-    receive slots and the stream of ``2 (p - 1) k`` iterations (the module docstring)."""
+class SegmentRing:
+    """One pipelined run of the ring ``steps`` over ``flat`` on ``comm``: each chunk's
+    segments, the receive slots and the stream of ``len(steps) k`` iterations (the module
+    docstring)."""
 
-    def __init__(self, comm: Communicator, flat: torch.Tensor, segment_bytes: int | None,
-                 receives_in_flight: int) -> None:  # fmt: skip
-        p, rank = comm.world_size, comm.rank
+    def __init__(self, comm: Communicator, flat: torch.Tensor, steps: list[RingStep],
+                 segment_bytes: int | None, receives_in_flight: int) -> None:  # fmt: skip
+        p = comm.world_size
         self.comm, self.flat = comm, flat
         sizes = chunk_sizes(flat.numel(), p)
         starts = split_offsets(sizes)
@@ -121,35 +178,33 @@ class _SegmentRing:
         # pieces[c][j]: (start, stop) in ``flat`` of segment j of chunk c (empty when c is small)
         self.pieces = [[(starts[c] + a, starts[c] + b) for a, b in bounds(even_sizes(sizes[c], k))]
                        for c in range(p)]  # fmt: skip
-        self.schedule = ring_schedule(rank, p)
-        self.reduce_iters, self.total = (p - 1) * k, 2 * (p - 1) * k
-        self.right, self.left = (rank + 1) % p, (rank - 1) % p
+        self.steps, self.total = steps, len(steps) * k
+        self.reduces = [phase == REDUCE_SCATTER for phase, _, _ in steps]
+        self.right, self.left = (comm.rank + 1) % p, (comm.rank - 1) % p
         # p = 2 on NCCL: one peer on both sides, whose messages NCCL runs on one stream in
         # posting order, so both ranks post (send i, receive i) pairs, the lower rank's send
         # first (see ordered_exchange). Elsewhere receives are posted as far ahead as buffers
         # allow, so a sender is never held up by a receiver that has not asked yet.
         self.paired = p == 2 and comm.backend == "nccl"
         self.depth = 2 if self.paired else min(receives_in_flight, self.total)
-        slot_len = max(b - a for a, b in self.pieces[0])
-        # one 1-D view per slot, made once: indexing a 2-D tensor per message costs ~30 us
+        # one 1-D view per slot, made once: indexing a 2-D tensor per message costs ~30 us;
+        # only the reduce-scatter needs them (the all-gather receives into place)
+        slot_len = max(b - a for a, b in self.pieces[0]) if any(self.reduces) else 0
         self.slots = scratch((self.depth, slot_len), flat.dtype, flat.device).unbind(0)
         self.recvs: list[tuple[Handle, torch.Tensor, torch.Tensor] | None] = [None] * self.total
         self.sends: list[Handle] = []
 
-    def _tag(self, i: int) -> str:
-        return "reduce-scatter" if i < self.reduce_iters else "all-gather"
-
     def post_recv(self, i: int) -> None:
         step, j = divmod(i, self.k)
-        chunk = self.schedule[step][1]
+        phase, _, chunk = self.steps[step]
         a, b = self.pieces[chunk][j]
         if b > a:
-            # reduce-scatter: into a slot, added later; all-gather: straight into place (it
-            # cannot arrive before this rank's own send from there was received: the
-            # finished chunk needs it)
+            # reduce-scatter: into a slot, added later; all-gather: straight into place (no
+            # send reads it before: a rank forwards what it received, and its fused
+            # reduce-scatter send from there was received before the finished chunk can be)
             own = self.flat[a:b]
-            target = self.slots[i % self.depth][: b - a] if i < self.reduce_iters else own
-            handle = self.comm.irecv(target, self.left, step=step, chunk=chunk, tag=self._tag(i))
+            target = self.slots[i % self.depth][: b - a] if self.reduces[step] else own
+            handle = self.comm.irecv(target, self.left, step=step, chunk=chunk, tag=phase)
             self.recvs[i] = (handle, own, target)
 
     def complete(self, i: int) -> None:
@@ -158,16 +213,16 @@ class _SegmentRing:
         if received is not None:
             handle, own, incoming = received
             handle.wait()
-            if i < self.reduce_iters:
+            if self.reduces[i // self.k]:
                 own.add_(incoming)
 
     def send(self, i: int) -> None:
         step, j = divmod(i, self.k)
-        chunk = self.schedule[step][0]
+        phase, chunk, _ = self.steps[step]
         a, b = self.pieces[chunk][j]
         if b > a:
             self.sends.append(self.comm.isend(self.flat[a:b], self.right, step=step, chunk=chunk,
-                                              tag=self._tag(i)))  # fmt: skip
+                                              tag=phase))  # fmt: skip
 
     def run(self) -> None:
         # Send i carries receive i - k, added. Waiting one receive later than that (lag 2)
