@@ -11,6 +11,7 @@ later than the fused ring does, so only float tolerance holds).
 
 from __future__ import annotations
 
+import lightning.pytorch as pl
 import pytest
 import torch
 from torch import nn
@@ -124,3 +125,56 @@ def test_clipping_accumulation_and_bf16_like_one_process(stage):
         want = one_process("cnn-adam", 2, **opts)
         tolerance = {"atol": 5e-2, "rtol": 5e-2} if name == "bf16" else {}
         assert_same(got, want, False, f"{name}, stage {stage} vs one process", **tolerance)
+
+
+def _checkpointed(rank: int, world_size: int, folder: str, stage) -> dict:
+    """Fit 4 steps saving a checkpoint every 2 (mid-fit: stage 3's units are sharded then),
+    then resume a new fit from the step-2 checkpoint; both under ``stage`` ("one": one
+    process reading the whole batches)."""
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    x, y = global_batches(world_size, steps=4)
+    if stage == "one":
+        loader, strategy, devices = (
+            DataLoader(TensorDataset(x, y), batch_size=world_size * PER_RANK),
+            "auto",
+            1,
+        )
+    else:
+        loader, strategy, devices = (
+            shard(x, y, rank, world_size),
+            ZeroStrategy(stage=stage),
+            world_size,
+        )
+    saver = ModelCheckpoint(dirpath=f"{folder}/{stage}", every_n_train_steps=2, save_top_k=-1)
+    model = make("cnn-adam")
+    pl.Trainer(strategy=strategy, accelerator="cpu", devices=devices, max_steps=4, logger=False,
+               callbacks=[saver], enable_progress_bar=False, enable_model_summary=False,
+               use_distributed_sampler=False).fit(model, loader)  # fmt: skip
+    step2 = torch.load(f"{folder}/{stage}/epoch=0-step=2.ckpt", weights_only=False)
+    resumed = make("cnn-adam")
+    strategy = "auto" if stage == "one" else ZeroStrategy(stage=stage)
+    trainer(strategy, devices, max_steps=4).fit(
+        resumed, loader, ckpt_path=f"{folder}/{stage}/epoch=0-step=2.ckpt"
+    )
+    adam = step2["optimizer_states"][0]["state"]
+    return {
+        "fit": weights(model),
+        "resumed": weights(resumed),
+        "step2": [v.numpy().copy() for v in step2["state_dict"].values()],
+        "adam": [
+            adam[i][k].numpy().copy() for i in sorted(adam) for k in ("exp_avg", "exp_avg_sq")
+        ],
+    }
+
+
+@pytest.mark.parametrize("stage", [1, 3])
+def test_a_checkpoint_saved_mid_fit_is_one_processs_and_resumes_like_it(stage, tmp_path):
+    """A checkpoint written while the shards are apart holds the whole weights and Adam's
+    whole state in one process's numbering, and a fit resumed from it ends where one
+    process's resumed from its own does (Lightning restarts a plain loader's epoch)."""
+    (got, _) = run_on_ranks(_checkpointed, 2, str(tmp_path), stage, timeout=300)
+    want = _checkpointed(0, 2, str(tmp_path), "one")
+    for key in ("step2", "adam", "fit", "resumed"):
+        assert len(got[key]) == len(want[key]), key
+        assert_same(got[key], want[key], False, f"stage {stage}: {key}")

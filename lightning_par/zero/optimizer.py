@@ -156,8 +156,9 @@ class ShardedOptimizer:
         opt_state = self.optimizer.state
         p = unit.world_size
         # which parameters were ever stepped, and their scalar values (by the first piece)
-        has = torch.zeros(len(unit.params), dtype=torch.float64)
-        scalars = torch.zeros(len(unit.params), dtype=torch.float64)
+        # on the unit's device: NCCL sends no CPU tensor
+        has = torch.zeros(len(unit.params), dtype=torch.float64, device=unit.device)
+        scalars = torch.zeros(len(unit.params), dtype=torch.float64, device=unit.device)
         buffer = (
             torch.zeros(unit.padded_numel, dtype=unit.dtype, device=unit.device) if shaped else None
         )
@@ -177,6 +178,7 @@ class ShardedOptimizer:
             has, scalars = flags[: len(has)], flags[len(has) :]
             if shaped:
                 ring_all_gather(buffer, comm=comm)
+        has, scalars = has.tolist(), scalars.tolist()
         for i, param in enumerate(unit.params):
             if has[i] == 0:
                 continue
@@ -185,7 +187,7 @@ class ShardedOptimizer:
                 start, n = unit.offsets[i], unit.numels[i]
                 entry[key] = buffer[start : start + n].view_as(param).clone()
             else:
-                entry[key] = torch.tensor(scalars[i].item(), dtype=torch.float32)
+                entry[key] = torch.tensor(scalars[i], dtype=torch.float32)
 
     def load_full_state_dict(self, full: dict[str, Any]) -> None:
         """Load one process's ``state_dict``: this rank keeps its pieces' slices."""
