@@ -1,8 +1,8 @@
 """Networks no one here wrote, held the way their authors hold them (``self.model = ...`` in
 the LightningModule, Lightning's own demo ``LightningTransformer`` as it is), trained under
-the model-parallel strategies: the weights after k steps equal one process's on the same
-global batch, the user's module keeps its type and parameter names on every rank, and the
-checkpoint loads into the plain network.
+the model-parallel strategies and ``zero``'s three stages: the weights after k steps equal
+one process's on the same global batch, the user's module keeps its type and parameter
+names on every rank, and the checkpoint loads into the plain network.
 
 Each (strategy, world size) is one launch of ``run_on_ranks`` (torchrun's path) running
 every model in turn, so the matrix costs a few launches, not one per cell.
@@ -28,6 +28,7 @@ from lightning_par.strategies.gpipe import GPipeStrategy
 from lightning_par.strategies.hybrid import HybridStrategy
 from lightning_par.strategies.layerwise import LayerwiseStrategy
 from lightning_par.strategies.tensor_parallel import TensorParallelStrategy
+from lightning_par.strategies.zero import ZeroStrategy
 
 BATCH, STEPS, VOCAB, SEQ = 6, 2, 40, 6
 
@@ -127,6 +128,10 @@ STRATEGIES = {
     "hybrid": lambda: HybridStrategy(dp=2, mp=2, mp_kind="gpipe", chunks=3),
     "tensor_parallel": lambda: TensorParallelStrategy(),
     "hybrid_tp": lambda: HybridStrategy(dp=2, mp=2, mp_kind="tensor_parallel"),
+    # data parallel over the same batch on every rank: the mean of equal gradients
+    "zero1": lambda: ZeroStrategy(stage=1),
+    "zero2": lambda: ZeroStrategy(stage=2),
+    "zero3": lambda: ZeroStrategy(stage=3),
 }
 
 
@@ -167,6 +172,10 @@ CELLS = [
     ("tensor_parallel", 2, ["resnet18_gn", "demo_transformer", "tiny_gpt"]),
     ("tensor_parallel", 3, ["resnet18_gn", "tiny_gpt"]),
     ("hybrid_tp", 4, ["resnet18_gn", "demo_transformer"]),
+    ("zero1", 3, ["resnet18_bn", "tiny_gpt"]),
+    ("zero2", 2, ["resnet18_gn", "demo_transformer"]),
+    ("zero3", 2, ["resnet18_bn", "demo_transformer", "tiny_gpt"]),
+    ("zero3", 3, ["resnet18_gn", "tiny_gpt"]),
 ]
 
 
