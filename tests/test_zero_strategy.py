@@ -178,3 +178,61 @@ def test_a_checkpoint_saved_mid_fit_is_one_processs_and_resumes_like_it(stage, t
     for key in ("step2", "adam", "fit", "resumed"):
         assert len(got[key]) == len(want[key]), key
         assert_same(got[key], want[key], False, f"stage {stage}: {key}")
+
+
+def _sharded(rank: int, world_size: int, folder: str, stage: int) -> dict:
+    """Fit 4 steps writing sharded checkpoints every 2, then resume from the step-2 one."""
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    x, y = global_batches(world_size, steps=4)
+    loader = shard(x, y, rank, world_size)
+    saver = ModelCheckpoint(dirpath=f"{folder}/{stage}", every_n_train_steps=2, save_top_k=-1)
+    model = make("cnn-adam")
+    pl.Trainer(strategy=ZeroStrategy(stage=stage, checkpoint="sharded"), accelerator="cpu",
+               devices=world_size, max_steps=4, logger=False, callbacks=[saver],
+               enable_progress_bar=False, enable_model_summary=False,
+               use_distributed_sampler=False).fit(model, loader)  # fmt: skip
+    resumed = make("cnn-adam")
+    step2 = f"{folder}/{stage}/epoch=0-step=2.ckpt"
+    strategy = ZeroStrategy(stage=stage, checkpoint="sharded")
+    trainer(strategy, world_size, max_steps=4).fit(resumed, loader, ckpt_path=step2)
+    return {"fit": weights(model), "resumed": weights(resumed)}
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_a_sharded_checkpoint_resumes_and_consolidates_into_one_processs(stage, tmp_path):
+    """``checkpoint="sharded"``: each rank writes only its shards (a folder, torch's
+    distributed checkpoint); the fit resumes from it like one process from its own, and
+    ``python -m lightning_par.zero consolidate`` makes one process's checkpoint of it."""
+    from lightning_par.zero.__main__ import main
+
+    got, _ = run_on_ranks(_sharded, 2, str(tmp_path), stage, timeout=300)
+    want = _checkpointed(0, 2, str(tmp_path), "one")
+    assert_same(got["fit"], want["fit"], False, f"stage {stage}: fit")
+    assert_same(got["resumed"], want["resumed"], False, f"stage {stage}: resumed")
+    folder = tmp_path / str(stage) / "epoch=0-step=2.ckpt"
+    assert folder.is_dir() and main(["consolidate", str(folder), str(tmp_path / "whole.ckpt")]) == 0
+    whole = torch.load(tmp_path / "whole.ckpt", weights_only=False)
+    assert_same([v.numpy() for v in whole["state_dict"].values()], want["step2"], False, "weights")
+    adam = whole["optimizer_states"][0]["state"]
+    mine = [adam[i][k].numpy() for i in sorted(adam) for k in ("exp_avg", "exp_avg_sq")]
+    assert_same(mine, want["adam"], False, "Adam's state")
+    assert whole["global_step"] == 2 and whole["optimizer_states"][0]["param_groups"]
+
+
+def _resume_elsewhere(rank: int, world_size: int, folder: str, stage: int) -> None:
+    x, y = global_batches(world_size, steps=4)
+    trainer(ZeroStrategy(stage=stage, checkpoint="sharded"), world_size, max_steps=4).fit(
+        make("cnn-adam"), shard(x, y, rank, world_size), ckpt_path=folder
+    )
+
+
+def test_a_sharded_checkpoint_on_other_ranks_is_refused_with_the_way_out(tmp_path):
+    from lightning_par.launch.run import RankFailed
+
+    run_on_ranks(_sharded, 2, str(tmp_path), 3, timeout=300)
+    folder = str(tmp_path / "3" / "epoch=0-step=2.ckpt")
+    with pytest.raises(RankFailed) as err:
+        run_on_ranks(_resume_elsewhere, 3, folder, 3, timeout=120)
+    assert "written by 2 ranks, these are 3" in str(err.value)
+    assert "python -m lightning_par.zero consolidate" in str(err.value)

@@ -40,6 +40,13 @@ from lightning_par.components.splitter import ModelSplitter
 from lightning_par.zero.gather import StageThree
 from lightning_par.zero.grads import ShardedGradients
 from lightning_par.zero.optimizer import ShardedOptimizer, check_elementwise
+from lightning_par.zero.sharded_checkpoint import (
+    CONSOLIDATE,
+    check_resumable,
+    load_sharded,
+    read_meta,
+    save_sharded,
+)
 from lightning_par.zero.units import FlatUnit, group_parameters
 
 
@@ -51,13 +58,22 @@ class ZeroShards(ModelSplitter):
         bucket_cap_mb: the largest unit of stages 1-2 (stage 3: one unit per layer).
         elementwise_optimizers: optimizer classes, besides torch's element-wise ones, whose
             update is element-wise.
+        sharded_checkpoints: checkpoints keep each rank's shards (``zero(checkpoint=
+            "sharded")``) instead of gathering one process's.
     """
 
     def __init__(
-        self, stage: int, bucket_cap_mb: float, elementwise_optimizers: tuple = ()
+        self,
+        stage: int,
+        bucket_cap_mb: float,
+        elementwise_optimizers: tuple = (),
+        sharded_checkpoints: bool = False,
     ) -> None:
         super().__init__()
         self.stage, self.bucket_cap_mb = stage, bucket_cap_mb
+        #: checkpoints keep each rank's shards (nothing gathered) unless :meth:`whole` says
+        self.sharded_checkpoints = sharded_checkpoints
+        self._whole_checkpoint = False
         self.elementwise_optimizers = tuple(elementwise_optimizers)
         self.units: list[FlatUnit] = []
         self.sharded: dict[int, ShardedOptimizer] = {}
@@ -179,8 +195,21 @@ class ZeroShards(ModelSplitter):
                 q.grad = None  # the pieces stepped; whole gradients start afresh
 
     # ---- checkpoints in one process's format -------------------------------------------------
+    @contextmanager
+    def whole(self) -> Iterator[None]:
+        """Checkpoints made inside gather the whole model (the fork launch's carry-back)."""
+        previous, self._whole_checkpoint = self._whole_checkpoint, True
+        try:
+            yield
+        finally:
+            self._whole_checkpoint = previous
+
+    @property
+    def gathers_checkpoints(self) -> bool:
+        return not self.sharded_checkpoints or self._whole_checkpoint
+
     def full_state_dict(self, local: dict[str, Any]) -> dict[str, Any]:
-        if self.stage3 is None:
+        if self.stage3 is None or not self.gathers_checkpoints:
             return local
         values: dict[int, torch.Tensor] = {}
         for unit in self.units:
@@ -196,7 +225,9 @@ class ZeroShards(ModelSplitter):
 
     def full_optimizer_state(self, local: dict[str, Any], optimizer: Any) -> dict[str, Any]:
         sharded = self.sharded.get(id(getattr(optimizer, "_optimizer", optimizer)))
-        return local if sharded is None else sharded.full_state_dict(self.comm)
+        if sharded is None or not self.gathers_checkpoints:
+            return local
+        return sharded.full_state_dict(self.comm)
 
     def load_optimizer_states(self, optimizers: list[Any], states: list[Any]) -> bool:
         if not self.sharded:
@@ -206,6 +237,29 @@ class ZeroShards(ModelSplitter):
                 state
             )
         return True
+
+    def save_sharded(self, checkpoint: dict[str, Any], path: Any) -> None:
+        """Every rank writes its shards into the folder ``path`` (nothing gathered)."""
+        save_sharded(path, checkpoint, self.units, list(self.sharded.values()), self.module,
+                     self.comm)  # fmt: skip
+
+    def load_sharded(self, path: Any) -> None:
+        """Every rank reads its shards of the weights and optimizer states from ``path``."""
+        if not self.units:
+            raise ValueError(
+                f"{self.context.name}: a sharded checkpoint resumes a fit of zero; to "
+                f"validate, test, predict or use it elsewhere, {CONSOLIDATE.format(path=path)} "
+                "and pass whole.ckpt"
+            )
+        check_resumable(read_meta(path), self.units, self.module, self.comm.world_size, path)
+        buffers = load_sharded(path, self.units, list(self.sharded.values()), self.module,
+                               self.comm)  # fmt: skip
+        with torch.no_grad():
+            for name, value in self.module.named_buffers():
+                value.copy_(buffers[name])
+            if self.stage != 3:
+                for unit in self.units:
+                    ring_all_gather(unit.full, comm=self.comm)
 
     # ---- the end of a fit -------------------------------------------------------------------
     def close(self) -> None:

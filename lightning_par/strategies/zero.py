@@ -25,6 +25,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
+import lightning.pytorch as pl
 import torch
 from typing_extensions import override
 
@@ -32,6 +33,7 @@ from lightning_par.collectives import tree_broadcast
 from lightning_par.components.zero_shards import ZeroShards
 from lightning_par.strategies._base import ParStrategy
 from lightning_par.strategies._split_context import StrategyContext
+from lightning_par.zero.sharded_checkpoint import is_sharded_checkpoint, read_meta
 
 STAGES = (1, 2, 3)
 
@@ -46,6 +48,11 @@ class ZeroStrategy(ParStrategy):
             per layer).
         elementwise_optimizers: optimizer classes of your own whose update is element-wise
             (torch's SGD, Adam, AdamW, RMSprop, Adagrad, ... are known already).
+        checkpoint: ``"whole"`` (default): checkpoints in one process's format, the shards
+            gathered, loadable anywhere; ``"sharded"``: each rank writes its own shards into
+            a folder (torch's distributed checkpoint), for models that do not fit one rank;
+            it resumes ``zero`` on as many ranks, and ``python -m lightning_par.zero
+            consolidate`` turns it into one process's.
         **kwargs: ``trace``, ``trace_dir``, ``start_method``, ``process_group_backend``,
             ``timeout`` (see :class:`~lightning_par.strategies._base.ParStrategy`).
     """
@@ -57,6 +64,7 @@ class ZeroStrategy(ParStrategy):
         stage: int = 3,
         bucket_cap_mb: float = 4.0,
         elementwise_optimizers: Sequence[type] = (),
+        checkpoint: str = "whole",
         **kwargs: Any,
     ) -> None:
         if isinstance(stage, bool) or stage not in STAGES:
@@ -75,10 +83,19 @@ class ZeroStrategy(ParStrategy):
                     "zero: elementwise_optimizers takes optimizer classes (subclasses of "
                     f"torch.optim.Optimizer), got {cls!r}"
                 )
+        if checkpoint not in ("whole", "sharded"):
+            raise ValueError(
+                f"zero: checkpoint must be 'whole' (one process's format) or 'sharded' (each "
+                f"rank's shards, for models that do not fit one rank), got {checkpoint!r}"
+            )
         super().__init__(**kwargs)
         self.stage = stage
+        self.checkpoint = checkpoint
+        self._sharded_resume: Any = None
         self.bucket_cap_mb = bucket_cap_mb
-        self.splitter = ZeroShards(stage, bucket_cap_mb, tuple(elementwise_optimizers))
+        self.splitter = ZeroShards(
+            stage, bucket_cap_mb, tuple(elementwise_optimizers), checkpoint == "sharded"
+        )
         self.splitter.bind(StrategyContext(self))
 
     @override
@@ -108,6 +125,56 @@ class ZeroStrategy(ParStrategy):
         """Inside the optimizer's closure: each rank's shard of the averaged gradients is
         in place before Lightning clips them and steps."""
         self.splitter.synchronize(self.global_rank)
+
+    # ---- sharded checkpoints (checkpoint="sharded") ----------------------------------------
+    @override
+    def check_before_launch(self, trainer: pl.Trainer | None) -> None:
+        if is_sharded_checkpoint(self.launch_arguments.get("ckpt_path")):
+            self.splitter.check_before_launch(trainer)  # a folder: read once the ranks are up
+            return
+        super().check_before_launch(trainer)
+
+    @property
+    @override
+    def restore_checkpoint_after_setup(self) -> bool:
+        # a sharded checkpoint is read into the units, which setup makes
+        resuming = is_sharded_checkpoint(self.launch_arguments.get("ckpt_path"))
+        return resuming or super().restore_checkpoint_after_setup
+
+    @override
+    def save_checkpoint(
+        self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None
+    ) -> None:
+        if self.checkpoint == "sharded" and self.splitter.units:
+            self.splitter.save_sharded(checkpoint, filepath)
+            return
+        super().save_checkpoint(checkpoint, filepath, storage_options=storage_options)
+
+    @override
+    def load_checkpoint(self, checkpoint_path: Any, *args: Any, **kwargs: Any) -> dict[str, Any]:
+        if not is_sharded_checkpoint(checkpoint_path):
+            return super().load_checkpoint(checkpoint_path, *args, **kwargs)
+        self._sharded_resume = checkpoint_path
+        rest = read_meta(checkpoint_path)["checkpoint"]
+        return {**rest, "state_dict": {}, "optimizer_states": [{} for _ in self.optimizers]}
+
+    @override
+    def load_model_state_dict(self, checkpoint: Any, strict: bool = True) -> None:
+        if self._sharded_resume is None:
+            super().load_model_state_dict(checkpoint, strict=strict)
+            return
+        self.splitter.load_sharded(self._sharded_resume)  # weights and optimizer states
+
+    @override
+    def load_optimizer_state_dict(self, checkpoint: Any) -> None:
+        if self._sharded_resume is None:
+            super().load_optimizer_state_dict(checkpoint)
+        self._sharded_resume = None  # (read with the weights)
+
+    @override
+    def on_train_end(self) -> None:
+        with self.splitter.whole():  # a fork launch carries the whole model back
+            super().on_train_end()
 
     @override
     def teardown(self) -> None:

@@ -122,7 +122,7 @@ class ShardedOptimizer:
         it (every rank must call this: the shards' states are all-gathered)."""
         state: dict[int, dict[str, Any]] = {}
         numbering = {id(p): n for n, p in enumerate(p for ps in self.original for p in ps)}
-        kinds = self._state_kinds()
+        kinds = self.state_kinds()
         for unit in self.units:
             for key, shaped in kinds.items():
                 self._gather_key(unit, key, shaped, comm, state, numbering)
@@ -133,7 +133,7 @@ class ShardedOptimizer:
             groups.append(entry)
         return {"state": state, "param_groups": groups}
 
-    def _state_kinds(self) -> dict[str, bool]:
+    def state_kinds(self) -> dict[str, bool]:
         """Every state key the optimizer keeps, and whether it is shaped like the parameter
         (else a scalar such as Adam's ``step``): one step of the same class on a one-element
         parameter, per group (no rank needs another's answer)."""
@@ -152,31 +152,54 @@ class ShardedOptimizer:
                 kinds[key] = isinstance(value, torch.Tensor) and value.shape == probe.shape
         return kinds
 
-    def _gather_key(self, unit, key, shaped, comm, state, numbering) -> None:
-        opt_state = self.optimizer.state
-        p = unit.world_size
-        # which parameters were ever stepped, and their scalar values (by the first piece)
-        # on the unit's device: NCCL sends no CPU tensor
+    def local_key(self, unit: FlatUnit, key: str, shaped: bool):
+        """This rank's share of state ``key`` of ``unit``: its shard (zeros where it holds
+        no piece; ``None`` for a scalar key), and per parameter whether this rank has the
+        key (1.0) and its value when scalar (from the piece holding the first element)."""
         has = torch.zeros(len(unit.params), dtype=torch.float64, device=unit.device)
         scalars = torch.zeros(len(unit.params), dtype=torch.float64, device=unit.device)
-        buffer = (
-            torch.zeros(unit.padded_numel, dtype=unit.dtype, device=unit.device) if shaped else None
+        shard = (
+            torch.zeros(unit.shard_numel, dtype=unit.dtype, device=unit.device) if shaped else None
         )
-        lo = unit.rank * unit.shard_numel
         for pc, view in self.pieces[unit.index]:
-            value = opt_state.get(view, {}).get(key)
+            value = self.optimizer.state.get(view, {}).get(key)
             if value is None:
                 continue
             has[pc.index] = 1
             if shaped:
-                buffer[lo + pc.shard_start : lo + pc.shard_start + pc.numel] = value
+                shard[pc.shard_start : pc.shard_start + pc.numel] = value
             elif pc.start == 0:
                 scalars[pc.index] = float(value)
-        if p > 1:
+        return shard, has, scalars
+
+    def agreed_flags(self, unit: FlatUnit, key: str, shaped: bool, comm: Communicator):
+        """:meth:`local_key` with the flags and scalars summed over the ranks (on the unit's
+        device: NCCL sends no CPU tensor); every rank must call it."""
+        shard, has, scalars = self.local_key(unit, key, shaped)
+        if unit.world_size > 1:
             flags = torch.cat([has, scalars])
             ring_allreduce(flags, comm=comm)
             has, scalars = flags[: len(has)], flags[len(has) :]
-            if shaped:
+        return shard, has, scalars
+
+    def load_key(self, unit: FlatUnit, key: str, shard, has: list, scalars: list) -> None:
+        """Set state ``key`` of this rank's pieces of ``unit`` from its shard (or scalars)."""
+        for pc, view in self.pieces[unit.index]:
+            if not has[pc.index]:
+                continue
+            if shard is not None:
+                value = shard[pc.shard_start : pc.shard_start + pc.numel].clone()
+            else:
+                value = torch.tensor(scalars[pc.index], dtype=torch.float32)
+            self.optimizer.state[view][key] = value
+
+    def _gather_key(self, unit, key, shaped, comm, state, numbering) -> None:
+        shard, has, scalars = self.agreed_flags(unit, key, shaped, comm)
+        if shaped:
+            lo = unit.rank * unit.shard_numel
+            buffer = torch.zeros(unit.padded_numel, dtype=unit.dtype, device=unit.device)
+            buffer[lo : lo + unit.shard_numel] = shard
+            if unit.world_size > 1:
                 ring_all_gather(buffer, comm=comm)
         has, scalars = has.tolist(), scalars.tolist()
         for i, param in enumerate(unit.params):
