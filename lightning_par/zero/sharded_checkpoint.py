@@ -77,8 +77,9 @@ def save_sharded(
         if name in buffers:
             state[f"buffers.{name}"] = value
     for j, opt in enumerate(sharded):
+        kinds = opt.state_kinds()
         for unit in units:
-            for key, shaped in opt.state_kinds().items():
+            for key, shaped in kinds.items():
                 shard, has, scalars = opt.agreed_flags(unit, key, shaped, comm)
                 prefix = f"optim.{j}.units.{unit.index}.{key}"
                 state[f"{prefix}.flags"] = torch.stack([has, scalars])
@@ -129,9 +130,10 @@ def load_sharded(
     state: dict[str, torch.Tensor] = {f"units.{u.index}.rank{rank}": u.shard for u in units}
     buffers = {f"buffers.{n}": torch.empty_like(b) for n, b in module.named_buffers()}
     state.update(buffers)
-    for j, opt in enumerate(sharded):
+    kinds = [opt.state_kinds() for opt in sharded]
+    for j in range(len(sharded)):
         for unit in units:
-            for key, shaped in opt.state_kinds().items():
+            for key, shaped in kinds[j].items():
                 prefix = f"optim.{j}.units.{unit.index}.{key}"
                 state[f"{prefix}.flags"] = torch.zeros(2, len(unit.params), dtype=torch.float64,
                                                        device=unit.device)  # fmt: skip
@@ -142,7 +144,7 @@ def load_sharded(
     for j, opt in enumerate(sharded):
         opt.optimizer.state.clear()
         for unit in units:
-            for key in opt.state_kinds():
+            for key in kinds[j]:
                 prefix = f"optim.{j}.units.{unit.index}.{key}"
                 has, scalars = state[f"{prefix}.flags"].tolist()
                 opt.load_key(unit, key, state.get(f"{prefix}.rank{rank}"), has, scalars)
