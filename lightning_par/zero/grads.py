@@ -98,10 +98,9 @@ class ShardedGradients:
         for p in unit.params:
             p.grad = None  # the shard is all this rank keeps
         self.packed(unit)
-        self._rows[unit.index] = rows
+        self._futures[unit.index] = None
         if self.executor is None:
             self._run(unit.index, rows, None)
-            self._futures[unit.index] = None
             return
         event = None
         if rows.is_cuda:
@@ -114,6 +113,8 @@ class ShardedGradients:
             torch.cuda.current_stream(rows.device).wait_event(ready_event)
         start = self.trace.now() if self.trace is not None else 0.0
         ring_reduce_scatter(rows, comm=self.comm)
+        # keep this rank's row only: the other rows are the whole gradients' size
+        self._rows[index] = rows[self.comm.rank].clone()
         if self.trace is not None:
             self.trace.events.append(
                 Event(self.comm.global_rank, f"reduce-scatter {index}", start, self.trace.now())
@@ -123,18 +124,17 @@ class ShardedGradients:
         """After backward: start the units still waiting (parameters unused this step count
         as zero gradients), wait for every reduce-scatter and hand each shard to ``done``."""
         self._start_ready(force=True)
-        rank = self.comm.rank
         try:
             for unit in self.units:
-                if unit.index not in self._rows:
+                if unit.index not in self._futures:
                     continue
-                future = self._futures.get(unit.index)
+                future = self._futures[unit.index]
                 if future is not None:
                     future.result()  # re-raises a failed collective here
-                row = self._rows[unit.index][rank]
+                row = self._rows[unit.index]
                 s = unit.shard_numel
                 used = [count > 0 for count in row[s:].tolist()]
-                self.done(unit, row[:s].clone(), used)
+                self.done(unit, row[:s], used)
         finally:
             self._rows.clear()
             self._futures.clear()
