@@ -44,8 +44,8 @@ class WideMLP(ImageClassifier):
     """``depth`` square layers of ``width`` on ``width``-vectors, then 10 classes: a model
     whose parameters and Adam's state outweigh its activations many times."""
 
-    def __init__(self, width: int = 768, depth: int = 4, optimizer: str = "adam",
-                 lr: float = LR, weight_decay: float = 0.0, scheduler: str | None = None):  # fmt: skip
+    def __init__(self, width: int = 768, depth: int = 4, optimizer: str = "adam", lr: float = LR,
+                 weight_decay: float = 0.0, scheduler: str | None = None) -> None:  # fmt: skip
         super().__init__(10, optimizer, lr, 0.9, weight_decay, scheduler)
         self.save_hyperparameters()
         layers: list[nn.Module] = []
@@ -87,7 +87,9 @@ def make_data(kind: str, options: dict, rank: int, steps: int) -> TensorDataset:
     g = torch.Generator().manual_seed(1000 + rank)
     n = options["batch_size"] * steps
     shape = (options["mlp_width"],) if kind == "mlp" else (3, 32, 32)
-    return TensorDataset(torch.randn(n, *shape, generator=g), torch.randint(0, 10, (n,), generator=g))
+    return TensorDataset(
+        torch.randn(n, *shape, generator=g), torch.randint(0, 10, (n,), generator=g)
+    )
 
 
 def make_strategy(name: str, options: dict, world: int):
@@ -193,10 +195,9 @@ def fit_one(kind: str, name: str, options: dict, rank: int, world: int) -> dict:
     trainer.fit(model, DataLoader(data, batch_size=options["batch_size"]))
     if name.startswith("zero"):
         plan = probe_plan.plan
-    return {
-        "times": probe.times[options["warmup"] : -1], "sent": probe.sent, "held": probe.held, "peak": probe.peak,
-        "plan": plan, "psi": sum(q.numel() for q in model.parameters() if q.requires_grad),
-    }  # fmt: skip
+    psi = sum(q.numel() for q in model.parameters() if q.requires_grad)
+    return {"times": probe.times[options["warmup"] : -1], "sent": probe.sent, "held": probe.held,
+            "peak": probe.peak, "plan": plan, "psi": psi}  # fmt: skip
 
 
 class _LayoutProbe(pl.Callback):

@@ -230,13 +230,12 @@ def held(plan: Layout, p: int, rank: int, state: StateLayout = ADAM) -> Held:
             params += u.numel * es
         else:
             params += (s if plan.stage == 3 else u.padded_numel(p)) * es
-        if plan.stage <= 1:
+        # the elements this rank steps: whole parameters (stage 0) or its pieces
+        mine = list(enumerate(u.numels)) if plan.stage == 0 else u.pieces(p, rank)
+        if plan.stage <= 1:  # whole gradients
             grads += sum(n for n, t in zip(u.numels, u.trainable) if t) * es
-            whole = [(i, n) for i, n in enumerate(u.numels)]
-            mine = whole if plan.stage == 0 else u.pieces(p, rank)
-        else:
-            mine = u.pieces(p, rank)
-            grads += s * es if any(u.trainable[i] for i, _ in mine) else 0
+        elif any(u.trainable[i] for i, _ in mine):  # the unit's shard of the summed rows
+            grads += s * es
         for i, n in mine:
             if u.trainable[i]:
                 optimizer += state.shaped * n * es + state.scalar_bytes
@@ -276,7 +275,9 @@ def ring_phase(kind: str, numel: int, p: int, rank: int, element_size: int,
 def sent(plan: Layout, p: int, rank: int, first_step: bool = False,
          segment_bytes: int | None = DEFAULT_SEGMENT_BYTES) -> Sent:  # fmt: skip
     """What ``rank`` sends in one optimizer step (no accumulation), ``first_step``: stage
-    3's first, which gathers every unit once."""
+    3's first, which gathers every unit once. Stage 3's units are taken to be used by one
+    forward each whose output needs a gradient (so their backward runs and gathers them
+    again)."""
     total = Sent()
     for b in plan.buckets:
         cost = ring_cost(b.numel + b.flags, p, b.element_size, segment_bytes)
