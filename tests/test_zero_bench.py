@@ -6,8 +6,9 @@ import json
 
 from lightning_par.bench.zero import CONTENDERS, main, rows_for
 
-SMALL = ["--world-sizes", "2", "--steps", "1", "--warmup", "1", "--mlp-width", "96",
-         "--mlp-depth", "2", "--cnn-width", "4", "--cnn-blocks", "1", "--json"]  # fmt: skip
+SMALL = ["--world-sizes", "2", "--steps", "1", "--warmup", "1", "--rounds", "1",
+         "--mlp-width", "96", "--mlp-depth", "2", "--cnn-width", "4", "--cnn-blocks", "1",
+         "--json"]  # fmt: skip
 MEASURED = ("median_step_s", "params_bytes", "grads_bytes", "optimizer_bytes", "buffers_bytes",
             "model_states_bytes", "formula_bytes", "held_vs_formula", "peak_bytes")  # fmt: skip
 

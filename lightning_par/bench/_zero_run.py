@@ -173,6 +173,24 @@ class Probe(pl.Callback):
         self.sent.append((sum(m.nbytes for m in sends), len(sends)))
 
 
+class _LayoutProbe(pl.Callback):
+    """The cost model's :class:`~lightning_par.zero.cost.Layout` of the live units, read at
+    the end of the first step (stage 3 knows its resident units by then)."""
+
+    plan = None
+
+    @override
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        if self.plan is not None:
+            return
+        splitter = trainer.strategy.splitter
+        base = layout(pl_module, splitter.stage, splitter.bucket_cap_mb)
+        resident = frozenset()
+        if splitter.stage3 is not None:
+            resident = resident_of(splitter.units, splitter.stage3.resident)
+        self.plan = replace(base, units=sizes_of(splitter.units), resident=resident)
+
+
 def fit_one(kind: str, name: str, options: dict, rank: int, world: int) -> dict:
     """One contender's fit in this rank: what :class:`Probe` saw, and the cost model's
     layout of the live units (``zero``) or of the model (``ring_allreduce``)."""
@@ -200,24 +218,6 @@ def fit_one(kind: str, name: str, options: dict, rank: int, world: int) -> dict:
             "peak": probe.peak, "plan": plan, "psi": psi}  # fmt: skip
 
 
-class _LayoutProbe(pl.Callback):
-    """The cost model's :class:`~lightning_par.zero.cost.Layout` of the live units, read at
-    the end of the first step (stage 3 knows its resident units by then)."""
-
-    plan = None
-
-    @override
-    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
-        if self.plan is not None:
-            return
-        splitter = trainer.strategy.splitter
-        base = layout(pl_module, splitter.stage, splitter.bucket_cap_mb)
-        resident = frozenset()
-        if splitter.stage3 is not None:
-            resident = resident_of(splitter.units, splitter.stage3.resident)
-        self.plan = replace(base, units=sizes_of(splitter.units), resident=resident)
-
-
 def measure(rank: int, world: int, models: list[str], contenders: list[str], options: dict,
             rounds: int) -> dict:  # fmt: skip
     """Every (model, contender) fit, ``rounds`` times in alternating order; a contender
@@ -228,13 +228,15 @@ def measure(rank: int, world: int, models: list[str], contenders: list[str], opt
             order = contenders if round_ % 2 == 0 else contenders[::-1]
             for name in order:
                 key = f"{kind}/{name}"
+                if "error" in out.get(key, {}):
+                    continue  # failed in an earlier round: its row says so
                 try:
                     result = fit_one(kind, name, options, rank, world)
                 except Exception as error:  # noqa: BLE001 - the row says what failed
                     out[key] = {"error": f"{type(error).__name__}: {error}",
                                 "where": traceback.format_exc(limit=-3)}  # fmt: skip
                     continue
-                if key in out and "times" in out[key]:
+                if key in out:  # later rounds add their times
                     out[key]["times"] += result["times"]
                 else:
                     out[key] = result

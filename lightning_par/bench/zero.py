@@ -33,7 +33,9 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
+from pathlib import Path
 
 import torch
 
@@ -170,7 +172,7 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--contenders", nargs="+", default=CONTENDERS, choices=CONTENDERS)
     parser.add_argument("--steps", type=int, default=12, help="timed steps per fit")
     parser.add_argument("--warmup", type=int, default=3, help="steps before the timed ones")
-    parser.add_argument("--rounds", type=int, default=1, help="fits per contender, interleaved")
+    parser.add_argument("--rounds", type=int, default=2, help="fits per contender, interleaved")
     parser.add_argument("--batch-size", type=int, default=32, help="per rank")
     parser.add_argument("--mlp-width", type=int, default=768)
     parser.add_argument("--mlp-depth", type=int, default=4)
@@ -182,9 +184,21 @@ def main(argv: list[str]) -> int:
     args = parser.parse_args(argv)
     if min(args.world_sizes) < 2 or args.steps < 1 or args.warmup < 1 or args.rounds < 1:
         parser.error("--world-sizes must be >= 2, --steps, --warmup and --rounds >= 1")
+    machine = {"cpus": os.cpu_count(), "load_at_start": _load()}
     rows = [row for p in args.world_sizes for row in run(args, p)]
+    machine["load_at_end"] = _load()
     if args.json:
-        print(json.dumps({"torch": torch.__version__, "backend": "gloo", "rows": rows}))
+        print(json.dumps({"torch": torch.__version__, "backend": "gloo", **machine, "rows": rows}))
         return 0
+    start, end = machine["load_at_start"], machine["load_at_end"]
+    print(f"torch {torch.__version__}, gloo, {machine['cpus']} CPUs, load {start} -> {end}")
     _print_table(rows)
     return 0
+
+
+def _load() -> str | None:
+    """The 1, 5 and 15 minute load averages (the machine may be shared)."""
+    try:
+        return " ".join(Path("/proc/loadavg").read_text().split()[:3])
+    except OSError:
+        return None

@@ -22,10 +22,11 @@ it shards: stage 1 the state, stage 2 the gradients too, stage 3 the parameters 
   second copy of the gradients as DDP keeps without ``gradient_as_bucket_view``); stages
   2-3 build their rows during backward and drop them after.
 
-**Messages** per rank and step (:func:`sent`), with the ring phases of
-:mod:`lightning_par.collectives` (rank ``r`` sends every chunk but its own in a
-reduce-scatter, every chunk but its right neighbour's in an all-gather: ``(p - 1)`` chunks
-each, one message per segment of a chunk):
+**Messages** per rank and step (:func:`sent`), from the collectives' cost models
+(:func:`~lightning_par.collectives.cost_model.ring_cost`,
+:func:`~lightning_par.collectives.cost_model.reduce_scatter_cost`,
+:func:`~lightning_par.collectives.cost_model.all_gather_cost`: ``p - 1`` chunks per phase,
+one message per segment of a chunk):
 
 * stage 0: ``ring_allreduce`` of each bucket (``2 (p - 1)`` chunks);
 * stage 1: the same, plus one all-gather of each trainable unit's ``p S`` new weights;
@@ -45,9 +46,13 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from lightning_par.collectives._common import chunk_sizes
-from lightning_par.collectives.cost_model import ring_cost
-from lightning_par.collectives.ring import DEFAULT_SEGMENT_BYTES, segments_per_chunk
+from lightning_par.collectives.cost_model import (
+    Cost,
+    all_gather_cost,
+    reduce_scatter_cost,
+    ring_cost,
+)
+from lightning_par.collectives.ring import DEFAULT_SEGMENT_BYTES
 from lightning_par.zero.units import FlatUnit, group_parameters
 
 #: 0 is plain data parallelism (``ring_allreduce``), the paper's baseline.
@@ -258,38 +263,27 @@ class Sent:
         return Sent(self.bytes * k, self.messages * k)
 
 
-def ring_phase(kind: str, numel: int, p: int, rank: int, element_size: int,
-               segment_bytes: int | None = DEFAULT_SEGMENT_BYTES) -> Sent:  # fmt: skip
-    """One ring ``"reduce-scatter"`` (rank ``r`` sends every chunk but ``r``) or
-    ``"all-gather"`` (every chunk but ``r + 1``) of ``numel`` elements: ``p - 1`` chunks,
-    each in ``min(chunk, k)`` messages for the ring's ``k`` segments per chunk."""
-    if p == 1 or numel == 0:
-        return Sent()
-    sizes = chunk_sizes(numel, p)
-    k = segments_per_chunk(max(sizes), element_size, segment_bytes)
-    kept = rank if kind == "reduce-scatter" else (rank + 1) % p
-    chunks = [c for i, c in enumerate(sizes) if i != kept]
-    return Sent(sum(chunks) * element_size, sum(min(c, k) for c in chunks if c))
-
-
 def sent(plan: Layout, p: int, rank: int, first_step: bool = False,
          segment_bytes: int | None = DEFAULT_SEGMENT_BYTES) -> Sent:  # fmt: skip
     """What ``rank`` sends in one optimizer step (no accumulation), ``first_step``: stage
     3's first, which gathers every unit once. Stage 3's units are taken to be used by one
     forward each whose output needs a gradient (so their backward runs and gathers them
     again)."""
+
+    def mine(cost: Cost) -> Sent:
+        return Sent(cost.bytes_sent[rank], cost.messages_sent[rank])
+
     total = Sent()
     for b in plan.buckets:
-        cost = ring_cost(b.numel + b.flags, p, b.element_size, segment_bytes)
-        total += Sent(cost.bytes_sent[rank], cost.messages_sent[rank])
+        total += mine(ring_cost(b.numel + b.flags, p, b.element_size, segment_bytes))
     for i, u in enumerate(plan.units):
         es = u.element_size
-        gather = ring_phase("all-gather", u.padded_numel(p), p, rank, es, segment_bytes)
+        gather = mine(all_gather_cost(u.padded_numel(p), p, es, segment_bytes))
         rows = p * (u.shard_numel(p) + u.flags)
         if plan.stage in (1, 2) and u.trains:
             total += gather
         if plan.stage >= 2 and u.trains:
-            total += ring_phase("reduce-scatter", rows, p, rank, es, segment_bytes)
+            total += mine(reduce_scatter_cost(rows, p, es, segment_bytes))
         if plan.stage == 3:
             total += gather.times(1 if first_step or i in plan.resident else 2)
     return total
