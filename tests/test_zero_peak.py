@@ -60,12 +60,6 @@ def _growth(rank: int, world: int, stage: int) -> tuple[int, int]:
     return probe.growth, sum(q.numel() for q in model.parameters())
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="zero/grads.py: ShardedGradients keeps every unit's p rows of S + F (the whole "
-    "padded gradients) in _rows until synchronize() after backward, though only this "
-    "rank's row is needed once the unit's reduce-scatter is done",
-)
 @pytest.mark.parametrize("stage", [2, 3])
 def test_a_step_never_holds_a_whole_copy_of_the_gradients(stage):
     for rank, (growth, psi) in enumerate(run_on_ranks(_growth, 2, stage, timeout=300)):
