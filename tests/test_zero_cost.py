@@ -37,9 +37,8 @@ from lightning_par.zero.cost import (
     sent,
     sizes_of,
     state_layout,
-    unit_parameters,
 )
-from lightning_par.zero.units import FlatUnit
+from lightning_par.zero.units import FlatUnit, unit_parameters
 from tests.test_allreduce_strategies import trainer
 
 STEPS = 3  # the first (stage 3 gathers everything), a steady one, and the one measured

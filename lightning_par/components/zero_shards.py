@@ -47,7 +47,7 @@ from lightning_par.zero.sharded_checkpoint import (
     read_meta,
     save_sharded,
 )
-from lightning_par.zero.units import FlatUnit, group_parameters
+from lightning_par.zero.units import FlatUnit, unit_parameters
 
 
 class ZeroShards(ModelSplitter):
@@ -92,16 +92,7 @@ class ZeroShards(ModelSplitter):
         self.close()
         comm = self.comm
         p, rank = comm.world_size, comm.rank
-        params = list(model.parameters())
-        if self.stage == 3:
-            groups = []
-            seen: set[int] = set()
-            for module in model.modules():
-                own = [q for q in module.parameters(recurse=False) if id(q) not in seen]
-                seen.update(id(q) for q in own)
-                groups += group_parameters(own, None)
-        else:  # buckets in the order backward produces them
-            groups = group_parameters(list(reversed(params)), int(self.bucket_cap_mb * 2**20))
+        groups = unit_parameters(model, self.stage, self.bucket_cap_mb)
         self.units = [FlatUnit(i, g, p, rank) for i, g in enumerate(groups) if g]
         self._executor = ThreadPoolExecutor(1, thread_name_prefix="lightning_par-zero")
         if self.stage == 1:

@@ -53,7 +53,7 @@ from lightning_par.collectives.cost_model import (
     ring_cost,
 )
 from lightning_par.collectives.ring import DEFAULT_SEGMENT_BYTES
-from lightning_par.zero.units import FlatUnit, group_parameters
+from lightning_par.zero.units import FlatUnit, group_parameters, unit_parameters
 
 #: 0 is plain data parallelism (``ring_allreduce``), the paper's baseline.
 STAGES = (0, 1, 2, 3)
@@ -129,20 +129,6 @@ class Layout:
     def psi(self) -> int:
         """``Ψ``: trainable parameter elements."""
         return sum(n for u in self.units for n, t in zip(u.numels, u.trainable) if t)
-
-
-def unit_parameters(model: nn.Module, stage: int, bucket_cap_mb: float) -> list[list[nn.Parameter]]:
-    """The parameters of each unit, as :class:`~lightning_par.components.zero_shards.ZeroShards`
-    lays them out: stage 3 one unit per module's own parameters (split by dtype), else
-    the parameters in reverse order grouped by dtype up to ``bucket_cap_mb``."""
-    if stage == 3:
-        groups, seen = [], set()
-        for module in model.modules():
-            own = [q for q in module.parameters(recurse=False) if id(q) not in seen]
-            seen.update(id(q) for q in own)
-            groups += group_parameters(own, None)
-        return [g for g in groups if g]
-    return group_parameters(list(reversed(list(model.parameters()))), int(bucket_cap_mb * 2**20))
 
 
 def layout(model: nn.Module, stage: int, bucket_cap_mb: float = 4.0) -> Layout:

@@ -53,7 +53,8 @@ class ShardedGradients:
         self.done, self.packed, self.trace = done, packed, trace
         self.enabled = True
         self._next = 0
-        self._rows: dict[int, torch.Tensor] = {}
+        self._rows: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        self._flags = {u.index: len(u.params) for u in units}
         self._futures: dict[int, Future | None] = {}
         self._ready: dict[int, set[int]] = {u.index: set() for u in units}
         self._trainable = {u.index: [p for p in u.params if p.requires_grad] for u in units}
@@ -113,8 +114,11 @@ class ShardedGradients:
             torch.cuda.current_stream(rows.device).wait_event(ready_event)
         start = self.trace.now() if self.trace is not None else 0.0
         ring_reduce_scatter(rows, comm=self.comm)
-        # keep this rank's row only: the other rows are the whole gradients' size
-        self._rows[index] = rows[self.comm.rank].clone()
+        # keep this rank's row only (the other rows are the whole gradients' size): its
+        # gradients and its flags apart, so that the shard holds S elements, no more
+        s = rows.shape[1] - self._flags[index]
+        mine = rows[self.comm.rank]
+        self._rows[index] = (mine[:s].clone(), mine[s:].clone())
         if self.trace is not None:
             self.trace.events.append(
                 Event(self.comm.global_rank, f"reduce-scatter {index}", start, self.trace.now())
@@ -131,10 +135,8 @@ class ShardedGradients:
                 future = self._futures[unit.index]
                 if future is not None:
                     future.result()  # re-raises a failed collective here
-                row = self._rows[unit.index]
-                s = unit.shard_numel
-                used = [count > 0 for count in row[s:].tolist()]
-                self.done(unit, row[:s], used)
+                grads, flags = self._rows[unit.index]
+                self.done(unit, grads, [count > 0 for count in flags.tolist()])
         finally:
             self._rows.clear()
             self._futures.clear()

@@ -157,3 +157,18 @@ def group_parameters(params: list[nn.Parameter], cap_bytes: int | None) -> list[
             groups.append([p])
             size = nbytes
     return groups
+
+
+def unit_parameters(model: nn.Module, stage: int, bucket_cap_mb: float) -> list[list[nn.Parameter]]:
+    """The parameters of each unit at ``stage``: stage 3 one unit per module's own
+    parameters (split by dtype: each layer gathered around its own forward), else the
+    parameters in reverse order (as backward produces their gradients) grouped by dtype up to
+    ``bucket_cap_mb``."""
+    if stage == 3:
+        groups, seen = [], set()
+        for module in model.modules():
+            own = [q for q in module.parameters(recurse=False) if id(q) not in seen]
+            seen.update(id(q) for q in own)
+            groups += group_parameters(own, None)
+        return [g for g in groups if g]
+    return group_parameters(list(reversed(list(model.parameters()))), int(bucket_cap_mb * 2**20))
