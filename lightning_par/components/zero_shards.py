@@ -138,6 +138,7 @@ class ZeroShards(ModelSplitter):
     def synchronize(self, rank: int) -> None:
         """After backward (inside the optimizer's closure, before clipping): every rank's
         pieces get their averaged gradients."""
+        self._refuse_new_groups()
         if self.grad_sync is not None:
             if self.grad_sync.buckets is None or not self.grad_sync.buckets.enabled:
                 return
@@ -156,6 +157,16 @@ class ZeroShards(ModelSplitter):
         for sharded in self.sharded.values():
             sharded.set_gradients(unit, grads, used)
 
+    def _refuse_new_groups(self) -> None:
+        for sharded in self.sharded.values():
+            if len(sharded.optimizer.param_groups) != len(sharded.original):
+                raise RuntimeError(
+                    f"{self.context.name}: a parameter group was added to the optimizer after "
+                    "setup (BackboneFinetuning's pattern); its parameters have no shard. Give "
+                    "every group to configure_optimizers (frozen parameters may be in it), or "
+                    "use ring_allreduce"
+                )
+
     def _refuse_late_parameters(self) -> None:
         late = [
             p for p in self.module.parameters() if p.grad is not None and not self.grads.known(p)
@@ -164,7 +175,8 @@ class ZeroShards(ModelSplitter):
             raise RuntimeError(
                 f"{self.context.name}: {len(late)} parameter(s) became trainable after setup "
                 "(a fine-tuning callback?); their gradients have no shard. Make them "
-                "trainable before fit, or use ring_allreduce, which averages them too"
+                "trainable before fit, or use stage=1 or ring_allreduce, which average whole "
+                "gradients"
             )
 
     def after_optimizer_step(self, optimizer: Any) -> None:
