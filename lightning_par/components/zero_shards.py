@@ -30,7 +30,7 @@ import torch
 from torch import nn
 
 from lightning_par.collectives import ring_all_gather, ring_allreduce
-from lightning_par.comm import CommTrace
+from lightning_par.comm import CommTrace, Event
 from lightning_par.components.grad_sync import GradientSync
 from lightning_par.components.pipeline_features import (
     clip_by_whole_model,
@@ -65,6 +65,8 @@ class ZeroShards(ModelSplitter):
         self.grads: ShardedGradients | None = None
         self.stage3: StageThree | None = None
         self._executor: ThreadPoolExecutor | None = None
+        self.trace: CommTrace | None = None
+        self._backward_start: float | None = None
 
     @property
     def name(self) -> str:  # type: ignore[override]
@@ -74,7 +76,7 @@ class ZeroShards(ModelSplitter):
     def configure(self, model: nn.Module, trace: CommTrace | None) -> None:
         """Lay the parameters out in units and hook their gradients (``configure_sync``)."""
         self.close()
-        comm = self.comm
+        comm, self.trace = self.comm, trace
         p, rank = comm.world_size, comm.rank
         params = list(model.parameters())
         if self.stage == 3:
@@ -93,7 +95,7 @@ class ZeroShards(ModelSplitter):
             self.grad_sync.attach(model, comm, trace)
             return
         if self.stage == 3:
-            self.stage3 = StageThree(model, self.units, comm, self._executor)
+            self.stage3 = StageThree(model, self.units, comm, self._executor, trace)
         order = self.units if self.stage == 2 else list(reversed(self.units))
         self.grads = ShardedGradients(
             order, comm, self._executor, self._shard_done,
@@ -134,6 +136,8 @@ class ZeroShards(ModelSplitter):
     def backward_started(self) -> None:
         if self.grad_sync is not None:
             self.grad_sync.backward_started()
+        elif self.trace is not None:
+            self._backward_start = self.trace.now()
 
     def synchronize(self, rank: int) -> None:
         """After backward (inside the optimizer's closure, before clipping): every rank's
@@ -149,7 +153,15 @@ class ZeroShards(ModelSplitter):
         if self.grads is None or not self.grads.enabled:
             return
         self._refuse_late_parameters()
-        self.grads.synchronize()
+        if self.trace is None:
+            self.grads.synchronize()
+        else:  # the spans the compare's step split and the simulator read
+            if self._backward_start is not None:
+                now = self.trace.now()
+                self.trace.events.append(Event(rank, "backward", self._backward_start, now))
+                self._backward_start = None
+            with self.trace.span("wait for reduce-scatters"):
+                self.grads.synchronize()
         if self.stage3 is not None:
             self.stage3.after_backward()
 
