@@ -124,3 +124,22 @@ def test_clipping_accumulation_and_bf16_like_one_process(stage):
         want = one_process("cnn-adam", 2, **opts)
         tolerance = {"atol": 5e-2, "rtol": 5e-2} if name == "bf16" else {}
         assert_same(got, want, False, f"{name}, stage {stage} vs one process", **tolerance)
+
+
+def test_one_process_steps_the_whole_model_as_ring_allreduce_does():
+    """One process (one GPU under ``make gpu-check``) has nothing to shard or send: every
+    stage steps the whole model, the same bits as ``ring_allreduce`` on one process (stage
+    1, whose gradients reach the optimizer's pieces after the allreduce, once skipped that
+    where no allreduce ran, and never stepped), one process's weights to float tolerance
+    (Lightning alone computes with its own thread count)."""
+    x, y = global_batches(1)
+    got = {}
+    for strategy in ("ring_allreduce", ZeroStrategy(stage=1), ZeroStrategy(stage=2),
+                     ZeroStrategy(stage=3)):  # fmt: skip
+        model = make("cnn-adam")
+        loader = DataLoader(TensorDataset(x, y), batch_size=PER_RANK)
+        trainer(strategy, 1).fit(model, loader)
+        got[getattr(strategy, "stage", "ring")] = weights(model)
+    for stage in (1, 2, 3):
+        assert_same(got[stage], got["ring"], True, f"stage {stage} vs ring_allreduce, 1 process")
+    assert_same(got[1], one_process("cnn-adam", 1), False, "stage 1 vs one process")

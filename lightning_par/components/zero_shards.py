@@ -144,9 +144,11 @@ class ZeroShards(ModelSplitter):
         pieces get their averaged gradients."""
         self._refuse_new_groups()
         if self.grad_sync is not None:
-            if self.grad_sync.buckets is None or not self.grad_sync.buckets.enabled:
-                return
-            self.grad_sync.finish(rank)
+            buckets = self.grad_sync.buckets  # None with one process: nothing to average
+            if buckets is not None and not buckets.enabled:
+                return  # accumulating
+            if buckets is not None:
+                self.grad_sync.finish(rank)
             for sharded in self.sharded.values():
                 sharded.set_gradients_from_parameters()
             return
