@@ -25,6 +25,7 @@ from lightning_par.measure.breakdown import (
     union,
 )
 from lightning_par.measure.run import make_model
+from lightning_par.strategies.registry import parse_choice
 from lightning_par.tensorparallel import resolve_plan
 from lightning_par.tensorparallel.cost import step_cost
 
@@ -169,8 +170,8 @@ def test_report_of_three_strategies(tmp_path, capsys):
 
 
 def test_a_strategy_with_options_is_a_row_of_its_own():
-    assert cli.strategy_choice("zero") == ("zero", {})
-    assert cli.strategy_choice("zero:stage=1,bucket_cap_mb=0.5,trace_dir=x") == (
+    assert parse_choice("zero") == ("zero", {})
+    assert parse_choice("zero:stage=1,bucket_cap_mb=0.5,trace_dir=x") == (
         "zero", {"stage": 1, "bucket_cap_mb": 0.5, "trace_dir": "x"})  # fmt: skip
     assert cli.folder_name("zero:stage=1") == "zero-stage=1"
 

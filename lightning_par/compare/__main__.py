@@ -11,7 +11,6 @@ without a change here), then writes ``report.md`` and PNG figures to ``--out`` (
 from __future__ import annotations
 
 import argparse
-import ast
 import json
 import os
 import re
@@ -26,7 +25,7 @@ from lightning_par.compare.predicted import predicted_section
 from lightning_par.compare.rows import build_row, combine
 from lightning_par.measure.run import MODELS, describe_model, run_all
 from lightning_par.quiet import quiet_lightning
-from lightning_par.strategies.registry import spec, strategy_specs
+from lightning_par.strategies.registry import parse_choice, spec, strategy_specs
 
 #: Devices a strategy needs other than ``--devices`` (a strategy class may say so itself with
 #: a ``compare_devices`` class attribute, which wins). Names not here use ``--devices``.
@@ -38,22 +37,6 @@ def devices_for(name: str, cls: type, default: int) -> int:
     return int(own) if isinstance(own, int) else DEVICE_HINTS.get(name, default)
 
 
-def strategy_choice(text: str) -> tuple[str, dict]:
-    """``zero`` -> ``("zero", {})``; ``zero:stage=1,bucket_cap_mb=2`` -> ``("zero", {"stage":
-    1, "bucket_cap_mb": 2})`` (each value a Python literal, else text)."""
-    name, _, rest = text.partition(":")
-    options = {}
-    for item in filter(None, rest.split(",")):
-        key, eq, value = item.partition("=")
-        if not eq or not key:
-            raise ValueError(f"{text!r}: write NAME:KEY=VALUE[,KEY=VALUE] (e.g. zero:stage=1)")
-        try:
-            options[key] = ast.literal_eval(value)
-        except (ValueError, SyntaxError):
-            options[key] = value
-    return name, options
-
-
 def folder_name(label: str) -> str:
     """A row's label as a folder name (``zero:stage=1`` -> ``zero-stage=1``)."""
     return re.sub(r"[^A-Za-z0-9_.=-]", "-", label)
@@ -62,7 +45,7 @@ def folder_name(label: str) -> str:
 def _check_choice(text: str, known: list[str]) -> str | None:
     """Why ``--strategies`` cannot take ``text`` (``None``: it can)."""
     try:
-        name, options = strategy_choice(text)
+        name, options = parse_choice(text)
     except ValueError as err:
         return str(err)
     if name not in known:
@@ -132,7 +115,7 @@ def plan(args: argparse.Namespace, work: Path) -> list[dict]:
     rows = []
     for round_ in range(args.rounds):  # interleaved: every strategy once per round
         for label in dict.fromkeys(chosen):
-            name, options = strategy_choice(label)
+            name, options = parse_choice(label)
             rows.append({
                 "index": len(rows), "round": round_, "strategy": label, "name": name,
                 "options": options, "model": args.model, "accelerator": args.accelerator,

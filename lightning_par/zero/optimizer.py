@@ -155,9 +155,10 @@ class ShardedOptimizer:
     def _gather_key(self, unit, key, shaped, comm, state, numbering) -> None:
         opt_state = self.optimizer.state
         p = unit.world_size
-        # which parameters were ever stepped, and their scalar values (by the first piece)
-        has = torch.zeros(len(unit.params), dtype=torch.float64)
-        scalars = torch.zeros(len(unit.params), dtype=torch.float64)
+        # which parameters were ever stepped, and their scalar values (by the first piece),
+        # on the unit's device: NCCL sends no CPU tensor
+        has = torch.zeros(len(unit.params), dtype=torch.float64, device=unit.device)
+        scalars = torch.zeros(len(unit.params), dtype=torch.float64, device=unit.device)
         buffer = (
             torch.zeros(unit.padded_numel, dtype=unit.dtype, device=unit.device) if shaped else None
         )
