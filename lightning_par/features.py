@@ -156,6 +156,7 @@ RESUME_KINDS: dict[str, str] = {
     "parameter server": "parameter_server",
     "async": "async_sgd",
     "local SGD": "local_sgd",
+    "sharded": "zero",
     "pipeline": "gpipe",
     "layer-wise": "layerwise",
     "tensor": "tensor_parallel",
