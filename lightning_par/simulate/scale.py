@@ -111,7 +111,8 @@ def scaling_row(prof: Profile, p: int, topo: Topology, speed: float = 1.0,
     """Step time, throughput and efficiency at ``p`` (``None`` with the reason where the
     strategy cannot run there). Efficiency is throughput over ``p`` devices' worth of one
     device's compute-only throughput (``compute_s * world / global_batch`` per sample).
-    ``state_bytes``: model state per rank by :mod:`.memory`'s formulas (``None``: none)."""
+    ``state_bytes``: model state per rank by the formulas of
+    :mod:`lightning_par.simulate.memory` (``None``: none for this strategy)."""
     out = {"strategy": prof.strategy, "devices": p, "state_bytes": state_bytes_per_rank(prof, p)}
     try:
         step = predict_step(prof, p, topo, speed, weak=weak)
