@@ -20,6 +20,7 @@ import time
 from lightning_par.launch.processes import run_bounded, time_limit
 from lightning_par.quiet import quiet_report
 from lightning_par.strategies import plugin_names
+from lightning_par.strategies.registry import parse_choice, spec
 
 RESULT_TAG = "CHECK_RESULT "
 #: Processes a strategy needs with its default options (hybrid: dp x mp ranks, mp = 2). On a
@@ -34,7 +35,9 @@ def registered_strategies() -> list[str]:
 
 
 def run_row(strategy: str, model: str, accelerator: str, devices: int, steps: int) -> dict:
-    """Train ``model`` for ``steps`` steps on synthetic data (runs in the row's subprocess)."""
+    """Train ``model`` for ``steps`` steps on synthetic data (runs in the row's subprocess)
+    under ``strategy``: ``"single"``, a registered name, or one with options of its own
+    (``zero:stage=1``, :func:`~lightning_par.strategies.registry.parse_choice`)."""
     import logging
 
     import lightning.pytorch as pl
@@ -49,8 +52,10 @@ def run_row(strategy: str, model: str, accelerator: str, devices: int, steps: in
     net = CifarCNN(width=16, num_blocks=2) if model == "CifarCNN" else CifarRNN(hidden_size=64)
     data = CIFAR10DataModule(source="synthetic", batch_size=32, synthetic_size=32 * (steps + 2))
     monitor = ThroughputMonitor()
+    name, options = parse_choice(strategy)
+    chosen = spec(name).create(**options) if options else name
     trainer = pl.Trainer(
-        strategy="auto" if strategy == "single" else strategy,
+        strategy="auto" if strategy == "single" else chosen,
         accelerator=accelerator,
         devices=devices,
         max_steps=steps,
@@ -64,7 +69,7 @@ def run_row(strategy: str, model: str, accelerator: str, devices: int, steps: in
     trainer.fit(net, datamodule=data)
     ips = float(trainer.callback_metrics.get("train_images_per_s", float("nan")))
     ran = strategy_label(trainer.strategy)  # the registered name, as the summary line says
-    expected = "single_device" if strategy == "single" else strategy
+    expected = "single_device" if strategy == "single" else name
     if ran != expected:
         raise RuntimeError(f"asked for strategy {expected!r}, the Trainer ran {ran!r}")
     return {"images_per_s": ips, "loss": float(trainer.callback_metrics.get("train_loss", -1)),

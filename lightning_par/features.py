@@ -124,6 +124,12 @@ ROWS: dict[str, Row] = {
     "parameter_server": Row(EXACT, {**_PS_REFUSALS, "batchnorm": AS_DDP}),
     "async_sgd": Row(RUNS, {**_PS_REFUSALS, **_ASYNC_ERRORS}),
     "local_sgd": Row(RUNS, {"sync_batchnorm": _SYNC_BN_CPU}),
+    # stage 3 (the registered default); stage 1 trains "unfreeze" exactly too
+    "zero": Row(EXACT, {
+        "batchnorm": AS_DDP, "sync_batchnorm": _SYNC_BN_CPU,
+        "unfreeze": Outcome("error", "became trainable after setup"),
+        "add_param_group": Outcome("error", "added to the optimizer after setup"),
+    }),
     "tensor_parallel": Row(EXACT, {
         "fp16_mixed_scaler": refused("tensor_parallel: a gradient scaler"),
         "sync_batchnorm": refused("tensor_parallel: sync_batchnorm"),
@@ -150,6 +156,7 @@ RESUME_KINDS: dict[str, str] = {
     "parameter server": "parameter_server",
     "async": "async_sgd",
     "local SGD": "local_sgd",
+    "sharded": "zero",
     "pipeline": "gpipe",
     "layer-wise": "layerwise",
     "tensor": "tensor_parallel",

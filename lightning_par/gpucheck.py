@@ -6,7 +6,8 @@
 1. the CUDA tests of ``tests/`` (``pytest -k cuda``; GPU only, ``--no-tests`` skips them);
 2. every registered strategy on ``CifarCNN`` for a few steps through
    :mod:`lightning_par.check` (each plugin on its own process-group backend: NCCL on GPUs,
-   gloo where the plugin needs it, e.g. the parameter servers), beside single-device
+   gloo where the plugin needs it, e.g. the parameter servers), and ``zero``'s other stages
+   (:data:`EXTRA_ROWS`: the registered ``zero`` is stage 3), beside single-device
    Lightning;
 3. one Markdown table: each row's throughput and its ratio to single-device Lightning's
    (> 1: more images per second than one device), then the CUDA tests' summary line.
@@ -27,6 +28,10 @@ from lightning_par import check
 
 REFUSED = 2
 ROOT = Path(__file__).resolve().parents[1]
+#: Rows beyond the registered names: a strategy's options that take another code path
+#: (ZeRO stage 1 allreduces whole gradients, stage 2 reduce-scatters them; the registered
+#: ``zero`` is stage 3, which gathers each layer's weights around its use).
+EXTRA_ROWS = ("zero:stage=1", "zero:stage=2")
 
 
 def cuda_devices() -> int:
@@ -82,7 +87,12 @@ def table(rows: list[dict]) -> list[str]:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--accelerator", choices=["gpu", "cpu"], default="gpu")
-    parser.add_argument("--strategies", nargs="*", help="default: every registered strategy")
+    parser.add_argument(
+        "--strategies",
+        nargs="*",
+        metavar="NAME[:KEY=VALUE,...]",
+        help="default: every registered strategy, then " + " ".join(EXTRA_ROWS),
+    )
     parser.add_argument("--steps", type=int, default=6)
     parser.add_argument("--timeout", type=float, default=300, help="seconds per row")
     parser.add_argument("--no-tests", action="store_true", help="skip the CUDA tests")
@@ -95,7 +105,7 @@ def main(argv: list[str] | None = None) -> int:
     tests = None
     if accel == "cuda" and not args.no_tests:
         tests = run_cuda_tests(timeout=1200)
-    strategies = args.strategies or check.registered_strategies()
+    strategies = args.strategies or [*check.registered_strategies(), *EXTRA_ROWS]
     rows = check.check_group(check.plan(strategies, ["CifarCNN"], [accel]), args.steps,
                              args.timeout)  # fmt: skip
     print("\n".join(table(rows)))

@@ -22,6 +22,9 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 GLOBAL_BATCH, BATCHES, STEPS = 8, 4, 4  # one epoch = 4 global batches of 8
+#: Cells beyond the table's features (tests/test_features.py runs them under zero only):
+#: a layer frozen throughout, a layer applied twice, LBFGS
+EXTRA_CELLS = ("frozen_layer", "tied_weights", "lbfgs")
 
 
 def dataset(n: int = GLOBAL_BATCH * BATCHES, seed: int = 7) -> TensorDataset:
@@ -60,6 +63,10 @@ class Tiny(pl.LightningModule):
                                    nn.Linear(16, 3)]  # fmt: skip
         if feature in ("batchnorm", "sync_batchnorm"):
             layers.insert(1, nn.BatchNorm1d(16))
+        if feature == "tied_weights":  # the middle layer applied twice: one weight, two uses
+            layers[4:4] = [layers[2], nn.Tanh()]
+        if feature == "frozen_layer":  # frozen throughout (in the optimiser, never stepped)
+            layers[2].requires_grad_(False)
         self.net = nn.Sequential(*layers)
         if feature == "unused_parameters":
             self.unused = nn.Linear(4, 4)
@@ -122,6 +129,8 @@ class Tiny(pl.LightningModule):
     def configure_optimizers(self) -> Any:
         if self.feature == "adamw":
             return torch.optim.AdamW(self.parameters(), lr=0.05, weight_decay=0.1)
+        if self.feature == "lbfgs":  # its line search calls the closure up to 3 times a step
+            return torch.optim.LBFGS(self.parameters(), lr=0.5, max_iter=3)
         params = self.parameters()  # "unfreeze": the frozen layer is in the optimiser
         if self.feature == "add_param_group":  # ... here it joins later
             params = [p for p in params if p.requires_grad]

@@ -41,6 +41,8 @@ CASES = [
      {"staleness": 1, "momentum": 0.5}),
     (registry.LocalSGDStrategy, {"period": "2", "algorithm": "tree"},
      {"period": 2, "algorithm": "tree"}),
+    (registry.ZeroStrategy, {"stage": "2", "bucket_cap_mb": "1"},
+     {"stage": 2, "bucket_cap_mb": 1.0}),
     (registry.LightningDDPStrategy, {"find_unused_parameters": "true"},
      {"find_unused_parameters": True}),
 ]  # fmt: skip
@@ -93,6 +95,33 @@ def test_a_registered_name_with_options_is_its_class_with_its_registered_options
                         "--trainer.strategy.period=8")["trainer"]["strategy"]  # fmt: skip
     assert strategy["init_args"]["period"] == 8 and strategy["init_args"]["algorithm"] == "ring"
     assert _printed(capsys, "--trainer.strategy=gpipe")["trainer"]["strategy"] == "gpipe"
+    strategy = _printed(capsys, "--trainer.strategy=zero",
+                        "--trainer.strategy.stage=2")["trainer"]["strategy"]  # fmt: skip
+    assert strategy["class_path"].endswith(".ZeroStrategy")
+    assert strategy["init_args"]["stage"] == 2
+
+
+def test_a_yaml_config_trains_zero_at_the_stage_it_names(tmp_path):
+    config = tmp_path / "zero.yaml"
+    config.write_text(
+        "trainer:\n  strategy:\n    class_path: lightning_par.strategies.ZeroStrategy\n"
+        "    init_args:\n      stage: 1\n"
+    )
+    out = subprocess.run(
+        [sys.executable, "-m", "lightning_par", *TINY, f"--config={config}",
+         f"--trainer.default_root_dir={tmp_path}", "--print_config"],
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert yaml.safe_load(out.stdout)["trainer"]["strategy"]["init_args"]["stage"] == 1
+    out = subprocess.run(
+        [sys.executable, "-m", "lightning_par", *TINY, f"--config={config}",
+         f"--trainer.default_root_dir={tmp_path}"],
+        capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "lightning_par summary: strategy=zero " in out.stdout, out.stdout[-2000:]
+    assert "processes=2" in out.stdout
 
 
 def test_the_guides_yaml_example_trains_gpipe_with_its_options(tmp_path):
@@ -122,6 +151,8 @@ BAD = [
      "--trainer.strategy.schedule=1fb1: GPipeStrategy: schedule='1fb1': choose one of"),
     (["--trainer.strategy=gpipe", "--trainer.strategy.virtual_stage=2"],
      "Did you mean --trainer.strategy.virtual_stages?"),
+    (["--trainer.strategy=zero", "--trainer.strategy.stage=4"],
+     "--trainer.strategy.stage=4: ZeroStrategy: zero: stage must be 1 (optimizer state sharded)"),
     (["--trainer.strategy=AllReduceStrategy", "--trainer.strategy.algorithm=tre"],
      "--trainer.strategy.algorithm=tre: AllReduceStrategy: unknown allreduce algorithm"),
     (["--trainer.strategy=HybridStrategy", "--trainer.strategy.mp_kind=tensor_parallel",

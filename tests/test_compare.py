@@ -25,6 +25,7 @@ from lightning_par.measure.breakdown import (
     union,
 )
 from lightning_par.measure.run import make_model
+from lightning_par.strategies.registry import parse_choice
 from lightning_par.tensorparallel import resolve_plan
 from lightning_par.tensorparallel.cost import step_cost
 
@@ -118,6 +119,9 @@ def test_split_models_read_the_input_shape_from_the_example_input():
 @pytest.mark.parametrize(
     "argv, words",
     [(["--strategies", "nope"], "unknown strategies"),
+     (["--strategies", "zero:stage=4"], "zero:stage=4: zero: stage must be 1"),
+     (["--strategies", "zero:stage"], "write NAME:KEY=VALUE"),
+     (["--strategies", "zero:stages=2"], "ZeroStrategy got unknown option(s) ['stages']"),
      (["--batch-size", "63"], "must split evenly"),
      (["--steps", "3", "--warmup", "4"], "must be larger")],
 )  # fmt: skip
@@ -163,6 +167,38 @@ def test_report_of_three_strategies(tmp_path, capsys):
     for picture in ("step_split.png", "throughput_bytes_memory.png", "loss.png"):
         assert (out / picture).read_bytes()[:4] == b"\x89PNG"
         assert f"]({picture})" in page
+
+
+def test_a_strategy_with_options_is_a_row_of_its_own():
+    assert parse_choice("zero") == ("zero", {})
+    assert parse_choice("zero:stage=1,bucket_cap_mb=0.5,trace_dir=x") == (
+        "zero", {"stage": 1, "bucket_cap_mb": 0.5, "trace_dir": "x"})  # fmt: skip
+    assert cli.folder_name("zero:stage=1") == "zero-stage=1"
+
+
+def test_zero_stages_send_what_their_cost_model_says_and_hold_their_shards(tmp_path, capsys):
+    """Stage 1: the ring's buckets and an all-gather; 2: a reduce-scatter and an all-gather;
+    3: two all-gathers and a reduce-scatter, counted in the traces. At the end of training a
+    stage-3 rank holds half the parameters, half their gradients and half the momentum (2
+    ranks); stages 1-2 hold every parameter (stage 2: a shard of the gradients, stage 1 the
+    slices its pieces step of the whole gradients it had)."""
+    names = ["zero:stage=1", "zero:stage=2", "zero"]
+    argv = ["--strategies", *names, "--steps", "5", "--warmup", "2", "--rounds", "1",
+            "--data", "synthetic", "--out", str(tmp_path), "--json"]  # fmt: skip
+    assert cli.main(argv) == 0
+    rows = {r["strategy"]: r for r in json.loads(capsys.readouterr().out)["rows"]}
+    assert list(rows) == names and rows["zero"]["options"] == {}
+    for r in rows.values():
+        assert r["bytes_sent_per_step_per_rank"] == r["model_bytes_per_step_per_rank"], r
+    params = sum(p.numel() * 4 for p in make_model("CifarCNN").parameters())
+    sent = {n: r["model_bytes_per_step"] for n, r in rows.items()}
+    assert sent["zero:stage=2"] == pytest.approx(params, rel=0.01)  # 2 (p-1)/p
+    assert sent["zero"] == pytest.approx(1.5 * params, rel=0.01)  # 3 (p-1)/p
+    state = {n: r["state_bytes_max"] for n, r in rows.items()}
+    assert state["zero"] == pytest.approx(3 * params / 2, rel=0.01)  # SGD with momentum
+    assert state["zero:stage=2"] == pytest.approx(params + params, rel=0.01)
+    page = (tmp_path / "report.md").read_text()
+    assert "| zero:stage=1 |" in page and "MB/rank" in page  # the simulator's formulas
 
 
 def test_load_warning_counts_other_jobs_not_the_comparisons_own_workers():

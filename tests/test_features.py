@@ -10,11 +10,12 @@ from __future__ import annotations
 
 import os
 import re
+from functools import partial
 from pathlib import Path
 
 import numpy as np
 import pytest
-from _feature_cells import Tiny, cells_on_rank, dataset, rows, run_cell
+from _feature_cells import EXTRA_CELLS, Tiny, cells_on_rank, dataset, rows, run_cell
 
 import lightning_par  # noqa: F401  (registers the strategy names)
 from lightning_par.comm import run_on_ranks
@@ -22,6 +23,7 @@ from lightning_par.features import FEATURES, ROWS, expected, markdown_table, row
 from lightning_par.strategies.async_sgd import AsyncSGDStrategy
 from lightning_par.strategies.parameter_server import ParameterServerStrategy
 from lightning_par.strategies.registry import spec, strategy_specs
+from lightning_par.strategies.zero import ZeroStrategy
 
 STRATEGIES = [s.name for s in strategy_specs()]
 _reference: dict[str, dict] = {}
@@ -152,6 +154,27 @@ def test_every_feature_is_exact_or_refused_as_the_table_says(name, tmp_path):
         print(f"{name} / {feature}: {describe(result)}")
     wrong = {f: why for f in FEATURES if (why := judge(name, f, results[f], tmp_path))}
     assert not wrong, f"{name}: cells that differ from lightning_par.features.ROWS: {wrong}"
+
+
+def _zero_cells(rank: int, world: int, stages: list[int], tmp: str) -> dict:
+    return {(stage, feature): run_cell(partial(ZeroStrategy, stage=stage), world, feature,
+                                       os.path.join(tmp, f"{stage}-{feature}"), True)
+            for stage in stages for feature in EXTRA_CELLS}  # fmt: skip
+
+
+def test_zero_trains_frozen_and_tied_parameters_exactly_and_refuses_lbfgs_by_name(tmp_path):
+    """At every stage: a layer frozen throughout and a layer applied twice train as one
+    process does (and save a checkpoint that loads there); LBFGS stops at setup, named."""
+    results = run_on_ranks(_zero_cells, 2, [1, 2, 3], str(tmp_path), timeout=300)[0]
+    for (stage, feature), got in results.items():
+        what = f"zero stage {stage}, {feature}"
+        if feature == "lbfgs":
+            assert "zero steps each rank's slice" in got.get("error", ""), (what, got)
+            assert "LBFGS is not: its line search" in got["error"], what
+            continue
+        assert "error" not in got and not got["saved"], (what, got)
+        diff = _close(got, reference(feature, tmp_path))
+        assert not diff, f"{what}: {diff}"
 
 
 def test_every_registered_strategy_has_a_row_and_every_row_a_strategy():

@@ -11,6 +11,7 @@ from torch import nn
 from lightning_par.simulate.builders import NotApplicable, busiest_share
 from lightning_par.simulate.links import Link, Topology
 from lightning_par.simulate.profile import Profile
+from lightning_par.simulate.report import MEMORY_NOTE, scaling_table
 from lightning_par.simulate.scale import predict_step, scaling_row
 from lightning_par.tensorparallel.cost import busiest_rank_share
 from lightning_par.tensorparallel.plan import Plan, resolve_plan
@@ -139,3 +140,43 @@ def test_the_measured_share_swaps_each_cut_layers_time_for_its_largest_slices(mo
     share = tp_share.measured_busiest_share(net, plan, torch.randn(5, 4))
     assert share == pytest.approx((20.0 - (3.0 - 2.5) - (4.0 - 1.0)) / 20.0)
     assert tp_share.measured_busiest_share(net, Plan(1), torch.randn(5, 4)) == 1.0
+
+
+def zero(stage: int, **kw) -> Profile:
+    return dp("zero", options={"stage": stage}, **kw)
+
+
+def test_zero_stages_pay_their_ring_phases_after_the_step_or_around_each_layer():
+    # p = 4, alpha = 1: a ring phase (reduce-scatter or all-gather) is p - 1 = 3 latencies,
+    # the allreduce 6; compute 10 x 2/4 = 5, no backward to hide behind
+    assert predict_step(zero(1), 4, LATENCY_ONLY) == pytest.approx(5 + 6 + 3)
+    assert predict_step(zero(2), 4, LATENCY_ONLY) == pytest.approx(5 + 3 + 3)
+    # stage 3: gather, forward, gather, backward, reduce-scatter: three phases in the open
+    assert predict_step(zero(3), 4, LATENCY_ONLY) == pytest.approx(5 + 3 * 3)
+
+
+def test_zero_stage_3_prefetches_the_next_layer_while_this_one_computes():
+    # p = 2: each phase 1 s. Two units; backward 6 s, forward half of it, 1 s of the rest.
+    # rest 1, gather 1, forward 1.5 (the second gather behind it), forward 1.5, gather 1
+    # (backward's first), backward 3 (the second gather and the first reduce-scatter
+    # behind it), backward 3, the last reduce-scatter 1
+    prof = zero(3, backward_s=6.0, buckets=2)
+    assert predict_step(prof, 2, LATENCY_ONLY) == pytest.approx(1 + 1 + 3 + 1 + 6 + 1)
+
+
+def test_zero_memory_per_rank_is_the_papers_figure_1():
+    from lightning_par.simulate.memory import zero_state_bytes
+
+    # Rajbhandari et al. 2020, figure 1: 7.5B parameters, 64 ranks, mixed-precision Adam
+    # (2 bytes of fp16 parameters, 2 of gradients, K = 12 of optimizer state per parameter)
+    psi = 7.5e9
+    gigabytes = {s: zero_state_bytes(2 * psi, 12 * psi, s, 64)["total"] / 1e9 for s in (1, 2, 3)}
+    assert gigabytes == pytest.approx({1: 31.4, 2: 16.6, 3: 1.9}, abs=0.05)
+    assert zero_state_bytes(4, 8, 1, 1)["total"] == 16  # one rank: data parallelism's 16 Ψ
+    free = Topology(Link("free", 0.0, 0.0), Link("free", 0.0, 0.0))
+    # 400 bytes of fp32 parameters, SGD's momentum measured as 200 on each of 2 ranks
+    row = scaling_row(zero(3, grad_bytes=400, optimizer_bytes=200), 8, free)
+    assert row["state_bytes"] == pytest.approx((400 + 400 + 400) / 8)
+    other = scaling_row(dp(), 8, free)
+    assert other["state_bytes"] is None  # no model for the others
+    assert MEMORY_NOTE in scaling_table([row, other]) and MEMORY_NOTE not in scaling_table([other])

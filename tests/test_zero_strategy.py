@@ -235,3 +235,22 @@ def test_a_sharded_checkpoint_on_other_ranks_is_refused_with_the_way_out(tmp_pat
         run_on_ranks(_resume_elsewhere, 3, folder, 3, timeout=120)
     assert "written by 2 ranks, these are 3" in str(err.value)
     assert "python -m lightning_par.zero consolidate" in str(err.value)
+
+
+def test_one_process_steps_the_whole_model_as_ring_allreduce_does():
+    """One process (one GPU under ``make gpu-check``) has nothing to shard or send: every
+    stage steps the whole model, the same bits as ``ring_allreduce`` on one process (stage
+    1, whose gradients reach the optimizer's pieces after the allreduce, once skipped that
+    where no allreduce ran, and never stepped), one process's weights to float tolerance
+    (Lightning alone computes with its own thread count)."""
+    x, y = global_batches(1)
+    got = {}
+    for strategy in ("ring_allreduce", ZeroStrategy(stage=1), ZeroStrategy(stage=2),
+                     ZeroStrategy(stage=3)):  # fmt: skip
+        model = make("cnn-adam")
+        loader = DataLoader(TensorDataset(x, y), batch_size=PER_RANK)
+        trainer(strategy, 1).fit(model, loader)
+        got[getattr(strategy, "stage", "ring")] = weights(model)
+    for stage in (1, 2, 3):
+        assert_same(got[stage], got["ring"], True, f"stage {stage} vs ring_allreduce, 1 process")
+    assert_same(got[1], one_process("cnn-adam", 1), False, "stage 1 vs one process")

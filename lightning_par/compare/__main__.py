@@ -4,6 +4,8 @@ Trains the model for ``--steps`` steps at one global batch under each strategy o
 :func:`lightning_par.strategies.registry.strategy_specs` (a strategy added there is compared
 without a change here), then writes ``report.md`` and PNG figures to ``--out`` (default
 ``runs/compare/``); ``--json`` prints the report as one JSON document instead of the table.
+``--strategies`` takes registered names, each with options of its own if wanted
+(``zero:stage=1 zero:stage=2 zero``: one row each).
 """
 
 from __future__ import annotations
@@ -11,6 +13,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import shlex
 import sys
 import tempfile
@@ -22,7 +25,7 @@ from lightning_par.compare.predicted import predicted_section
 from lightning_par.compare.rows import build_row, combine
 from lightning_par.measure.run import MODELS, describe_model, run_all
 from lightning_par.quiet import quiet_lightning
-from lightning_par.strategies.registry import strategy_specs
+from lightning_par.strategies.registry import parse_choice, spec, strategy_specs
 
 #: Devices a strategy needs other than ``--devices`` (a strategy class may say so itself with
 #: a ``compare_devices`` class attribute, which wins). Names not here use ``--devices``.
@@ -34,13 +37,39 @@ def devices_for(name: str, cls: type, default: int) -> int:
     return int(own) if isinstance(own, int) else DEVICE_HINTS.get(name, default)
 
 
+def folder_name(label: str) -> str:
+    """A row's label as a folder name (``zero:stage=1`` -> ``zero-stage=1``)."""
+    return re.sub(r"[^A-Za-z0-9_.=-]", "-", label)
+
+
+def _check_choice(text: str, known: list[str]) -> str | None:
+    """Why ``--strategies`` cannot take ``text`` (``None``: it can)."""
+    try:
+        name, options = parse_choice(text)
+    except ValueError as err:
+        return str(err)
+    if name not in known:
+        return f"unknown strategies [{name!r}]; registered: {', '.join(known)}"
+    try:
+        if options:
+            spec(name).create(**options)  # the strategy checks its own options
+    except (TypeError, ValueError) as err:
+        return f"{text}: {err}"
+    return None
+
+
 def parse(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
         prog="python -m lightning_par.compare",
         description=plain(__doc__ or ""),
         formatter_class=DefaultsFormatter,
     )
-    parser.add_argument("--strategies", nargs="+", help="default: every registered strategy")
+    parser.add_argument(
+        "--strategies",
+        nargs="+",
+        metavar="NAME[:KEY=VALUE,...]",
+        help="default: every registered strategy, with its own options",
+    )
     parser.add_argument("--model", default="CifarCNN", choices=MODELS)
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--warmup", type=int, default=4, help="first steps left out of times")
@@ -54,9 +83,9 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--json", action="store_true", help="print the report as JSON")
     args = parser.parse_args(argv)
     known = [s.name for s in strategy_specs()]
-    unknown = [s for s in args.strategies or [] if s not in known]
-    if unknown:
-        parser.error(f"unknown strategies {unknown}; registered: {', '.join(known)}")
+    for text in args.strategies or []:
+        if (why := _check_choice(text, known)) is not None:
+            parser.error(why)
     if args.steps <= args.warmup:
         parser.error(f"--steps ({args.steps}) must be larger than --warmup ({args.warmup})")
     if min(args.devices, args.batch_size, args.rounds) < 1:
@@ -80,15 +109,20 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
 
 
 def plan(args: argparse.Namespace, work: Path) -> list[dict]:
-    specs = [s for s in strategy_specs() if not args.strategies or s.name in args.strategies]
+    """The runs, one per strategy (``strategy``: its label as typed; ``name``, ``options``:
+    the registered name and the options it adds) and round."""
+    chosen = args.strategies or [s.name for s in strategy_specs()]
     rows = []
     for round_ in range(args.rounds):  # interleaved: every strategy once per round
-        for s in specs:
+        for label in dict.fromkeys(chosen):
+            name, options = parse_choice(label)
             rows.append({
-                "index": len(rows), "round": round_, "strategy": s.name, "model": args.model,
-                "accelerator": args.accelerator, "steps": args.steps, "source": args.data,
-                "devices": devices_for(s.name, s.load(), args.devices),
-                "global_batch": args.batch_size, "folder": str(work / f"{round_}-{s.name}"),
+                "index": len(rows), "round": round_, "strategy": label, "name": name,
+                "options": options, "model": args.model, "accelerator": args.accelerator,
+                "steps": args.steps, "source": args.data,
+                "devices": devices_for(name, spec(name).load(), args.devices),
+                "global_batch": args.batch_size,
+                "folder": str(work / f"{round_}-{folder_name(label)}"),
             })  # fmt: skip
     return rows
 
@@ -102,7 +136,7 @@ def keep_runs(rows: list[dict], built: list[dict], dest: Path, warmup: int) -> N
     for row in rows:
         folder = Path(row["folder"])
         if (row["strategy"], row["round"]) in reported and folder.is_dir():
-            target = dest / row["strategy"]
+            target = dest / folder_name(row["strategy"])
             shutil.rmtree(target, ignore_errors=True)
             shutil.copytree(folder, target)
             (target / "row.json").write_text(json.dumps({**row, "warmup": warmup}))

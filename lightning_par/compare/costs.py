@@ -18,6 +18,11 @@ strategy                 bytes sent by rank ``r`` per step (``n``: gradient elem
 ``hybrid``               a pipelined ``mp_kind``'s cuts on its row plus the allreduce of its
                          stage's gradient buckets over its column
                          (:func:`lightning_par.hybrid.cost.hybrid_bytes_per_step`)
+``zero``                 the ring phases on ZeRO's flat units (:func:`zero_bytes`; Rajbhandari
+                         et al. 2020): stage 1 the ring allreduce of the gradient buckets
+                         plus one all-gather of every unit, ``3(p-1)/p Ψ``; stage 2 a
+                         reduce-scatter and an all-gather of every unit, ``2(p-1)/p Ψ``;
+                         stage 3 a reduce-scatter and two all-gathers, ``3(p-1)/p Ψ``
 =======================  =====================================================================
 
 The inputs are zeros shaped as the model's (:func:`~lightning_par.measure.run.sample_shape`).
@@ -28,6 +33,7 @@ A strategy not listed here has no model in the compare, unless its class offers 
 
 from __future__ import annotations
 
+from collections import Counter
 from typing import Any
 
 import torch
@@ -44,7 +50,8 @@ from lightning_par.hybrid.grid import make_grid
 from lightning_par.measure.run import sample_shape
 from lightning_par.pipeline.cost import pipeline_bytes
 from lightning_par.tensorparallel import resolve_plan
-from lightning_par.tensorparallel.cost import step_cost
+from lightning_par.tensorparallel.cost import all_gather_cost, reduce_scatter_cost, step_cost
+from lightning_par.zero.units import group_parameters
 
 #: Why a strategy has no byte model (shown in the report).
 NO_MODEL = {
@@ -85,13 +92,81 @@ def hybrid_bytes(model: Any, devices: int, global_batch: int, options: dict[str,
     )  # fmt: skip
 
 
-#: The models of strategies whose bytes depend on how their kind splits the model.
+def zero_bytes(model: Any, devices: int, global_batch: int, options: dict[str, Any]) -> list[int]:
+    """Per rank and step, the collectives that ``ZeroShards`` runs on the units it lays out
+    (:mod:`lightning_par.components.zero_shards`): stage 1 the ``ring_allreduce`` of the gradient
+    buckets; stages 2-3 a ring reduce-scatter of each unit holding a trainable parameter (its
+    ``p`` rows of ``S`` gradients and one flag per parameter); stages 1-2 one ring all-gather
+    of each such unit's ``p S`` weights after the step; stage 3 one all-gather of a layer's
+    unit per forward call and one before its backward (a unit no layer's forward covers: one
+    per step), found by a forward pass on a sample as the strategy's first step finds it."""
+    stage, p = int(options.get("stage", 3)), devices
+    cap_mb = float(options.get("bucket_cap_mb", 4.0))
+    if stage == 3:
+        units = _stage3_units(model, torch.zeros(2, *sample_shape(model)))
+    else:
+        params = list(reversed(list(model.parameters())))
+        units = [(g, 1) for g in group_parameters(params, int(cap_mb * 2**20))]
+    total = allreduce_bytes(model, "ring", p, cap_mb) if stage == 1 else [0] * p
+    for group, gathers in units:
+        shard, size = -(-sum(q.numel() for q in group) // p), group[0].element_size()
+        trainable = any(q.requires_grad for q in group)
+        sent = [0] * p
+        if trainable or stage == 3:
+            sent = [b * gathers for b in all_gather_cost([shard] * p, 1, size).bytes_sent]
+        if trainable and stage > 1:
+            scatter = reduce_scatter_cost([shard + len(group)] * p, 1, size).bytes_sent
+            sent = [a + b for a, b in zip(sent, scatter)]
+        total = [a + b for a, b in zip(total, sent)]
+    return total
+
+
+def _stage3_units(model: nn.Module, sample: torch.Tensor) -> list[tuple[list, int]]:
+    """Stage 3's units (each module's own parameters) and the all-gathers of each per step:
+    the forward calls of the deepest module that ran and holds it, plus one before its
+    backward where that module's output needs a gradient; one for a unit that no module
+    below the root covers (gathered for the whole step)."""
+    calls: Counter = Counter()
+    needs_grad: set[nn.Module] = set()
+
+    def seen(module: nn.Module, args: Any, output: Any) -> None:
+        calls[module] += 1
+        if isinstance(output, torch.Tensor) and output.requires_grad:
+            needs_grad.add(module)
+        elif isinstance(output, (tuple, list)):
+            if any(isinstance(t, torch.Tensor) and t.requires_grad for t in output):
+                needs_grad.add(module)
+
+    hooks = [m.register_forward_hook(seen) for m in model.modules()]
+    try:
+        model(sample)
+    finally:
+        for hook in hooks:
+            hook.remove()
+    parent = {child: m for m in model.modules() for child in m.children()}
+    done: set[int] = set()
+    units = []
+    for module in model.modules():
+        own = [q for q in module.parameters(recurse=False) if id(q) not in done]
+        done.update(id(q) for q in own)
+        trigger = module
+        while trigger is not None and trigger not in calls:
+            trigger = parent.get(trigger)
+        resident = trigger is None or trigger is model
+        gathers = 1 if resident else calls[trigger] + (trigger in needs_grad)
+        units += [(group, gathers) for group in group_parameters(own, None)]
+    return units
+
+
+#: The models of strategies whose bytes depend on how their kind splits or lays out the
+#: model.
 SPLIT_MODELS = {
     "tensor_parallel": (tensor_parallel_bytes, "the f/g allreduces of the tensor-parallel plan"),
     "hybrid": (
         hybrid_bytes,
         "the stage cuts of each row plus each stage's allreduce over its column",
     ),
+    "zero": (zero_bytes, "ring phases on the flat units (stage 1: + the gradient buckets' ring)"),
 }
 
 

@@ -9,7 +9,8 @@ from pathlib import Path
 from typing import Any
 
 COLUMNS = [
-    ("strategy", "the registered name (`Trainer(strategy=...)`)."),
+    ("strategy", "the registered name (`Trainer(strategy=...)`), with the options the run "
+                 "added (`zero:stage=1`)."),
     ("procs", "processes it ran: workers (devices), plus parameter servers where it has them."),
     ("images/s", "global batch divided by step time: training throughput of the whole job."),
     ("step ms", "wall time of one step (its start to the next step's start), mean over ranks."),
@@ -25,7 +26,9 @@ COLUMNS = [
                "communication overlapped with backward, so not part of the step."),
     ("sent/step", "bytes the busiest rank sent per step, counted in the trace."),
     ("model", "the same, predicted by the plugin's cost model (see the notes below)."),
-    ("state", "bytes of parameters, gradients and optimiser state on the fullest rank."),
+    ("state", "bytes of parameters, gradients and optimiser state on the fullest rank at the "
+              "end of training: the storage they hold, each once (a sharded optimizer's "
+              "pieces, a freed stage-3 layer: what is really there)."),
     ("peak mem", "peak resident memory of the fullest rank (CPU: max RSS, interpreter and "
                  "torch included; CUDA: torch.cuda.max_memory_allocated)."),
     ("loss", "training loss of the last step, averaged over ranks (= over the global batch)."),

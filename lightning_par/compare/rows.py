@@ -21,8 +21,10 @@ REFERENCE = "lightning_ddp"
 def build_row(row: dict, result: dict, warmup: int) -> dict:
     """One run's row: what :func:`~lightning_par.measure.analyse.analyse` measured, the cost
     model's bytes beside the measured ones, or the error."""
-    s = spec(row["strategy"])
-    out = {"strategy": s.name, "kind": s.kind, "model": row["model"],
+    s = spec(row.get("name", row["strategy"]))
+    options = {**s.options, **row.get("options", {})}
+    out = {"strategy": row["strategy"], "name": s.name, "options": row.get("options", {}),
+           "kind": s.kind, "model": row["model"],
            "accelerator": row["accelerator"], "workers": row["devices"],
            "servers": result.get("servers", 0), "global_batch": row["global_batch"],
            "round": row["round"], "run_s": result.get("seconds")}  # fmt: skip
@@ -33,7 +35,7 @@ def build_row(row: dict, result: dict, warmup: int) -> dict:
         found = analyse(Path(row["folder"]), warmup, row["global_batch"])
     except (RuntimeError, OSError, ValueError) as err:
         return {**out, "status": "failed", "error": f"no measurements: {err}"}
-    model, note = predicted_bytes(s.name, s.options, s.load(), make_model(row["model"]),
+    model, note = predicted_bytes(s.name, options, s.load(), make_model(row["model"]),
                                   row["devices"], row["global_batch"])  # fmt: skip
     sent = [b for b in found.pop("bytes_sent_per_rank") if b is not None]
     busiest = max(sent) if found["traced"] and sent else None

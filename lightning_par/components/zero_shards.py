@@ -30,7 +30,7 @@ import torch
 from torch import nn
 
 from lightning_par.collectives import ring_all_gather, ring_allreduce
-from lightning_par.comm import CommTrace
+from lightning_par.comm import CommTrace, Event
 from lightning_par.components.grad_sync import GradientSync
 from lightning_par.components.pipeline_features import (
     clip_by_whole_model,
@@ -81,6 +81,8 @@ class ZeroShards(ModelSplitter):
         self.grads: ShardedGradients | None = None
         self.stage3: StageThree | None = None
         self._executor: ThreadPoolExecutor | None = None
+        self.trace: CommTrace | None = None
+        self._backward_start: float | None = None
 
     @property
     def name(self) -> str:  # type: ignore[override]
@@ -90,7 +92,7 @@ class ZeroShards(ModelSplitter):
     def configure(self, model: nn.Module, trace: CommTrace | None) -> None:
         """Lay the parameters out in units and hook their gradients (``configure_sync``)."""
         self.close()
-        comm = self.comm
+        comm, self.trace = self.comm, trace
         p, rank = comm.world_size, comm.rank
         groups = unit_parameters(model, self.stage, self.bucket_cap_mb)
         self.units = [FlatUnit(i, g, p, rank) for i, g in enumerate(groups) if g]
@@ -100,7 +102,7 @@ class ZeroShards(ModelSplitter):
             self.grad_sync.attach(model, comm, trace)
             return
         if self.stage == 3:
-            self.stage3 = StageThree(model, self.units, comm, self._executor)
+            self.stage3 = StageThree(model, self.units, comm, self._executor, trace)
         order = self.units if self.stage == 2 else list(reversed(self.units))
         self.grads = ShardedGradients(
             order, comm, self._executor, self._shard_done,
@@ -141,27 +143,50 @@ class ZeroShards(ModelSplitter):
     def backward_started(self) -> None:
         if self.grad_sync is not None:
             self.grad_sync.backward_started()
+        elif self.trace is not None:
+            self._backward_start = self.trace.now()
 
     def synchronize(self, rank: int) -> None:
         """After backward (inside the optimizer's closure, before clipping): every rank's
         pieces get their averaged gradients."""
+        self._refuse_new_groups()
         if self.grad_sync is not None:
-            if self.grad_sync.buckets is None or not self.grad_sync.buckets.enabled:
-                return
-            self.grad_sync.finish(rank)
+            buckets = self.grad_sync.buckets  # None with one process: nothing to average
+            if buckets is not None and not buckets.enabled:
+                return  # accumulating
+            if buckets is not None:
+                self.grad_sync.finish(rank)
             for sharded in self.sharded.values():
                 sharded.set_gradients_from_parameters()
             return
         if self.grads is None or not self.grads.enabled:
             return
         self._refuse_late_parameters()
-        self.grads.synchronize()
+        if self.trace is None:
+            self.grads.synchronize()
+        else:  # the spans the compare's step split and the simulator read
+            if self._backward_start is not None:
+                now = self.trace.now()
+                self.trace.events.append(Event(rank, "backward", self._backward_start, now))
+                self._backward_start = None
+            with self.trace.span("wait for reduce-scatters"):
+                self.grads.synchronize()
         if self.stage3 is not None:
             self.stage3.after_backward()
 
     def _shard_done(self, unit: FlatUnit, grads: torch.Tensor, used: list[bool]) -> None:
         for sharded in self.sharded.values():
             sharded.set_gradients(unit, grads, used)
+
+    def _refuse_new_groups(self) -> None:
+        for sharded in self.sharded.values():
+            if len(sharded.optimizer.param_groups) != len(sharded.original):
+                raise RuntimeError(
+                    f"{self.context.name}: a parameter group was added to the optimizer after "
+                    "setup (BackboneFinetuning's pattern); its parameters have no shard. Give "
+                    "every group to configure_optimizers (frozen parameters may be in it), or "
+                    "use ring_allreduce"
+                )
 
     def _refuse_late_parameters(self) -> None:
         late = [
@@ -171,7 +196,8 @@ class ZeroShards(ModelSplitter):
             raise RuntimeError(
                 f"{self.context.name}: {len(late)} parameter(s) became trainable after setup "
                 "(a fine-tuning callback?); their gradients have no shard. Make them "
-                "trainable before fit, or use ring_allreduce, which averages them too"
+                "trainable before fit, or use stage=1 or ring_allreduce, which average whole "
+                "gradients"
             )
 
     def after_optimizer_step(self, optimizer: Any) -> None:

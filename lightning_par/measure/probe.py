@@ -2,8 +2,9 @@
 
 On every rank :class:`Probe` writes ``probe/rank<N>.json``: step start and end times
 (``time.perf_counter``, the traces' clock), the training loss of each step, peak memory and
-the bytes of model state the rank holds. :func:`load_probes` reads them back and
-:func:`step_windows` turns one rank's times into its steps.
+the bytes of model state the rank holds at the end (:func:`held_bytes`), in all and by kind.
+:func:`load_probes` reads them back and :func:`step_windows` turns one rank's times into its
+steps.
 """
 
 from __future__ import annotations
@@ -12,13 +13,14 @@ import json
 import os
 import resource
 import time
+from collections.abc import Iterable
 from pathlib import Path
+from typing import Any
 
 import lightning.pytorch as pl
 import torch
+from torch import nn
 from typing_extensions import override
-
-from lightning_par.modelparallel.memory import stage_memory
 
 
 class Probe(pl.Callback):
@@ -42,15 +44,15 @@ class Probe(pl.Callback):
 
     @override
     def on_train_end(self, trainer, pl_module) -> None:
-        optimizer = trainer.optimizers[0] if trainer.optimizers else None
-        state = stage_memory(pl_module, optimizer)
+        state = state_tensors(pl_module, trainer.optimizers)
         device = trainer.strategy.root_device
         record = {
             "rank": trainer.global_rank,
             "starts": self.starts,
             "ends": self.ends,
             "losses": self.losses,
-            "state_bytes": state["param_bytes"] + state["grad_bytes"] + state["optimizer_bytes"],
+            "state_bytes": held_bytes(t for ts in state.values() for t in ts),
+            "held_bytes": {kind: held_bytes(ts) for kind, ts in state.items()},
             "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
             "peak_device_bytes": (
                 torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None
@@ -58,6 +60,42 @@ class Probe(pl.Callback):
         }
         self.folder.mkdir(parents=True, exist_ok=True)
         (self.folder / f"rank{trainer.global_rank}.json").write_text(json.dumps(record))
+
+
+def state_tensors(module: nn.Module, optimizers: Iterable[Any] = ()) -> dict[str, list]:
+    """This rank's model state by kind: ``parameters`` (the module's and the optimizers':
+    a sharded optimizer steps pieces of its own), their ``gradients`` and the
+    ``optimizer``'s state tensors."""
+    params = list(module.parameters())
+    state = []
+    for optimizer in optimizers:
+        inner = getattr(optimizer, "optimizer", optimizer)
+        params += [q for group in inner.param_groups for q in group["params"]]
+        state += [v for s in inner.state.values() for v in s.values()
+                  if isinstance(v, torch.Tensor)]  # fmt: skip
+    grads = [q.grad for q in params if q.grad is not None]
+    return {"parameters": params, "gradients": grads, "optimizer": state}
+
+
+def held_bytes(tensors: Iterable[torch.Tensor]) -> int:
+    """Bytes of storage ``tensors`` hold, every byte once. A tensor is the part of its
+    storage it spans, overlapping parts counted once (views of one flat buffer, as ZeRO's
+    units and their shards are); a storage freed to nothing (ZeRO stage 3's weights between
+    uses) holds none. For tensors with storages of their own: the sum of ``nbytes``."""
+    spans: dict[int, list[tuple[int, int]]] = {}
+    for t in tensors:
+        storage = t.untyped_storage()
+        if storage.nbytes() == 0 or t.numel() == 0:
+            continue
+        start = t.storage_offset() * t.element_size()
+        spans.setdefault(storage.data_ptr(), []).append((start, start + t.nbytes))
+    total = 0
+    for intervals in spans.values():
+        end = -1
+        for a, b in sorted(intervals):
+            total += max(b - max(a, end), 0)
+            end = max(end, b)
+    return total
 
 
 def load_probes(folder: Path) -> dict[int, dict]:

@@ -92,18 +92,20 @@ class InOrder(pl.LightningDataModule):
 
 
 def run_row(row: dict, folder: str) -> dict:
-    """Train ``row['model']`` under ``row['strategy']`` for ``row['steps']`` steps at global
-    batch ``row['global_batch']``; probes and traces go to ``folder``."""
+    """Train ``row['model']`` under ``row['name']`` (with ``row['options']``; an older row:
+    ``row['strategy']``) for ``row['steps']`` steps at global batch ``row['global_batch']``;
+    probes and traces go to ``folder``."""
     import lightning_par  # noqa: F401  (registers the strategy names)
     from lightning_par.data import CIFAR10DataModule
     from lightning_par.strategies.registry import spec
 
     pl.seed_everything(0, verbose=False)
     folder_path = Path(folder)
+    made, options = spec(row.get("name", row["strategy"])), row.get("options", {})
     try:
-        strategy = spec(row["strategy"]).create(trace_dir=str(folder_path / "trace"))
+        strategy = made.create(trace_dir=str(folder_path / "trace"), **options)
     except TypeError:  # a strategy without the trace option: timed, not traced
-        strategy = spec(row["strategy"]).create()
+        strategy = made.create(**options)
     trainer = pl.Trainer(
         strategy=strategy, accelerator=row["accelerator"], devices=row["devices"],
         max_steps=row["steps"], limit_val_batches=0, num_sanity_val_steps=0,

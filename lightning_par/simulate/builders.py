@@ -29,6 +29,12 @@ from the measured run:
   A user's own run (no compare model to plan) assumes every layer split evenly.
 * **hybrid**: its ``mp`` stays as measured, ``dp = p / mp`` replicas ring-allreduce ``1/mp``
   of the gradients.
+* **zero**: the measured units (buckets) on one communication lane, each ring phase
+  ``(p-1)(alpha + beta S)`` for a unit of ``p S`` bytes. Stage 1: the allreduce family's
+  buckets, then an all-gather of every unit after the step; stage 2: a reduce-scatter per
+  unit behind backward, then the all-gathers; stage 3: forward and backward in one slice
+  per unit (backward twice the forward), each waiting for its unit's all-gather, the next
+  one prefetched while it computes, a reduce-scatter after each backward slice.
 """
 
 from __future__ import annotations
@@ -44,7 +50,7 @@ from lightning_par.simulate.links import Topology
 from lightning_par.simulate.ops import After, Comm, Compute, Graph, Join, Msg, Post, Wait
 from lightning_par.simulate.profile import Profile
 from lightning_par.simulate.tp_share import measured_busiest_share
-from lightning_par.tensorparallel.cost import busiest_rank_share
+from lightning_par.tensorparallel.cost import all_gather_cost, busiest_rank_share
 from lightning_par.tensorparallel.plan import resolve_plan
 
 
@@ -220,11 +226,58 @@ def hybrid_graph(prof: Profile, p: int, topo: Topology, cores: int | None,
     return g  # fmt: skip
 
 
+def _ring_phase_s(nbytes: int, p: int, topo: Topology) -> float:
+    """One reduce-scatter or all-gather of ``nbytes`` on the ring of ``p`` ranks."""
+    link = topo.slowest(p)
+    return all_gather_cost([max(nbytes // 4 // p, 1)] * p).time(link.alpha, link.beta)
+
+
+def zero_graph(prof: Profile, p: int, topo: Topology, cores: int | None,
+               weak: bool = False) -> Graph:  # fmt: skip
+    stage = int(prof.options.get("stage", 3))
+    work = prof.compute_s * batch_share(prof, p, weak)
+    bwd = min(prof.backward_s, prof.batch_s) * (1.0 if weak else prof.world / p)
+    units = max(prof.buckets, 1)
+    phase = _ring_phase_s(prof.grad_bytes // units, p, topo)
+    g = Graph(weight={0: p})
+    main, bg = g.lane(0), g.lane(0, "bg")
+
+    def collective(after: int, frac: float, seconds: float, name: str) -> int:
+        bg.extend([After((0, "main"), after, frac), Comm(seconds, name)])
+        return len(bg)  # the main lane joins this many background ops
+
+    if stage < 3:
+        grad_s = _allreduce_s("ring", prof.grad_bytes // units, p, topo) if stage == 1 else phase
+        main.append(Compute(work - bwd, "forward"))
+        for _ in range(units):
+            if bwd > 0:
+                main.append(Compute(bwd / units, "backward"))
+            collective(len(main) - 1, 1.0, grad_s, "gradients")
+        main.extend([Join((0, "bg"), len(bg)), Comm(units * phase, "all-gather weights")])
+        return g
+    backward = bwd if bwd > 0 else 2 * work / 3
+    forward = min(backward / 2, work - backward) if bwd > 0 else work / 3
+    main.append(Compute(max(work - forward - backward, 0.0), "optimizer, loop"))
+    started, frac = len(main) - 1, 1.0
+    for _ in range(units):  # each unit gathered before its forward, the next one meanwhile
+        ready = collective(started, frac, phase, "all-gather (forward)")
+        main.extend([Join((0, "bg"), ready), Compute(forward / units, "forward")])
+        started, frac = len(main) - 1, 0.0
+    ready = collective(started, 1.0, phase, "all-gather (backward)")
+    for k in range(units):
+        main.extend([Join((0, "bg"), ready), Compute(backward / units, "backward")])
+        if k + 1 < units:
+            ready = collective(len(main) - 1, 0.0, phase, "all-gather (backward)")
+        collective(len(main) - 1, 1.0, phase, "reduce-scatter")
+    main.append(Join((0, "bg"), len(bg)))
+    return g
+
+
 BUILDERS = {
     "allreduce": data_parallel_graph, "ddp": data_parallel_graph,
     "local_sgd": data_parallel_graph, "ps": ps_graph, "async_ps": ps_graph,
     "pipeline": pipeline_graph, "layerwise": pipeline_graph, "tp": tp_graph,
-    "hybrid": hybrid_graph,
+    "hybrid": hybrid_graph, "zero": zero_graph,
 }  # fmt: skip
 
 

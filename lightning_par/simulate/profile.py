@@ -25,7 +25,7 @@ ALLREDUCE_KIND = "allreduce"
 @dataclass
 class Profile:
     strategy: str
-    family: str  # allreduce, local_sgd, ps, async_ps, pipeline, layerwise, tp, hybrid, ddp
+    family: str  # allreduce, local_sgd, ps, async_ps, pipeline, layerwise, tp, hybrid, ddp, zero
     world: int  # workers of the measured run
     processes: int  # processes of the measured run (servers included)
     global_batch: int
@@ -57,12 +57,14 @@ class Profile:
     #: (the ``tp forward`` / ``tp backward`` spans less the messages inside them); the rest of
     #: ``compute_s`` is the step's overhead, which no rank splits.
     model_s: float = 0.0
+    #: the optimizer state the fullest rank held at the end of the measured run (its probe)
+    optimizer_bytes: int = 0
 
 
 FAMILIES = {
     "gpipe": "pipeline", "layerwise": "layerwise", "tensor_parallel": "tp",
     "parameter_server": "ps", "async_sgd": "async_ps", "local_sgd": "local_sgd",
-    "hybrid": "hybrid", "lightning_ddp": "ddp",
+    "hybrid": "hybrid", "lightning_ddp": "ddp", "zero": "zero",
 }  # fmt: skip
 
 
@@ -88,9 +90,10 @@ def _per_step(graph: Graph) -> float:
 
 
 def profile(run: Run, graph: Graph | None = None) -> Profile:
-    """The :class:`Profile` of ``run`` (its ``row.json`` names the strategy and model)."""
-    name = run.row.get("strategy", run.name)
-    options = dict(spec(name).options) if name else {}
+    """The :class:`Profile` of ``run`` (its ``row.json`` names the strategy, the options the
+    run added to it, and the model)."""
+    name = run.row.get("name") or run.row.get("strategy", run.name)
+    options = {**spec(name).options, **run.row.get("options", {})} if name else {}
     family = FAMILIES.get(name, ALLREDUCE_KIND if name.endswith("_allreduce") else "")
     if not family:
         raise ValueError(f"{name}: no scale-out model for this strategy")
@@ -103,13 +106,14 @@ def profile(run: Run, graph: Graph | None = None) -> Profile:
                 if m.rank == t.rank and _in_window(run, t, m.start)]  # fmt: skip
     n_ranks = max(len(run.traces), 1)
     step_s = run.measured_step_s or 0.0
-    prof = Profile(name, family, world, world + int(run.row.get("servers", 0) or 0),
+    prof = Profile(run.row.get("strategy", name), family, world,
+                   world + int(run.row.get("servers", 0) or 0),
                    int(run.row.get("global_batch", 0)), step_s, _per_step(graph), options,
                    options.get("algorithm", "ring"), params)  # fmt: skip
     backward = [e.end - e.start for e in events if e.name == "backward"]
     prof.backward_s = sum(backward) / n_ranks / steps if backward else 0.0
     prof.batch_s = min(1.5 * prof.backward_s, prof.compute_s) if backward else prof.compute_s
-    bucket_events = [e for e in events if e.name.startswith("bucket")]
+    bucket_events = [e for e in events if e.name.startswith(("bucket", "reduce-scatter"))]
     prof.buckets = max(1, round(len(bucket_events) / n_ranks / steps))
     if family in ("ps", "async_ps"):
         prof.servers = len({m.peer for m in messages if m.peer >= len(run.traces)}) or 1
@@ -134,6 +138,12 @@ def profile(run: Run, graph: Graph | None = None) -> Profile:
         # at p ranks a ring allreduce's reduce-scatter step carries 1/p of the tensor
         prof.collective_bytes = int(statistics.median(m.nbytes for m in scatters)) * world
         prof.max_devices, prof.limit = width or None, f"narrowest layer is {width} wide"
+    held = [p.get("held_bytes", {}) for p in run.probes.values()]
+    prof.optimizer_bytes = max((h.get("optimizer", 0) for h in held), default=0)
+    if family == "zero" and not params:  # a user's own run: the parameters it held
+        stage3 = int(options.get("stage", 3)) == 3
+        whole = max((h.get("parameters", 0) for h in held), default=0)
+        prof.grad_bytes = whole * (world if stage3 else 1)
     if family == "ddp" or not prof.compute_s:
         prof.traced, prof.compute_s = False, step_s  # untraced: the step is all compute
         prof.batch_s = step_s
@@ -157,14 +167,14 @@ def profile_from_report(row: dict, model_name: str) -> Profile | None:
     compute and bytes per step only, so no overlap with backward and no per-step compute
     split. ``None`` for strategies whose scale-out needs the traces (tensor parallel,
     hybrid, layerwise) or that failed."""
-    name = row["strategy"]
+    name = row.get("name", row["strategy"])
     family = FAMILIES.get(name, ALLREDUCE_KIND if name.endswith("_allreduce") else "")
     if row.get("status") != "ok" or family in ("", "tp", "hybrid", "layerwise"):
         return None
-    options = dict(spec(name).options)
+    options = {**spec(name).options, **row.get("options", {})}
     params, layers, _ = _model_limits(model_name)
     compute = row["compute_s"] if row.get("compute_s") is not None else row["step_s"]
-    prof = Profile(name, family, int(row["workers"]), int(row["processes"]),
+    prof = Profile(row["strategy"], family, int(row["workers"]), int(row["processes"]),
                    int(row["global_batch"]), row["step_s"], compute, options,
                    options.get("algorithm", "ring"), params, batch_s=compute,
                    servers=int(row.get("servers") or 0),

@@ -29,6 +29,8 @@ class Run:
     traces: list[CommTrace]
     windows: dict[int, list[tuple[float, float]]] | None
     row: dict = field(default_factory=dict)
+    #: each rank's probe (:class:`~lightning_par.measure.probe.Probe`), where the run has them
+    probes: dict[int, dict] = field(default_factory=dict)
 
     @property
     def measured_step_s(self) -> float | None:
@@ -74,7 +76,7 @@ def load_run(folder: str | Path, warmup: int | None = None) -> Run:
         if timed < 1:
             raise ValueError(f"{folder}: no step left after {skip} warm-up steps")
         windows = {r: w[:timed] for r, w in windows.items()}
-    return Run(row.get("strategy", folder.name), traces, windows, row)
+    return Run(row.get("strategy", folder.name), traces, windows, row, probes)
 
 
 def replay(

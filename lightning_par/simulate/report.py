@@ -105,8 +105,15 @@ def _fmt(x: float | None, scale: float = 1.0, digits: int = 1) -> str:
     return "-" if x is None else f"{x * scale:.{digits}f}"
 
 
+#: Under a scaling table whose rows have model state per rank.
+MEMORY_NOTE = ("State MB/rank: parameters, gradients and optimizer state per rank from ZeRO's "
+               "formulas (lightning_par.simulate.memory), not simulated; the other strategies' "
+               "memory is not modelled.")  # fmt: skip
+
+
 def scaling_table(rows: list[dict]) -> str:
-    """Markdown: one row per strategy, step ms / images/s / efficiency per device count."""
+    """Markdown: one row per strategy, step ms / images/s / efficiency per device count, and
+    the model state per rank where a formula gives it (then :data:`MEMORY_NOTE` under it)."""
     sizes = sorted({r["devices"] for r in rows})
     head = "| strategy | " + " | ".join(f"{p} dev: step ms, img/s, eff" for p in sizes) + " |"
     lines = [head, "|---" * (len(sizes) + 1) + "|"]
@@ -119,7 +126,11 @@ def scaling_table(rows: list[dict]) -> str:
             else:
                 cells.append(f"{_fmt(r['step_s'], 1e3, 2)}, {r['images_per_s']:,.0f}, "
                              f"{r['efficiency']:.0%}")  # fmt: skip
+            if r.get("state_bytes") is not None:
+                cells[-1] += f"; state {r['state_bytes'] / 2**20:.3g} MB/rank"
         lines.append(f"| {name} | " + " | ".join(cells) + " |")
+    if any(r.get("state_bytes") is not None for r in rows):
+        lines += ["", MEMORY_NOTE]
     return "\n".join(lines)
 
 

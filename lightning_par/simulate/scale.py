@@ -23,6 +23,7 @@ from lightning_par.simulate.builders import NotApplicable, build
 from lightning_par.simulate.cores import lightning_threads, placement_wait
 from lightning_par.simulate.engine import simulate
 from lightning_par.simulate.links import Topology
+from lightning_par.simulate.memory import state_bytes_per_rank
 from lightning_par.simulate.ops import After, Compute, Graph
 from lightning_par.simulate.profile import Profile
 
@@ -90,7 +91,7 @@ def measured_sharing(prof: Profile, topo: Topology, cores: int,
     return sum(r["compute"] for r in shared.split.values()) / own if own else 1.0
 
 
-DATA_PARALLEL = ("allreduce", "ddp", "local_sgd", "ps", "async_ps")
+DATA_PARALLEL = ("allreduce", "ddp", "local_sgd", "ps", "async_ps", "zero")
 
 
 def global_batch(prof: Profile, p: int, weak: bool) -> float:
@@ -109,8 +110,10 @@ def scaling_row(prof: Profile, p: int, topo: Topology, speed: float = 1.0,
                 weak: bool = True) -> dict:  # fmt: skip
     """Step time, throughput and efficiency at ``p`` (``None`` with the reason where the
     strategy cannot run there). Efficiency is throughput over ``p`` devices' worth of one
-    device's compute-only throughput (``compute_s * world / global_batch`` per sample)."""
-    out = {"strategy": prof.strategy, "devices": p}
+    device's compute-only throughput (``compute_s * world / global_batch`` per sample).
+    ``state_bytes``: model state per rank by the formulas of
+    :mod:`lightning_par.simulate.memory` (``None``: none for this strategy)."""
+    out = {"strategy": prof.strategy, "devices": p, "state_bytes": state_bytes_per_rank(prof, p)}
     try:
         step = predict_step(prof, p, topo, speed, weak=weak)
     except NotApplicable as err:

@@ -7,6 +7,7 @@ in ``DESCRIPTIONS``), so a new collective is a new strategy.
 
 from __future__ import annotations
 
+import ast
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -118,6 +119,23 @@ def spec(name: str) -> StrategySpec:
         if row.name == name:
             return row
     raise KeyError(f"no lightning_par strategy named {name!r}; choose one of {plugin_names()}")
+
+
+def parse_choice(text: str) -> tuple[str, dict[str, Any]]:
+    """A strategy as the tools' command lines name it: ``zero`` -> ``("zero", {})``,
+    ``zero:stage=1,bucket_cap_mb=2`` -> ``("zero", {"stage": 1, "bucket_cap_mb": 2})``
+    (each value a Python literal, else text). The name is not checked here."""
+    name, _, rest = text.partition(":")
+    options: dict[str, Any] = {}
+    for item in filter(None, rest.split(",")):
+        key, eq, value = item.partition("=")
+        if not eq or not key:
+            raise ValueError(f"{text!r}: write NAME:KEY=VALUE[,KEY=VALUE] (e.g. zero:stage=1)")
+        try:
+            options[key] = ast.literal_eval(value)
+        except (ValueError, SyntaxError):
+            options[key] = value
+    return name, options
 
 
 def register_strategies(registry: Any = StrategyRegistry) -> None:

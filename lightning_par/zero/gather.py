@@ -26,23 +26,30 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from concurrent.futures import Executor, Future
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 
 import torch
 from torch import nn
 
 from lightning_par.collectives import ring_all_gather
-from lightning_par.comm import Communicator
+from lightning_par.comm import CommTrace, Communicator
 from lightning_par.zero.units import FlatUnit
 
 
 class StageThree:
-    """Gather and free the units of ``root``'s parameters around the modules that use them."""
+    """Gather and free the units of ``root``'s parameters around the modules that use them
+    (``trace``: where a ``wait for gather`` span records each time a layer waited for one)."""
 
     def __init__(
-        self, root: nn.Module, units: list[FlatUnit], comm: Communicator, executor: Executor
+        self,
+        root: nn.Module,
+        units: list[FlatUnit],
+        comm: Communicator,
+        executor: Executor,
+        trace: CommTrace | None = None,
     ) -> None:
         self.root, self.units, self.comm, self.executor = root, units, comm, executor
+        self.trace = trace
         self._unit_of = {id(p): u for u in units for p in u.params}
         self._pending: dict[int, Future] = {}
         self._in_use = {u.index: 0 for u in units}
@@ -77,7 +84,8 @@ class StageThree:
         self.prefetch(unit)
         pending = self._pending.pop(unit.index, None)
         if pending is not None:
-            pending.result()
+            with self.trace.span("wait for gather") if self.trace is not None else nullcontext():
+                pending.result()
 
     def free(self, unit: FlatUnit) -> None:
         if unit.index in self._pending:

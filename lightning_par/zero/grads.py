@@ -66,7 +66,10 @@ class ShardedGradients:
         ]
 
     def known(self, param: torch.Tensor) -> bool:
-        return id(param) in self._unit_of
+        """Whether ``param``'s gradient has a shard: it was trainable when the hooks went on
+        (one frozen then, unfrozen later, is in a unit but has no hook)."""
+        unit = self._unit_of.get(id(param))
+        return unit is not None and any(param is q for q in self._trainable[unit.index])
 
     @contextmanager
     def no_sync(self) -> Iterator[None]:

@@ -16,18 +16,29 @@ def test_without_cuda_the_gpu_check_is_refused_with_the_reason(monkeypatch, caps
 
 def test_the_cpu_path_prints_one_table_against_single_device_lightning(capsys):
     code = gpucheck.main(["--accelerator", "cpu", "--strategies", "ring_allreduce",
-                          "--steps", "4", "--timeout", "240"])  # fmt: skip
+                          "zero:stage=1", "--steps", "4", "--timeout", "240"])  # fmt: skip
     out = capsys.readouterr().out
     assert code == 0, out
     lines = [ln for ln in out.splitlines() if ln.startswith("|")]
     assert lines[0].startswith("| strategy |") and "x single device" in lines[0]
     rows = {ln.split("|")[1].strip(): [c.strip() for c in ln.split("|")[1:-1]] for ln in lines[2:]}
-    assert set(rows) == {"single", "ring_allreduce"}, out
+    assert set(rows) == {"single", "ring_allreduce", "zero:stage=1"}, out
+    assert rows["zero:stage=1"][4] == "ok" and rows["zero:stage=1"][3] == "2", out
     assert rows["single"][6] == "1.00" and rows["single"][3] == "1", out
     ring = rows["ring_allreduce"]
     assert ring[4] == "ok" and ring[3] == "2" and float(ring[6]) > 0, out
     shown = float(ring[5]) / float(rows["single"][5])  # (images/s are printed to 0.1)
     assert abs(float(ring[6]) - shown) <= 0.02 * shown + 0.01, out
+
+
+def test_by_default_the_gpu_check_runs_zeros_other_stages_too(monkeypatch, capsys):
+    from lightning_par import check
+
+    asked = []
+    monkeypatch.setattr(check, "check_group", lambda rows, *a: asked.extend(rows) or [])
+    assert gpucheck.main(["--accelerator", "cpu", "--no-tests"]) == 0
+    names = [row[0] for row in asked]
+    assert {"zero", "zero:stage=1", "zero:stage=2"} <= set(names), names
 
 
 def test_a_row_with_fewer_devices_than_its_strategy_needs_is_not_run_and_not_failed(
