@@ -22,8 +22,9 @@ import os
 import signal
 import stat
 import tempfile
-import time
 import uuid
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 #: The folder where the processes of one launch leave what the launcher reports.
 REPORTS_ENV = "LIGHTNING_PAR_REPORTS"
@@ -59,6 +60,20 @@ class RankLost(RuntimeError):
     def __init__(self, message: str, rank: int, details: str = "") -> None:
         super().__init__(message)
         self.rank, self.details = rank, details
+
+
+@contextmanager
+def reports_to(folder: str) -> Iterator[None]:
+    """While inside, the processes this one starts leave their reports in ``folder``."""
+    previous = os.environ.get(REPORTS_ENV)
+    os.environ[REPORTS_ENV] = folder
+    try:
+        yield
+    finally:
+        if previous is None:
+            os.environ.pop(REPORTS_ENV, None)
+        else:
+            os.environ[REPORTS_ENV] = previous
 
 
 def new_folder_name() -> str:
@@ -119,11 +134,3 @@ def read_reports(folder: str | None) -> list[tuple[int, str]]:
         except OSError:
             continue
     return [(rank, text) for _, rank, text in sorted(found)]
-
-
-def wait_for_report(folder: str | None, grace_s: float) -> list[tuple[int, str]]:
-    """:func:`read_reports`, waiting up to ``grace_s`` for the first one."""
-    deadline = time.monotonic() + grace_s
-    while not (reports := read_reports(folder)) and time.monotonic() < deadline:
-        time.sleep(0.05)
-    return reports

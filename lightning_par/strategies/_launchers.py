@@ -17,6 +17,9 @@
 * an interrupt of the main process (Ctrl-C, Jupyter's "interrupt kernel", SIGTERM from a
   scheduler) or any error there stops every rank and what it started, and says where the
   newest checkpoint is (:mod:`._interrupts`);
+* a rank lost (killed, ended without raising, or silent for ``dead_peer_timeout``) ends the
+  job at once with :class:`~lightning_par.launch.lost.RankLost`, one line naming the rank,
+  how it was lost and the newest checkpoint (:mod:`._lost_ranks`);
 * a rank's exception reaches the main process with its own type (``ValueError``, ...),
   chained to torch's report of the rank's traceback (:mod:`._rank_errors`);
 * after a fork ``fit`` the main process gets the FULL model and the training state
@@ -31,16 +34,12 @@
 from __future__ import annotations
 
 import inspect
-import logging
 import os
 import shutil
 import signal
-import sys
 import tempfile
 import time
-import traceback
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 from dataclasses import replace
 from typing import Any
 
@@ -51,8 +50,7 @@ from typing_extensions import override
 
 from lightning_par import _compat
 from lightning_par.comm.trace import trace_from_dict, trace_to_dict
-from lightning_par.launch import liveness
-from lightning_par.launch.lost import LAUNCHER_RANK_ENV, REPORTS_ENV, RankLost, new_folder_name
+from lightning_par.launch.lost import REPORTS_ENV, RankLost, new_folder_name, reports_to
 from lightning_par.launch.parent_state import ParentState
 from lightning_par.launch.policy import (
     FORKSERVER_PRELOAD,
@@ -72,8 +70,6 @@ from lightning_par.strategies._carry_back import (
 from lightning_par.strategies._interrupts import lost_rank_message, sigterm_as_interrupt, stop_ranks
 from lightning_par.strategies._lost_ranks import ScriptRanks, joined_by_us
 from lightning_par.strategies._rank_errors import RankErrors
-
-log = logging.getLogger("lightning_par")
 
 #: Prefix of the temporary folder that carries rank 0's weights and training state back to
 #: the main process (:mod:`._carry_back`).
@@ -143,12 +139,16 @@ class PolicyLauncher(_compat.MultiProcessingLauncher):
         warn_if_oversubscribed(device, strategy.num_processes, devices)
         self._trainer, self._started = trainer, time.time()
         # the ranks leave here their exceptions (fork: raised again below with their own
-        # type) and their reports of a lost peer (:mod:`._lost_ranks`)
-        folder = self._reports_folder()
-        errors = self._rank_errors = RankErrors(folder) if self.plan.method != "popen" else None
+        # type) and their reports of a lost peer (:mod:`._lost_ranks`); popen: one folder for
+        # the scripts' whole life (they read its name once, as they start)
+        popen = self.plan.method == "popen"
+        folder = (
+            os.environ.setdefault(REPORTS_ENV, new_folder_name()) if popen else new_folder_name()
+        )
+        errors = self._rank_errors = RankErrors(folder) if not popen else None
         try:
-            with sigterm_as_interrupt(), _environment(REPORTS_ENV, folder):
-                if self.plan.method == "popen":
+            with sigterm_as_interrupt(), reports_to(folder):
+                if popen:
                     return self._launch_scripts(function, args, trainer, kw)
                 self._start_method = self.plan.method
                 if self.plan.method == "forkserver":
@@ -161,7 +161,9 @@ class PolicyLauncher(_compat.MultiProcessingLauncher):
                     return super().launch(function, *args, trainer=trainer, **kw)
         except BaseException as error:
             procs = self._script.procs if self._script is not None else self.procs
-            lost = error if isinstance(error, RankLost) else self._lost_script(error)
+            lost = error if isinstance(error, RankLost) else None
+            if lost is None and self._scripts is not None:  # popen: a script lost?
+                lost = self._scripts.cause_of(error)
             stop_ranks(procs, trainer, error, self._started)
             if lost is not None:
                 message = lost_rank_message(lost, trainer, self._started)
@@ -174,13 +176,6 @@ class PolicyLauncher(_compat.MultiProcessingLauncher):
             self._rank_errors = None
             shutil.rmtree(folder, ignore_errors=True)
 
-    def _reports_folder(self) -> str:
-        """A new folder name per fork launch; popen: one for the scripts' whole life (they
-        read its name once, when they start)."""
-        if self.plan is not None and self.plan.method == "popen":
-            return os.environ.setdefault(REPORTS_ENV, new_folder_name())
-        return new_folder_name()
-
     def _launch_scripts(self, function: Callable, args: tuple, trainer: Any, kw: dict) -> Any:
         """popen: this process is rank 0 and starts the others as scripts (the first launch),
         watched by :class:`ScriptRanks` instead of Lightning's observer."""
@@ -188,35 +183,14 @@ class PolicyLauncher(_compat.MultiProcessingLauncher):
         self._script = _compat.SubprocessScriptLauncher(
             strategy.cluster_environment, strategy.num_processes, strategy.num_nodes
         )
-        if self._scripts is None:
+        if self._scripts is None:  # (the scripts start once: at the first launch)
             first = strategy.node_rank * strategy.num_processes
-            os.environ.setdefault(LAUNCHER_RANK_ENV, str(first))
-            folder = os.environ[REPORTS_ENV]
-            self._scripts = ScriptRanks(strategy.rank_name, first, folder, self._end_job)
-        scripts = self._scripts
-        with _compat.replaced_process_observer(scripts.observe):
-            with liveness.silent_peers_handed_to(scripts.silent):
-                output = self._script.launch(function, *args, trainer=trainer, **kw)
-        return output
-
-    def _lost_script(self, error: BaseException) -> RankLost | None:
-        """popen: the rank whose loss made this process fail with ``error``, if one was."""
-        if self._scripts is None or isinstance(error, KeyboardInterrupt):
-            return None
-        lost = self._scripts.cause()
-        if lost is not None:
-            lost.details = "".join(traceback.format_exception(error))
-            log.debug("lightning_par: %s; rank 0 failed with:\n%s", lost, lost.details)
-        return lost
-
-    def _end_job(self, lost: RankLost) -> None:
-        """popen, when this process (rank 0) did not fail on its own after a script was
-        lost: say so, stop every script and end."""
-        print(f"lightning_par: {lost_rank_message(lost, self._trainer, self._started)}",
-              file=sys.stderr, flush=True)  # fmt: skip
-        stop_ranks(self._script.procs if self._script is not None else [], None, lost, 0.0)
-        shutil.rmtree(os.environ.get(REPORTS_ENV, ""), ignore_errors=True)
-        os._exit(1)
+            self._scripts = ScriptRanks(
+                strategy.rank_name, first, os.environ[REPORTS_ENV],
+                lambda lost: lost_rank_message(lost, self._trainer, self._started),
+            )  # fmt: skip
+        with self._scripts.watching():
+            return self._script.launch(function, *args, trainer=trainer, **kw)
 
     @override
     def kill(self, signum: Any) -> None:
@@ -295,20 +269,6 @@ class PolicyLauncher(_compat.MultiProcessingLauncher):
         state = super().__getstate__()
         state["_script"] = None
         return state
-
-
-@contextmanager
-def _environment(name: str, value: str) -> Iterator[None]:
-    """``os.environ[name] = value`` while inside (the ranks started inside inherit it)."""
-    previous = os.environ.get(name)
-    os.environ[name] = value
-    try:
-        yield
-    finally:
-        if previous is None:
-            os.environ.pop(name, None)
-        else:
-            os.environ[name] = previous
 
 
 def _device_count(device: str) -> int | None:

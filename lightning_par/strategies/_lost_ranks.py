@@ -35,16 +35,19 @@ import logging
 import multiprocessing.connection
 import os
 import pickle
+import shutil
 import sys
 import threading
 import time
+import traceback
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
 
 from lightning_par import _compat
+from lightning_par.launch import liveness
 from lightning_par.launch.liveness import report_and_exit
-from lightning_par.launch.lost import RankLost, how_it_ended, read_reports
+from lightning_par.launch.lost import LAUNCHER_RANK_ENV, RankLost, how_it_ended, read_reports
 from lightning_par.launch.processes import stop_process_groups
 
 log = logging.getLogger("lightning_par")
@@ -178,21 +181,30 @@ class ScriptRanks:
     """A ``popen`` launch seen from its launching process, which is rank 0: the ranks it
     started as scripts (ranks ``first + 1 ..``), and which of them was lost.
 
-    It takes the place of Lightning's observer of those scripts (:meth:`observe`): the
-    first that ends with an error is recorded, and rank 0's own failure (a collective
-    that finds the connection closed) reports it (:meth:`cause`); if rank 0 has not failed
-    within :data:`GRACE_S` (it computes alone, say), ``end_job`` ends the job. A script
-    that rank 0's heartbeat finds silent (:meth:`silent`) is killed, so rank 0's collective
-    fails at once, and reported as silent."""
+    While the scripts start (:meth:`watching`) it takes the place of Lightning's observer of
+    them: the first that ends with an error is recorded, and rank 0's own failure (a
+    collective that finds the connection closed) reports it (:meth:`cause_of`); if rank 0
+    has not failed within :data:`GRACE_S` (it computes alone, say), this ends the job,
+    printing ``describe(lost)``. A script that rank 0's heartbeat finds silent
+    (:meth:`silent`) is killed, so rank 0's collective fails at once, and is reported as
+    silent. The scripts leave their reports in ``folder``."""
 
     def __init__(
-        self, name: Callable[[int], str], first: int, folder: str | None,
-        end_job: Callable[[RankLost], None],
+        self, name: Callable[[int], str], first: int, folder: str,
+        describe: Callable[[RankLost], str],
     ) -> None:  # fmt: skip
-        self.name, self.first, self.folder, self.end_job = name, first, folder, end_job
+        self.name, self.first, self.folder, self.describe = name, first, folder, describe
         self.procs: list = []
         self.handled = threading.Event()
         self._silent: RankLost | None = None
+
+    @contextmanager
+    def watching(self) -> Iterator[None]:
+        """While Lightning starts the scripts and rank 0 joins their group: watch both."""
+        os.environ.setdefault(LAUNCHER_RANK_ENV, str(self.first))  # (the scripts inherit it)
+        with _compat.replaced_process_observer(self.observe):
+            with liveness.silent_peers_handed_to(self.silent):
+                yield
 
     def observe(self, procs: list) -> None:
         """Lightning started the scripts: watch them."""
@@ -211,7 +223,7 @@ class ScriptRanks:
         while not self.handled.wait(0.2):
             if self._failed() is not None:
                 if not self.handled.wait(GRACE_S):
-                    self.end_job(self.cause())
+                    self._end_job(self.cause())
                 return
             if all(p.poll() == 0 for p in self.procs):
                 return
@@ -224,6 +236,26 @@ class ScriptRanks:
             stop_process_groups([self.procs[index]])
         else:  # not a script of this process's (another node's): this rank ends the job
             report_and_exit(self.name(self.first), rank, report)
+
+    def _end_job(self, lost: RankLost | None) -> None:
+        """Rank 0 did not fail on its own after a script was lost: say so, stop every
+        script and end (as Lightning's observer would, which says nothing)."""
+        if lost is not None:
+            print(f"lightning_par: {self.describe(lost)}", file=sys.stderr, flush=True)
+        stop_process_groups(self.procs)
+        shutil.rmtree(self.folder, ignore_errors=True)
+        os._exit(1)
+
+    def cause_of(self, error: BaseException) -> RankLost | None:
+        """The lost rank that made rank 0 fail with ``error``, if one did (with ``error``
+        in its details)."""
+        if isinstance(error, KeyboardInterrupt):
+            return None
+        lost = self.cause()
+        if lost is not None:
+            lost.details = "".join(traceback.format_exception(error))
+            log.debug("lightning_par: %s; rank 0 failed with:\n%s", lost, lost.details)
+        return lost
 
     def cause(self, grace_s: float = 1.0) -> RankLost | None:
         """The lost rank, if one is (rank 0 reports it: the watch stands down). Waits up to
