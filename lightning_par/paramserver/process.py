@@ -38,7 +38,7 @@ import torch.distributed as dist
 
 from lightning_par.comm import CommError, Communicator
 from lightning_par.launch.liveness import Heartbeat
-from lightning_par.launch.lost import REPORTS_ENV
+from lightning_par.launch.lost import REPORTS_ENV, how_it_ended
 from lightning_par.launch.parent_state import ParentState
 from lightning_par.launch.policy import FORKSERVER_PRELOAD, limit_threads_after_fork, plan_launch
 from lightning_par.launch.processes import die_with_parent
@@ -208,15 +208,9 @@ def watch_servers(procs: list[mp.process.BaseProcess], num_workers: int) -> thre
     return stopping
 
 
-def _how_it_ended(exitcode: int | None) -> str:
-    if exitcode is not None and exitcode < 0:
-        try:
-            name = signal.Signals(-exitcode).name
-        except ValueError:
-            name = f"signal {-exitcode}"
-        why = " (as the OOM killer does)" if name == "SIGKILL" else ""
-        return f"was killed by {name}{why}"
-    return f"exited with code {exitcode}"
+def _how_it_ended(exitcode: int) -> str:
+    why = " (as the OOM killer does)" if exitcode == -signal.SIGKILL else ""
+    return how_it_ended(exitcode) + why
 
 
 def name_dead_server(error: BaseException, rank: int) -> None:

@@ -66,12 +66,15 @@ def _abrupt(context: Any, index: int) -> bool:
 
 def _lost(context: Any, folder: str | None, name: Callable[[int], str]) -> RankLost | None:
     """The lost rank, if one is: reported silent by a peer, else ended without raising (a
-    signal's death before an exit code's)."""
+    signal's death before an exit code's; not a worker the job went on without)."""
     reports = read_reports(folder)
     if reports:
         rank, text = reports[0]
         return RankLost(text, rank)
-    ended = [i for i in range(len(context.processes)) if _abrupt(context, i)]
+    ended = [
+        i for i in range(len(context.processes))
+        if _abrupt(context, i) and i not in context.left_behind
+    ]  # fmt: skip
     if not ended:
         return None
     rank = min(ended, key=lambda i: (context.processes[i].exitcode > 0, i))
@@ -122,6 +125,7 @@ def _join(
                     f"lightning_par: {name(index)} {how_it_ended(process.exitcode)}; the other "
                     "workers go on without it", file=sys.stderr, flush=True,
                 )  # fmt: skip
+                context.left_behind.add(index)
                 continue
         start = time.monotonic()
         lost = _await_cause(context, grace_s, folder, name)
@@ -171,6 +175,7 @@ def joined_by_us(
             return done
 
         context.join = join
+        context.left_behind = set()  # lost workers the job went on without
         return context
 
     with _compat.patched_start_processes(ours):
