@@ -14,6 +14,7 @@ import pytest
 import torch
 from test_async_sgd_work import BATCH, EPOCHS, SAMPLES, Numbered
 
+from lightning_par.launch.lost import RankLost
 from lightning_par.launch.processes import descendants
 from lightning_par.strategies.async_sgd import AsyncSGDStrategy
 
@@ -91,7 +92,7 @@ def test_a_lost_worker_is_survived_and_its_batches_are_trained_by_the_others(tmp
     run(tmp_path, dying=1)
     err = capfd.readouterr().err
     assert "dropped worker 1 (rank 1)" in err  # the server says which one
-    assert "worker 1 (rank 1) died" in err  # and so does the launcher
+    assert "worker 1 (rank 1) exited with code 3; the other workers go on" in err  # the launcher
     batches = trained(tmp_path)
     for epoch in range(EPOCHS):
         ids = sorted(i for e, b in batches if e == epoch for i in b)
@@ -104,7 +105,7 @@ def test_a_lost_worker_is_survived_and_its_batches_are_trained_by_the_others(tmp
 
 def test_losing_rank_0_ends_the_job_with_a_clear_message(tmp_path):
     start = time.monotonic()
-    with pytest.raises(RuntimeError, match=r"worker 0 \(rank 0.*died"):
+    with pytest.raises(RankLost, match=r"^worker 0 \(rank 0\) exited with code 3 .*cannot go on"):
         run(tmp_path, dying=0)
     assert time.monotonic() - start < 60
     assert no_children_left()

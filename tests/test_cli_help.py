@@ -59,7 +59,8 @@ def test_a_strategy_help_shows_only_its_own_options(capsys, name):
     assert "trace" in options and "timeout" in options  # the options every plugin shares
     if name in ("gpipe", "GPipeStrategy"):  # exactly GPipe's own and ParStrategy's
         declared = set(inspect.signature(cls).parameters) - {"kwargs"}
-        shared = {"trace", "trace_dir", "start_method", "process_group_backend", "timeout"}
+        shared = {"trace", "trace_dir", "start_method", "process_group_backend", "timeout",
+                  "dead_peer_timeout"}  # fmt: skip
         assert set(options) - {"OPTION"} == declared | shared, options
         assert {"chunks", "schedule", "balance", "checkpoint"} <= set(options)
         assert "micro-batches per batch" in text  # descriptions from the docstring

@@ -21,7 +21,7 @@ TINY = ["fit", "--model=CifarCNN", "--model.width=8", "--model.num_blocks=1",
         "--trainer.limit_val_batches=0", "--trainer.enable_progress_bar=false",
         "--trainer.enable_model_summary=false", "--test_after_fit=false"]  # fmt: skip
 #: ParStrategy's options, which every plugin takes (parameter servers: always gloo)
-SHARED = {"trace", "trace_dir", "start_method", "timeout"}
+SHARED = {"trace", "trace_dir", "start_method", "timeout", "dead_peer_timeout"}
 #: torch DDP's keywords, which only lightning_ddp takes
 DDP_ONLY = {"ddp_comm_hook", "static_graph", "find_unused_parameters", "broadcast_buffers",
             "gradient_as_bucket_view", "batched_grad_copy", "device_mesh", "parallel_devices",

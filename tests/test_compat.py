@@ -83,6 +83,21 @@ def _noop(i: int) -> None:
     pass
 
 
+def test_the_popen_observer_patch_reaches_lightnings_launch() -> None:
+    from lightning.pytorch.strategies.launchers import subprocess_script as lss
+
+    # Lightning's popen launch looks the observer up in its module when it starts the
+    # children, so replacing the module attribute is seen there
+    assert "_launch_process_observer(self.procs)" in inspect.getsource(
+        lss._SubprocessScriptLauncher.launch
+    )
+    original, seen = lss._launch_process_observer, []
+    with _compat.replaced_process_observer(seen.append):
+        lss._launch_process_observer(["child"])
+    assert seen == [["child"]]
+    assert lss._launch_process_observer is original
+
+
 def test_mark_optimizer_stepped_silences_the_scheduler_warning() -> None:
     from lightning.pytorch.core.optimizer import LightningOptimizer
 

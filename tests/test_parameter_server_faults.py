@@ -11,9 +11,9 @@ import pytest
 import torch
 from test_parameter_server import CNN, fit
 
+from lightning_par.launch.faults import FAULT_ENV
 from lightning_par.launch.processes import descendants
 from lightning_par.launch.store_host import job_store_host
-from lightning_par.paramserver.faults import TEST_EXIT_ENV
 from lightning_par.strategies.parameter_server import ParameterServerStrategy
 
 TIMEOUT = timedelta(seconds=6)
@@ -74,12 +74,12 @@ class HangsAtStep2(CNN):
 
 def test_a_dead_worker_ends_the_job_and_its_servers():
     message, elapsed = _failing_fit(_model(DiesAtStep2))
-    assert "exit code 3" in message
+    assert message.startswith("worker 1 (rank 1) exited with code 3; every rank was stopped")
     assert elapsed < 60
 
 
 def test_a_dead_server_ends_the_job_naming_it(monkeypatch):
-    monkeypatch.setenv(TEST_EXIT_ENV, "1,1")  # server 1 exits as step 1 begins
+    monkeypatch.setenv(FAULT_ENV, "exit:server=1:step=1:code=7")  # as step 1 begins
     message, elapsed = _failing_fit(_model(CNN))
     assert "parameter server 1 (rank 3)" in message, message
     assert elapsed < 60  # start-up (seconds on a loaded box) + well under one timeout

@@ -17,8 +17,9 @@ from torch.multiprocessing import ProcessRaisedException
 from torch.utils.data import DataLoader, TensorDataset
 
 import lightning_par  # noqa: F401  (registers the strategy names)
+from lightning_par.launch.lost import FOLDER_PREFIX, new_folder_name
 from lightning_par.launch.processes import run_bounded
-from lightning_par.strategies._rank_errors import ERRORS_PREFIX, RankErrors
+from lightning_par.strategies._rank_errors import RankErrors
 
 
 class WrongLabels(ValueError):
@@ -52,7 +53,7 @@ def fit(error: str) -> None:
 
 
 def error_folders() -> set[str]:
-    return set(glob.glob(os.path.join(tempfile.gettempdir(), ERRORS_PREFIX + "*")))
+    return set(glob.glob(os.path.join(tempfile.gettempdir(), FOLDER_PREFIX + "*")))
 
 
 def test_a_ranks_exception_is_raised_in_the_main_process_with_its_type():
@@ -75,7 +76,7 @@ def test_an_exception_that_cannot_be_pickled_leaves_torchs_report():
 
 
 def test_rank_errors_give_back_only_a_saved_ranks_exception(tmp_path):
-    errors = RankErrors()
+    errors = RankErrors(new_folder_name())
     try:
         errors.save(2, KeyError("no such column"))
         errors.save(3, RuntimeError("holds a lock", threading.Lock()))  # not kept
@@ -90,7 +91,7 @@ def test_rank_errors_give_back_only_a_saved_ranks_exception(tmp_path):
 
 
 def test_the_first_rank_to_fail_is_raised_whichever_rank_torch_reports():
-    errors = RankErrors()
+    errors = RankErrors(new_folder_name())
     try:
         errors.save(1, ValueError("boom"))  # the cause ...
         errors.save(0, RuntimeError("recv from rank 1 failed"))  # ... and a peer it took down

@@ -40,6 +40,7 @@ from lightning_par._compat.processes import (
     default_store,
     disable_module_memory_sharing,
     patched_start_processes,
+    replaced_process_observer,
     rng_states,
     set_rng_states,
 )
@@ -83,6 +84,7 @@ __all__ = [
     "num_ready_batches_reached",
     "optimizers_to_device",
     "patched_start_processes",
+    "replaced_process_observer",
     "private",
     "private_class",
     "process_group_backend",

@@ -1,9 +1,10 @@
-"""Starting ranks: torch's process context (a fork launch that survives a lost worker),
-Lightning's launchers, the memory and random state a forkserver rank starts from, and the
-default process group's store and backend."""
+"""Starting ranks: torch's process context (a fork launch that names a lost rank),
+Lightning's launchers and its observer of a popen launch's scripts, the memory and random
+state a forkserver rank starts from, and the default process group's store and backend."""
 
 from __future__ import annotations
 
+import importlib
 import inspect
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -19,7 +20,7 @@ def patched_start_processes(wrap: Callable[[Any], Any]) -> Iterator[None]:
     The context's ``processes``, ``sentinels`` and ``error_files`` must exist."""
     import torch.multiprocessing as tmp
 
-    needed_by = "a fork launch that goes on without a lost worker (async_sgd)"
+    needed_by = "a fork launch that names a lost rank (async_sgd: goes on without a worker)"
     require(tmp, "start_processes", "torch.multiprocessing.start_processes", needed_by)
     for attr in ("processes", "sentinels", "error_files", "join"):
         _require_context_attr(attr, needed_by)
@@ -48,6 +49,25 @@ def _require_context_attr(attr: str, needed_by: str) -> None:
 
 
 _LAUNCHERS = "lightning.pytorch.strategies.launchers"
+
+
+@contextmanager
+def replaced_process_observer(observe: Callable[[list], None]) -> Iterator[None]:
+    """While inside, a ``popen`` launch hands its child processes to ``observe`` instead of
+    starting Lightning's observer of them (which SIGKILLs the launching process 5 s after a
+    child fails, before it can say which rank was lost)."""
+    name, needed_by = f"{_LAUNCHERS}.subprocess_script", "naming a lost popen rank"
+    try:
+        launchers = importlib.import_module(name)
+    except ImportError as err:
+        raise moved(name, needed_by) from err
+    require(launchers, "_launch_process_observer", f"{name}._launch_process_observer", needed_by)
+    original = launchers._launch_process_observer
+    launchers._launch_process_observer = observe
+    try:
+        yield
+    finally:
+        launchers._launch_process_observer = original
 
 
 #: Lightning's launcher of a script's other ranks (``popen``), also used for ranks that

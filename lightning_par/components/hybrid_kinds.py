@@ -70,6 +70,6 @@ def make_splitter(kind: object, options: dict[str, Any]) -> ModelSplitter:
         raise TypeError(
             f"HybridStrategy got unknown option(s) {unknown} for mp_kind={kind!r}; it accepts "
             f"dp, mp, mp_kind, dp_algorithm, bucket_cap_mb, overlap, {', '.join(known)} and "
-            "trace, trace_dir, start_method, process_group_backend, timeout"
+            "trace, trace_dir, start_method, process_group_backend, timeout, dead_peer_timeout"
         )
     return KINDS[kind].build(**options)  # type: ignore[index]

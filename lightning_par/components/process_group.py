@@ -50,8 +50,9 @@ def join_process_group(host: Any, backend: str) -> None:
     # already guards against for NCCL.
     atexit.register(destroy_process_group)
     liveness.watch_group(
-        store, host.global_rank, host.watched_ranks(), host.timeout, host.rank_name
-    )
+        store, host.global_rank, host.watched_ranks(), host.timeout, host.rank_name,
+        host.dead_peer_timeout,
+    )  # fmt: skip
 
 
 def destroy_process_group() -> None:

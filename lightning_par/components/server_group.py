@@ -33,6 +33,7 @@ from lightning_par.comm import CommTrace, Communicator, Event
 from lightning_par.components.process_group import destroy_process_group
 from lightning_par.components.worker_group import WorkerGroup, check_positive
 from lightning_par.launch import liveness
+from lightning_par.launch.lost import RankLost
 from lightning_par.launch.rendezvous import StoreAddress
 from lightning_par.paramserver import process as servers
 from lightning_par.paramserver.faults import explain
@@ -62,6 +63,7 @@ class WorkerContext:
         group_store: a new ``(store, address)`` for each process group the workers join.
         outlives_the_call: the user's script goes on in this rank after ``fit`` (popen,
             torchrun, SLURM), rather than in a process that forked it.
+        dead_peer_s: how long a rank may stop responding (None: the default).
     """
 
     strategy_name: str
@@ -73,6 +75,7 @@ class WorkerContext:
     timeout: timedelta
     group_store: Callable[[], tuple[Any, StoreAddress]]
     outlives_the_call: bool
+    dead_peer_s: float | None = None
 
     def rank_name(self, rank: int) -> str:
         """How reports name group rank ``rank`` (a worker or a server)."""
@@ -155,14 +158,15 @@ class ServerGroup:
             mine = servers.servers_of_node(self.num_servers, ctx.num_nodes, ctx.node_rank)
             self.started = mine
             self.processes = servers.start_servers(
-                mine, ctx.workers, self.num_servers, address, ctx.timeout, **server_options
-            )
+                mine, ctx.workers, self.num_servers, address, ctx.timeout,
+                dead_peer_s=ctx.dead_peer_s, **server_options,
+            )  # fmt: skip
         world = ctx.workers + self.num_servers
         dist.init_process_group(
             "gloo", store=store, rank=ctx.rank, world_size=world, timeout=ctx.timeout
         )
         self._watch = servers.watch_servers(self.processes, ctx.workers) if self.processes else None
-        liveness.watch_group(store, ctx.rank, watched, ctx.timeout, ctx.rank_name)
+        liveness.watch_group(store, ctx.rank, watched, ctx.timeout, ctx.rank_name, ctx.dead_peer_s)
         self.workers.create(ctx.workers)
         self.workers.prepare_data(module)
 
@@ -249,6 +253,8 @@ class ServerGroup:
     def on_exception(self, exception: BaseException) -> None:
         """No goodbye protocol after a failure; a server's message may name who failed."""
         self.failed = True  # peers may be mid-step or gone
+        if isinstance(exception, RankLost):  # the launcher named the lost rank already
+            return
         self.describe_failure(exception)
         if self.client is None or not isinstance(exception, RuntimeError):
             return

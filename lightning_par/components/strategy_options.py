@@ -42,8 +42,11 @@ def plumbing_arguments(given: dict[str, Any]) -> dict[str, Any]:
     return {name: given[name] for name in PLUMBING_ARGUMENTS if name in given}
 
 
-def check_options(cls: type, given: dict[str, Any], start_method: Any, trace: Any) -> None:
-    """Refuse unknown keywords, an unknown start method and a ``trace`` that is not a bool."""
+def check_options(
+    cls: type, given: dict[str, Any], start_method: Any, trace: Any, dead_peer_timeout: Any = None
+) -> None:
+    """Refuse unknown keywords, an unknown start method, a ``trace`` that is not a bool and a
+    ``dead_peer_timeout`` that is not a number of seconds above zero."""
     unknown = sorted(set(given) - set(PLUMBING_ARGUMENTS))
     if unknown:
         raise TypeError(
@@ -55,3 +58,12 @@ def check_options(cls: type, given: dict[str, Any], start_method: Any, trace: An
         raise ValueError(f"start_method={start_method!r}: choose one of {START_METHODS}")
     if not isinstance(trace, bool):
         raise TypeError(f"trace must be True or False, got {trace!r}")
+    if dead_peer_timeout is not None and (
+        isinstance(dead_peer_timeout, bool)
+        or not isinstance(dead_peer_timeout, (int, float))
+        or not dead_peer_timeout > 0
+    ):
+        raise ValueError(
+            f"dead_peer_timeout must be a number of seconds > 0 (how long a rank may stop "
+            f"responding before the job ends), got {dead_peer_timeout!r}"
+        )

@@ -8,10 +8,13 @@ its machine or network gone): every rank counts up a key in the group's store ab
 times per limit, from a background thread that keeps beating while the rank computes,
 sleeps or writes; a rank whose count has not moved for :func:`dead_peer_timeout` seconds
 is reported, naming it, and the watching rank ends (a blocked collective cannot be
-interrupted from Python; the launcher then stops the rest).
+interrupted from Python; the launcher then stops the rest). Under a launch of this project
+the report goes to the launcher, which says it in one line (:mod:`.lost`); elsewhere
+(torchrun, SLURM) the watching rank prints it.
 
 A rank that finished a stage (``teardown``) says so (:meth:`Heartbeat.finish`) and is no
-longer watched until it joins the next stage (:meth:`Heartbeat.resume`).
+longer watched until it joins the next stage (:meth:`Heartbeat.resume`); a rank the job
+goes on without (a lost ``async_sgd`` worker) is forgotten (:meth:`Heartbeat.forget`).
 """
 
 from __future__ import annotations
@@ -21,11 +24,14 @@ import os
 import sys
 import threading
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
+from contextlib import contextmanager
 from datetime import timedelta
+from functools import partial
 from typing import Any
 
-from lightning_par.launch.rendezvous import dead_peer_timeout
+from lightning_par.launch.lost import leave_report
+from lightning_par.launch.rendezvous import DEAD_PEER_ENV, dead_peer_timeout
 
 #: Added to a rank's count when it finished a stage (counts stay far below it).
 _DONE = 1 << 40
@@ -40,7 +46,8 @@ class Heartbeat:
         watched: ranks whose silence ends this rank (e.g. not the workers async SGD can lose).
         dead_after_s: seconds without a beat after which a watched rank is reported.
         name: how to name a rank in the report (``"worker 1 (rank 1)"``).
-        on_dead: called with the report instead of printing it and ending the process.
+        on_dead: called with the silent rank and the report, instead of
+            :func:`report_and_exit`.
     """
 
     def __init__(
@@ -50,11 +57,11 @@ class Heartbeat:
         watched: Iterable[int],
         dead_after_s: float,
         name: Callable[[int], str] = lambda r: f"rank {r}",
-        on_dead: Callable[[str], None] | None = None,
+        on_dead: Callable[[int, str], None] | None = None,
     ) -> None:
         self.store, self.rank, self.dead_after_s, self.name = store, rank, dead_after_s, name
         self.watched = [r for r in watched if r != rank]
-        self.on_dead = on_dead or _report_and_exit
+        self.on_dead = on_dead or partial(report_and_exit, name(rank))
         self.interval_s = max(0.05, min(1.0, dead_after_s / 4))
         self._stop = threading.Event()
         self._finished = False
@@ -82,6 +89,10 @@ class Heartbeat:
         if self._finished:
             self._finished = False
             self._safely(lambda: self.store.add(self._key(self.rank), -_DONE))
+
+    def forget(self, rank: int) -> None:
+        """The job goes on without ``rank`` (a lost worker): no peer watches it any more."""
+        self._safely(lambda: self.store.add(self._key(rank), _DONE))
 
     def stop(self) -> None:
         self.finish()
@@ -113,22 +124,45 @@ class Heartbeat:
                     if count >= _DONE // 2 or last is None or last[0] != count:
                         seen[peer] = (count, now)
                     elif now - last[1] > self.dead_after_s and not self._finished:
-                        self.on_dead(
-                            f"lightning_par: {self.name(peer)} has not answered for "
-                            f"{now - last[1]:.0f} s (its process is frozen or its machine or "
-                            f"network is gone); {self.name(self.rank)} ends the job"
-                        )
+                        self.on_dead(peer, silent_report(self.name(peer), now - last[1],
+                                                         self.dead_after_s))  # fmt: skip
                         return
         except Exception:
             return  # the store's host is gone: gloo reports that job's end itself
 
 
-def _report_and_exit(message: str) -> None:
-    print(message, file=sys.stderr, flush=True)
+def silent_report(who: str, silent_s: float, limit_s: float) -> str:
+    """How a report names a rank that stopped beating: who, for how long, and the limit."""
+    return (
+        f"{who} stopped responding for {silent_s:.0f} s (its process frozen, or its machine "
+        f"or network gone; the limit is dead_peer_timeout={limit_s:g} s, an option of every "
+        f"strategy, or {DEAD_PEER_ENV})"
+    )
+
+
+def report_and_exit(reporter: str, peer: int, report: str) -> None:
+    """End this process, a rank blocked behind the silent ``peer``: its launcher reports it
+    (:func:`~lightning_par.launch.lost.leave_report`), or this process prints it."""
+    if not leave_report(peer, report):
+        print(f"lightning_par: {report}; {reporter} ends the job", file=sys.stderr, flush=True)
     os._exit(1)
 
 
 _current: Heartbeat | None = None  # the heartbeat of this process's default group
+_handler: Callable[[int, str], None] | None = None  # see silent_peers_handed_to
+
+
+@contextmanager
+def silent_peers_handed_to(handler: Callable[[int, str], None]) -> Iterator[None]:
+    """While inside, a silent peer this process's group heartbeat finds is handed to
+    ``handler(rank, report)`` instead of ending the process: the launching process of a
+    ``popen`` launch is rank 0, and stops its other ranks itself."""
+    global _handler
+    previous, _handler = _handler, handler
+    try:
+        yield
+    finally:
+        _handler = previous
 
 
 def watch_group(
@@ -137,17 +171,19 @@ def watch_group(
     watched: Iterable[int],
     timeout: timedelta | None = None,
     name: Callable[[int], str] = lambda r: f"rank {r}",
+    dead_after_s: float | None = None,
 ) -> Heartbeat:
     """Start the heartbeat of the group this process just joined (ending the previous
-    group's); peers silent for :func:`~lightning_par.launch.rendezvous.dead_peer_timeout`
-    seconds (at most the group's ``timeout``) end the job."""
+    group's); peers silent for ``dead_after_s`` (default
+    :func:`~lightning_par.launch.rendezvous.dead_peer_timeout`; at most the group's
+    ``timeout``) end the job."""
     global _current
     if _current is not None:
         _current.stop()
     else:  # runs before the process group is destroyed at exit (atexit is last-in first-out)
         atexit.register(stop_watching)
-    limit = dead_peer_timeout(timeout)
-    _current = Heartbeat(store, rank, watched, limit, name).start()
+    limit = dead_peer_timeout(timeout, dead_after_s)
+    _current = Heartbeat(store, rank, watched, limit, name, on_dead=_handler).start()
     return _current
 
 

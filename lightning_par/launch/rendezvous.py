@@ -44,9 +44,19 @@ from lightning_par.launch.store_host import StoreHost, job_store_host
 DEFAULT_TIMEOUT_S = 1800.0
 #: The limit of :func:`~lightning_par.comm.run_on_ranks` (tests, notebooks: short runs).
 RUN_TIMEOUT_S = 60.0
-#: Seconds without a heartbeat after which a peer is reported dead
-#: (``LIGHTNING_PAR_DEAD_PEER_S``); never more than the timeout.
+#: Seconds without a heartbeat after which a peer is reported dead (a strategy's
+#: ``dead_peer_timeout``, else ``LIGHTNING_PAR_DEAD_PEER_S``); never more than the timeout.
+#: Why a minute: the heartbeat beats from a thread of its own, so a slow step, a long
+#: checkpoint write or a rank waiting in a collective never stops it; only a pause of the
+#: whole process does (one C call that holds the GIL, as pickling one large Python object; a
+#: node swapping or a loaded CI machine descheduling it; a stop-the-world collection), and
+#: those last seconds to tens of seconds. A minute is well clear of them, and it is what a
+#: real freeze costs before the job ends, against the collective timeout's 30 minutes. A
+#: cluster with fast nodes can take less (torchelastic's rendezvous counts a node dead
+#: after three missed 5 s keep-alives); tests use a few seconds.
 DEAD_PEER_S = 60.0
+#: The environment variable that sets :data:`DEAD_PEER_S` for a whole job.
+DEAD_PEER_ENV = "LIGHTNING_PAR_DEAD_PEER_S"
 #: The store a launch of this project holds for its ranks: ``host:port/launch-id``.
 STORE_ENV = "LIGHTNING_PAR_STORE"
 
@@ -55,9 +65,11 @@ def default_timeout(default_s: float = DEFAULT_TIMEOUT_S) -> timedelta:
     return timedelta(seconds=float(os.environ.get("LIGHTNING_PAR_TIMEOUT", default_s)))
 
 
-def dead_peer_timeout(timeout: timedelta | None = None) -> float:
-    """Seconds of silence after which a peer counts as dead (at most ``timeout``)."""
-    limit = float(os.environ.get("LIGHTNING_PAR_DEAD_PEER_S", DEAD_PEER_S))
+def dead_peer_timeout(timeout: timedelta | None = None, given_s: float | None = None) -> float:
+    """Seconds of silence after which a peer counts as dead: ``given_s`` (a strategy's
+    ``dead_peer_timeout``), else :data:`DEAD_PEER_ENV`, else :data:`DEAD_PEER_S`; at most
+    ``timeout``."""
+    limit = float(os.environ.get(DEAD_PEER_ENV, DEAD_PEER_S)) if given_s is None else given_s
     return min(limit, timeout.total_seconds()) if timeout is not None else limit
 
 

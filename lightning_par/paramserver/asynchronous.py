@@ -24,7 +24,10 @@ applies their mean once, exactly :func:`synchronous_step` (the same sum in worke
 **Lost workers.** A receive from one worker fails as soon as that worker's process dies
 (its connection closes); the servers then drop it, print which one, count the slowest
 clock over the others only, and server 0 hands its untrained batches to the others
-(:class:`~lightning_par.paramserver.work.WorkQueue`). Losing worker 0 ends the job.
+(:class:`~lightning_par.paramserver.work.WorkQueue`). Losing worker 0 ends the job. A worker
+that stops responding without dying (frozen) is not dropped: its process would hold the job
+at its end, so the servers' heartbeat names it and the job ends
+(:mod:`lightning_par.launch.liveness`).
 
 **Remedies** (:mod:`~lightning_par.paramserver.remedies`): before the optimiser applies a
 push, the server may scale it by its staleness, compensate its delay (DC-ASGD: it keeps the
@@ -40,6 +43,7 @@ from __future__ import annotations
 import queue
 import sys
 import threading
+from collections.abc import Callable
 
 import torch
 
@@ -85,9 +89,10 @@ class AsyncServer:
 
     def __init__(
         self, comm: Communicator, shard: ShardOptimizer, staleness: int | None,
-        remedies: Remedies | None = None,
+        remedies: Remedies | None = None, forget: Callable[[int], None] | None = None,
     ) -> None:  # fmt: skip
         self.comm, self.shard, self.staleness = comm, shard, staleness
+        self.forget = forget or (lambda w: None)
         workers = shard.spec.num_workers
         self.remedies = remedies or Remedies()
         self.stale = StaleUpdate(self.remedies, shard.flat, workers)
@@ -178,6 +183,7 @@ class AsyncServer:
         if w == 0:
             raise CommError(f"worker 0 (rank 0: logging, checkpoints) was lost: {err}")
         self.running.discard(w)
+        self.forget(w)  # dead, not frozen: no heartbeat reports it
         self.waiting.pop(w, None)
         self.held.pop(w, None)
         lost = self.work.drop(w)
@@ -266,9 +272,14 @@ class AsyncServer:
 
 
 def serve_async(
-    comm: Communicator, server: int, staleness: int | None, remedies: Remedies | None = None
+    comm: Communicator,
+    server: int,
+    staleness: int | None,
+    remedies: Remedies | None = None,
+    forget: Callable[[int], None] | None = None,
 ) -> AsyncServer | None:
-    """Run server ``server`` asynchronously until every worker has sent ``STOP``."""
+    """Run server ``server`` asynchronously until every worker has sent ``STOP``;
+    ``forget(w)`` as it drops lost worker ``w`` (its heartbeat stops watching it)."""
     role = f"asynchronous parameter server {server} (rank {comm.rank})"
     try:
         spec: ServerSpec | None = recv_object(comm, 0, protocol.decode_spec, IDLE_TIMEOUT)
@@ -276,7 +287,7 @@ def serve_async(
             return None
         shard = ShardOptimizer(spec, server)
         shard.share_initial(comm)
-        loop = AsyncServer(comm, shard, staleness, remedies)
+        loop = AsyncServer(comm, shard, staleness, remedies, forget)
         loop.run()
         return loop
     except CommError as err:

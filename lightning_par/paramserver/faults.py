@@ -6,21 +6,20 @@ a worker (the one whose pull or collective timed out). So a failing server write
 message into the process group's key-value store (hosted by worker 0, reachable from every
 rank without the failed peer) and a failing worker adds what it finds there to its own.
 
-Also a test hook: ``LIGHTNING_PAR_PS_TEST_EXIT="server,step"`` makes that server process
-exit abruptly when step ``step`` begins, as a crashed server would.
+Also where a planned fault strikes a server (``LIGHTNING_PAR_FAULT="kill:server=1:step=3"``,
+:mod:`lightning_par.launch.faults`): as that server's step begins, as a crashed server would.
 """
 
 from __future__ import annotations
 
-import os
 import sys
 import time
 from typing import Any
 
 from lightning_par import _compat
+from lightning_par.launch.faults import planned_fault
 
 FAULT_KEY = "lightning_par/paramserver/fault"
-TEST_EXIT_ENV = "LIGHTNING_PAR_PS_TEST_EXIT"
 
 
 def _store() -> Any:
@@ -70,18 +69,15 @@ def explain(message: str) -> str:
     return message if not fault or fault in message else f"{message}\n{fault}"
 
 
-def with_test_exit(server: int, rule: Any) -> Any:
-    """``rule`` or, under the test hook for this server, one that exits at the given step."""
-    spec = os.environ.get(TEST_EXIT_ENV)
-    if not spec:
-        return rule
-    target, at_step = (int(x) for x in spec.split(","))
-    if target != server:
+def with_fault(server: int, rule: Any) -> Any:
+    """``rule`` or, where a planned fault strikes this server, ``rule`` after the fault."""
+    fault = planned_fault()
+    if fault is None or fault.server != server:
         return rule
 
-    def exiting(comm, shard, step):
-        if step == at_step:
-            os._exit(7)
+    def struck(comm, shard, step):
+        if fault.due(step, server=server):
+            fault.strike()
         return rule(comm, shard, step)
 
-    return exiting
+    return struck

@@ -36,14 +36,15 @@ from typing import Any
 
 import torch.distributed as dist
 
-from lightning_par.comm import Communicator
+from lightning_par.comm import CommError, Communicator
 from lightning_par.launch.liveness import Heartbeat
+from lightning_par.launch.lost import REPORTS_ENV, how_it_ended
 from lightning_par.launch.parent_state import ParentState
 from lightning_par.launch.policy import FORKSERVER_PRELOAD, limit_threads_after_fork, plan_launch
 from lightning_par.launch.processes import die_with_parent
 from lightning_par.launch.rendezvous import StoreAddress, connect_group_store, dead_peer_timeout
 from lightning_par.paramserver.asynchronous import serve_async
-from lightning_par.paramserver.faults import record_fault, reported_fault, with_test_exit
+from lightning_par.paramserver.faults import record_fault, reported_fault, with_fault
 from lightning_par.paramserver.server import serve, synchronous_step
 
 
@@ -80,6 +81,7 @@ class ServerLaunch:
     asynchronous: bool = False
     staleness: int | None = None
     remedies: Any = None  # a lightning_par.paramserver.remedies.Remedies (asynchronous)
+    dead_peer_s: float | None = None  # the strategy's dead_peer_timeout (None: the default)
 
     @property
     def rank(self) -> int:
@@ -103,21 +105,24 @@ def server_main(launch: ServerLaunch, parent: ParentState | None = None) -> None
             world_size=num_workers + launch.num_servers, timeout=timeout,
         )  # fmt: skip
         dist.new_group(list(range(num_workers)))  # the workers' group: every rank takes part
-        watched = [0] if launch.asynchronous else range(num_workers + launch.num_servers)
-        beat = Heartbeat(
-            store, rank, watched, dead_peer_timeout(timeout), partial(role_name, num_workers)
-        )
+        # every rank (asynchronous: the workers it loses are forgotten as it drops them)
+        watched = range(num_workers + launch.num_servers)
+        limit = dead_peer_timeout(timeout, launch.dead_peer_s)
+        beat = Heartbeat(store, rank, watched, limit, partial(role_name, num_workers))
         beat.start()
         if launch.asynchronous:
-            serve_async(Communicator(), server, launch.staleness, launch.remedies)
+            serve_async(Communicator(), server, launch.staleness, launch.remedies, beat.forget)
         else:
-            serve(Communicator(), server, with_test_exit(server, synchronous_step))
+            serve(Communicator(), server, with_fault(server, synchronous_step))
     except BaseException as err:
         record_fault(str(err) if f"rank {rank}" in str(err) else f"server rank {rank}: {err}")
-        print(
-            f"parameter server {server} (rank {rank}) failed:\n{traceback.format_exc()}",
-            file=sys.stderr, flush=True,
-        )  # fmt: skip
+        # a peer lost or hung, under a launch of this project: the workers' error and the
+        # launcher's line name it; the traceback of this echo would only hide it
+        if not (isinstance(err, CommError) and os.environ.get(REPORTS_ENV)):
+            print(
+                f"parameter server {server} (rank {rank}) failed:\n{traceback.format_exc()}",
+                file=sys.stderr, flush=True,
+            )  # fmt: skip
         os._exit(1)  # do not wait for peers that may be gone
     beat.stop()
     dist.destroy_process_group()
@@ -133,7 +138,7 @@ def role_name(num_workers: int, rank: int) -> str:
 def start_servers(
     servers: list[int], num_workers: int, num_servers: int, address: StoreAddress,
     timeout: timedelta, asynchronous: bool = False, staleness: int | None = None,
-    remedies: Any = None,
+    remedies: Any = None, dead_peer_s: float | None = None,
 ) -> list[mp.process.BaseProcess]:  # fmt: skip
     """Start ``servers`` (indices out of ``num_servers``) from this worker, before it joins
     the group at ``address``; with ``asynchronous`` they run
@@ -152,6 +157,7 @@ def start_servers(
         launch = ServerLaunch(
             s, num_workers, num_servers, address, timeout, os.getpid(), threads=1,
             asynchronous=asynchronous, staleness=staleness, remedies=remedies,
+            dead_peer_s=dead_peer_s,
         )  # fmt: skip
         proc = ctx.Process(
             target=server_main,
@@ -202,15 +208,9 @@ def watch_servers(procs: list[mp.process.BaseProcess], num_workers: int) -> thre
     return stopping
 
 
-def _how_it_ended(exitcode: int | None) -> str:
-    if exitcode is not None and exitcode < 0:
-        try:
-            name = signal.Signals(-exitcode).name
-        except ValueError:
-            name = f"signal {-exitcode}"
-        why = " (as the OOM killer does)" if name == "SIGKILL" else ""
-        return f"was killed by {name}{why}"
-    return f"exited with code {exitcode}"
+def _how_it_ended(exitcode: int) -> str:
+    why = " (as the OOM killer does)" if exitcode == -signal.SIGKILL else ""
+    return how_it_ended(exitcode) + why
 
 
 def name_dead_server(error: BaseException, rank: int) -> None:

@@ -52,6 +52,7 @@ from lightning_par.components.strategy_options import (
     plumbing_arguments,
 )
 from lightning_par.launch import default_timeout, liveness
+from lightning_par.launch.faults import Fault, planned_fault
 from lightning_par.launch.policy import LaunchPlan
 from lightning_par.launch.rendezvous import StoreAddress
 from lightning_par.strategies._carry_back import dump_rank_checkpoint, with_training_state
@@ -69,6 +70,11 @@ class ParStrategy(DDPStrategy):
         process_group_backend: ``"gloo"`` or ``"nccl"`` (default: by device).
         timeout: how long a collective or receive may wait before the run fails, naming
             the rank (default :func:`~lightning_par.comm.default_timeout`).
+        dead_peer_timeout: seconds a rank may stop responding (frozen, its machine or
+            network gone) before the job ends, naming it (default
+            :data:`~lightning_par.launch.rendezvous.DEAD_PEER_S`, 60 s, or
+            ``LIGHTNING_PAR_DEAD_PEER_S``; at most ``timeout``). A slow step does not count:
+            each rank beats from a thread of its own (:mod:`lightning_par.launch.liveness`).
     """
 
     #: The name this class is registered under (set by the registry table).
@@ -86,12 +92,13 @@ class ParStrategy(DDPStrategy):
         start_method: str | None = None,
         process_group_backend: str | None = None,
         timeout: timedelta | None = None,
+        dead_peer_timeout: float | None = None,
         **unknown: Any,
     ) -> None:
         # ``unknown`` is never forwarded with ``**``: jsonargparse (the CLI) follows such a
         # forward into DDPStrategy's signature and would offer every torch DDP option.
         # Lightning's connector-set arguments (PLUMBING_ARGUMENTS) are picked out by name.
-        check_options(type(self), unknown, start_method, trace)
+        check_options(type(self), unknown, start_method, trace, dead_peer_timeout)
         super().__init__(
             process_group_backend=process_group_backend,
             timeout=timeout or default_timeout(),
@@ -99,6 +106,9 @@ class ParStrategy(DDPStrategy):
             **plumbing_arguments(unknown),
         )
         self._requested_start_method = start_method
+        self.dead_peer_timeout = dead_peer_timeout
+        #: the fault ``LIGHTNING_PAR_FAULT`` plans (:mod:`lightning_par.launch.faults`)
+        self.fault: Fault | None = planned_fault()
         self._trace_enabled = trace or trace_dir is not None
         self.trace_dir = Path(trace_dir) if trace_dir is not None else None
         self.trace: CommTrace | None = None
@@ -273,6 +283,10 @@ class ParStrategy(DDPStrategy):
 
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
+        if self.fault is not None:  # an injected fault strikes as its step begins
+            step = self.lightning_module.trainer.global_step
+            if self.fault.due(step, rank=self.global_rank):
+                self.fault.strike()
         self.splitter.before_training_step(args[0] if args else kwargs.get("batch"))
         with self.splitter.running():
             return super().training_step(*args, **kwargs)

@@ -1,6 +1,7 @@
 """What the main process does when a launch fails or is interrupted (Ctrl-C, Jupyter's
-"interrupt kernel", SIGTERM from a scheduler): SIGTERM is handled like Ctrl-C, every rank
-still running is stopped with what it started, and one line names the newest checkpoint."""
+"interrupt kernel", SIGTERM from a scheduler) or loses a rank: SIGTERM is handled like
+Ctrl-C, every rank still running is stopped with what it started, and one line names the
+newest checkpoint (and the lost rank: :mod:`._lost_ranks`)."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ from typing import Any
 
 import lightning.pytorch as pl
 
+from lightning_par.launch.lost import RankLost
 from lightning_par.launch.processes import stop_process_groups
 
 
@@ -62,9 +64,22 @@ def stop_ranks(procs: list[Any], trainer: pl.Trainer | None, error: BaseExceptio
     message = f"lightning_par: stopped every rank after {what}"
     if running:
         message += f" ({len(running)} still running were killed)"
-    root = trainer.default_root_dir if trainer is not None else None
-    checkpoint = newest_checkpoint(root, started) if root else None
-    message += (
-        f"; the newest checkpoint is {checkpoint}" if checkpoint else "; no checkpoint was saved"
-    )
-    print(message, flush=True)
+    print(message + checkpoint_clause(trainer, started), flush=True)
+
+
+def checkpoint_clause(trainer: pl.Trainer | None, started: float) -> str:
+    """``; the newest checkpoint is PATH`` (written since ``started``, a ``time.time()``,
+    under the trainer's root or a ``ModelCheckpoint``'s folder), or ``; no checkpoint was
+    saved``."""
+    roots = {trainer.default_root_dir} if trainer is not None else set()
+    for callback in trainer.checkpoint_callbacks if trainer is not None else []:
+        if getattr(callback, "dirpath", None):
+            roots.add(callback.dirpath)
+    found = [c for c in (newest_checkpoint(r, started) for r in roots if r) if c is not None]
+    checkpoint = max(found, key=lambda p: p.stat().st_mtime, default=None)
+    return f"; the newest checkpoint is {checkpoint}" if checkpoint else "; no checkpoint was saved"
+
+
+def lost_rank_message(lost: RankLost, trainer: pl.Trainer | None, started: float) -> str:
+    """The one line that names a lost rank: who, how, and the newest checkpoint."""
+    return f"{lost}; every rank was stopped{checkpoint_clause(trainer, started)}"

@@ -17,6 +17,9 @@
 * an interrupt of the main process (Ctrl-C, Jupyter's "interrupt kernel", SIGTERM from a
   scheduler) or any error there stops every rank and what it started, and says where the
   newest checkpoint is (:mod:`._interrupts`);
+* a rank lost (killed, ended without raising, or silent for ``dead_peer_timeout``) ends the
+  job at once with :class:`~lightning_par.launch.lost.RankLost`, one line naming the rank,
+  how it was lost and the newest checkpoint (:mod:`._lost_ranks`);
 * a rank's exception reaches the main process with its own type (``ValueError``, ...),
   chained to torch's report of the rank's traceback (:mod:`._rank_errors`);
 * after a fork ``fit`` the main process gets the FULL model and the training state
@@ -47,6 +50,7 @@ from typing_extensions import override
 
 from lightning_par import _compat
 from lightning_par.comm.trace import trace_from_dict, trace_to_dict
+from lightning_par.launch.lost import REPORTS_ENV, RankLost, new_folder_name, reports_to
 from lightning_par.launch.parent_state import ParentState
 from lightning_par.launch.policy import (
     FORKSERVER_PRELOAD,
@@ -63,8 +67,8 @@ from lightning_par.strategies._carry_back import (
     restore_random_states,
     save_for_script,
 )
-from lightning_par.strategies._interrupts import sigterm_as_interrupt, stop_ranks
-from lightning_par.strategies._lost_workers import tolerate_lost_workers
+from lightning_par.strategies._interrupts import lost_rank_message, sigterm_as_interrupt, stop_ranks
+from lightning_par.strategies._lost_ranks import ScriptRanks, joined_by_us
 from lightning_par.strategies._rank_errors import RankErrors
 
 #: Prefix of the temporary folder that carries rank 0's weights and training state back to
@@ -102,6 +106,7 @@ class PolicyLauncher(_compat.MultiProcessingLauncher):
         self.requested = requested
         self.plan: LaunchPlan | None = None
         self._script: _compat.SubprocessScriptLauncher | None = None
+        self._scripts: ScriptRanks | None = None  # popen: the ranks started as scripts
         self._rank_errors: RankErrors | None = None
         self._parent = ParentState()  # pickled with this launcher for each forkserver rank
 
@@ -132,35 +137,60 @@ class PolicyLauncher(_compat.MultiProcessingLauncher):
                 strategy.store_spec = os.environ[STORE_ENV]
         devices = None if device == "cpu" else _device_count(device)
         warn_if_oversubscribed(device, strategy.num_processes, devices)
-        started = time.time()
-        # forked ranks leave their exceptions here, raised again below with their own type
-        errors = self._rank_errors = RankErrors() if self.plan.method != "popen" else None
+        self._trainer, self._started = trainer, time.time()
+        # the ranks leave here their exceptions (fork: raised again below with their own
+        # type) and their reports of a lost peer (:mod:`._lost_ranks`); popen: one folder for
+        # the scripts' whole life (they read its name once, as they start)
+        popen = self.plan.method == "popen"
+        folder = (
+            os.environ.setdefault(REPORTS_ENV, new_folder_name()) if popen else new_folder_name()
+        )
+        errors = self._rank_errors = RankErrors(folder) if not popen else None
         try:
-            with sigterm_as_interrupt():
-                if self.plan.method == "popen":
-                    self._script = _compat.SubprocessScriptLauncher(
-                        strategy.cluster_environment, strategy.num_processes, strategy.num_nodes
-                    )
-                    return self._script.launch(function, *args, trainer=trainer, **kw)
+            with sigterm_as_interrupt(), reports_to(folder):
+                if popen:
+                    return self._launch_scripts(function, args, trainer, kw)
                 self._start_method = self.plan.method
                 if self.plan.method == "forkserver":
                     import multiprocessing as mp
 
                     mp.get_context("forkserver").set_forkserver_preload(FORKSERVER_PRELOAD)
-                # async_sgd goes on without a lost worker (see _lost_workers)
-                with tolerate_lost_workers(getattr(strategy, "survives_lost_workers", False)):
+                # async_sgd goes on without a lost worker
+                survive = getattr(strategy, "survives_lost_workers", False)
+                with joined_by_us(folder, strategy.rank_name, survive):
                     return super().launch(function, *args, trainer=trainer, **kw)
         except BaseException as error:
             procs = self._script.procs if self._script is not None else self.procs
-            stop_ranks(procs, trainer, error, started)
+            lost = error if isinstance(error, RankLost) else None
+            if lost is None and self._scripts is not None:  # popen: a script lost?
+                lost = self._scripts.cause_of(error)
+            stop_ranks(procs, trainer, error, self._started)
+            if lost is not None:
+                message = lost_rank_message(lost, trainer, self._started)
+                raise RankLost(message, lost.rank, lost.details) from None
             original = errors.original(error) if errors is not None else None
             if original is not None:
                 raise original from error
             raise
         finally:
             self._rank_errors = None
-            if errors is not None:
-                errors.remove()
+            shutil.rmtree(folder, ignore_errors=True)
+
+    def _launch_scripts(self, function: Callable, args: tuple, trainer: Any, kw: dict) -> Any:
+        """popen: this process is rank 0 and starts the others as scripts (the first launch),
+        watched by :class:`ScriptRanks` instead of Lightning's observer."""
+        strategy = self._strategy
+        self._script = _compat.SubprocessScriptLauncher(
+            strategy.cluster_environment, strategy.num_processes, strategy.num_nodes
+        )
+        if self._scripts is None:  # (the scripts start once: at the first launch)
+            first = strategy.node_rank * strategy.num_processes
+            self._scripts = ScriptRanks(
+                strategy.rank_name, first, os.environ[REPORTS_ENV],
+                lambda lost: lost_rank_message(lost, self._trainer, self._started),
+            )  # fmt: skip
+        with self._scripts.watching():
+            return self._script.launch(function, *args, trainer=trainer, **kw)
 
     @override
     def kill(self, signum: Any) -> None:

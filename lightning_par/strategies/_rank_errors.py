@@ -16,12 +16,11 @@ from __future__ import annotations
 import os
 import pickle
 import shutil
-import tempfile
 import time
 import traceback
 
-#: Prefix of the temporary folder where the ranks of one launch leave their exceptions.
-ERRORS_PREFIX = "lightning_par-errors-"
+from lightning_par.launch.lost import make_private_folder
+
 #: How many of the rank's innermost frames the note shows (the user's step is among them).
 FRAMES = 8
 #: The most characters of a rank's traceback text the main process reads.
@@ -37,10 +36,12 @@ def rank_traceback(error: BaseException, frames: int = FRAMES) -> str:
 
 
 class RankErrors:
-    """The folder one launch's ranks write their exceptions to (made in the main process)."""
+    """The folder one launch's ranks write their exceptions to: named by the main process,
+    made by the first rank that fails (:func:`~lightning_par.launch.lost.new_folder_name`),
+    removed by the main process."""
 
-    def __init__(self) -> None:
-        self.folder = tempfile.mkdtemp(prefix=ERRORS_PREFIX)
+    def __init__(self, folder: str) -> None:
+        self.folder = folder
 
     def _path(self, rank: int) -> str:
         return os.path.join(self.folder, f"rank{rank}.pickle")
@@ -62,6 +63,8 @@ class RankErrors:
             text = rank_traceback(error)
         except Exception:  # a broken __str__: the exception still travels, without its frames
             text = ""
+        if not make_private_folder(self.folder):
+            return
         with open(self._text_path(rank), "w", encoding="utf-8", errors="replace") as f:
             f.write(f"{failed_at}\n{text}")
         with open(self._path(rank), "wb") as f:
@@ -85,7 +88,7 @@ class RankErrors:
         if mine is None:
             return reported
         first, when = reported, mine[0]
-        for name in os.listdir(self.folder):
+        for name in os.listdir(self.folder):  # (it exists: the reported rank wrote there)
             rank = _rank_of(name)
             record = self._record(rank) if rank is not None else None
             if record is not None and record[0] < when:

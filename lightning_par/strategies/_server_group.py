@@ -86,6 +86,7 @@ class ServerGroupStrategy(ParStrategy):
             timeout=self.timeout,
             group_store=self.group_store,
             outlives_the_call=not getattr(self.launcher, "carries_back", False),
+            dead_peer_s=self.dead_peer_timeout,
         )
         self.servers.start(context, server_options, self.watched_ranks(), self.lightning_module)
         name = f"{self.strategy_name} ({self.num_servers} server(s))"
@@ -118,7 +119,9 @@ class ServerGroupStrategy(ParStrategy):
 
     @override
     def rank_name(self, rank: int) -> str:
-        return role_name(self.world_size, rank)
+        # (the workers' count from the devices: also right in the launching process, where
+        # Lightning has not set the world size yet)
+        return role_name(self.num_processes * self.num_nodes, rank)
 
     # ---- Lightning's collectives: among the workers ---------------------------------------------
     @override

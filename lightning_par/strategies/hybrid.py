@@ -59,7 +59,6 @@ from lightning_par.components.hybrid_kinds import (  # noqa: F401  (mp_kinds: th
     make_splitter,
     mp_kinds,
 )
-from lightning_par.components.strategy_options import PLUMBING_ARGUMENTS
 from lightning_par.hybrid.grid import (
     Grid,
     GridGroups,
@@ -87,7 +86,8 @@ class HybridStrategy(ParStrategy):
         bucket_cap_mb: gradient bucket size in MiB.
         overlap: start buckets while backward runs (``False``: all after backward).
         **kwargs: ``trace``, ``trace_dir``, ``start_method``, ``process_group_backend``,
-            ``timeout`` (see :class:`~lightning_par.strategies._base.ParStrategy`).
+            ``timeout``, ``dead_peer_timeout`` (see
+            :class:`~lightning_par.strategies._base.ParStrategy`).
 
     The options of the ``mp_kind`` strategy are keywords of this one too (``None``: the
     kind's default; an option of another kind is refused by name): ``balance``,
@@ -128,8 +128,7 @@ class HybridStrategy(ParStrategy):
         **kwargs: Any,
     ) -> None:
         given = {k: v for k, v in locals().items() if k in KIND_OPTIONS and v is not None}
-        own = {"trace", "trace_dir", "start_method", "process_group_backend", "timeout"}
-        own |= set(PLUMBING_ARGUMENTS)
+        own = set(ParStrategy.option_names())  # (Lightning's plumbing arguments too)
         # Python callers may pass a kind's option not declared above: the splitter checks it
         given |= {k: kwargs.pop(k) for k in list(kwargs) if k not in own}
         split = make_splitter(mp_kind, given)
