@@ -69,7 +69,17 @@ FEATURES: dict[str, str] = {
     "unfreeze": "a layer frozen at setup, unfrozen at step 2 (the optimiser holds it)",
     "add_param_group": "a frozen head unfrozen and added as a new param group at step 2 "
     "(BackboneFinetuning's pattern)",
+    "frozen_layer": "a layer frozen throughout (requires_grad=False, in the optimiser)",
+    "tied_weights": "a layer applied twice (one nn.Linear at two places of the nn.Sequential)",
+    "lbfgs": "LBFGS (its line search calls the closure up to 3 times a step)",
 }
+
+
+#: A rank of a split model steps on its part only: LBFGS reads the whole model
+#: (lightning_par.components.split_optimizers), stopped at setup
+def _no_lbfgs(strategy: str) -> Outcome:
+    return Outcome("error", f"{strategy} cannot run LBFGS")
+
 
 #: torch's SyncBatchNorm runs on GPUs only
 _SYNC_BN_CPU = Outcome("error", "SyncBatchNorm expected input tensor to be on GPU")
@@ -80,6 +90,7 @@ _PS_REFUSALS = {
     "sync_batchnorm": refused("refuses sync_batchnorm=True"),
     "unfreeze": Outcome("error", "that are frozen (requires_grad=False) when fit starts"),
     "add_param_group": Outcome("error", "became trainable after setup"),
+    "frozen_layer": Outcome("error", "that are frozen (requires_grad=False) when fit starts"),
 }
 #: async_sgd's workers are not in step: when one stops, another may report the lost
 #: servers before the launcher shows the first worker's message
@@ -117,27 +128,38 @@ ROWS: dict[str, Row] = {
     "gpipe": Row(EXACT, {
         "batchnorm": Outcome("warns", "each micro-batch is normalised with its own statistics"),
         "sync_batchnorm": refused("gpipe refuses sync_batchnorm=True"),
+        "lbfgs": _no_lbfgs("gpipe"),
     }),
     "layerwise": Row(EXACT, {
         "sync_batchnorm": refused("layerwise refuses sync_batchnorm=True"),
+        "lbfgs": _no_lbfgs("layerwise"),
     }),
-    "parameter_server": Row(EXACT, {**_PS_REFUSALS, "batchnorm": AS_DDP}),
-    "async_sgd": Row(RUNS, {**_PS_REFUSALS, **_ASYNC_ERRORS}),
+    "parameter_server": Row(EXACT, {
+        **_PS_REFUSALS, "batchnorm": AS_DDP, "lbfgs": _no_lbfgs("parameter_server"),
+    }),
+    "async_sgd": Row(RUNS, {**_PS_REFUSALS, **_ASYNC_ERRORS, "lbfgs": _no_lbfgs("async_sgd")}),
     "local_sgd": Row(RUNS, {"sync_batchnorm": _SYNC_BN_CPU}),
     # stage 3 (the registered default); stage 1 trains "unfreeze" exactly too
     "zero": Row(EXACT, {
         "batchnorm": AS_DDP, "sync_batchnorm": _SYNC_BN_CPU,
         "unfreeze": Outcome("error", "became trainable after setup"),
         "add_param_group": Outcome("error", "added to the optimizer after setup"),
+        "lbfgs": Outcome("error", "zero steps each rank's slice of every parameter, so it "
+                         "needs an optimizer whose update is element-wise; LBFGS is not"),
     }),
     "tensor_parallel": Row(EXACT, {
         "fp16_mixed_scaler": refused("tensor_parallel: a gradient scaler"),
         "sync_batchnorm": refused("tensor_parallel: sync_batchnorm"),
+        # the layer stays whole (a cut would untie its two uses): nothing else pairs here
+        "tied_weights": refused("net.2: its weights are used at another place too (tied, or "
+                                "the same layer applied twice)"),
+        "lbfgs": _no_lbfgs("tensor_parallel"),
     }),
     # 2 replicas × 2 gpipe stages; a replica's 4 samples make micro-batches of 1
     "hybrid": Row(EXACT, {
         "batchnorm": Outcome("error", "Expected more than 1 value per channel when training"),
         "sync_batchnorm": refused("hybrid refuses sync_batchnorm=True"),
+        "lbfgs": _no_lbfgs("hybrid"),
     }, devices=4, replicas=2),
     "lightning_ddp": Row(EXACT, {
         "batchnorm": RUNS,

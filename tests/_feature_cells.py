@@ -22,9 +22,6 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 GLOBAL_BATCH, BATCHES, STEPS = 8, 4, 4  # one epoch = 4 global batches of 8
-#: Cells beyond the table's features (tests/test_features.py runs them under zero only):
-#: a layer frozen throughout, a layer applied twice, LBFGS
-EXTRA_CELLS = ("frozen_layer", "tied_weights", "lbfgs")
 
 
 def dataset(n: int = GLOBAL_BATCH * BATCHES, seed: int = 7) -> TensorDataset:

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from _feature_cells import EXTRA_CELLS, Tiny, cells_on_rank, dataset, rows, run_cell
+from _feature_cells import Tiny, cells_on_rank, dataset, rows, run_cell
 
 import lightning_par  # noqa: F401  (registers the strategy names)
 from lightning_par.comm import run_on_ranks
@@ -156,16 +156,21 @@ def test_every_feature_is_exact_or_refused_as_the_table_says(name, tmp_path):
     assert not wrong, f"{name}: cells that differ from lightning_par.features.ROWS: {wrong}"
 
 
+#: The table's cells that differ most between zero's stages (stage 3 is zero's row)
+ZERO_STAGE_CELLS = ("frozen_layer", "tied_weights", "lbfgs")
+
+
 def _zero_cells(rank: int, world: int, stages: list[int], tmp: str) -> dict:
     return {(stage, feature): run_cell(partial(ZeroStrategy, stage=stage), world, feature,
                                        os.path.join(tmp, f"{stage}-{feature}"), True)
-            for stage in stages for feature in EXTRA_CELLS}  # fmt: skip
+            for stage in stages for feature in ZERO_STAGE_CELLS}  # fmt: skip
 
 
 def test_zero_trains_frozen_and_tied_parameters_exactly_and_refuses_lbfgs_by_name(tmp_path):
-    """At every stage: a layer frozen throughout and a layer applied twice train as one
-    process does (and save a checkpoint that loads there); LBFGS stops at setup, named."""
-    results = run_on_ranks(_zero_cells, 2, [1, 2, 3], str(tmp_path), timeout=300)[0]
+    """At stages 1 and 2 (the table runs stage 3): a layer frozen throughout and a layer
+    applied twice train as one process does (and save a checkpoint that loads there); LBFGS
+    stops at setup, named."""
+    results = run_on_ranks(_zero_cells, 2, [1, 2], str(tmp_path), timeout=300)[0]
     for (stage, feature), got in results.items():
         what = f"zero stage {stage}, {feature}"
         if feature == "lbfgs":

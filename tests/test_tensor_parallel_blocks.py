@@ -1,6 +1,7 @@
 """Tensor parallelism for the layers real networks have, as plain modules (no Lightning):
 a torchvision MLP with dropout between its layers, torch's Transformer layers (attention
-split by heads, the feed-forward pair), an embedding split by vocabulary. After SGD steps
+split by heads, the feed-forward pair), an embedding split by vocabulary, an MLP with one
+layer applied twice (kept whole: a cut would untie its two uses). After SGD steps
 with dropout on, the weights assembled from the ranks equal one process's with the same
 seed; what cannot be split exactly is refused or left replicated with the reason."""
 
@@ -44,12 +45,16 @@ def build(kind: str) -> nn.Module:
     torch.manual_seed(0)
     if kind == "torchvision_mlp":  # Linear, ReLU, Dropout, Linear, Dropout
         return torchvision.ops.MLP(12, [20, 5], dropout=0.3)
+    if kind == "shared_layer":  # "2" applied again as "4"; "6" -> "8" is a pair to cut
+        shared = nn.Linear(16, 16)
+        return nn.Sequential(nn.Linear(12, 16), nn.Tanh(), shared, nn.Tanh(), shared, nn.Tanh(),
+                             nn.Linear(16, 8), nn.ReLU(), nn.Linear(8, 5))  # fmt: skip
     return TokenModel(dropout=0.0 if kind == "transformer" else 0.2)
 
 
 def batch(kind: str) -> tuple[torch.Tensor, torch.Tensor]:
     g = torch.Generator().manual_seed(1)
-    x = torch.randn(6, 12, generator=g) if kind == "torchvision_mlp" else None
+    x = torch.randn(6, 12, generator=g) if kind in ("torchvision_mlp", "shared_layer") else None
     if x is None:
         x = torch.randint(0, 23, (6, 7), generator=g)
     return x, torch.randint(0, 5, (6,), generator=g)
@@ -79,6 +84,7 @@ def _split_training(rank, world, kind):
         ("torchvision_mlp", 3),
         ("transformer", 2),
         ("transformer_dropout", 2),
+        ("shared_layer", 2),
     ],
 )
 def test_weights_equal_one_process_with_dropout_on(kind, world):
@@ -91,6 +97,9 @@ def test_weights_equal_one_process_with_dropout_on(kind, world):
     for key in expected:
         torch.testing.assert_close(full[key], expected[key], msg=key, atol=2e-5, rtol=1e-4)
     styles = {cut.style for cut in plans[0].cuts}
+    if kind == "shared_layer":
+        assert [(c.name, c.style) for c in plans[0].cuts] == [("6", "column"), ("8", "row")]
+        return
     assert {"column", "row", "dropout"} <= styles or kind == "transformer"
     if kind.startswith("transformer"):
         assert "vocab" in styles
@@ -120,6 +129,19 @@ def test_a_tied_embedding_stays_replicated():
 
     plan = resolve_plan(Tied(), 2, root="")
     assert "tied" in plan.replicated["embed"]
+
+
+def test_a_layer_used_at_two_places_stays_whole_and_a_plan_cutting_it_is_refused():
+    """A cut replaces a layer at one name: the other place would keep the old weights and the
+    two would train apart (and a checkpoint hold both)."""
+    plan = resolve_plan(build("shared_layer"), 2, root="")
+    assert "applied twice" in plan.replicated["2"]
+    assert "the layer after it, 2: its weights are used at another place" in plan.replicated["0"]
+    layer = nn.TransformerEncoderLayer(8, 2, 12, dropout=0.0, batch_first=True)
+    blocks = resolve_plan(nn.Sequential(layer, layer), 2, root="")
+    assert not blocks.cuts and "applied twice" in blocks.replicated["0"]
+    with pytest.raises(ValueError, match="'2': its weights are used at another place too"):
+        resolve_plan(build("shared_layer"), 2, {"0": "column", "2": "row"}, root="")
 
 
 def test_user_plan_refusals_give_the_reason():

@@ -4,8 +4,9 @@ by a schedule) and :class:`~lightning_par.components.wavefront_split.WavefrontSp
 RNN's layers, the sequence streamed through them).
 
 Both hold their stage in the network's place, turn it on while a step runs, check once that
-every rank reads the same batch, clip by the norm of every stage's gradients together, and
-explain an optimiser left without parameters on a rank.
+every rank reads the same batch, clip by the norm of every stage's gradients together, refuse an
+optimiser that reads the whole model (LBFGS: :mod:`.split_optimizers`), and explain an
+optimiser left without parameters on a rank.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import lightning.pytorch as pl
 from lightning.pytorch.trainer.states import TrainerFn
 
 from lightning_par.components import pipeline_features as features
+from lightning_par.components.split_optimizers import WHOLE_MODEL, refuse_optimizers
 from lightning_par.components.splitter import ModelSplitter, find_network
 
 
@@ -46,6 +48,8 @@ class StageSplit(ModelSplitter):
     def after_setup(self, trainer: pl.Trainer) -> None:
         self.batch_checked = False
         if trainer.state.fn == TrainerFn.FITTING:
+            holds = "the parameters of its own stages"
+            refuse_optimizers(trainer.optimizers, self.name, holds, WHOLE_MODEL)
             features.clip_by_whole_model(self.context.precision, self._clip_by_whole_norm)
 
     def explain_optimizer_error(self, error: ValueError) -> ValueError | None:

@@ -7,7 +7,10 @@ vocabulary, LSTMs by hidden units, :mod:`lightning_par.tensorparallel.plan`) or 
 ``plan``, after every rank has taken rank 0's weights and random state (dropout then draws
 one process's masks). The operators ``f``/``g`` keep every activation exact, and the layers
 left whole get the same gradient on every rank, so nothing is synchronised after backward.
-Every rank reads the same batches (checked every step by one small allreduce). Checkpoints
+Every rank reads the same batches (checked every step by one small allreduce). An optimiser
+that reads the whole model or whole tensors (LBFGS, Adafactor, Muon) is refused at setup
+(:mod:`.split_optimizers`); a layer whose weights are used at two places stays whole
+(:mod:`lightning_par.tensorparallel.plan`). Checkpoints
 hold the full model and one process's optimiser state, assembled on rank 0.
 
 Used by ``tensor_parallel`` and the rows of ``hybrid(mp_kind="tensor_parallel")``.
@@ -28,6 +31,11 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from lightning_par import _compat
 from lightning_par.collectives import broadcast_parameters
 from lightning_par.components.pipeline_inputs import capture_inputs
+from lightning_par.components.split_optimizers import (
+    WHOLE_MODEL,
+    WHOLE_TENSOR,
+    refuse_optimizers,
+)
 from lightning_par.components.splitter import ModelSplitter, find_network
 from lightning_par.pipeline.state import gather_objects
 from lightning_par.tensorparallel import (
@@ -149,7 +157,11 @@ class TensorParallelSplit(ModelSplitter):
                        + self.tp_plan.describe().replace("\n", "\n  "))  # fmt: skip
 
     def after_setup(self, trainer: pl.Trainer) -> None:
-        if trainer.state.fn == TrainerFn.FITTING:  # Lightning's clipping calls this by norm
+        if trainer.state.fn == TrainerFn.FITTING:
+            refused = {**WHOLE_MODEL, **WHOLE_TENSOR}
+            holds = "its slices of the cut layers"
+            refuse_optimizers(trainer.optimizers, self.context.name, holds, refused)
+            # Lightning's clipping calls this by norm
             _compat.replace_clip_grad_by_norm(self.context.precision, self._clip_by_whole_norm)
 
     def _clip_by_whole_norm(self, optimizer: Any, clip_val: float) -> None:

@@ -9,7 +9,16 @@ import torch.nn.functional as F
 from torch import nn
 
 from lightning_par.tensorparallel.attention import attention_reason
-from lightning_par.tensorparallel.cuts import ELEMENTWISE, Cut, Plan, between_cuts, join, pair_sizes
+from lightning_par.tensorparallel.cuts import (
+    ELEMENTWISE,
+    SHARED,
+    Cut,
+    Plan,
+    between_cuts,
+    join,
+    pair_sizes,
+    shares,
+)
 from lightning_par.tensorparallel.embedding import embedding_reason
 from lightning_par.tensorparallel.shard import unit_sizes
 
@@ -21,6 +30,8 @@ EXPECTED = {
 }
 TRANSFORMER_LAYERS = (nn.TransformerEncoderLayer, nn.TransformerDecoderLayer)
 ELEMENTWISE_FUNCTIONS = (F.relu, F.gelu, F.silu, F.tanh)
+#: The blocks this file cuts
+BLOCKS = (nn.MultiheadAttention, nn.Embedding, *TRANSFORMER_LAYERS)
 
 
 def _heads(mha: nn.MultiheadAttention, p: int) -> tuple[int, ...]:
@@ -57,6 +68,9 @@ def _feed_forward(layer: nn.Module, prefix: str, p: int, plan: Plan) -> None:
 def auto_block(module: nn.Module, prefix: str, p: int, plan: Plan, tied: set[int]) -> bool:
     """Add ``module``'s cuts to ``plan`` if it is a block this file knows (``True``), else
     leave it to the ``nn.Sequential`` walk (``False``)."""
+    if isinstance(module, BLOCKS) and shares(module, tied):
+        plan.replicated[prefix] = SHARED  # a tied embedding, a layer applied twice
+        return True
     if isinstance(module, nn.MultiheadAttention):
         why = attention_reason(module, p)
         if why:
@@ -66,8 +80,6 @@ def auto_block(module: nn.Module, prefix: str, p: int, plan: Plan, tied: set[int
         return True
     if isinstance(module, nn.Embedding):
         why = embedding_reason(module, p)
-        if id(module.weight) in tied:
-            why = "its weight is tied to another layer's"
         if why:
             plan.replicated[prefix] = why
         else:

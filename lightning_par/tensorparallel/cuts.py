@@ -15,6 +15,13 @@ STYLES = ("column", "row", "column_gather", "lstm", "heads", "vocab")
 ELEMENTWISE = (nn.ReLU, nn.GELU, nn.SiLU, nn.Tanh, nn.Sigmoid, nn.LeakyReLU, nn.ELU, nn.Identity)
 NORMS = (nn.GroupNorm, _BatchNorm)
 WEIGHT_LAYERS = (nn.Linear, nn.Conv2d)
+#: Why a layer whose parameters another place of the model uses too stays whole: a cut
+#: replaces the layer at one name only, so the other place would keep the old weights and
+#: the two would train apart (and a checkpoint hold both)
+SHARED = (
+    "its weights are used at another place too (tied, or the same layer applied twice); a "
+    "cut would replace it at one place only and untie them"
+)
 
 
 @dataclass(frozen=True)
@@ -93,6 +100,20 @@ def pair_sizes(first: nn.Module, norms: list[nn.Module], second: nn.Module, p: i
         what = f"{features // unit} GroupNorm groups" if unit > 1 else f"{features} features"
         return None, f"{what} cannot be split over {p} ranks"
     return unit_sizes(features // unit, p, unit), ""
+
+
+def tied_parameters(module: nn.Module) -> set[int]:
+    """The ids of the parameters of ``module`` reached under more than one name: tied
+    weights, and every parameter of a layer that appears at two places."""
+    counts: dict[int, int] = {}
+    for _, parameter in module.named_parameters(remove_duplicate=False):
+        counts[id(parameter)] = counts.get(id(parameter), 0) + 1
+    return {key for key, count in counts.items() if count > 1}
+
+
+def shares(module: nn.Module, tied: set[int]) -> bool:
+    """Whether any parameter of ``module`` is one of ``tied`` (:data:`SHARED`)."""
+    return any(id(p) in tied for p in module.parameters())
 
 
 def join(prefix: str, name: str) -> str:

@@ -16,9 +16,11 @@ Everything not in the plan is replicated: every rank computes it whole on the sa
 The automatic plan (no plan given) walks ``module.<root>`` (``net``): in every
 ``nn.Sequential``, two ``nn.Linear`` (or two ``nn.Conv2d``) in a row, with only activations
 and per-channel norms between, become a column -> row pair (Megatron's MLP block); every
-one-layer LSTM is split by hidden units. On :class:`~lightning_par.models.CifarCNN` that is
-the two convolutions of each residual block (the stem, the skip projections and the head
-stay replicated); on :class:`~lightning_par.models.CifarRNN` every LSTM layer.
+one-layer LSTM is split by hidden units. A layer whose weights another place of the model
+uses too (tied, or one layer applied twice) stays whole: a cut replaces it at one name only.
+On :class:`~lightning_par.models.CifarCNN` that is the two convolutions of each residual
+block (the stem, the skip projections and the head stay replicated); on
+:class:`~lightning_par.models.CifarRNN` every LSTM layer.
 """
 
 from __future__ import annotations
@@ -34,6 +36,7 @@ from lightning_par.tensorparallel.attention import ParallelMultiheadAttention
 from lightning_par.tensorparallel.blocks import EXPECTED, auto_block, user_block
 from lightning_par.tensorparallel.cuts import (
     NORMS,
+    SHARED,
     STYLES,
     WEIGHT_LAYERS,
     Cut,
@@ -44,6 +47,8 @@ from lightning_par.tensorparallel.cuts import (
     between_cuts,
     join,
     pair_sizes,
+    shares,
+    tied_parameters,
 )
 from lightning_par.tensorparallel.embedding import ShardedDropout, VocabParallelEmbedding
 from lightning_par.tensorparallel.layers import (
@@ -82,7 +87,7 @@ def _auto(module: nn.Module, prefix: str, p: int, plan: Plan, tied: set[int],
     if auto_block(module, prefix, p, plan, tied):
         return
     if isinstance(module, nn.LSTM):
-        why = _lstm_reason(module, p)
+        why = SHARED if shares(module, tied) else _lstm_reason(module, p)
         if why:
             plan.replicated[prefix] = why
         else:
@@ -98,18 +103,22 @@ def _auto(module: nn.Module, prefix: str, p: int, plan: Plan, tied: set[int],
             i += 1
             continue
         j = _between(children, i)
-        if not isinstance(module, nn.Sequential):
+        if shares(child, tied):  # (the row of a traced pair never is: see _traced_pair)
+            plan.replicated[full] = SHARED
+        elif not isinstance(module, nn.Sequential):
             if any(c.name == full for c in plan.cuts):  # the row of a traced pair
                 i += 1
                 continue
             if traced is not None and full in traced:
-                _traced_pair(child, full, traced[full], p, plan)
+                _traced_pair(child, full, traced[full], p, plan, tied)
             else:
                 why = "the trace finds no layer of its kind fed only by it" if traced else UNTRACED
                 plan.replicated[full] = why
         elif j < len(children) and type(children[j][1]) is type(child):
             norms = [m for _, m in children[i + 1 : j] if isinstance(m, NORMS)]
             sizes, why = pair_sizes(child, norms, children[j][1], p)
+            if any(shares(m, tied) for _, m in children[i + 1 : j + 1]):
+                sizes, why = None, f"the layer after it, {join(prefix, children[j][0])}: {SHARED}"
             if sizes is not None:
                 plan.cuts.append(Cut(full, "column", sizes))
                 named = [(join(prefix, n), m) for n, m in children[i + 1 : j]]
@@ -123,11 +132,14 @@ def _auto(module: nn.Module, prefix: str, p: int, plan: Plan, tied: set[int],
         i += 1
 
 
-def _traced_pair(first: nn.Module, full: str, pair: TracedPair, p: int, plan: Plan) -> None:
+def _traced_pair(first: nn.Module, full: str, pair: TracedPair, p: int, plan: Plan,
+                 tied: set[int]) -> None:  # fmt: skip
     """Cut the column -> row pair the trace found from ``full``."""
     between, (row, second) = pair
     norms = [m for _, m in between if isinstance(m, NORMS)]
     sizes, why = pair_sizes(first, norms, second, p)
+    if any(shares(m, tied) for _, m in [*between, (row, second)]):
+        sizes, why = None, f"the layer it feeds, {row}: {SHARED}"
     if sizes is None:
         plan.replicated[full] = why
         return
@@ -195,6 +207,12 @@ def _user(module: nn.Module, styles: Mapping[str, str], p: int) -> Plan:
                 f"tensor_parallel plan: row layer {name!r} needs a 'column' layer right before "
                 "it in the same nn.Sequential"
             )
+    tied = tied_parameters(module)
+    for cut in plan.cuts:
+        if shares(modules[cut.name], tied):
+            raise ValueError(
+                f"tensor_parallel plan: {cut.name!r}: {SHARED}; leave it out of the plan"
+            )
     return plan
 
 
@@ -207,10 +225,7 @@ def resolve_plan(module: nn.Module, world_size: int, plan: Mapping[str, str] | N
         return _user(module, plan, world_size)
     resolved = Plan(world_size)
     start = getattr(module, root, None) if root else None
-    counts: dict[int, int] = {}
-    for _, parameter in module.named_parameters(remove_duplicate=False):
-        counts[id(parameter)] = counts.get(id(parameter), 0) + 1
-    tied = {key for key, count in counts.items() if count > 1}
+    tied = tied_parameters(module)
     net = start if isinstance(start, nn.Module) else module
     prefix = root if isinstance(start, nn.Module) else ""
     traced = None
