@@ -1,5 +1,5 @@
 """The user's whole flow, as users run it (#37): a plain script, ``python flow.py``, with a
-network no one here wrote as ``self.model``, Lightning choosing the launcher, then what
+network no one here wrote as ``self.model``, Lightning's launcher starting the ranks, then what
 Lightning's docs show after training: ``save_checkpoint``, ``validate``, ``test``,
 ``predict``, ``load_from_checkpoint``, ``fit(ckpt_path=...)``. Every figure is compared with
 the same script on one process (tests/userflow/run.py says how).
@@ -7,8 +7,8 @@ the same script on one process (tests/userflow/run.py says how).
 CI runs a covering grid: every registered strategy and every step, under fork (what a 2-core
 machine picks) or popen (what a 16-core workstation picks), each asked for so that every
 machine runs it, the networks spread over the rows, plus torchrun, a Jupyter kernel and the
-command line (options typed, then read from a YAML config). Each run also holds the launch
-to what it must be, in every rank that runs the script (``compare``): the cluster
+command line (the guide's YAML config, then the options typed). Each run also holds the
+launch to what it must be, in every rank that runs the script (``compare``): the cluster
 environment Lightning detected, the start method, one epoch's steps, finite evaluation
 losses, weights that ``fit`` moved and that ``validate``/``test``/``predict`` left alone.
 ``make userflow`` runs the full grid and prints its table (tests/userflow/grid.py).
@@ -16,13 +16,18 @@ losses, weights that ``fit`` moved and that ``validate``/``test``/``predict`` le
 
 from __future__ import annotations
 
+import re
+from pathlib import Path
+
 import pytest
 import torch
+import yaml
 
 from lightning_par.strategies.registry import plugin_names
 from tests.userflow.cli import cli_flow
 from tests.userflow.run import Case, baselines, compare, run_flow
 
+GUIDE = Path(__file__).resolve().parents[1] / "docs" / "guide" / "command-line.md"
 #: Every strategy once, networks and start methods spread over the rows.
 COVERING = [
     Case("ring_allreduce", "vit", "fork"),
@@ -65,18 +70,21 @@ def test_user_flow_equals_one_process(case, one_process, tmp_path_factory):
     assert not problems, "\n".join(problems) + "\n--- output ---\n" + text[-4000:]
 
 
-def test_command_line_flow_typed_then_from_a_yaml_config_equals_one_process(tmp_path):
-    """``fit`` with the options typed, then ``validate``, ``test``, ``predict`` and the resume
-    with the same options read from a YAML config (the ``class_path``/``init_args`` form)."""
+def test_command_line_flow_from_the_guides_yaml_config_then_typed_equals_one_process(tmp_path):
+    """``fit --config=run.yaml`` with the command-line guide's YAML example (gpipe, its
+    options as ``class_path``/``init_args``; the tiny settings typed after it win over its
+    data and epochs), then ``validate``, ``test``, ``predict`` and the resume with the same
+    options typed."""
+    example = re.search(r"```yaml\n(.*?)```", GUIDE.read_text(), re.S)[1]
+    strategy = yaml.safe_load(example)["trainer"]["strategy"]
+    assert strategy["class_path"] == "lightning_par.strategies.GPipeStrategy", strategy
     config = tmp_path / "run.yaml"
-    config.write_text(
-        "trainer:\n  devices: 2\n  strategy:\n"
-        "    class_path: lightning_par.strategies.GPipeStrategy\n"
-        "    init_args:\n      chunks: 2\n      schedule: 1f1b\n"
-    )
-    typed = ["--trainer.devices=2", "--trainer.strategy=GPipeStrategy",
-             "--trainer.strategy.chunks=2", "--trainer.strategy.schedule=1f1b"]  # fmt: skip
-    got = cli_flow(tmp_path / "gpipe", typed, then=[f"--config={config}"])
+    config.write_text(example)
+    options = [f"--trainer.strategy.{k}={v}" for k, v in strategy["init_args"].items()]
+    typed = ["--trainer.devices=2", "--trainer.strategy=GPipeStrategy", *options]
+    got = cli_flow(tmp_path / "gpipe", [f"--config={config}"], then=typed)
+    summary = "lightning_par summary: strategy=gpipe accelerator=cpu processes=2 "
+    assert summary in got["fit_output"], got["fit_output"][-2000:]  # the registered name
     one = ["--trainer.devices=1", "--trainer.strategy=auto"]
     want = cli_flow(tmp_path / "one", one, evaluate=False)
     for key in ("first", "resumed"):  # (optimiser state in both: the resume went on from it)

@@ -2,7 +2,7 @@
 then ``validate``, ``test`` and ``predict`` from the checkpoint it wrote, then ``fit
 --ckpt_path`` to resume; each a new ``python -m lightning_par`` process with the environment
 a user has (:func:`tests.userflow.run.user_environment`). The options are typed, or in a
-YAML config, or typed for ``fit`` and read from a config after it."""
+YAML config, or one way for the first ``fit`` and the other after it."""
 
 from __future__ import annotations
 
@@ -56,11 +56,12 @@ def cli_flow(
     ``--config``); ``then``: other options that say the same, for every command after the
     first ``fit`` (default: ``strategy``)."""
     later = strategy if then is None else then
-    run_cli(folder / "fit", "fit", *strategy, "--trainer.max_epochs=1", "--test_after_fit=false")
+    text = run_cli(folder / "fit", "fit", *strategy, "--trainer.max_epochs=1",
+                   "--test_after_fit=false")  # fmt: skip
     first = newest_checkpoint(folder / "fit")
     for stage in ("validate", "test", "predict") if evaluate else ():
         run_cli(folder / stage, stage, *later, f"--ckpt_path={first}")
     run_cli(folder / "resume", "fit", *later, "--trainer.max_epochs=2",
             f"--ckpt_path={first}", "--test_after_fit=false")  # fmt: skip
     resumed = newest_checkpoint(folder / "resume")
-    return {"first": weights(first), "resumed": weights(resumed)}
+    return {"first": weights(first), "resumed": weights(resumed), "fit_output": text}
