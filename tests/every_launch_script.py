@@ -3,7 +3,8 @@ whatever launch started it (fork, forkserver, popen, torchrun, SLURM): for each,
 then ``validate`` and ``test`` with the same Trainer, then one line ``RESULT {json}`` from
 global rank 0 with the weights' distance to one process trained on the same batches.
 
-Run by ``tests/test_every_launch.py``; ``python every_launch_script.py DEVICES NODES NAME...``.
+Run by ``tests/conformance/test_conf_launchers.py`` (and the CS336 cases);
+``python every_launch_script.py DEVICES NODES NAME...``.
 """
 
 from __future__ import annotations

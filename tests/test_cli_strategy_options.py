@@ -2,8 +2,6 @@
 constructors), and a wrong option or value refused in one usage line naming it."""
 
 import importlib
-import pathlib
-import re
 import subprocess
 import sys
 import time
@@ -121,22 +119,6 @@ def test_a_yaml_config_trains_zero_at_the_stage_it_names(tmp_path):
     )  # fmt: skip
     assert out.returncode == 0, out.stderr[-3000:]
     assert "lightning_par summary: strategy=zero " in out.stdout, out.stdout[-2000:]
-    assert "processes=2" in out.stdout
-
-
-def test_the_guides_yaml_example_trains_gpipe_with_its_options(tmp_path):
-    guide = pathlib.Path(__file__).parents[1] / "docs" / "guide" / "command-line.md"
-    example = re.search(r"```yaml\n(.*?)```", guide.read_text(), re.S)[1]
-    assert "class_path: lightning_par.strategies.GPipeStrategy" in example
-    config = tmp_path / "run.yaml"
-    config.write_text(example)
-    out = subprocess.run(  # the tiny settings after the config win over its data and epochs
-        [sys.executable, "-m", "lightning_par", "fit", f"--config={config}", *TINY[1:],
-         f"--trainer.default_root_dir={tmp_path}"],
-        capture_output=True, text=True, timeout=300,
-    )  # fmt: skip
-    assert out.returncode == 0, out.stderr[-3000:]
-    assert "lightning_par summary: strategy=gpipe " in out.stdout, out.stdout[-2000:]
     assert "processes=2" in out.stdout
 
 

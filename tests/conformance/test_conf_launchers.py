@@ -1,15 +1,21 @@
 """Every registered strategy under each launcher exactly as it starts a job (the fixtures of
 :mod:`conformance.launchers`, each written from its launcher's documentation): a SLURM job
 step with several nodes and tasks per node (no ``MASTER_*``), an interactive ``salloc``
-allocation, torchrun's c10d rendezvous, and two torchrun agents as two nodes of two
-processes each. (Lightning's own fork/forkserver/popen and two static torchrun agents of one
-process each: ``tests/test_every_launch.py``, same script and checks.)
+allocation, torchrun's c10d rendezvous, two torchrun agents as two nodes of two processes
+each, and Lightning's forkserver launch from a script. (Lightning's fork and popen launches
+from a script, and torchrun on one node, run every strategy through the user's whole flow:
+``tests/test_user_flow.py``, which holds each launch to the same checks: the cluster
+environment, the start method, every rank to the end with its steps, evaluation that leaves
+the weights.)
 
+One script invocation per launch trains its strategies in turn (``every_launch_script.py``:
+``fit``, then ``validate`` and ``test`` with the same Trainer), so the interpreters start once
+per launch: a strategy more costs a launch little, a launch more costs its interpreters.
 Each synchronous strategy must give one process's weights after 3 steps; ``async_sgd`` must
 train and end cleanly. ``hybrid``'s default grid (mp=2) puts its model-parallel groups
 within a node on 2 nodes x 2 tasks (no warning) and across nodes on 2 nodes x 1 task
 (warned, with the reason). Every launch has a time limit that kills its process groups and
-names the command.
+names the command; ports are chosen free by the OS.
 """
 
 from __future__ import annotations
@@ -21,6 +27,7 @@ from conformance.launchers import (
     ALL,
     SERVERS,
     check,
+    clean_env,
     free_job_id,
     limit_for,
     python,
@@ -119,6 +126,16 @@ def test_server_strategies_under_srun_on_one_node(tmp_path):
     check(found, names, [0, 1], "SLURMEnvironment")
     for name in SERVERS:  # one node: its local rank 0 starts both servers
         assert servers_started(found, name) == {0: [0, 1], 1: []}, name
+
+
+def test_server_strategies_under_lightnings_forkserver_launch_from_a_script(tmp_path):
+    """Each rank's servers come from a nested forkserver (the launch a GPU machine falls back
+    to after a backward pass); the main process gets rank 0's weights."""
+    names = [*SERVERS, "ring_allreduce"]
+    env = clean_env({"LIGHTNING_PAR_START_METHOD": "forkserver"})
+    found = results(run_all([python(["2", "1", *names], env)], tmp_path, limit_for(names)))
+    check(found, names, [0], "LightningEnvironment")
+    assert all(r["launch"] == "forkserver" for r in found), found
 
 
 def test_a_task_whose_rank_0_never_starts_stops_with_a_named_error(tmp_path):

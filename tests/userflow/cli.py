@@ -1,7 +1,8 @@
-"""The user's flow through the command line: ``lightning-par fit`` with a strategy's options
-(typed, or in a YAML config), then ``validate``, ``test`` and ``predict`` from the checkpoint
-it wrote, then ``fit --ckpt_path`` to resume; each a new ``python -m lightning_par`` process
-with the environment a user has (:func:`tests.userflow.run.user_environment`)."""
+"""The user's flow through the command line: ``lightning-par fit`` with a strategy's options,
+then ``validate``, ``test`` and ``predict`` from the checkpoint it wrote, then ``fit
+--ckpt_path`` to resume; each a new ``python -m lightning_par`` process with the environment
+a user has (:func:`tests.userflow.run.user_environment`). The options are typed, or in a
+YAML config, or one way for the first ``fit`` and the other after it."""
 
 from __future__ import annotations
 
@@ -47,15 +48,20 @@ def weights(path: Path) -> tuple[dict[str, torch.Tensor], int, bool]:
     return checkpoint["state_dict"], checkpoint["global_step"], has_state
 
 
-def cli_flow(folder: Path, strategy: list[str], evaluate: bool = True) -> dict:
+def cli_flow(
+    folder: Path, strategy: list[str], evaluate: bool = True, then: list[str] | None = None
+) -> dict:
     """fit 1 epoch -> validate, test, predict from its checkpoint (``evaluate``) -> fit to 2
     epochs from it. ``strategy``: the options that choose it (``--trainer.strategy=...`` or
-    ``--config``)."""
-    run_cli(folder / "fit", "fit", *strategy, "--trainer.max_epochs=1", "--test_after_fit=false")
+    ``--config``); ``then``: other options that say the same, for every command after the
+    first ``fit`` (default: ``strategy``)."""
+    later = strategy if then is None else then
+    text = run_cli(folder / "fit", "fit", *strategy, "--trainer.max_epochs=1",
+                   "--test_after_fit=false")  # fmt: skip
     first = newest_checkpoint(folder / "fit")
     for stage in ("validate", "test", "predict") if evaluate else ():
-        run_cli(folder / stage, stage, *strategy, f"--ckpt_path={first}")
-    run_cli(folder / "resume", "fit", *strategy, "--trainer.max_epochs=2",
+        run_cli(folder / stage, stage, *later, f"--ckpt_path={first}")
+    run_cli(folder / "resume", "fit", *later, "--trainer.max_epochs=2",
             f"--ckpt_path={first}", "--test_after_fit=false")  # fmt: skip
     resumed = newest_checkpoint(folder / "resume")
-    return {"first": weights(first), "resumed": weights(resumed)}
+    return {"first": weights(first), "resumed": weights(resumed), "fit_output": text}

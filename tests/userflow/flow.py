@@ -7,8 +7,10 @@ fit (1 epoch) -> save_checkpoint -> validate -> test -> predict -> load_from_che
 a new Trainer's fit to 2 epochs from the checkpoint. Lightning picks the launcher from the
 strategy; nothing here sets what a real launcher would not. Rank 0 (the process the script
 goes on in) writes ``OUT_DIR/result.pt``: every figure, for the test to compare with the
-same script on one process (``STRATEGY`` = ``one``). A step that raises is recorded with
-the error's type and message and ends the flow.
+same script on one process (``STRATEGY`` = ``one``), and how the launch went (the cluster
+environment Lightning detected, the start method); any other rank that runs the script
+(popen, torchrun) writes ``OUT_DIR/result-rank<N>.pt``, so the test sees it reach the end
+too. A step that raises is recorded with the error's type and message and ends the flow.
 """
 
 from __future__ import annotations
@@ -176,7 +178,16 @@ def predictions(batches) -> dict[int, torch.Tensor] | None:
     }
 
 
-def main() -> None:
+def launched_as(trainer: pl.Trainer) -> tuple[str | None, str | None]:
+    """The cluster environment Lightning detected and the launch's start method (``None``
+    where the ranks existed already: torchrun, a rank that popen started)."""
+    strategy = trainer.strategy
+    environment = getattr(strategy, "cluster_environment", None)  # (one process: none)
+    plan = getattr(strategy, "launch_plan", None)
+    return type(environment).__name__ if environment else None, getattr(plan, "method", None)
+
+
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("strategy")
     parser.add_argument("network")
@@ -185,7 +196,7 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=16)
     parser.add_argument("--start-method", default=None)
     parser.add_argument("--replicas", type=int, default=1, help="one process: read as P ranks")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
 
     def trainer(epochs: int) -> pl.Trainer:
         if args.strategy == "one":
@@ -215,11 +226,14 @@ def main() -> None:
     first = trainer(1)
     model = Net(args.network, args.batch, args.replicas)
     step = "fit"
+    result["initial"] = weights(model)
     try:
         first.fit(model)
         # in ranks that go on after fit (popen, torchrun), a model-split strategy's module
         # holds this rank's piece; after a fork the script's module is whole
         result["script_model"] = weights(model)
+        result["fit_step"] = first.global_step
+        result["environment"], result["launch"] = launched_as(first)
         step = reach("save_checkpoint")
         first.save_checkpoint(ckpt)
         saved = torch.load(ckpt, weights_only=True)
@@ -232,6 +246,7 @@ def main() -> None:
         result["test"] = first.test(model)[0]["test_loss"]
         step = reach("predict")
         result["predict"] = predictions(first.predict(model))
+        result["after_evaluation"] = weights(model)  # (validate, test, predict change none)
         step = reach("load_from_checkpoint")
         loaded = Net.load_from_checkpoint(ckpt)
         result["loaded_type"] = type(loaded).__name__
@@ -250,8 +265,10 @@ def main() -> None:
         result["error"] = "".join(traceback.format_exception_only(type(error), error)).strip()
         result["traceback"] = traceback.format_exc()
     result["reached"] = step
-    if first.is_global_zero:
-        torch.save(result, os.path.join(args.out, "result.pt"))
+    rank = first.global_rank
+    name = "result.pt" if rank == 0 else f"result-rank{rank}.pt"  # (the script's: rank 0)
+    torch.save(result, os.path.join(args.out, name))
+    if rank == 0:
         print(f"user flow {args.strategy} {args.network}: reached {step}", flush=True)
 
 

@@ -16,7 +16,7 @@ import time
 from pathlib import Path
 
 from lightning_par.strategies.registry import plugin_names
-from tests.userflow.run import Case, baseline, compare, run_flow
+from tests.userflow.run import Case, baselines, compare, run_flow
 
 NETWORKS = ("mlp", "resnet", "vit", "lstm", "transformer")
 LAUNCHES = ("fork", "popen", "torchrun", "notebook")
@@ -33,14 +33,16 @@ def main() -> int:
     columns = [(n, la) for la in args.launches.split(",") for n in args.networks.split(",")]
     print("| strategy | " + " | ".join(f"{n} {la}" for n, la in columns) + " |")
     print("|---" * (len(columns) + 1) + "|", flush=True)
+    strategies = args.strategies.split(",")
+    want = baselines([Case(s, n, la) for s in strategies for n, la in columns], out)
     failed = 0
-    for strategy in args.strategies.split(","):
+    for strategy in strategies:
         cells = []
         for network, launch in columns:
             case = Case(strategy, network, launch)
             start = time.perf_counter()
             got, _ = run_flow(case, out / case.name)
-            problems = compare(case, got, baseline(network, case.replicas, str(out)))
+            problems = compare(case, got, want[network, case.replicas])
             seconds = time.perf_counter() - start
             failed += bool(problems)
             first = problems[0].splitlines()[0][:90] if problems else ""

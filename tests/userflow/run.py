@@ -4,16 +4,18 @@
 Jupyter kernel) in a fresh folder with the environment a user has: nothing of this test
 session's (no ``LIGHTNING_PAR_TIMEOUT``, no launcher variables), the process group killed
 after a deadline. ``compare`` checks every figure against ``flow.py one`` on the same data
-read the same way, and returns what differs (empty: the strategy passed the flow).
+read the same way (``baselines``: every one-process run needed, in one interpreter), and
+how the launch went in every rank that ran the script, and returns what differs (empty:
+the strategy passed the flow).
 """
 
 from __future__ import annotations
 
 import json
+import math
 import os
 import sys
 from dataclasses import dataclass
-from functools import cache
 from pathlib import Path
 
 import torch
@@ -21,6 +23,7 @@ import torch
 from lightning_par.launch.processes import run_bounded
 
 FLOW = Path(__file__).with_name("flow.py")
+BASELINES = Path(__file__).with_name("baselines.py")
 GLOBAL_BATCH = 16
 STEPS_PER_EPOCH = 64 // GLOBAL_BATCH
 #: Strategies each of whose ranks reads its own shard of every batch (the rest: every rank
@@ -29,6 +32,16 @@ DATA_PARALLEL = ("_allreduce", "parameter_server", "async_sgd", "local_sgd", "ze
                  "lightning_ddp")  # fmt: skip
 #: Not equal to one process by design: compared for the flow itself, not the weights.
 NOT_SYNCHRONOUS = ("async_sgd", "local_sgd")
+#: What Lightning must detect and how the ranks must start, by launch: (cluster environment,
+#: start method; ``None``: the ranks existed already).
+LAUNCHED_AS = {
+    "fork": ("LightningEnvironment", "fork"),
+    "popen": ("LightningEnvironment", "popen"),
+    "notebook": ("LightningEnvironment", "fork"),  # (a notebook can only fork)
+    "torchrun": ("TorchElasticEnvironment", None),
+}
+#: Launches whose every rank runs the script (and writes ``result-rank<N>.pt``).
+EVERY_RANK_RUNS = ("popen", "torchrun")
 #: Launcher variables a test session may hold that a user's shell does not.
 SESSION_ONLY = ("LIGHTNING_PAR_TIMEOUT", "LIGHTNING_PAR_START_METHOD", "LOCAL_RANK", "RANK",
                 "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "NODE_RANK", "GROUP_RANK",
@@ -42,6 +55,13 @@ class Case:
     strategy: str
     network: str
     launch: str = "fork"  # "fork", "popen" (start_method), "torchrun" or "notebook"
+
+    @property
+    def start_method(self) -> str | None:
+        """The ``start_method`` the script asks for: fork (what a 2-core machine picks) and
+        popen (what a many-core one picks) are asked for, so every machine runs both;
+        torchrun starts the ranks itself, a notebook can only fork."""
+        return self.launch if self.launch in ("fork", "popen") else None
 
     @property
     def devices(self) -> int:
@@ -71,8 +91,8 @@ def user_environment(folder: Path) -> dict[str, str]:
 def _command(case: Case, out: Path) -> list[str]:
     args = [case.strategy, case.network, str(out), "--devices", str(case.devices),
             "--batch", str(GLOBAL_BATCH // case.replicas)]  # fmt: skip
-    if case.launch == "popen":
-        args += ["--start-method", "popen"]
+    if case.start_method is not None:
+        args += ["--start-method", case.start_method]
     if case.launch == "torchrun":
         return [sys.executable, "-m", "torch.distributed.run", "--standalone",
                 f"--nproc_per_node={case.devices}", str(FLOW), *args]  # fmt: skip
@@ -96,21 +116,29 @@ def run_flow(case: Case, folder: Path, timeout: float = 260) -> tuple[dict, str]
         return {"reached": "nothing", "error": f"no result ({why})"}, text
     result = torch.load(result_file, weights_only=False)
     result["returncode"], result["temporary_files_left"] = proc.returncode, left
+    result["other_ranks"] = {
+        int(path.stem.removeprefix("result-rank")): torch.load(path, weights_only=False)
+        for path in folder.glob("result-rank*.pt")
+    }
     return result, text
 
 
-@cache
-def baseline(network: str, replicas: int, folder: str) -> dict:
-    """``flow.py one``: one process reading what ``replicas`` ranks read together."""
-    out = Path(folder) / f"one-{network}-{replicas}"
-    out.mkdir(parents=True, exist_ok=True)
-    cmd = [sys.executable, str(FLOW), "one", network, str(out), "--batch", str(GLOBAL_BATCH),
-           "--replicas", str(replicas)]  # fmt: skip
-    proc = run_bounded(cmd, 300, cwd=out, env=user_environment(out))
-    assert (out / "result.pt").exists(), proc.stdout[-3000:] + proc.stderr[-3000:]
-    result = torch.load(out / "result.pt", weights_only=False)
-    assert result["reached"] == "done", result.get("traceback")
-    return result
+def baselines(cases: list[Case], folder: Path) -> dict[tuple[str, int], dict]:
+    """``flow.py one`` for each network and data-parallel size of ``cases``: one process
+    reading what that many ranks read together. All in one interpreter (``baselines.py``):
+    importing torch, Lightning and torchvision is most of a one-process run's time."""
+    pairs = sorted({(case.network, case.replicas) for case in cases})
+    folder.mkdir(parents=True, exist_ok=True)
+    cmd = [sys.executable, str(BASELINES), str(folder), str(GLOBAL_BATCH),
+           *(f"{network}:{replicas}" for network, replicas in pairs)]  # fmt: skip
+    proc = run_bounded(cmd, 120 + 120 * len(pairs), cwd=folder, env=user_environment(folder))
+    found = {}
+    for network, replicas in pairs:
+        out = folder / f"one-{network}-{replicas}" / "result.pt"
+        assert out.exists(), proc.stdout[-3000:] + proc.stderr[-3000:]
+        found[network, replicas] = result = torch.load(out, weights_only=False)
+        assert result["reached"] == "done", result.get("traceback")
+    return found
 
 
 def _max_difference(got: dict, want: dict) -> float:
@@ -123,11 +151,59 @@ def _close(got: dict, want: dict) -> bool:
                for k in want)  # fmt: skip
 
 
+def _rank_problems(case: Case, rank: int, got: dict) -> list[str]:
+    """In one rank that ran the script: it reached the end, Lightning detected the launch's
+    cluster environment, ``fit`` trained one epoch's steps (where the rank itself trained:
+    the script of a fork launch counts none), ``validate``/``test`` gave finite losses and,
+    with ``predict``, left the weights as ``fit`` left them."""
+    if got["reached"] != "done":
+        return [f"rank {rank} stopped at {got['reached']}: {got.get('error')}\n"
+                f"{got.get('traceback', '')}"]  # fmt: skip
+    problems = []
+    environment, _ = LAUNCHED_AS[case.launch]
+    if got["environment"] != environment:
+        problems.append(f"rank {rank}: Lightning detected {got['environment']}, not {environment}")
+    if case.launch in EVERY_RANK_RUNS:
+        step = got["fit_step"]
+        trained = step > 0 if case.strategy == "async_sgd" else step == STEPS_PER_EPOCH
+        if not trained:  # (each async_sgd worker counts the shared batches it trained)
+            problems.append(f"rank {rank}: fit ended at global step {step}")
+    if not all(math.isfinite(got[key]) for key in ("validate", "test")):
+        problems.append(f"rank {rank}: validate {got['validate']}, test {got['test']}")
+    before, after = got["script_model"], got["after_evaluation"]
+    if before.keys() != after.keys() or not all(torch.equal(after[k], before[k]) for k in before):
+        problems.append(f"rank {rank}: validate/test/predict changed the weights fit left")
+    return problems
+
+
+def _launch_problems(case: Case, got: dict) -> list[str]:
+    """How the launch went: the start method the case names, a result from every rank that
+    runs the script, each rank's own checks (:func:`_rank_problems`), the same replica in
+    every rank of a synchronous data-parallel strategy, and ``fit`` moved the weights (what
+    the strategies not compared with one process must show too)."""
+    _, method = LAUNCHED_AS[case.launch]
+    problems = [] if got["launch"] == method else [f"started by {got['launch']}, not {method}"]
+    others = sorted(got["other_ranks"])
+    expected = list(range(1, case.devices)) if case.launch in EVERY_RANK_RUNS else []
+    if others != expected:
+        problems.append(f"results from ranks {others} besides rank 0, not {expected}")
+    for rank, result in [(0, got), *sorted(got["other_ranks"].items())]:
+        problems += _rank_problems(case, rank, result)
+    if case.replicas == case.devices and case.strategy not in NOT_SYNCHRONOUS:
+        for rank, result in got["other_ranks"].items():  # (each rank holds a whole replica)
+            replica = result.get("script_model")
+            if replica is not None and not _close(replica, got["script_model"]):
+                problems.append(f"rank {rank}'s replica differs from rank 0's after fit")
+    if not _max_difference(got["fit"], got["initial"]) > 1e-3:
+        problems.append("fit left the weights where they started")
+    return problems
+
+
 def compare(case: Case, got: dict, want: dict) -> list[str]:
     """What differs between the strategy's run and one process's (empty: none)."""
     if got["reached"] != "done":
         return [f"stopped at {got['reached']}: {got.get('error')}\n{got.get('traceback', '')}"]
-    problems = []
+    problems = _launch_problems(case, got)
     if got.get("returncode"):
         problems.append(f"exit code {got['returncode']}")
     if got["temporary_files_left"]:
