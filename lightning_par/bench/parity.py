@@ -41,6 +41,7 @@ PLUGINS: dict[str, dict] = {
         for a in ("ring", "tree", "butterfly", "all_to_all", "master_worker", "round_robin")
     },  # fmt: skip
     "local_sgd": {"period": 1},
+    "zero": {},  # stage 3: parameters, gradients and optimizer state sharded
     "lightning_ddp": {},
 }
 BATCH, LR = 4, 0.01
