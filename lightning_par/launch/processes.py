@@ -12,6 +12,7 @@ import os
 import signal
 import sys
 import threading
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -117,14 +118,21 @@ def time_limit(seconds: float, message: str) -> Iterator[None]:
     """Raise :class:`TimeLimitExceeded` (``message``) in the main thread after ``seconds``.
 
     Whatever started ranks inside the block stops them on the way out (the strategies'
-    launcher and :func:`run_on_ranks` kill their ranks on any exception)."""
+    launcher and :func:`run_on_ranks` kill their ranks on any exception). Limits nest: inside
+    an outer limit that ends sooner, the outer one stands (with its message); otherwise the
+    outer one is armed again on the way out with the time it had left."""
     if seconds <= 0 or threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    outer_left = signal.getitimer(signal.ITIMER_REAL)[0]
+    if 0 < outer_left <= seconds:
         yield
         return
 
     def expired(signum, frame):
         raise TimeLimitExceeded(message)
 
+    entered = time.monotonic()
     previous = signal.signal(signal.SIGALRM, expired)
     signal.setitimer(signal.ITIMER_REAL, seconds)
     try:
@@ -132,3 +140,6 @@ def time_limit(seconds: float, message: str) -> Iterator[None]:
     finally:
         signal.setitimer(signal.ITIMER_REAL, 0)
         signal.signal(signal.SIGALRM, previous)
+        if outer_left > 0:  # the outer limit goes on (at once if its time ran out meanwhile)
+            left = outer_left - (time.monotonic() - entered)
+            signal.setitimer(signal.ITIMER_REAL, max(left, 1e-3))

@@ -42,7 +42,13 @@ def forkserver_threads(world_size: int) -> int:
 
 
 class RankFailed(RuntimeError):
-    """A rank raised, died or timed out inside :func:`run_on_ranks`."""
+    """A rank raised, died or timed out inside :func:`run_on_ranks`: ``dead`` are the ranks
+    that exited without a result, ``hung`` those still running at the deadline (both empty
+    when ranks only raised)."""
+
+    def __init__(self, report: str, dead: tuple[int, ...] = (), hung: tuple[int, ...] = ()):
+        super().__init__(report)
+        self.dead, self.hung = dead, hung
 
 
 class _MeshFailed(RankFailed):
@@ -158,14 +164,22 @@ def _collect(queue, results: dict[int, Any]) -> list[tuple[int, str, str]]:
     return failures
 
 
-def _failure_report(procs, results, failures, world_size) -> str:
+def _dead_ranks(procs, results, failures) -> tuple[int, ...]:
+    """Ranks that exited with an error code before returning or reporting anything."""
     failed = {r for r, _, _ in failures}
-    dead = [
-        f"rank {r} of {world_size} died with exit code {p.exitcode} before returning a result"
-        for r, p in enumerate(procs)
+    return tuple(
+        r for r, p in enumerate(procs)
         if r not in results and r not in failed and p.exitcode not in (None, 0)
+    )  # fmt: skip
+
+
+def _failure_report(procs, dead, failures, world_size) -> str:
+    lines = [
+        f"rank {r} of {world_size} died with exit code {procs[r].exitcode} before returning a "
+        "result"
+        for r in dead
     ]
-    return "\n".join(dead + [f"rank {r} of {world_size} raised:\n{tb}" for r, _, tb in failures])
+    return "\n".join(lines + [f"rank {r} of {world_size} raised:\n{tb}" for r, _, tb in failures])
 
 
 def _wait_for_results(procs: list, queue: Any, results: dict[int, Any], deadline_s: float) -> None:
@@ -179,15 +193,17 @@ def _wait_for_results(procs: list, queue: Any, results: dict[int, Any], deadline
         if failures or exited:
             time.sleep(0.3)  # let the root cause (often a dead peer) surface too
             failures += _collect(queue, results)
-            report = _failure_report(procs, results, failures, world_size)
+            dead = _dead_ranks(procs, results, failures)
+            report = _failure_report(procs, dead, failures, world_size)
             # only a mesh that failed to connect, no rank dead or done: start again
             retry = not exited and not results and all(k == "mesh" for _, k, _ in failures)
-            raise (_MeshFailed if retry else RankFailed)(report)
+            raise (_MeshFailed if retry else RankFailed)(report, dead=dead)
         if time.monotonic() > deadline:
-            missing = sorted(set(range(world_size)) - set(results))
+            missing = tuple(sorted(set(range(world_size)) - set(results)))
             raise RankFailed(
-                f"rank(s) {missing} of {world_size} did not finish within {deadline_s:.0f} s"
-                " (hung or deadlocked); all ranks were stopped"
+                f"rank(s) {list(missing)} of {world_size} did not finish within {deadline_s:.0f} s"
+                " (hung or deadlocked); all ranks were stopped",
+                hung=missing,
             )
         time.sleep(0.005)
 
