@@ -23,6 +23,7 @@ def run_bench(*argv: str) -> dict:
 
 def test_allreduce_benchmark_reports_every_algorithm_and_torch():
     out = run_bench("allreduce", "--world-size", "3", "--sizes", "10", "--repeats", "1")
+    assert out["environment"]["cores"] == os.cpu_count()
     rows = {r["algorithm"]: r for r in out["rows"]}
     assert set(rows) == {"torch", *ALGORITHMS}
     assert {"ring", "tree", "butterfly", "round_robin"} <= set(rows)
@@ -79,3 +80,26 @@ def test_a_benchmark_past_its_time_limit_is_stopped_with_its_ranks():
     assert not done.timed_out, "the benchmark's own limit did not stop it"
     assert done.returncode != 0
     assert "ran past its 8 s limit" in done.stderr
+
+
+def test_a_reference_that_fails_is_a_row_and_the_strategies_are_still_timed(monkeypatch, capsys):
+    from lightning_par.bench import strategy
+
+    made = strategy.reference_and_candidates
+
+    def broken_reference(args) -> dict:
+        def fails():
+            raise RuntimeError("the peer broke\nat length")
+
+        return {**made(args), "lightning_single": fails}  # (same name, same place: first)
+
+    monkeypatch.setattr(strategy, "reference_and_candidates", broken_reference)
+    argv = ["--devices", "1", "--steps", "3", "--warmup", "1", "--width", "4", "--num-blocks",
+            "1", "--batch-size", "4", "--algorithms", "ring", "--json"]  # fmt: skip
+    assert strategy.main(argv) == 0
+    out = json.loads(capsys.readouterr().out)
+    reference, ring, local = out["rows"]
+    assert reference == {"strategy": "lightning_single", "failed": "RuntimeError: the peer broke"}
+    assert [ring["strategy"], local["strategy"]] == ["ring_allreduce", "local_sgd"]
+    for row in (ring, local):  # timed, with nothing to compare to
+        assert row["steps_timed"] == 2 and row["speed_vs_reference"] is None

@@ -6,8 +6,9 @@ column is each schedule's bubble formula."""
 import json
 
 import pytest
+import torch
 
-from lightning_par.bench.pipeline import linear_workload, main
+from lightning_par.bench.pipeline import linear_workload, main, report, run
 from lightning_par.pipeline import balance_by_params
 
 
@@ -17,7 +18,9 @@ def test_pipeline_bench_counts_the_schedules_messages(capsys):
     # child cannot use
     assert main(argv + ["--warmup", "1", "--single-threads", "1", "--json",
                         "--keep-freed-memory"]) == 0  # fmt: skip
-    (result,) = json.loads(capsys.readouterr().out)
+    doc = json.loads(capsys.readouterr().out)
+    assert doc["environment"]["torch"] == torch.__version__
+    (result,) = doc["workloads"]
     rows = {(row["name"], row["chunks"]): row for row in result["rows"]}
     assert list(rows) == [
         ("naive", 1), ("gpipe", 2), ("gpipe", 4), ("1f1b", 2), ("1f1b", 4),
@@ -84,6 +87,24 @@ def test_pipeline_bench_counts_the_schedules_messages(capsys):
     assert result["keep_freed_memory"] is True
     saved = result["saved_activation_bytes_per_stage"]
     assert all(a < n for a, n in zip(saved["always"], saved["never"]))
+
+
+def test_a_torch_schedule_that_fails_is_a_row_and_ours_are_measured():
+    # a schedule this torch lacks (as torch 2.4 lacks ScheduleZBVZeroBubble) fails on every
+    # rank when it is built; torch's GPipe and all of ours still run
+    result = run("linear", [2], warmup=0, steps=1, rounds=1, single_threads=(1,),
+                 peers=("ScheduleGPipe", "ScheduleNoSuch"))  # fmt: skip
+    rows = {row["name"]: row for row in result["rows"]}
+    assert list(rows) == ["naive", "gpipe", "1f1b", "interleaved", "zero_bubble", "zbv",
+                          "torch ScheduleGPipe", "torch ScheduleNoSuch"]  # fmt: skip
+    failed = rows["torch ScheduleNoSuch"]
+    assert set(failed) == {"name", "failed"}
+    assert failed["failed"].startswith("rank 0: ValueError: unknown schedule 'ScheduleNoSuch'")
+    assert all(row["step_ms"] > 0 for name, row in rows.items() if name != failed["name"])
+    assert rows["gpipe"]["speedup_vs_torch_peer"] > 0
+    assert result["goals"]["best_vs_torch_gpipe"] > 0
+    table = report(result)
+    assert "| torch ScheduleNoSuch | failed: rank 0: ValueError: unknown schedule" in table
 
 
 _FAULTS = """

@@ -167,9 +167,11 @@ def ours(schedule: Schedule, m: int, base: nn.Sequential, cuts: dict[str, dict[i
 
 
 def theirs(kind: str, m: int, base: nn.Sequential, cuts: dict[str, dict[int, list[int]]],
-           rank: int, k: int, v: int, x: torch.Tensor, y: torch.Tensor,
-           loss_fn: nn.Module) -> tuple[None, torch.optim.Optimizer, Callable]:  # fmt: skip
-    """torch's ``kind`` (one of :data:`TORCH_SCHEDULES`) on the same stage modules."""
+           rank: int, k: int, v: int, x: torch.Tensor, y: torch.Tensor, loss_fn: nn.Module,
+           group: dist.ProcessGroup | None = None,
+           ) -> tuple[None, torch.optim.Optimizer, Callable]:  # fmt: skip
+    """torch's ``kind`` (one of :data:`TORCH_SCHEDULES`) on the same stage modules, its
+    messages over ``group`` (default: every rank's)."""
     from torch.distributed import pipelining  # (its import is slow; only the bench needs it)
 
     vv = virtual_of(kind, v)
@@ -181,7 +183,7 @@ def theirs(kind: str, m: int, base: nn.Sequential, cuts: dict[str, dict[int, lis
         with torch.no_grad():
             inp = base[: sum(balance[:s])](micro) if s else micro
         stages.append(pipelining.PipelineStage(module, s, k * vv, torch.device("cpu"),
-                                               input_args=(inp,)))  # fmt: skip
+                                               input_args=(inp,), group=group))  # fmt: skip
     schedule = getattr(pipelining, kind)(
         stages[0] if kind in TORCH_SINGLE else stages, n_microbatches=m, loss_fn=loss_fn
     )

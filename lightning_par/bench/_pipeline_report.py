@@ -50,8 +50,10 @@ def _traced(row: dict, ranks: list[dict], i: int, stages: int, steps: int) -> No
     row["bubble_gap_runtime"] = row["measured_bubble"] - row["theory_bubble_measured_costs"]
 
 
-def rows(ranks: list[dict], stages: int, steps: int, virtual: int) -> list[dict]:
-    """One row per contender from every device's measurements (``ranks``)."""
+def rows(ranks: list[dict], stages: int, steps: int, virtual: int,
+         failed: dict[str, str] | None = None) -> list[dict]:  # fmt: skip
+    """One row per contender from every device's measurements (``ranks``), then one per peer
+    that ``failed`` (name -> its failure: ``{"name", "failed"}``)."""
     naive = ranks[0]["runs"][0]["step_s"]
     out = []
     for i, run0 in enumerate(ranks[0]["runs"]):
@@ -68,14 +70,15 @@ def rows(ranks: list[dict], stages: int, steps: int, virtual: int) -> list[dict]
         if "trace" in run0:
             _traced(row, ranks, i, stages, steps)
         out.append(row)
-    best_torch = min(r["step_ms"] for r in out if r["name"].startswith("torch"))
+    best_torch = min((r["step_ms"] for r in out if r["name"].startswith("torch")), default=None)
     by_name = {(r["name"], r["chunks"]): r["step_ms"] for r in out}
     for row in out:
-        row["speedup_vs_torch_best"] = best_torch / row["step_ms"]
+        if best_torch is not None:
+            row["speedup_vs_torch_best"] = best_torch / row["step_ms"]
         peer = by_name.get((PEERS.get(row["name"]), row["chunks"]))
         if peer is not None:  # torch's same schedule at the same chunks over ours
             row["speedup_vs_torch_peer"] = peer / row["step_ms"]
-    return out
+    return out + [{"name": name, "failed": error} for name, error in (failed or {}).items()]
 
 
 def goals(rows: list[dict]) -> dict:
@@ -83,22 +86,26 @@ def goals(rows: list[dict]) -> dict:
     ``ScheduleGPipe`` row and torch's fastest row, and how far CPU time lets any schedule of
     ours go: ``cpu_bound_ms``, the busiest device's CPU per step (a step cannot be shorter
     even with no bubble and free messages) of our row whose busiest device is cheapest."""
-    ours = [r for r in rows if not r["name"].startswith("torch") and r["name"] != "naive"]
-    theirs = [r for r in rows if r["name"].startswith("torch")]
+    measured = [r for r in rows if "failed" not in r]
+    ours = [r for r in measured if not r["name"].startswith("torch") and r["name"] != "naive"]
+    theirs = [r for r in measured if r["name"].startswith("torch")]
     best = min(ours, key=lambda r: r["step_ms"])
-    gpipe = min((r for r in theirs if r["name"] == "torch ScheduleGPipe"),
-                key=lambda r: r["step_ms"])  # fmt: skip
-    top = min(theirs, key=lambda r: r["step_ms"])
     bound = min(ours, key=lambda r: max(r["stage_cpu_ms"]))
-    return {
+    out = {
         "ours_best": [best["name"], best["chunks"], best["step_ms"]],
-        "torch_gpipe_best": [gpipe["chunks"], gpipe["step_ms"]],
-        "torch_best": [top["name"], top["chunks"], top["step_ms"]],
-        "best_vs_torch_gpipe": gpipe["step_ms"] / best["step_ms"],
-        "best_vs_torch_best": top["step_ms"] / best["step_ms"],
         "cpu_bound_ms": [bound["name"], bound["chunks"], max(bound["stage_cpu_ms"])],
-        "cpu_bound_vs_torch_gpipe": gpipe["step_ms"] / max(bound["stage_cpu_ms"]),
     }
+    gpipes = [r for r in theirs if r["name"] == "torch ScheduleGPipe"]
+    if gpipes:  # (absent when torch's ScheduleGPipe failed or was not asked for)
+        gpipe = min(gpipes, key=lambda r: r["step_ms"])
+        out["torch_gpipe_best"] = [gpipe["chunks"], gpipe["step_ms"]]
+        out["best_vs_torch_gpipe"] = gpipe["step_ms"] / best["step_ms"]
+        out["cpu_bound_vs_torch_gpipe"] = gpipe["step_ms"] / max(bound["stage_cpu_ms"])
+    if theirs:
+        top = min(theirs, key=lambda r: r["step_ms"])
+        out["torch_best"] = [top["name"], top["chunks"], top["step_ms"]]
+        out["best_vs_torch_best"] = top["step_ms"] / best["step_ms"]
+    return out
 
 
 def _heading(result: dict) -> list[str]:
@@ -111,30 +118,36 @@ def _heading(result: dict) -> list[str]:
     )
     lines += [f"one process: {single}", ""]
     g = result["goals"]
-    best, gpipe, top, bound = (g["ours_best"], g["torch_gpipe_best"], g["torch_best"],
-                               g["cpu_bound_ms"])  # fmt: skip
-    return lines + [
-        f"our best: {best[0]} M={best[1]} {best[2]:.1f} ms; {g['best_vs_torch_gpipe']:.2f}x "
-        f"torch's best ScheduleGPipe (M={gpipe[0]}, {gpipe[1]:.1f} ms; goal >= 1.15x); "
-        f"{g['best_vs_torch_best']:.2f}x torch's best ({top[0]} M={top[1]}; goal >= 1.0x)",
-        "",
-        f"CPU bound: {bound[0]} M={bound[1]}'s busiest device, {bound[2]:.0f} ms per step, "
-        f"{g['cpu_bound_vs_torch_gpipe']:.2f}x torch's best ScheduleGPipe step (a step is "
-        "never shorter than its busiest device's CPU time: quiet, this caps our speed-up)",
-        "",
-    ]
+    best, bound = g["ours_best"], g["cpu_bound_ms"]
+    ours = f"our best: {best[0]} M={best[1]} {best[2]:.1f} ms"
+    if "torch_gpipe_best" in g:
+        gpipe = g["torch_gpipe_best"]
+        ours += (f"; {g['best_vs_torch_gpipe']:.2f}x torch's best ScheduleGPipe (M={gpipe[0]}, "
+                 f"{gpipe[1]:.1f} ms; goal >= 1.15x)")  # fmt: skip
+    if "torch_best" in g:
+        top = g["torch_best"]
+        ours += f"; {g['best_vs_torch_best']:.2f}x torch's best ({top[0]} M={top[1]}; goal >= 1.0x)"
+    bound_line = f"CPU bound: {bound[0]} M={bound[1]}'s busiest device, {bound[2]:.0f} ms per step"
+    if "cpu_bound_vs_torch_gpipe" in g:
+        bound_line += (f", {g['cpu_bound_vs_torch_gpipe']:.2f}x torch's best ScheduleGPipe step "
+                       "(a step is never shorter than its busiest device's CPU time: quiet, "
+                       "this caps our speed-up)")  # fmt: skip
+    return lines + [ours, "", bound_line, ""]
 
 
 def _table_row(r: dict) -> str:
+    if "failed" in r:
+        return f"| {r['name']} | failed: {r['failed']} |" + " |" * 12
     measured = f"{r['measured_bubble']:.0%}" if "measured_bubble" in r else "-"
     peer = f"{r['speedup_vs_torch_peer']:.2f}x" if "speedup_vs_torch_peer" in r else "-"
     replayed = r.get("theory_bubble_measured_costs")
     replayed = "-" if replayed is None else f"{replayed:.0%}"
+    vs_best = f"{r['speedup_vs_torch_best']:.2f}x" if "speedup_vs_torch_best" in r else "-"
     gaps = (f"{r['bubble_gap_costs']:+.3f} / {r['bubble_gap_runtime']:+.3f}"
             if "bubble_gap_costs" in r else "-")  # fmt: skip
     return (
         f"| {r['name']} | {r['chunks']} | {r['step_ms']:.1f} | {r['speedup_vs_naive']:.2f}x "
-        f"| {peer} | {r['speedup_vs_torch_best']:.2f}x | {measured} "
+        f"| {peer} | {vs_best} | {measured} "
         f"| {r['theory_bubble']:.0%} | {replayed} | {gaps} | {r['imbalance_floor']:.3f} "
         f"| {'/'.join(f'{c:.0f}' for c in r['stage_cpu_ms'])} "
         f"| {'/'.join(f'{b / 2**20:.1f}' for b in r.get('peak_saved_bytes', [])) or '-'} "

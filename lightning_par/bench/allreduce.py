@@ -5,13 +5,13 @@
 For each size and algorithm: median time, bus bandwidth (``2 (p-1)/p * bytes / time``, the
 NCCL-tests convention, so algorithms compare on one scale), bytes sent per rank (measured
 from a trace and predicted by the cost model) and the ratio of torch's time to ours
-(> 1: ours is faster).
+(> 1: ours is faster). torch's ``all_reduce`` runs on a gloo group of its own; if it fails,
+its row says so (``failed``) and ours are still measured (:mod:`._peers`).
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import time
@@ -20,23 +20,40 @@ from functools import partial
 import torch
 import torch.distributed as dist
 
+from lightning_par.bench._environment import RunEnvironment, print_result
+from lightning_par.bench._peers import PeerGuard, run_with_peers
 from lightning_par.collectives import ALGORITHMS
 from lightning_par.collectives.cost_model import predict
-from lightning_par.comm import CommTrace, run_on_ranks
+from lightning_par.comm import CommTrace
+
+#: The peer: gloo's own allreduce, on a group of its own.
+TORCH = "torch"
 
 
-def _time_interleaved(candidates: dict, tensor: torch.Tensor, repeats: int) -> dict:
+def _timed(fn, tensor: torch.Tensor) -> float:
+    start = time.perf_counter()
+    fn(tensor)
+    return time.perf_counter() - start
+
+
+def _time_interleaved(candidates: dict, tensor: torch.Tensor, repeats: int,
+                      guard: PeerGuard | None = None) -> dict:  # fmt: skip
     """Median seconds per candidate; repeats interleave the candidates so that a change
-    in machine load (the CI machine is shared) hits all of them alike."""
+    in machine load (the CI machine is shared) hits all of them alike. torch's runs
+    through ``guard`` (none: its failure raises); once failed, it is left out."""
+    guard = guard or PeerGuard()
     times: dict[str, list[float]] = {name: [] for name in candidates}
     for _ in range(repeats):
         for name, fn in candidates.items():
             dist.barrier()
-            start = time.perf_counter()
-            fn(tensor)
-            times[name].append(time.perf_counter() - start)
+            if name != TORCH:
+                times[name].append(_timed(fn, tensor))
+            elif (took := guard.run(TORCH, lambda fn=fn: _timed(fn, tensor))) is not None:
+                times[name].append(took)
     out = {}
     for name, values in times.items():
+        if name == TORCH and TORCH in guard.failed:
+            continue
         # A collective takes as long as its slowest rank.
         t = torch.tensor(values, dtype=torch.float64)
         dist.all_reduce(t, op=dist.ReduceOp.MAX)
@@ -52,27 +69,31 @@ def default_repeats(numel: int) -> int:
     return 60 if numel <= 1 << 22 else 20
 
 
-def _measure(
-    rank: int, world_size: int, sizes, algorithms, repeats, warmup, segment_bytes
-) -> list[dict]:
+def _measure(rank: int, world_size: int, sizes, algorithms, repeats, warmup, segment_bytes, *,
+             guard: PeerGuard) -> list[dict]:  # fmt: skip
     options = {"ring": {"segment_bytes": segment_bytes}} if segment_bytes else {}
     # As Lightning's launchers do: share the cores between the ranks (oversubscribed
     # intra-op threads made a 4M-float add 2.6x slower on the 2-core machine).
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))
+    group = guard.group(TORCH)
     rows = []
     for numel in sizes:
         tensor = torch.ones(numel)
-        candidates = {"torch": lambda t: dist.all_reduce(t)}
+        candidates = {TORCH: lambda t: dist.all_reduce(t, group=group)}
         for a in algorithms:
             candidates[a] = partial(ALGORITHMS[a], **options.get(a, {}))
-        _time_interleaved(candidates, tensor, warmup)
-        results = _time_interleaved(candidates, tensor, repeats or default_repeats(numel))
+        _time_interleaved(candidates, tensor, warmup, guard)
+        results = _time_interleaved(candidates, tensor, repeats or default_repeats(numel), guard)
         for name in candidates:
+            if name not in results:
+                rows.append({"numel": numel, "algorithm": name, "failed": guard.failed[name]})
+                continue
             row = {"numel": numel, "algorithm": name, "median_s": results[name]}
             nbytes = numel * tensor.element_size()
             row["busbw_GBps"] = 2 * (world_size - 1) / world_size * nbytes / results[name] / 1e9
-            row["torch_over_ours"] = results["torch"] / results[name]
-            if name != "torch":
+            if TORCH in results:
+                row["torch_over_ours"] = results[TORCH] / results[name]
+            if name != TORCH:
                 trace = CommTrace(rank)
                 ALGORITHMS[name](torch.ones(numel), trace=trace, **options.get(name, {}))
                 row["bytes_sent_measured"] = trace.bytes_sent
@@ -105,28 +126,30 @@ def main(argv: list[str]) -> int:
         parser.error("--world-size must be >= 2")
     if any(n < 1 for n in args.sizes) or (args.repeats is not None and args.repeats < 1):
         parser.error("--sizes and --repeats must be positive")
-    rows = run_on_ranks(
-        _measure,
-        args.world_size,
-        args.sizes,
-        args.algorithms,
-        args.repeats,
-        args.warmup,
-        args.segment_bytes,
-        timeout=600,
-    )[0]
-    if args.json:
-        print(json.dumps({"world_size": args.world_size, "backend": "gloo", "rows": rows}))
-        return 0
-    repeats = args.repeats or "200 (<= 64K floats) / 60 (<= 4M) / 20"
-    print(f"allreduce, gloo, {args.world_size} ranks, median of {repeats} repetitions")
+    started = RunEnvironment.now()
+    ranks, _ = run_with_peers(_measure, args.world_size, args.sizes, args.algorithms,
+                              args.repeats, args.warmup, args.segment_bytes,
+                              timeout=600)  # fmt: skip
+    result = {"world_size": args.world_size, "backend": "gloo", "repeats": args.repeats,
+              "rows": ranks[0]}  # fmt: skip
+    print_result(result, report, args.json, started)
+    return 0
+
+
+def report(result: dict) -> str:
+    repeats = result["repeats"] or "200 (<= 64K floats) / 60 (<= 4M) / 20"
+    lines = [f"allreduce, gloo, {result['world_size']} ranks, median of {repeats} repetitions"]
     header = f"{'numel':>10} {'algorithm':>14} {'median ms':>10} {'busbw GB/s':>10}"
-    print(header + f" {'torch/ours':>10} {'bytes/rank measured':>20} {'model':>12}")
-    for r in rows:
+    lines.append(header + f" {'torch/ours':>10} {'bytes/rank measured':>20} {'model':>12}")
+    for r in result["rows"]:
+        if "failed" in r:
+            lines.append(f"{r['numel']:>10} {r['algorithm']:>14} failed: {r['failed']}")
+            continue
         measured = r.get("bytes_sent_measured", "")
         model = r.get("bytes_sent_model", "")
-        print(
+        ratio = f"{r['torch_over_ours']:>10.2f}" if "torch_over_ours" in r else f"{'-':>10}"
+        lines.append(
             f"{r['numel']:>10} {r['algorithm']:>14} {r['median_s'] * 1e3:>10.3f} "
-            f"{r['busbw_GBps']:>10.3f} {r['torch_over_ours']:>10.2f} {measured:>20} {model:>12}"
+            f"{r['busbw_GBps']:>10.3f} {ratio} {measured:>20} {model:>12}"
         )
-    return 0
+    return "\n".join(lines)

@@ -37,6 +37,7 @@ from pathlib import Path
 import lightning.pytorch as pl
 from typing_extensions import override
 
+from lightning_par.bench._environment import RunEnvironment, print_result
 from lightning_par.callbacks import Straggler
 from lightning_par.data import CIFAR10DataModule
 from lightning_par.models import TinyCNN
@@ -203,6 +204,7 @@ def main(argv: list[str]) -> int:
     if unknown or args.epochs < 1 or args.slowdown < 1:
         parser.error(f"unknown strategies {unknown}; choose from {list(CONTENDERS)}; "
                      "--epochs >= 1, --slowdown >= 1")  # fmt: skip
+    started = RunEnvironment.now()
     result = run(args)
-    print(json.dumps(result) if args.json else report(result))
+    print_result(result, report, args.json, started)
     return 0

@@ -10,13 +10,13 @@ same through ``Trainer.fit`` (single device, no logger, progress bar or checkpoi
 time runs from the end of the previous step to the end of this one, so it includes making
 the batch. The rounds alternate the order of the two; each figure is the median step over
 all rounds after ``--warmup`` steps per round. Goal: Lightning at >= 0.95x the loop on CPU,
->= 0.8x on a GPU.
+>= 0.8x on a GPU. The plain loop is the peer: if it fails, its row says so (``failed``) and
+Lightning's is still timed (:mod:`._peers`).
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import time
 
@@ -24,9 +24,14 @@ import lightning.pytorch as pl
 import torch
 from typing_extensions import override
 
+from lightning_par.bench._environment import RunEnvironment, print_result
+from lightning_par.bench._peers import attempt
 from lightning_par.data import CIFAR10DataModule
 from lightning_par.data.device import DeviceBatches
 from lightning_par.models import CifarCNN
+
+#: The plain torch loop: a failure is its row
+PEER = "torch_loop"
 
 
 class StepClock(pl.Callback):
@@ -103,22 +108,50 @@ def run(args) -> dict:
         "lightning_on_device": lambda: lightning_fit(args, data, device),
     }
     steps: dict[str, list[float]] = {name: [] for name in candidates}
+    failed: dict[str, str] = {}
     for round_ in range(args.rounds):
         order = list(candidates) if round_ % 2 == 0 else list(candidates)[::-1]
         for name in order:
-            steps[name] += candidates[name]()[args.warmup :]
-    rows = []
+            if name in failed:
+                continue
+            if name == PEER:
+                times, error = attempt(name, candidates[name])
+                if error is not None:
+                    failed[name] = error
+                    continue
+            else:
+                times = candidates[name]()
+            steps[name] += times[args.warmup :]
+    rows = [{"runner": name, "device": str(device), "failed": error}
+            for name, error in failed.items()]  # fmt: skip
     for name, times in steps.items():
+        if name in failed:
+            continue
         median = statistics.median(times)
         rows.append({
             "runner": name, "device": str(device), "steps_timed": len(times),
             "median_step_s": median, "images_per_s": args.batch_size / median,
         })  # fmt: skip
-    loop = rows[0]["images_per_s"]
+    loop = None if PEER in failed else rows[0]["images_per_s"]
     for row in rows:
-        row["speed_vs_torch_loop"] = row["images_per_s"] / loop
+        if "failed" not in row:
+            row["speed_vs_torch_loop"] = None if loop is None else row["images_per_s"] / loop
     return {"model": f"CifarCNN(width={args.width}, num_blocks={args.num_blocks})",
-            "batch_size": args.batch_size, "rounds": args.rounds, "rows": rows}  # fmt: skip
+            "batch_size": args.batch_size, "device": str(device), "rounds": args.rounds,
+            "rows": rows}  # fmt: skip
+
+
+def report(result: dict) -> str:
+    lines = [f"{result['model']}, batch {result['batch_size']}, {result['device']}, median "
+             f"step of {result['rounds']} interleaved rounds"]  # fmt: skip
+    for r in result["rows"]:
+        if "failed" in r:
+            lines.append(f"{r['runner']:>22} failed: {r['failed']}")
+            continue
+        speed = r["speed_vs_torch_loop"]
+        lines.append(f"{r['runner']:>22} {r['images_per_s']:>9.0f} images/s "
+                     f"{'-' if speed is None else f'{speed:.3f}x':>7} the loop")  # fmt: skip
+    return "\n".join(lines)
 
 
 def main(argv: list[str]) -> int:
@@ -134,13 +167,7 @@ def main(argv: list[str]) -> int:
     args = parser.parse_args(argv)
     if args.steps <= args.warmup or args.rounds < 1:
         parser.error("--steps must exceed --warmup, and --rounds be >= 1")
+    started = RunEnvironment.now()
     result = run(args)
-    if args.json:
-        print(json.dumps(result))
-        return 0
-    print(f"{result['model']}, batch {args.batch_size}, {args.device}, median step of "
-          f"{args.rounds} interleaved rounds")  # fmt: skip
-    for r in result["rows"]:
-        print(f"{r['runner']:>22} {r['images_per_s']:>9.0f} images/s "
-              f"{r['speed_vs_torch_loop']:>6.3f}x the loop")  # fmt: skip
+    print_result(result, report, args.json, started)
     return 0

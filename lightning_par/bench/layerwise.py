@@ -27,13 +27,13 @@ about 0.7x stage 1's work and the wavefront is bound by stage 1). Then per-stage
 from __future__ import annotations
 
 import argparse
-import json
 import time
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
+from lightning_par.bench._environment import RunEnvironment, print_result
 from lightning_par.comm import CommTrace, Communicator, run_on_ranks
 from lightning_par.modelparallel import (
     CarriedState,
@@ -249,6 +249,7 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
     args = parser.parse_args(argv)
     chunks = [int(c) for c in args.time_chunks.split(",")]
+    started = RunEnvironment.now()
     result = run(chunks, args.warmup, args.steps, args.rounds)
-    print(json.dumps(result, indent=2) if args.json else report(result))
+    print_result(result, report, args.json, started, indent=2)
     return 0

@@ -17,7 +17,6 @@ rank 0 spent in communication (its trace: waiting for gradient buckets, or avera
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 import time
 import warnings
@@ -26,6 +25,7 @@ from collections.abc import Callable
 import lightning.pytorch as pl
 from typing_extensions import override
 
+from lightning_par.bench._environment import RunEnvironment, print_result
 from lightning_par.callbacks import Straggler
 from lightning_par.comm import run_on_ranks
 from lightning_par.data import CIFAR10DataModule
@@ -160,6 +160,7 @@ def main(argv: list[str]) -> int:
     args.slowdowns = [float(k) for k in args.slowdowns.split(",")]
     if args.epochs < 1 or min(args.slowdowns) < 1:
         parser.error("--epochs must be >= 1 and every slowdown >= 1")
+    started = RunEnvironment.now()
     result = run(args)
-    print(json.dumps(result, indent=2) if args.json else report(result))
+    print_result(result, report, args.json, started, indent=2)
     return 0

@@ -13,7 +13,8 @@ Bytes come from every worker's trace (``trace_dir``, in the first round only: th
 rounds run untraced, as Lightning's DDP does): per step, the traffic in and out
 of the busiest process (a server, or a ring rank), against the cost model for one server,
 ``2·W·n`` (each of the W workers pushes n bytes of gradients to it and pulls n bytes of
-weights back).
+weights back). Lightning's DDP is the peer: if a fit of it fails, its row says so
+(``failed``) and the others are still timed (:mod:`._peers`).
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ import statistics
 import tempfile
 import time
 from collections import defaultdict
+from functools import partial
 from pathlib import Path
 
 import lightning.pytorch as pl
@@ -32,12 +34,16 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 from typing_extensions import override
 
+from lightning_par.bench._environment import RunEnvironment, print_result
+from lightning_par.bench._peers import attempt
 from lightning_par.comm.trace import load_traces
 from lightning_par.models import CifarCNN
 from lightning_par.strategies.allreduce import AllReduceStrategy
 from lightning_par.strategies.parameter_server import ParameterServerStrategy
 
 WORKERS = 2
+#: Lightning's own: a failure is its row
+PEER = "lightning_ddp"
 
 
 class WideMLP(pl.LightningModule):
@@ -146,18 +152,27 @@ def fit_once(
     return {**clocks, "busiest_bytes_per_step": link}
 
 
+def _peer_fit(fit, failed: dict[tuple[str, str], str], model_name: str) -> dict | None:
+    """Lightning's DDP's fit, or ``None`` with its failure noted in ``failed``."""
+    out, error = attempt(PEER, fit)
+    if error is not None:
+        failed[model_name, PEER] = error
+    return out
+
+
 def run(args) -> dict:
     models = {"wide_mlp": lambda: WideMLP(width=args.width, batch=args.batch, steps=args.steps),
               "cnn": lambda: CNN(batch=args.batch, steps=args.steps)}  # fmt: skip
     times: dict[tuple[str, str], list[float]] = defaultdict(list)
     cpu: dict[tuple[str, str], list[float]] = defaultdict(list)  # worker 0's process
     links: dict[tuple[str, str], float | None] = {}
+    failed: dict[tuple[str, str], str] = {}  # the peer's failed fits
     nbytes = {}
     with tempfile.TemporaryDirectory() as tmp:
         for r in range(args.rounds):
             for model_name, make_model in models.items():
                 for name, make in contenders().items():
-                    if name not in args.strategies:
+                    if name not in args.strategies or (model_name, name) in failed:
                         continue
                     root = Path(tmp) / f"{r}-{model_name}-{name}"
                     root.mkdir()
@@ -167,14 +182,21 @@ def run(args) -> dict:
                                              for p in model.parameters())  # fmt: skip
                     # Round 0 traces every message for the bytes; the later rounds run
                     # untraced, as Lightning's DDP always does and as users run ours.
-                    out = fit_once(name, make, model, root, args.steps, traced=r == 0)
+                    fit = partial(fit_once, name, make, model, root, args.steps, r == 0)
+                    if name != PEER:
+                        out = fit()
+                    elif (out := _peer_fit(fit, failed, model_name)) is None:
+                        continue
                     for key, into in (("starts", times), ("cpu", cpu)):
                         deltas = [b - a for a, b in zip(out[key], out[key][1:])]
                         into[model_name, name].append(statistics.median(deltas[args.warmup :]))
                     if r == 0:
                         links[model_name, name] = out["busiest_bytes_per_step"]
-    rows = []
+    rows = [{"model": model_name, "strategy": name, "failed": error}
+            for (model_name, name), error in failed.items()]  # fmt: skip
     for (model_name, name), rounds in times.items():
+        if (model_name, name) in failed:  # (a peer that ran in one round, failed in another)
+            continue
         ring = min(times[model_name, "ring_allreduce"])
         n = nbytes[model_name]
         link = links[model_name, name]
@@ -200,6 +222,9 @@ def report(result: dict) -> str:
         "|---|---|---|---|---|---|---|---|",
     ]
     for r in result["rows"]:
+        if "failed" in r:
+            lines.append(f"| {r['model']} | {r['strategy']} | failed: {r['failed']} |" + " |" * 5)
+            continue
         link = r["busiest_link_bytes_per_step"]
         lines.append(
             f"| {r['model']} | {r['strategy']} | {r['step_s'] * 1e3:.1f} | {r['vs_ring']:.2f}x "
@@ -228,6 +253,7 @@ def main(argv: list[str]) -> int:
         args.strategies.append("ring_allreduce")  # every row's ratio is to the ring
     if args.rounds < 1 or args.steps < args.warmup + 2:
         parser.error("--rounds must be >= 1 and --steps >= --warmup + 2")
+    started = RunEnvironment.now()
     result = run(args)
-    print(json.dumps(result, indent=2) if args.json else report(result))
+    print_result(result, report, args.json, started, indent=2)
     return 0

@@ -13,12 +13,15 @@ Lightning ``Trainer`` from the same initial weights; the final state dicts are c
 times of rank 0 reported, with each plugin's ratio to torch DDP's (> 1: slower). Times are
 reported, never asserted. The parameter servers build a process group of their own and
 cannot join these ranks: their equivalence is ``tests/conformance/test_conf_cs336_ddp.py``.
+
+The peers, torch DDP (on a gloo group of its own) and Lightning's DDP (``lightning_ddp``),
+run guarded: one that fails is a row ``{"failed": ...}`` and the plugins are still trained
+(:mod:`._peers`; without torch DDP's weights, their ``diff`` is ``None``).
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import time
 
@@ -30,7 +33,8 @@ from torch.nn import functional as F
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 from typing_extensions import override
 
-from lightning_par.comm import run_on_ranks
+from lightning_par.bench._environment import RunEnvironment, print_result
+from lightning_par.bench._peers import PeerGuard, run_with_peers
 from lightning_par.strategies.registry import spec
 
 #: Plugins that train inside ranks that exist (the torchrun path), with the options that
@@ -45,6 +49,8 @@ PLUGINS: dict[str, dict] = {
     "lightning_ddp": {},
 }
 BATCH, LR = 4, 0.01
+#: torch's DDP and Lightning's: guarded, their failures rows
+TORCH_DDP, PEERS = "torch_ddp", ("torch_ddp", "lightning_ddp")
 
 
 class ConvNet(nn.Module):
@@ -110,10 +116,13 @@ def loader(rank: int, world: int, steps: int) -> DataLoader:
     return DataLoader(data, batch_size=BATCH, sampler=sampler)
 
 
-def train_torch_ddp(rank: int, world: int, steps: int) -> tuple[dict, list[float]]:
-    """Raw torch DDP on the existing default group: final state dict and step times."""
+def train_torch_ddp(
+    rank: int, world: int, steps: int, group: dist.ProcessGroup | None = None
+) -> tuple[dict, list[float]]:
+    """Raw torch DDP over ``group`` (default: the existing default group): final state dict
+    and step times."""
     net = initial_net()
-    ddp = nn.parallel.DistributedDataParallel(net)
+    ddp = nn.parallel.DistributedDataParallel(net, process_group=group)
     opt = torch.optim.SGD(ddp.parameters(), lr=LR)
     times = []
     for x, y in loader(rank, world, steps):
@@ -137,16 +146,29 @@ def train_plugin(name: str, rank: int, world: int, steps: int) -> tuple[dict, li
     return {k: v.detach().clone() for k, v in module.net.state_dict().items()}, timer.times
 
 
-def parity(rank: int, world: int, names: list[str], steps: int) -> dict:
+def parity(rank: int, world: int, names: list[str], steps: int, *,
+           guard: PeerGuard | None = None) -> dict:  # fmt: skip
     """In one set of ranks: torch DDP, then each plugin; each run's largest weight
-    difference to torch DDP's, its median step time (rank 0's), and whether it moved."""
-    reference, ddp_times = train_torch_ddp(rank, world, steps)
+    difference to torch DDP's, its median step time (rank 0's), and whether it moved. The
+    peers run through ``guard`` (none: a failure raises); one that failed has no row."""
+    guard = guard or PeerGuard()
+    group = guard.group(TORCH_DDP)
+    ddp = guard.run(TORCH_DDP, lambda: train_torch_ddp(rank, world, steps, group))
     start = initial_net().state_dict()
-    rows = {"torch_ddp": {"diff": 0.0, "step_ms": 1e3 * statistics.median(ddp_times[5:])}}
+    rows = {}
+    if ddp is not None:
+        reference, ddp_times = ddp
+        rows[TORCH_DDP] = {"diff": 0.0, "step_ms": 1e3 * statistics.median(ddp_times[5:])}
     for name in names:
-        weights, times = train_plugin(name, rank, world, steps)
+        train = lambda name=name: train_plugin(name, rank, world, steps)  # noqa: E731
+        trained = guard.run(name, train) if name in PEERS else train()
+        if trained is None:
+            continue
+        weights, times = trained
+        diff = None if ddp is None else max((weights[k] - reference[k]).abs().max().item()
+                                            for k in reference)  # fmt: skip
         rows[name] = {
-            "diff": max((weights[k] - reference[k]).abs().max().item() for k in reference),
+            "diff": diff,
             "moved": max((weights[k] - start[k]).abs().max().item() for k in start),
             "steps": len(times),
             "step_ms": 1e3 * statistics.median(times[5:]),
@@ -156,16 +178,37 @@ def parity(rank: int, world: int, names: list[str], steps: int) -> dict:
     return rows
 
 
+def report(result: dict) -> str:
+    lines = [f"parity with torch DDP: {result['devices']} CPU processes, {result['steps']} "
+             "steps, the same batches (diff: largest |w - w_torch_ddp|)",
+             f"{'plugin':>24} {'step ms':>9} {'vs torch DDP':>13} {'diff':>10}"]  # fmt: skip
+    for r in result["rows"]:
+        if "failed" in r:
+            lines.append(f"{r['plugin']:>24} failed: {r['failed']}")
+            continue
+        ratio, diff = r["ratio_to_torch_ddp"], r["diff"]
+        lines.append(f"{r['plugin']:>24} {r['step_ms']:>9.1f} "
+                     f"{'-' if ratio is None else f'{ratio:.3f}':>13} "
+                     f"{'-' if diff is None else f'{diff:.1e}':>10}")  # fmt: skip
+    return "\n".join(lines)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--devices", type=int, default=2)
     parser.add_argument("--steps", type=int, default=120)
     parser.add_argument("--plugins", nargs="*", default=list(PLUGINS), choices=list(PLUGINS))
+    parser.add_argument("--json", action="store_true", help="print one JSON document")
     args = parser.parse_args(argv)
-    rows = run_on_ranks(parity, args.devices, args.plugins, args.steps, timeout=600)[0]
-    base = rows["torch_ddp"]["step_ms"]
-    for name, row in rows.items():
-        row = {"plugin": name, "devices": args.devices, "steps": args.steps, **row,
-               "ratio_to_torch_ddp": row["step_ms"] / base}  # fmt: skip
-        print(json.dumps(row))
+    started = RunEnvironment.now()
+    per_rank, failed = run_with_peers(parity, args.devices, args.plugins, args.steps,
+                                      timeout=600)  # fmt: skip
+    measured = per_rank[0]
+    base = measured.get(TORCH_DDP, {}).get("step_ms")
+    rows = [{"plugin": name, **row,
+             "ratio_to_torch_ddp": None if base is None else row["step_ms"] / base}
+            for name, row in measured.items()]  # fmt: skip
+    rows += [{"plugin": name, "failed": error} for name, error in failed.items()]
+    result = {"devices": args.devices, "steps": args.steps, "rows": rows}
+    print_result(result, report, args.json, started)
     return 0

@@ -29,8 +29,11 @@ run:
   (:func:`~lightning_par.pipeline.partition.balance_by_replay`; torch's rows run on the
   same cut as ours of the same layout);
 * torch's ``ScheduleGPipe``, ``Schedule1F1B``, ``ScheduleInterleaved1F1B``,
-  ``ScheduleInterleavedZeroBubble`` and ``ScheduleZBVZeroBubble`` on the same stages, each
-  the peer of our schedule of the same kind at the same ``M`` (``speedup_vs_torch_peer``);
+  ``ScheduleInterleavedZeroBubble`` and ``ScheduleZBVZeroBubble`` on the same stages (or
+  those ``--peers`` names), each the peer of our schedule of the same kind at the same ``M``
+  (``speedup_vs_torch_peer``); one that fails on this torch (torch 2.11's V schedules
+  stopped with gloo's "Pair is not connected") is a row ``{"name", "failed"}`` and the rest
+  is measured (:mod:`._peers`);
 * per stage of ours, the peak bytes of activations saved for backward during one step
   (``peak_saved_bytes``, counted with ``saved_tensors_hooks``);
 * each stage's CPU time per step (nearly blind to load from other processes) and, for our
@@ -43,15 +46,21 @@ removes the page faults of re-allocating each step's activations (10-15 % of the
 on the CNN) for every contender alike.
 
 What each process measures: :mod:`._pipeline_timing`; the rows and tables:
-:mod:`._pipeline_report`.
+:mod:`._pipeline_report`. Output: the run's environment (:mod:`._environment`) and one
+result per workload (``--json``: ``{"environment", "workloads": [...]}``).
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 
-from lightning_par.bench._pipeline_contenders import cnn_workload, linear_workload
+from lightning_par.bench._environment import RunEnvironment, print_result
+from lightning_par.bench._peers import run_with_peers
+from lightning_par.bench._pipeline_contenders import (
+    TORCH_SCHEDULES,
+    cnn_workload,
+    linear_workload,
+)
 from lightning_par.bench._pipeline_report import goals, report, rows
 from lightning_par.bench._pipeline_timing import pipelines, single
 from lightning_par.comm import run_on_ranks
@@ -61,18 +70,18 @@ __all__ = ["cnn_workload", "linear_workload", "main", "report", "run"]
 
 
 def run(workload: str, chunks: list[int], warmup: int, steps: int, rounds: int,
-        single_threads: tuple[int, ...] = (1, 2), stages: int = 2,
-        virtual: int = 2, keep_memory: bool = False) -> dict:  # fmt: skip
+        single_threads: tuple[int, ...] = (1, 2), stages: int = 2, virtual: int = 2,
+        keep_memory: bool = False, peers: tuple[str, ...] = TORCH_SCHEDULES) -> dict:  # fmt: skip
     """One workload's benchmark: the one-process references, then every contender on
-    ``stages`` processes (see the module docstring)."""
+    ``stages`` processes, torch's ``peers`` among them (see the module docstring)."""
     timing = (warmup, steps, rounds)
     alone = {
         t: run_on_ranks(single, 1, workload, t, *timing, keep_memory, timeout=900)[0]
         for t in single_threads
     }
-    ranks = run_on_ranks(pipelines, stages, workload, chunks, *timing, virtual, keep_memory,
-                         timeout=1800)  # fmt: skip
-    table = rows(ranks, stages, steps, virtual)
+    ranks, failed = run_with_peers(pipelines, stages, workload, chunks, *timing, virtual,
+                                   keep_memory, peers, timeout=1800)  # fmt: skip
+    table = rows(ranks, stages, steps, virtual, failed)
     return {
         "workload": workload,
         "stages": stages,
@@ -111,14 +120,22 @@ def main(argv: list[str]) -> int:
                         help="every process keeps freed memory mapped (glibc mallopt; see "
                         "lightning_par.bench.malloc): no page faults re-mapping each step's "
                         "activations, for every contender alike")  # fmt: skip
+    parser.add_argument("--peers", default=",".join(TORCH_SCHEDULES),
+                        help="comma list of torch's schedules to run beside ours")  # fmt: skip
     parser.add_argument("--json", action="store_true", help="print JSON instead of tables")
     args = parser.parse_args(argv)
+    peers = tuple(p for p in args.peers.split(",") if p)
+    if set(peers) - set(TORCH_SCHEDULES):
+        parser.error(f"--peers: choose from {', '.join(TORCH_SCHEDULES)}")
     chunks = [int(c) for c in args.chunks.split(",")]
     workloads = args.workload.split(",")
     threads = tuple(int(t) for t in args.single_threads.split(","))
     if args.stages < 2 or args.virtual_stages < 1:
         parser.error("--stages must be >= 2 and --virtual-stages >= 1")
+    started = RunEnvironment.now()
     results = [run(w, chunks, args.warmup, args.steps, args.rounds, threads, args.stages,
-                   args.virtual_stages, args.keep_freed_memory) for w in workloads]  # fmt: skip
-    print(json.dumps(results, indent=2) if args.json else "\n\n".join(map(report, results)))
+                   args.virtual_stages, args.keep_freed_memory, peers)
+               for w in workloads]  # fmt: skip
+    print_result({"workloads": results}, lambda r: "\n\n".join(map(report, r["workloads"])),
+                 args.json, started, indent=2)  # fmt: skip
     return 0

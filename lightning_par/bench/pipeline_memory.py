@@ -12,12 +12,12 @@ whole"``), ``stage``, ``param_bytes``, ``grad_bytes``, ``optimizer_bytes``.
 from __future__ import annotations
 
 import argparse
-import json
 
 import torch
 from torch import nn
 from torchvision.models import resnet18
 
+from lightning_par.bench._environment import RunEnvironment, print_result
 from lightning_par.comm import Communicator, run_on_ranks
 from lightning_par.graphcut import split_module
 from lightning_par.modelparallel.memory import stage_memory
@@ -87,6 +87,7 @@ def main(argv: list[str]) -> int:
     stages = [int(k) for k in args.stages.split(",")]
     if any(k < 2 or k > 8 for k in stages):
         parser.error("--stages: each K between 2 and 8")
+    started = RunEnvironment.now()
     rows = measure(args.model, stages)
-    print(json.dumps({"rows": rows}, indent=2) if args.json else report(rows))
+    print_result({"rows": rows}, lambda r: report(r["rows"]), args.json, started, indent=2)
     return 0

@@ -1,22 +1,24 @@
 """How well ``lightning_par.simulate`` predicts this machine: every validation row.
 
-    python -m lightning_par.bench simulate [--rounds 2] [--work DIR]
+    python -m lightning_par.bench simulate [--rounds 2] [--work DIR] [--json]
     python -m lightning_par.bench simulate --reuse DIR   # the rows again from kept runs
 
-The same as ``python -m lightning_par.simulate --validate --json``: trains the allreduce
-family, ``parameter_server``, ``gpipe`` and ``tensor_parallel`` at 2, 3 and 4 workers,
-interleaved, then prints one JSON row per (strategy, kind): ``replay`` (the 2-worker run
+The same as ``python -m lightning_par.simulate --validate``: trains the allreduce family,
+``parameter_server``, ``gpipe`` and ``tensor_parallel`` at 2, 3 and 4 workers,
+interleaved, then prints one row per (strategy, kind): ``replay`` (the 2-worker run
 replayed on its fitted loopback) and ``scale 2->3`` / ``scale 2->4`` (predicted from the
 2-worker run), with ``measured_s``, ``predicted_s`` and ``error``, and for the scale rows
 the predicted and measured per-step compute / communication / waiting (which part missed).
 Every row, misses too; ``load_1m_start`` / ``load_1m_end`` say how busy the machine was.
+There is no peer here (the simulator against this machine's own runs).
 """
 
 from __future__ import annotations
 
 import argparse
 
-from lightning_par.simulate.__main__ import main as simulate
+from lightning_par.bench._environment import RunEnvironment, print_result
+from lightning_par.simulate.__main__ import validation, validation_report
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -25,9 +27,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rounds", type=int, default=2, help="runs per strategy and size")
     parser.add_argument("--work", help="keep the runs here (default: a temporary folder)")
     parser.add_argument("--reuse", metavar="DIR", help="the runs a --work DIR kept (no training)")
+    parser.add_argument("--json", action="store_true", help="print one JSON document")
     args = parser.parse_args(argv)
-
-    extra = ["--work", args.work] if args.work else []
-    if args.reuse:
-        extra = ["--reuse", args.reuse]
-    return simulate(["--validate", "--json", "--rounds", str(args.rounds), *extra])
+    started = RunEnvironment.now()
+    try:
+        doc = validation(args.work, args.reuse, args.rounds)
+    except ValueError as err:  # no traces, no probes in --reuse: say so, as the simulator does
+        parser.error(str(err))
+    print_result(doc, validation_report, args.json, started)
+    return 0

@@ -9,7 +9,9 @@ launched the same way) and reports the median step time of rank 0 after a warm-u
 its ratio to the reference's (< 1: faster). At ``--devices 1`` the reference is Lightning's
 ``SingleDeviceStrategy`` and ``local_sgd`` runs too: every data-parallel plugin should cost
 nothing at one process. ``--rounds R`` runs the candidates R times in alternating order and
-pools their steps, so that a change in machine load hits all of them alike.
+pools their steps, so that a change in machine load hits all of them alike. The reference
+is the peer: if its fit fails, its row says so (``failed``), the others are still timed and
+their ratios are ``None`` (:mod:`._peers`).
 """
 
 from __future__ import annotations
@@ -29,6 +31,8 @@ from torch.utils.data import DataLoader
 from typing_extensions import override
 
 import lightning_par  # noqa: F401  (registers the strategy names)
+from lightning_par.bench._environment import RunEnvironment, print_result
+from lightning_par.bench._peers import attempt
 from lightning_par.collectives import ALGORITHMS
 from lightning_par.data import SyntheticCIFAR10
 from lightning_par.models import CifarCNN
@@ -113,17 +117,38 @@ def main(argv: list[str]) -> int:
         parser.error("--steps must be larger than --warmup")
     if args.rounds < 1:
         parser.error("--rounds must be >= 1")
+    started = RunEnvironment.now()
+    result = run(args)
+    print_result(result, report, args.json, started)
+    return 0
+
+
+def run(args) -> dict:
+    """Every candidate's steps, the reference first (the peer: its failure is a row)."""
     candidates = reference_and_candidates(args)
+    reference = next(iter(candidates))
     timed: dict[str, list[float]] = {name: [] for name in candidates}
     methods: dict[str, str] = {}
+    failed: dict[str, str] = {}
     with tempfile.TemporaryDirectory() as tmp:
         for round_ in range(args.rounds):
             order = list(candidates) if round_ % 2 == 0 else list(candidates)[::-1]
             for name in order:
+                if name in failed:
+                    continue
                 path = str(Path(tmp) / f"{name}.{round_}.json")
-                times, methods[name] = run_one(candidates[name](), args, path)
+                fit = lambda name=name, path=path: run_one(candidates[name](), args, path)  # noqa: E731
+                if name == reference:
+                    ran, error = attempt(name, fit)
+                    if error is not None:
+                        failed[name] = error
+                        continue
+                else:
+                    ran = fit()
+                times, methods[name] = ran
                 timed[name] += times[args.warmup :]
-    rows = [
+    rows = [{"strategy": name, "failed": error} for name, error in failed.items()]
+    rows += [
         {
             "strategy": name,
             "workers": args.devices,
@@ -135,20 +160,31 @@ def main(argv: list[str]) -> int:
             "max_step_s": max(times),
         }  # fmt: skip
         for name, times in timed.items()
+        if name not in failed
     ]
-    reference = rows[0]["median_step_s"]
+    ref = None if reference in failed else rows[0]["median_step_s"]
     for row in rows:
-        row["reference"] = rows[0]["strategy"]
-        row["ratio_to_ddp"] = row["median_step_s"] / reference  # (name kept for old readers)
-        row["speed_vs_reference"] = reference / row["median_step_s"]
-    if args.json:
-        print(json.dumps({"devices": args.devices, "steps": args.steps, "rows": rows}))
-        return 0
-    print(
-        f"CifarCNN(width={args.width}, num_blocks={args.num_blocks}), batch {args.batch_size}"
-        f"/rank, {args.devices} CPU processes, median of steps {args.warmup}..{args.steps - 1}"
-    )
-    print(f"{'strategy':>24} {'step ms':>9} {'time vs ' + rows[0]['strategy']:>24}")
-    for r in rows:
-        print(f"{r['strategy']:>24} {r['median_step_s'] * 1e3:>9.1f} {r['ratio_to_ddp']:>24.3f}")
-    return 0
+        if "failed" in row:
+            continue
+        row["reference"] = reference
+        row["ratio_to_ddp"] = None if ref is None else row["median_step_s"] / ref  # (old name)
+        row["speed_vs_reference"] = None if ref is None else ref / row["median_step_s"]
+    setup = {k: getattr(args, k) for k in ("devices", "steps", "warmup", "batch_size", "width",
+                                            "num_blocks")}  # fmt: skip
+    return {**setup, "reference": reference, "rows": rows}
+
+
+def report(result: dict) -> str:
+    lines = [
+        f"CifarCNN(width={result['width']}, num_blocks={result['num_blocks']}), batch "
+        f"{result['batch_size']}/rank, {result['devices']} CPU processes, median of steps "
+        f"{result['warmup']}..{result['steps'] - 1}",
+        f"{'strategy':>24} {'step ms':>9} {'time vs ' + result['reference']:>24}",
+    ]
+    for r in result["rows"]:
+        if "failed" in r:
+            lines.append(f"{r['strategy']:>24} failed: {r['failed']}")
+            continue
+        ratio = "-" if r["ratio_to_ddp"] is None else f"{r['ratio_to_ddp']:.3f}"
+        lines.append(f"{r['strategy']:>24} {r['median_step_s'] * 1e3:>9.1f} {ratio:>24}")
+    return "\n".join(lines)

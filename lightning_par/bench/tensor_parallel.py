@@ -25,13 +25,15 @@ Bytes: ours are each rank's traced sends per step, next to the cost model's pred
 dispatch mode (kind and payload); gloo does not report what it sends, so its wire bytes are
 given as a ring's (the payload times ``2 (p - 1) / p``), an estimate. The outputs of the
 first forward of both are compared.
+
+torch's two (DTensor, gloo's allreduce) each run on a gloo group of their own; one that
+fails is a row ``{"variant", "failed"}``, and ours are still measured (:mod:`._peers`).
 """
 
 from __future__ import annotations
 
 import argparse
 import copy
-import json
 import statistics
 import time
 
@@ -40,14 +42,18 @@ import torch.distributed as dist
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from lightning_par.bench._environment import RunEnvironment, print_result
+from lightning_par.bench._peers import PeerGuard, run_with_peers
 from lightning_par.collectives import ring_allreduce
 from lightning_par.collectives.cost_model import predict
-from lightning_par.comm import CommTrace, Communicator, run_on_ranks
+from lightning_par.comm import CommTrace, Communicator
 from lightning_par.tensorparallel import TPGroup, parallelize, resolve_plan
 from lightning_par.tensorparallel.cost import step_cost
 
 PLAN = {"0": "column", "2": "row"}
 VARIANTS = ("ours", "torch DTensor", "one process")
+#: torch's variants: each on a group of its own, a failure a row
+PEERS = ("torch DTensor", "gloo allreduce")
 
 
 def block(dim: int, hidden: int) -> nn.Sequential:
@@ -76,16 +82,28 @@ class CountCollectives(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-def torch_tp(net: nn.Module, world: int) -> nn.Module:
-    from torch.distributed.device_mesh import init_device_mesh
+def torch_tp(net: nn.Module, group: dist.ProcessGroup) -> nn.Module:
+    """``net`` cut by torch's tensor parallelism over the ranks of ``group``."""
+    from torch.distributed.device_mesh import DeviceMesh
     from torch.distributed.tensor.parallel import (
         ColwiseParallel,
         RowwiseParallel,
         parallelize_module,
     )
 
-    mesh = init_device_mesh("cpu", (world,))
+    mesh = DeviceMesh.from_group(group, "cpu")
     return parallelize_module(net, mesh, {"0": ColwiseParallel(), "2": RowwiseParallel()})
+
+
+def _torch_first_step(dim: int, hidden: int, x, target, ours_out, group) -> tuple:
+    """torch's block, its first forward's largest difference to ours and the collectives of
+    its first step (counted)."""
+    theirs = torch_tp(block(dim, hidden), group)
+    with torch.no_grad():  # DTensor's output is a plain local tensor
+        diff = (ours_out - theirs(x)).abs().max().item()
+    with CountCollectives() as counted:
+        _step(theirs, torch.optim.SGD(theirs.parameters(), lr=1e-3), x, target)
+    return theirs, diff, counted.calls
 
 
 def _step(net: nn.Module, opt: torch.optim.Optimizer, x, target) -> torch.Tensor:
@@ -97,48 +115,72 @@ def _step(net: nn.Module, opt: torch.optim.Optimizer, x, target) -> torch.Tensor
 
 
 def _ranks(rank: int, world: int, dim: int, hidden: int, tokens: int, warmup: int, steps: int,
-           rounds: int) -> dict:  # fmt: skip
+           rounds: int, *, guard: PeerGuard) -> dict:  # fmt: skip
     x, target = batch(dim, tokens)
     trace = CommTrace(rank)
     ours = copy.deepcopy(block(dim, hidden))
     parallelize(ours, TPGroup(Communicator(trace=trace)), PLAN)
-    theirs = torch_tp(block(dim, hidden), world)
-    whole = block(dim, hidden)
-    models = {"ours": ours, "torch DTensor": theirs, "one process": whole}
+    with torch.no_grad():
+        ours_out = ours(x)
+    groups = {name: guard.group(name) for name in PEERS}
+    built = guard.run(
+        "torch DTensor",
+        lambda: _torch_first_step(dim, hidden, x, target, ours_out, groups["torch DTensor"]),
+    )
+    models = {"ours": ours, **({} if built is None else {"torch DTensor": built[0]}),
+              "one process": block(dim, hidden)}  # fmt: skip
     opts = {k: torch.optim.SGD(m.parameters(), lr=1e-3) for k, m in models.items()}
-    with torch.no_grad():  # the first forward of both, from the same weights
-        diff = (ours(x) - theirs(x)).abs().max().item()  # DTensor's is a plain local tensor
     trace.clear()
     _step(ours, opts["ours"], x, target)
     ours_bytes, ours_messages = trace.bytes_sent, trace.messages_sent
-    with CountCollectives() as counted:
-        _step(theirs, opts["torch DTensor"], x, target)
     payload = torch.randn(tokens, dim)  # one f or g: our ring against gloo's own allreduce
     comm = Communicator()
-    work = {**{k: lambda k=k: _step(models[k], opts[k], x, target) for k in VARIANTS},
+    work = {**{k: lambda k=k: _step(models[k], opts[k], x, target) for k in models},
             "ring allreduce": lambda: ring_allreduce(payload, comm=comm),
-            "gloo allreduce": lambda: dist.all_reduce(payload)}  # fmt: skip
+            "gloo allreduce": lambda: dist.all_reduce(payload, group=groups["gloo allreduce"]),
+            }  # fmt: skip
     seconds: dict[str, list[float]] = {k: [] for k in work}
     for r in range(warmup + rounds):
         order = list(work) if r % 2 == 0 else list(work)[::-1]
         for name in order:
             dist.barrier()
-            start = time.perf_counter()
-            if name != "one process" or rank == 0:
-                for _ in range(steps):
-                    work[name]()
-            elapsed = (time.perf_counter() - start) / steps
+            if name in PEERS:
+                elapsed = guard.run(name, lambda w=work[name]: _run_variant(w, steps))
+            elif name == "one process" and rank != 0:
+                elapsed = 0.0  # (rank 0 trains alone; the others wait)
+            else:
+                elapsed = _run_variant(work[name], steps)
             dist.barrier()
-            if r >= warmup:
+            if r >= warmup and elapsed is not None:
                 seconds[name].append(elapsed)
-    return {"seconds": seconds, "diff": diff, "bytes": ours_bytes, "messages": ours_messages,
-            "torch_calls": counted.calls}  # fmt: skip
+    for name in guard.failed:
+        seconds.pop(name, None)
+    return {"seconds": seconds, "diff": None if built is None else built[1],
+            "bytes": ours_bytes, "messages": ours_messages,
+            "torch_calls": None if built is None else built[2]}  # fmt: skip
+
+
+def _run_variant(work, steps: int) -> float:
+    """Seconds per step of ``steps`` calls of ``work``."""
+    start = time.perf_counter()
+    for _ in range(steps):
+        work()
+    return (time.perf_counter() - start) / steps
+
+
+def _torch_row(per_round: dict, calls: list[tuple[str, int]], world: int) -> dict:
+    ring_estimate = sum(predict("ring", n, world).bytes_sent[0] for _, n in calls)
+    return {"variant": "torch DTensor", "step_s": statistics.median(per_round["torch DTensor"]),
+            "ratio_vs_torch": 1.0, "collectives_per_step": len(calls),
+            "collectives": sorted({name for name, _ in calls}),
+            "payload_bytes_per_step": sum(n for _, n in calls) * 4,
+            "ring_estimate_bytes_per_step": ring_estimate}  # fmt: skip
 
 
 def run(world: int, dim: int, hidden: int, tokens: int, warmup: int, steps: int,
         rounds: int) -> dict:  # fmt: skip
-    results = run_on_ranks(_ranks, world, dim, hidden, tokens, warmup, steps, rounds,
-                           timeout=1200)  # fmt: skip
+    results, failed = run_with_peers(_ranks, world, dim, hidden, tokens, warmup, steps, rounds,
+                                     timeout=1200)  # fmt: skip
     per_round = {  # the slowest rank of each round (one process: rank 0 alone)
         name: [max(rs) for rs in zip(*(r["seconds"][name] for r in results))]
         if name != "one process" else results[0]["seconds"][name]
@@ -147,50 +189,65 @@ def run(world: int, dim: int, hidden: int, tokens: int, warmup: int, steps: int,
     x, _ = batch(dim, tokens)
     net = block(dim, hidden)
     cost = step_cost(net, resolve_plan(net, world, PLAN), x.requires_grad_())
-    calls = results[0]["torch_calls"]
-    payload = sum(n for _, n in calls) * 4
-    ring_estimate = sum(predict("ring", n, world).bytes_sent[0] for _, n in calls)
-    ratio = lambda a, b: statistics.median(p / q for p, q in zip(per_round[a], per_round[b]))  # noqa: E731
+
+    def ratio(a: str) -> float | None:  # a's time over torch's, the median of the rounds'
+        if "torch DTensor" not in per_round:
+            return None
+        return statistics.median(p / q for p, q in zip(per_round[a], per_round["torch DTensor"]))
+
+    torch_row = ({"variant": "torch DTensor", "failed": failed["torch DTensor"]}
+                 if "torch DTensor" in failed
+                 else _torch_row(per_round, results[0]["torch_calls"], world))  # fmt: skip
     rows = [
         {"variant": "ours", "step_s": statistics.median(per_round["ours"]),
-         "ratio_vs_torch": ratio("ours", "torch DTensor"),
+         "ratio_vs_torch": ratio("ours"),
          "bytes_sent_per_step": [r["bytes"] for r in results],
          "predicted_bytes_per_step": list(cost.bytes_sent),
          "messages_per_step": [r["messages"] for r in results],
          "collectives_per_step": 2, "payload_bytes_per_step": 2 * tokens * dim * 4},
-        {"variant": "torch DTensor", "step_s": statistics.median(per_round["torch DTensor"]),
-         "ratio_vs_torch": 1.0, "collectives_per_step": len(calls),
-         "collectives": sorted({name for name, _ in calls}),
-         "payload_bytes_per_step": payload, "ring_estimate_bytes_per_step": ring_estimate},
+        torch_row,
         {"variant": "one process", "step_s": statistics.median(per_round["one process"]),
-         "ratio_vs_torch": ratio("one process", "torch DTensor")},
+         "ratio_vs_torch": ratio("one process")},
     ]  # fmt: skip
+    gloo = per_round.get("gloo allreduce")
+    diffs = [r["diff"] for r in results if r["diff"] is not None]
     return {"bench": "tensor_parallel", "world_size": world, "backend": "gloo",
             "workload": f"Linear({dim},{hidden})-GELU-Linear({hidden},{dim}), {tokens} rows, SGD",
             "rounds": rounds, "steps_per_round": steps,
-            "max_abs_output_diff": max(r["diff"] for r in results), "rows": rows,
+            "max_abs_output_diff": max(diffs) if diffs else None, "rows": rows,
             "allreduce_payload_bytes": tokens * dim * 4,
             "ring_allreduce_s": statistics.median(per_round["ring allreduce"]),
-            "gloo_allreduce_s": statistics.median(per_round["gloo allreduce"])}  # fmt: skip
+            "gloo_allreduce_s": statistics.median(gloo) if gloo else None,
+            "failed": failed}  # fmt: skip
+
+
+def _ms(seconds: float | None) -> str:
+    return "-" if seconds is None else f"{seconds * 1e3:.1f} ms"
 
 
 def report(result: dict) -> str:
+    diff = result["max_abs_output_diff"]
     lines = [f"{result['workload']}, {result['world_size']} ranks on gloo; medians of "
              f"{result['rounds']} interleaved rounds of {result['steps_per_round']} steps; "
-             f"first forward: max |ours - DTensor| = {result['max_abs_output_diff']:.2e}",
+             f"first forward: max |ours - DTensor| = {'-' if diff is None else f'{diff:.2e}'}",
              f"{'variant':<15}{'ms/step':>9}{'vs torch':>10}{'collectives':>13}"
              f"{'payload B':>11}{'sent B/rank':>13}{'model B':>10}"]  # fmt: skip
     for r in result["rows"]:
+        if "failed" in r:
+            lines.append(f"{r['variant']:<15} failed: {r['failed']}")
+            continue
         sent = r.get("bytes_sent_per_step", [r.get("ring_estimate_bytes_per_step", "")])[0]
         model = r.get("predicted_bytes_per_step", [""])[0]
-        lines.append(f"{r['variant']:<15}{r['step_s'] * 1e3:>9.1f}{r['ratio_vs_torch']:>9.2f}x"
+        ratio = "-" if r["ratio_vs_torch"] is None else f"{r['ratio_vs_torch']:.2f}x"
+        lines.append(f"{r['variant']:<15}{r['step_s'] * 1e3:>9.1f}{ratio:>10}"
                      f"{r.get('collectives_per_step', ''):>13}"
                      f"{r.get('payload_bytes_per_step', ''):>11}{sent:>13}{model:>10}")  # fmt: skip
     lines.append("(sent B/rank: ours traced on rank 0; torch's a ring's estimate from its "
                  "payload, gloo does not report it; model: our cost model)")  # fmt: skip
+    gloo = result["failed"].get("gloo allreduce")
     lines.append(f"one allreduce of {result['allreduce_payload_bytes']} B (an f or a g): our "
-                 f"ring {result['ring_allreduce_s'] * 1e3:.1f} ms, gloo's "
-                 f"{result['gloo_allreduce_s'] * 1e3:.1f} ms")  # fmt: skip
+                 f"ring {_ms(result['ring_allreduce_s'])}, gloo's "
+                 f"{'failed: ' + gloo if gloo else _ms(result['gloo_allreduce_s'])}")  # fmt: skip
     return "\n".join(lines)
 
 
@@ -208,7 +265,8 @@ def main(argv: list[str]) -> int:
     if args.world < 2 or args.hidden % args.world:
         # (ours splits unevenly too; torch's RowwiseParallel fails on an uneven split here)
         parser.error("need --world >= 2 and --hidden a multiple of --world")
+    started = RunEnvironment.now()
     result = run(args.world, args.dim, args.hidden, args.tokens, args.warmup, args.steps,
                  args.rounds)  # fmt: skip
-    print(json.dumps(result, indent=2) if args.json else report(result))
+    print_result(result, report, args.json, started, indent=2)
     return 0

@@ -208,30 +208,36 @@ def replay_main(args) -> int:
     return 0
 
 
-def validate_main(args) -> int:
+def validation(work: str | None, reuse: str | None, rounds: int) -> dict:
+    """Every validation row (trained here into ``work``, or read from a kept ``reuse``
+    folder), with the machine it was measured on and the load."""
     import tempfile
 
     quiet_lightning()
     load = os.getloadavg()[0]
     with tempfile.TemporaryDirectory(prefix="lightning_par-simulate-") as tmp:
-        if args.reuse:
-            found = fastest(Path(args.reuse))
+        if reuse:
+            found = fastest(Path(reuse))
         else:
-            found = measure(Path(args.work or tmp), rounds=args.rounds)
+            found = measure(Path(work or tmp), rounds=rounds)
         cores, threads, delay_s = kept_machine(found)
         table = rows(found, cores, threads, delay_s)
-    doc = {"rows": table, "load_1m_start": round(load, 2),
-           "load_1m_end": round(os.getloadavg()[0], 2), "cores": cores,
-           "threads": threads, "scheduler_delay_s": delay_s}  # fmt: skip
-    if args.json:
-        print(json.dumps(doc))
-        return 0
-    print(
-        f"measured on {cores} cores, {threads} thread(s) per rank, scheduler delay "
-        f"{delay_s * 1e3:.1f} ms (the delay matters where ranks cannot share the cores "
-        "evenly)\n"
+    return {"rows": table, "load_1m_start": round(load, 2),
+            "load_1m_end": round(os.getloadavg()[0], 2), "cores": cores,
+            "threads": threads, "scheduler_delay_s": delay_s}  # fmt: skip
+
+
+def validation_report(doc: dict) -> str:
+    return (
+        f"measured on {doc['cores']} cores, {doc['threads']} thread(s) per rank, scheduler "
+        f"delay {doc['scheduler_delay_s'] * 1e3:.1f} ms (the delay matters where ranks cannot "
+        f"share the cores evenly)\n\n{validation_table(doc['rows'])}"
     )
-    print(validation_table(table))
+
+
+def validate_main(args) -> int:
+    doc = validation(args.work, args.reuse, args.rounds)
+    print(json.dumps(doc) if args.json else validation_report(doc))
     return 0
 
 
