@@ -1,6 +1,7 @@
 """``python -m lightning_par.bench zero`` at its smallest: one row per contender with what it
 names measured, the memory held by our contenders exactly the cost model's and within 10 %
-of the paper's formula, the bytes sent the cost model's, and a failed contender a row."""
+of the paper's formula, the bytes sent the cost model's, and a failed peer (torch's
+``fully_shard``) a row."""
 
 import json
 
@@ -15,12 +16,14 @@ MEASURED = ("median_step_s", "params_bytes", "grads_bytes", "optimizer_bytes", "
 
 def test_bench_zero_rows_at_the_smallest_setting(capsys):
     assert main(SMALL) == 0
-    rows = json.loads(capsys.readouterr().out)["rows"]
+    doc = json.loads(capsys.readouterr().out)
+    rows = doc["rows"]
+    assert doc["environment"]["torch"] and doc["backend"] == "gloo"
     assert [(r["model"], r["contender"]) for r in rows] == [
         (m, c) for m in ("cnn", "mlp") for c in CONTENDERS
     ]
     for row in rows:
-        assert "error" not in row, row
+        assert "failed" not in row, row
         assert all(key in row for key in MEASURED), row
         assert row["steps_timed"] == 1 and row["median_step_s"] > 0
         # the step's peak is at least what it holds after backward
@@ -41,10 +44,9 @@ def test_bench_zero_rows_at_the_smallest_setting(capsys):
         assert "step_goal_met" in by[model, "zero1"] and "step_goal_met" in zero3
 
 
-def test_a_failed_contender_is_a_row_saying_so():
-    ok = {"times": [0.1], "sent": [(0, 0)], "held": None, "peak": 0, "plan": None, "psi": 1}
-    failed = {"error": "RuntimeError: gloo timed out"}
-    results = [{"mlp/zero3": failed}, {"mlp/zero3": dict(ok)}]
-    (row,) = rows_for("mlp", 2, results, ["zero3"])
-    assert row == {"model": "mlp", "world_size": 2, "contender": "zero3", "stage": 3,
-                   "error": "RuntimeError: gloo timed out"}  # fmt: skip
+def test_a_failed_peer_is_a_row_saying_so():
+    results: list[dict] = [{}, {}]  # the ranks measured nothing of it
+    failed = {"mlp/fully_shard": "rank 0: RuntimeError: gloo timed out"}
+    (row,) = rows_for("mlp", 2, results, ["fully_shard"], failed)
+    assert row == {"model": "mlp", "world_size": 2, "contender": "fully_shard", "stage": 3,
+                   "failed": "rank 0: RuntimeError: gloo timed out"}  # fmt: skip

@@ -15,8 +15,8 @@ from __future__ import annotations
 
 import gc
 import time
-import traceback
 from dataclasses import replace
+from functools import partial
 from typing import Any
 
 import lightning.pytorch as pl
@@ -26,6 +26,7 @@ from torch.utils.data import DataLoader, TensorDataset
 from typing_extensions import override
 
 from lightning_par.bench._live_bytes import LiveStorages, storage_bytes
+from lightning_par.bench._peers import PeerGuard
 from lightning_par.models import CifarCNN
 from lightning_par.models.classifier import ImageClassifier
 from lightning_par.strategies.allreduce import AllReduceStrategy
@@ -38,6 +39,8 @@ except ImportError:  # pragma: no cover - older torch
     fully_shard = None
 
 LR = 1e-3
+#: torch's own contender (through Lightning's ModelParallelStrategy): a failure is its row
+PEER = "fully_shard"
 
 
 class WideMLP(ImageClassifier):
@@ -219,25 +222,25 @@ def fit_one(kind: str, name: str, options: dict, rank: int, world: int) -> dict:
 
 
 def measure(rank: int, world: int, models: list[str], contenders: list[str], options: dict,
-            rounds: int) -> dict:  # fmt: skip
-    """Every (model, contender) fit, ``rounds`` times in alternating order; a contender
-    that fails is recorded as its error (its peers then fail too, or time out)."""
+            rounds: int, *, guard: PeerGuard) -> dict:  # fmt: skip
+    """Every (model, contender) fit, ``rounds`` times in alternating order. torch's
+    ``fully_shard`` is the peer: it runs through ``guard`` (its failure, under the key
+    ``"<model>/fully_shard"``, is in ``guard.failed`` and it has no entry here); a failure of
+    ours raises."""
     out: dict[str, dict[str, Any]] = {}
     for kind in models:
         for round_ in range(rounds):
             order = contenders if round_ % 2 == 0 else contenders[::-1]
             for name in order:
                 key = f"{kind}/{name}"
-                if "error" in out.get(key, {}):
-                    continue  # failed in an earlier round: its row says so
-                try:
-                    result = fit_one(kind, name, options, rank, world)
-                except Exception as error:  # noqa: BLE001 - the row says what failed
-                    out[key] = {"error": f"{type(error).__name__}: {error}",
-                                "where": traceback.format_exc(limit=-3)}  # fmt: skip
-                    continue
+                fit = partial(fit_one, kind, name, options, rank, world)
+                result = guard.run(key, fit) if name == PEER else fit()
+                if result is None:
+                    continue  # the peer failed (in this round or an earlier one)
                 if key in out:  # later rounds add their times
                     out[key]["times"] += result["times"]
                 else:
                     out[key] = result
+    for key in guard.failed:  # (a peer that ran in one round and failed in another)
+        out.pop(key, None)
     return out

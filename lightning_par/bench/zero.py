@@ -25,23 +25,20 @@ Adam under every contender (:mod:`._zero_run`) and reports:
   ``ring_allreduce``'s and ``fully_shard``'s speed over ours.
 
 Goals (issue 39): model states within 10 % of the formula; stages 1-2 at most 1.1x
-``ring_allreduce``'s step; stage 3 at least ``fully_shard``'s speed. A contender that fails
-is a row with its ``error``.
+``ring_allreduce``'s step; stage 3 at least ``fully_shard``'s speed. ``fully_shard`` is the
+peer: if it fails (a torch without FSDP2, an error in its fit, a rank lost in it), its row
+says so (``failed``) and ours are still measured (:mod:`._peers`); a failure of ours ends
+the run with its traceback.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
-import os
 import statistics
-from pathlib import Path
 
-import torch
-
+from lightning_par.bench._environment import RunEnvironment, print_result
+from lightning_par.bench._peers import run_with_peers
 from lightning_par.bench._zero_run import measure
-from lightning_par.comm import run_on_ranks
-from lightning_par.launch import RankFailed
 from lightning_par.zero.cost import formula, held, sent
 
 CONTENDERS = ["ring_allreduce", "zero1", "zero2", "zero3", "fully_shard"]
@@ -84,15 +81,17 @@ def _messages(row: dict, ranks: list[dict], p: int) -> None:
     )
 
 
-def rows_for(kind: str, p: int, results: list[dict], contenders: list[str]) -> list[dict]:
+def rows_for(kind: str, p: int, results: list[dict], contenders: list[str],
+             failed: dict[str, str]) -> list[dict]:  # fmt: skip
+    """The rows of one model at ``p`` ranks; a contender in ``failed`` (``"<model>/<name>"``
+    -> its failure) is a row saying so."""
     rows = []
     for name in contenders:
-        ranks = [res[f"{kind}/{name}"] for res in results]
         row = {"model": kind, "world_size": p, "contender": name, "stage": STAGE[name]}
-        failed = next((r for r in ranks if "error" in r), None)
-        if failed is not None:
-            rows.append({**row, "error": failed["error"]})
+        if f"{kind}/{name}" in failed:
+            rows.append({**row, "failed": failed[f"{kind}/{name}"]})
             continue
+        ranks = [res[f"{kind}/{name}"] for res in results]
         slowest = [max(step) for step in zip(*(r["times"] for r in ranks))]
         row.update(params=ranks[0]["psi"], steps_timed=len(slowest),
                    median_step_s=statistics.median(slowest))  # fmt: skip
@@ -106,7 +105,7 @@ def rows_for(kind: str, p: int, results: list[dict], contenders: list[str]) -> l
 def _ratios(rows: list[dict]) -> None:
     """Each row's step, peak and bytes against ``ring_allreduce``'s and ``fully_shard``'s,
     and the goal of its stage."""
-    by = {r["contender"]: r for r in rows if "error" not in r}
+    by = {r["contender"]: r for r in rows if "failed" not in r}
     ring, fsdp = by.get("ring_allreduce"), by.get("fully_shard")
     for row in by.values():
         if ring is not None:
@@ -129,40 +128,39 @@ def _ratios(rows: list[dict]) -> None:
 def run(args, p: int) -> list[dict]:
     options = {k: getattr(args, k) for k in ("mlp_width", "mlp_depth", "cnn_width", "cnn_blocks",
                "batch_size", "steps", "warmup", "bucket_cap_mb")}  # fmt: skip
-    try:
-        results = run_on_ranks(measure, p, args.models, args.contenders, options, args.rounds,
-                               timeout=args.timeout)  # fmt: skip
-    except RankFailed as error:
-        return [{"model": kind, "world_size": p, "contender": name, "stage": STAGE[name],
-                 "error": f"the ranks failed: {error}"}
-                for kind in args.models for name in args.contenders]  # fmt: skip
-    return [row for kind in args.models for row in rows_for(kind, p, results, args.contenders)]
+    results, failed = run_with_peers(measure, p, args.models, args.contenders, options,
+                                     args.rounds, timeout=args.timeout)  # fmt: skip
+    return [row for kind in args.models
+            for row in rows_for(kind, p, results, args.contenders, failed)]  # fmt: skip
 
 
-def _print_table(rows: list[dict]) -> None:
+def report(result: dict) -> str:
     mb = 2**20
-    print(f"{'model':>5} {'p':>2} {'contender':>14} {'params':>7} {'grads':>7} {'state':>7} "
-          f"{'buckets':>7} {'vs formula':>10} {'peak':>7} {'sent KiB':>9} {'model':>9} "
-          f"{'step ms':>8} {'vs ring':>7} {'fsdp/us':>7}")  # fmt: skip
-    for r in rows:
+    lines = [f"{'model':>5} {'p':>2} {'contender':>14} {'params':>7} {'grads':>7} {'state':>7} "
+             f"{'buckets':>7} {'vs formula':>10} {'peak':>7} {'sent KiB':>9} {'model':>9} "
+             f"{'step ms':>8} {'vs ring':>7} {'fsdp/us':>7}"]  # fmt: skip
+    for r in result["rows"]:
         head = f"{r['model']:>5} {r['world_size']:>2} {r['contender']:>14}"
-        if "error" in r:
-            print(f"{head} failed: {r['error'][:120]}")
+        if "failed" in r:
+            lines.append(f"{head} failed: {r['failed']}")
             continue
         sent_kib = (
             f"{r['bytes_sent_per_step'] / 1024:>9.1f}" if "bytes_sent_per_step" in r else " " * 9
         )
         model_kib = f"{r['bytes_sent_model'] / 1024:>9.1f}" if "bytes_sent_model" in r else " " * 9
-        print(f"{head} {r['params_bytes'] / mb:>7.2f} {r['grads_bytes'] / mb:>7.2f} "
-              f"{r['optimizer_bytes'] / mb:>7.2f} {r['buffers_bytes'] / mb:>7.2f} "
-              f"{r['held_vs_formula']:>10.3f} {r['peak_bytes'] / mb:>7.2f} {sent_kib} {model_kib} "
-              f"{r['median_step_s'] * 1e3:>8.1f} {r.get('step_vs_ring', float('nan')):>7.2f} "
-              f"{r.get('speed_vs_fully_shard', float('nan')):>7.2f}")  # fmt: skip
-    print(
+        lines.append(
+            f"{head} {r['params_bytes'] / mb:>7.2f} {r['grads_bytes'] / mb:>7.2f} "
+            f"{r['optimizer_bytes'] / mb:>7.2f} {r['buffers_bytes'] / mb:>7.2f} "
+            f"{r['held_vs_formula']:>10.3f} {r['peak_bytes'] / mb:>7.2f} {sent_kib} {model_kib} "
+            f"{r['median_step_s'] * 1e3:>8.1f} {r.get('step_vs_ring', float('nan')):>7.2f} "
+            f"{r.get('speed_vs_fully_shard', float('nan')):>7.2f}"
+        )
+    lines.append(
         "MiB held by the fullest rank after backward; peak: live tensor storage in a step; "
         "sent: rank 0's bytes per step, measured and modelled; fsdp/us: fully_shard's step "
-        "time over ours (> 1: ours faster)"
+        "time over ours (> 1: ours faster); gloo"
     )
+    return "\n".join(lines)
 
 
 def main(argv: list[str]) -> int:
@@ -184,21 +182,7 @@ def main(argv: list[str]) -> int:
     args = parser.parse_args(argv)
     if min(args.world_sizes) < 2 or args.steps < 1 or args.warmup < 1 or args.rounds < 1:
         parser.error("--world-sizes must be >= 2, --steps, --warmup and --rounds >= 1")
-    machine = {"cpus": os.cpu_count(), "load_at_start": _load()}
+    started = RunEnvironment.now()
     rows = [row for p in args.world_sizes for row in run(args, p)]
-    machine["load_at_end"] = _load()
-    if args.json:
-        print(json.dumps({"torch": torch.__version__, "backend": "gloo", **machine, "rows": rows}))
-        return 0
-    start, end = machine["load_at_start"], machine["load_at_end"]
-    print(f"torch {torch.__version__}, gloo, {machine['cpus']} CPUs, load {start} -> {end}")
-    _print_table(rows)
+    print_result({"backend": "gloo", "rows": rows}, report, args.json, started)
     return 0
-
-
-def _load() -> str | None:
-    """The 1, 5 and 15 minute load averages (the machine may be shared)."""
-    try:
-        return " ".join(Path("/proc/loadavg").read_text().split()[:3])
-    except OSError:
-        return None
