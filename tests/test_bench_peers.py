@@ -77,6 +77,24 @@ def test_a_rank_dying_inside_a_peer_starts_the_ranks_again_without_it():
     assert all(seen == failed for _, seen in ranks)
 
 
+def _rank_hangs_in_peer(rank: int, world: int, *, guard) -> float:
+    def sleepy() -> None:
+        if rank == 1:
+            time.sleep(600)  # hangs outside any collective: only the others' wait ends
+
+    guard.run("sleepy", sleepy)
+    return _ours(rank)
+
+
+def test_a_rank_hanging_inside_a_peer_starts_the_ranks_again_without_it():
+    # rank 0 waits for rank 1 to agree on the peer, on the default group, for the run's
+    # 4 s: it raises inside the peer, and the ranks start again without it
+    ranks, failed = run_with_peers(_rank_hangs_in_peer, 2, timeout=4)
+    assert ranks == [3.0, 3.0]
+    assert list(failed) == ["sleepy"]
+    assert failed["sleepy"].startswith("a rank was lost in it: rank 0 of 2 raised: ")
+
+
 def _ours_raises(rank: int, world: int, *, guard) -> None:
     guard.run("fine", lambda: None)
     if rank == 0:

@@ -16,9 +16,9 @@ A peer runs in one of two places:
   talks over a process group of its own with a short timeout, so a peer that raises on one
   rank leaves the others waiting in it at most that long and never on our group; after each
   try the ranks agree, on our group, whether it failed anywhere, and skip it from then on.
-  Each rank notes in a file which peer it is in; when a rank dies or the ranks hang inside a
-  peer, the ranks start again without that peer (a rank lost outside every peer is ours:
-  the error stands).
+  Each rank notes in a file which peer it is in; when a rank dies or hangs inside a peer
+  (the others then fail agreeing on it), the ranks start again without that peer (a rank
+  that failed outside every peer is ours: the error stands).
 """
 
 from __future__ import annotations
@@ -153,9 +153,9 @@ def run_with_peers(fn: Callable[..., T], world_size: int, *args: Any, timeout: f
                    **kwargs: Any) -> tuple[list[T], dict[str, str]]:  # fmt: skip
     """``run_on_ranks(fn, world_size, *args, guard=PeerGuard(...), **kwargs)``, surviving its
     peers: every rank's result and the failed peers (name -> one line). ``fn`` runs each
-    peer through ``guard.run`` on ``guard.group(name)``. A start in which a rank died or
-    the ranks hung inside a peer is started again without it; one lost outside every peer
-    raises :class:`~lightning_par.launch.run.RankFailed` as it came."""
+    peer through ``guard.run`` on ``guard.group(name)``. A start in which a rank died or hung
+    inside a peer is started again without it; a failure outside every peer raises
+    :class:`~lightning_par.launch.run.RankFailed` as it came."""
     failed: dict[str, str] = {}
     while True:
         with tempfile.TemporaryDirectory(prefix="lightning_par-peers-") as marks:
@@ -167,17 +167,28 @@ def run_with_peers(fn: Callable[..., T], world_size: int, *args: Any, timeout: f
                 culprits = _lost_in(err, Path(marks))
                 if not culprits:
                     raise
-                first = str(err).strip().splitlines()[0]
-                failed.update({name: f"the ranks were lost in it: {first}" for name in culprits})
+                failed.update({name: f"a rank was lost in it: {_summary(err)}"
+                               for name in culprits})  # fmt: skip
                 continue
         return [result for result, _ in out], out[0][1]
 
 
+def _summary(err: RankFailed) -> str:
+    """One line of a failed start: the first rank's fate (a raise: with its exception)."""
+    lines = [ln for ln in str(err).strip().splitlines() if ln.strip()]
+    if err.dead or err.hung or len(lines) < 2:
+        return lines[0] if lines else "no report"
+    block = lines[1:]  # the first traceback, up to the next rank's report
+    end = next((i for i, ln in enumerate(block) if ln.startswith("rank ")), len(block))
+    return f"{lines[0]} {block[max(end - 1, 0)].strip()}"
+
+
 def _lost_in(err: RankFailed, marks: Path) -> set[str]:
-    """The peers the lost ranks (dead, or hung at the deadline) were in; empty when any was
-    outside every peer (then the failure is ours) or no rank was lost (a rank raised: the
-    guard catches a peer's exceptions, so what escaped is ours)."""
-    lost = err.dead or err.hung
+    """The peers the failed ranks (dead, raised, or hung at the deadline) were in; empty when
+    any of them was outside every peer: then the failure is ours. (A peer's exception is
+    caught inside the peer; a rank raises inside one only when the ranks' agreement on it
+    failed: another rank died or hangs in it.)"""
+    lost = {*err.dead, *err.raised, *err.hung}
     names = [(marks / f"rank{r}").read_text() if (marks / f"rank{r}").exists() else None
-             for r in lost]  # fmt: skip
+             for r in sorted(lost)]  # fmt: skip
     return set() if not names or None in names else set(names)  # type: ignore[arg-type]

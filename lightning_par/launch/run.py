@@ -42,13 +42,14 @@ def forkserver_threads(world_size: int) -> int:
 
 
 class RankFailed(RuntimeError):
-    """A rank raised, died or timed out inside :func:`run_on_ranks`: ``dead`` are the ranks
-    that exited without a result, ``hung`` those still running at the deadline (both empty
-    when ranks only raised)."""
+    """A rank raised, died or timed out inside :func:`run_on_ranks`: ``raised`` are the ranks
+    that raised, ``dead`` those that exited without a result, ``hung`` those still running
+    at the deadline."""
 
-    def __init__(self, report: str, dead: tuple[int, ...] = (), hung: tuple[int, ...] = ()):
+    def __init__(self, report: str, dead: tuple[int, ...] = (), hung: tuple[int, ...] = (),
+                 raised: tuple[int, ...] = ()):  # fmt: skip
         super().__init__(report)
-        self.dead, self.hung = dead, hung
+        self.dead, self.hung, self.raised = dead, hung, raised
 
 
 class _MeshFailed(RankFailed):
@@ -197,7 +198,8 @@ def _wait_for_results(procs: list, queue: Any, results: dict[int, Any], deadline
             report = _failure_report(procs, dead, failures, world_size)
             # only a mesh that failed to connect, no rank dead or done: start again
             retry = not exited and not results and all(k == "mesh" for _, k, _ in failures)
-            raise (_MeshFailed if retry else RankFailed)(report, dead=dead)
+            raised = tuple(r for r, kind, _ in failures if kind == "error")
+            raise (_MeshFailed if retry else RankFailed)(report, dead=dead, raised=raised)
         if time.monotonic() > deadline:
             missing = tuple(sorted(set(range(world_size)) - set(results)))
             raise RankFailed(
