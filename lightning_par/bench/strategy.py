@@ -111,14 +111,21 @@ def main(argv: list[str]) -> int:
     )
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args(argv)
-    logging.getLogger("lightning.pytorch").setLevel(logging.ERROR)
-    warnings.filterwarnings("ignore", ".*val_dataloader.*|.*LeafSpec.*|.*many workers.*")
     if args.steps <= args.warmup:
         parser.error("--steps must be larger than --warmup")
     if args.rounds < 1:
         parser.error("--rounds must be >= 1")
-    started = RunEnvironment.now()
-    result = run(args)
+    warnings.filterwarnings("ignore", ".*val_dataloader.*|.*LeafSpec.*|.*many workers.*")
+    # Lightning's info lines off for the run only: a caller in this process (a notebook, a
+    # test) keeps its own level
+    lightning_log = logging.getLogger("lightning.pytorch")
+    level = lightning_log.level
+    lightning_log.setLevel(logging.ERROR)
+    try:
+        started = RunEnvironment.now()
+        result = run(args)
+    finally:
+        lightning_log.setLevel(level)
     print_result(result, report, args.json, started)
     return 0
 
