@@ -30,12 +30,13 @@ def strategy_store(host: Any) -> tuple[Any, StoreAddress]:
     return group_store(host.global_rank, host.timeout, host.store_spec, main)
 
 
-def join_process_group(host: Any, backend: str) -> None:
-    """Join (or, after ``fit``, go on watching) the group of ``host``'s ranks."""
+def join_process_group(host: Any, backend: str) -> Any | None:
+    """Join (or, after ``fit``, go on watching) the group of ``host``'s ranks; the store it
+    met in when it joined now (None: it had joined before)."""
     if dist.is_initialized():
         if liveness.current() is not None:
             liveness.current().resume()  # fit, then test: the same group, watched again
-        return
+        return None
     env = host.cluster_environment
     assert env is not None
     os.environ["MASTER_ADDR"] = env.main_address
@@ -53,6 +54,7 @@ def join_process_group(host: Any, backend: str) -> None:
         store, host.global_rank, host.watched_ranks(), host.timeout, host.rank_name,
         host.dead_peer_timeout,
     )  # fmt: skip
+    return store
 
 
 def destroy_process_group() -> None:

@@ -47,7 +47,7 @@ class Heartbeat:
         dead_after_s: seconds without a beat after which a watched rank is reported.
         name: how to name a rank in the report (``"worker 1 (rank 1)"``).
         on_dead: called with the silent rank and the report, instead of
-            :func:`report_and_exit`.
+            :func:`report_and_exit`; if it returns True the others are still watched.
     """
 
     def __init__(
@@ -57,7 +57,7 @@ class Heartbeat:
         watched: Iterable[int],
         dead_after_s: float,
         name: Callable[[int], str] = lambda r: f"rank {r}",
-        on_dead: Callable[[int, str], None] | None = None,
+        on_dead: Callable[[int, str], Any] | None = None,
     ) -> None:
         self.store, self.rank, self.dead_after_s, self.name = store, rank, dead_after_s, name
         self.watched = [r for r in watched if r != rank]
@@ -94,6 +94,12 @@ class Heartbeat:
         """The job goes on without ``rank`` (a lost worker): no peer watches it any more."""
         self._safely(lambda: self.store.add(self._key(rank), _DONE))
 
+    def hand_silent_peers_to(self, handler: Callable[[int, str], bool]) -> None:
+        """From now on a silent peer is handed to ``handler(rank, report)``; when it returns
+        True the job goes on without that peer and the others are still watched (a
+        fault-tolerant group)."""
+        self.on_dead = handler
+
     def stop(self) -> None:
         self.finish()
         self._stop.set()
@@ -118,15 +124,16 @@ class Heartbeat:
                     seen.clear()
                     continue
                 now = time.monotonic()
-                for peer in self.watched:
+                for peer in list(self.watched):
                     count = self.store.add(self._key(peer), 0)
                     last = seen.get(peer)
                     if count >= _DONE // 2 or last is None or last[0] != count:
                         seen[peer] = (count, now)
                     elif now - last[1] > self.dead_after_s and not self._finished:
-                        self.on_dead(peer, silent_report(self.name(peer), now - last[1],
-                                                         self.dead_after_s))  # fmt: skip
-                        return
+                        report = silent_report(self.name(peer), now - last[1], self.dead_after_s)
+                        if self.on_dead(peer, report) is not True:
+                            return
+                        self.watched.remove(peer)  # handled: the job goes on without it
         except Exception:
             return  # the store's host is gone: gloo reports that job's end itself
 

@@ -116,6 +116,8 @@ class ParStrategy(DDPStrategy):
         self.launch_plan: LaunchPlan | None = None
         #: the store this project's launcher holds for the ranks (None: the cluster's)
         self.store_spec: str | None = None
+        #: the store the default process group met in (the group's own key prefix)
+        self.process_group_store: Any = None
         #: the model-splitting component (pipeline stages, tensor-parallel shards); the
         #: default does nothing: every rank holds the whole model
         self.splitter: ModelSplitter = ModelSplitter()
@@ -183,7 +185,9 @@ class ParStrategy(DDPStrategy):
         self.set_world_ranks()
         backend = self._get_process_group_backend()
         _compat.set_process_group_backend(self, backend)
-        join_process_group(self, backend)
+        store = join_process_group(self, backend)
+        if store is not None:
+            self.process_group_store = store
         log_startup(self.strategy_name, self.world_size, self.launch_plan, backend)
 
     @property

@@ -188,6 +188,7 @@ class PolicyLauncher(_compat.MultiProcessingLauncher):
             self._scripts = ScriptRanks(
                 strategy.rank_name, first, os.environ[REPORTS_ENV],
                 lambda lost: lost_rank_message(lost, self._trainer, self._started),
+                survive=getattr(strategy, "survives_lost_workers", False),
             )  # fmt: skip
         with self._scripts.watching():
             return self._script.launch(function, *args, trainer=trainer, **kw)

@@ -196,9 +196,11 @@ class ScriptRanks:
 
     def __init__(
         self, name: Callable[[int], str], first: int, folder: str,
-        describe: Callable[[RankLost], str],
+        describe: Callable[[RankLost], str], survive: bool = False,
     ) -> None:  # fmt: skip
         self.name, self.first, self.folder, self.describe = name, first, folder, describe
+        self.survive = survive  # a script killed by a signal is left behind (fault_tolerant)
+        self.left_behind: set[int] = set()
         self.procs: list = []
         self.handled = threading.Event()
         self._silent: RankLost | None = None
@@ -218,7 +220,10 @@ class ScriptRanks:
 
     def _failed(self) -> RankLost | None:
         codes = [(self.first + 1 + i, p.poll()) for i, p in enumerate(self.procs)]
-        failed = [(rank, code) for rank, code in codes if code not in (None, 0)]
+        failed = [
+            (rank, code) for rank, code in codes
+            if code not in (None, 0) and rank not in self.left_behind
+        ]  # fmt: skip
         if not failed:
             return None
         rank, code = min(failed, key=lambda f: (f[1] > 0, f[0]))  # a signal's death first
@@ -226,7 +231,14 @@ class ScriptRanks:
 
     def _watch(self) -> None:
         while not self.handled.wait(0.2):
-            if self._failed() is not None:
+            failed = self._failed()
+            code = None if failed is None else self.procs[failed.rank - self.first - 1].poll()
+            if failed is not None and self.survive and code is not None and code < 0:
+                print(f"lightning_par: {failed}; the other workers go on without it",
+                      file=sys.stderr, flush=True)  # fmt: skip
+                self.left_behind.add(failed.rank)
+                continue
+            if failed is not None:
                 if not self.handled.wait(GRACE_S):
                     self._end_job(self.cause())
                 return

@@ -25,9 +25,11 @@ import torch
 from typing_extensions import override
 
 from lightning_par.collectives import ALGORITHMS, get_allreduce, tree_broadcast
+from lightning_par.comm import Communicator
 from lightning_par.comm.buckets import GradientBuckets
 from lightning_par.components.grad_sync import GradientSync
 from lightning_par.strategies._base import ParStrategy
+from lightning_par.strategies._resilience import Resilience
 
 
 class AllReduceStrategy(ParStrategy):
@@ -39,6 +41,11 @@ class AllReduceStrategy(ParStrategy):
         bucket_cap_mb: gradient bucket size in MiB (as DDP's ``bucket_cap_mb``).
         overlap: start each bucket's allreduce as soon as its gradients are ready
             (``False``: all buckets after backward).
+        fault_tolerant: go on without a rank that is lost (killed, frozen past
+            ``dead_peer_timeout``): the survivors re-form the group, run the interrupted
+            step again and train the lost ranks' shards themselves, so the weights stay
+            those of one process on the whole batch
+            (:mod:`~lightning_par.components.fault_tolerance`).
         **kwargs: ``trace``, ``trace_dir``, ``start_method``, ``process_group_backend``,
             ``timeout`` (see :class:`~lightning_par.strategies._base.ParStrategy`) and the
             arguments Lightning passes. With ``trace`` the trace also holds a
@@ -50,6 +57,7 @@ class AllReduceStrategy(ParStrategy):
         algorithm: str | None = None,
         bucket_cap_mb: float = 4.0,
         overlap: bool = True,
+        fault_tolerant: bool = False,
         **kwargs: Any,
     ) -> None:
         if algorithm is None:
@@ -69,6 +77,7 @@ class AllReduceStrategy(ParStrategy):
         self._algorithm_name = algorithm
         self.strategy_name = f"{algorithm}_allreduce"
         self.grad_sync = GradientSync(get_allreduce(algorithm), bucket_cap_mb, overlap)
+        self.resilience = Resilience(self, fault_tolerant)
 
     @property
     def algorithm_name(self) -> str:
@@ -105,6 +114,51 @@ class AllReduceStrategy(ParStrategy):
     def post_backward(self, closure_loss: torch.Tensor) -> None:
         """Runs inside the optimiser closure: gradients are averaged before clipping/step."""
         self.grad_sync.finish(self.global_rank)
+        self.resilience.settle()
+
+    # ---- fault tolerance (a no-op without ``fault_tolerant``) ---------------------------------
+    @property
+    def survives_lost_workers(self) -> bool:
+        """The launcher goes on when a rank other than 0 is lost (``fault_tolerant``)."""
+        return self.resilience.enabled
+
+    @override
+    def check_before_launch(self, trainer: Any) -> None:
+        super().check_before_launch(trainer)
+        self.resilience.check_before_launch(trainer)
+
+    @override
+    def setup_distributed(self) -> None:
+        super().setup_distributed()
+        self.resilience.start()
+
+    @override
+    def setup(self, trainer: Any) -> None:
+        super().setup(trainer)
+        self.resilience.setup(trainer)
+
+    @property
+    @override
+    def distributed_sampler_kwargs(self) -> dict[str, Any]:
+        return self.resilience.sampler_kwargs(super().distributed_sampler_kwargs)
+
+    @override
+    def training_step(self, *args: Any, **kwargs: Any) -> Any:
+        output = super().training_step(*args, **kwargs)
+        step = super().training_step
+        return self.resilience.with_lost_shards(output, step, *args, **kwargs)
+
+    @override
+    def optimizer_step(self, optimizer: Any, closure: Any, model: Any = None, **kw: Any) -> Any:
+        closure = self.resilience.retrying(closure, self.regrouped)
+        return super().optimizer_step(optimizer, closure, model, **kw)
+
+    def regrouped(self) -> None:
+        """The survivors met in a new default group: communicate over it."""
+        assert self.model is not None
+        self.comm = Communicator(trace=self.trace)
+        self.grad_sync.attach(self.model, self.comm, self.trace)
+        self.resilience.regrouped(self.lightning_module.trainer)
 
     @override
     def teardown(self) -> None:

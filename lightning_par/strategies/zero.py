@@ -53,6 +53,8 @@ class ZeroStrategy(ParStrategy):
             a folder (torch's distributed checkpoint), for models that do not fit one rank;
             it resumes ``zero`` on as many ranks, and ``python -m lightning_par.zero
             consolidate`` turns it into one process's.
+        fault_tolerant: refused (``True`` raises, saying why): a lost rank's shard of
+            the state exists nowhere else; ``ring_allreduce(fault_tolerant=True)`` goes on.
         **kwargs: ``trace``, ``trace_dir``, ``start_method``, ``process_group_backend``,
             ``timeout`` (see :class:`~lightning_par.strategies._base.ParStrategy`).
     """
@@ -65,8 +67,19 @@ class ZeroStrategy(ParStrategy):
         bucket_cap_mb: float = 4.0,
         elementwise_optimizers: Sequence[type] = (),
         checkpoint: str = "whole",
+        fault_tolerant: bool = False,
         **kwargs: Any,
     ) -> None:
+        if fault_tolerant is not False:
+            held = {1: "optimizer state", 2: "optimizer state and gradients"}.get(
+                stage, "optimizer state, gradients and parameters"
+            )
+            raise ValueError(
+                f"zero(stage={stage}) cannot be fault_tolerant: each rank holds the only copy "
+                f"of its shard of the {held}, so a lost rank's shard exists nowhere else. Use "
+                "ring_allreduce(fault_tolerant=True) (every rank holds everything), or keep "
+                "zero and resume from checkpoints (ModelCheckpoint, checkpoint='sharded')"
+            )
         if isinstance(stage, bool) or stage not in STAGES:
             raise ValueError(
                 f"zero: stage must be 1 (optimizer state sharded), 2 (and gradients) or 3 "

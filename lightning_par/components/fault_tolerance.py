@@ -1,0 +1,197 @@
+"""The fault-tolerance component: a synchronous group that goes on without a lost process.
+
+What a data-parallel strategy with ``fault_tolerant=True`` holds (torchft's design,
+Howard et al., "torchft", PyTorch 2025: a quorum per step, survivors going on with fewer
+replicas, reduced to one job's store; :mod:`lightning_par.launch.membership`):
+
+* every step ends with :meth:`FaultTolerance.settle`: the optimiser steps only once every
+  member finished the step's gradient exchange; otherwise :class:`StepLost` is raised;
+* :meth:`FaultTolerance.retrying` wraps Lightning's optimiser closure: when the step is
+  lost (a peer's connection closed under a collective, or :class:`StepLost`), the old
+  process group is destroyed, which fails every survivor still blocked on it at once,
+  the survivors agree on who is left, meet in a new default group (ranks renumbered in
+  their first order) and run the closure again: the same step, on the same batches;
+* the batches of the lost members are not dropped: :meth:`FaultTolerance.stands_in_for`
+  hands each lost member's shard to one survivor (round robin over the survivors in
+  their order), which trains it beside its own, so that each step still averages the
+  gradients of every shard of the first world (:attr:`FaultTolerance.loss_scale`).
+
+A silent peer (frozen, its machine gone) is found by the heartbeat
+(:mod:`lightning_par.launch.liveness`) after ``dead_peer_timeout`` and, on this machine,
+ended, so that every connection to it closes and the survivors' collectives fail at once.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+from collections.abc import Callable
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from lightning_par.comm import CommError
+from lightning_par.launch import liveness
+from lightning_par.launch.membership import PREFIX, REDO, Membership
+
+
+class StepLost(RuntimeError):
+    """A member died before every member finished the step's gradient exchange."""
+
+
+def _kill(pid: int) -> None:
+    try:
+        os.kill(pid, signal.SIGKILL)
+    except OSError:
+        pass  # gone already
+
+
+#: The tag of the receive that breaks a gloo group (no message ever carries it).
+_BREAKING_TAG = 0x7FFF_FFF0
+
+
+def break_default_group() -> None:
+    """Close every connection of this process's default group, at once: its own waits and
+    its peers' waits on it fail ("connection closed") instead of waiting for the timeout.
+    Dropping the group is not enough: a message still waited for keeps it open. NCCL has
+    ``abort``; gloo's does nothing, but a receive that times out closes every pair of the
+    group (gloo signals the timeout to all of them), which is what is wanted here."""
+    world = dist.group.WORLD
+    size, rank = world.size(), world.rank()
+    if size == 1:
+        return
+    try:
+        if str(dist.get_backend()).lower() == "nccl":
+            world.abort()
+        else:
+            peer = (rank + 1) % size
+            world.recv([torch.zeros(1)], peer, _BREAKING_TAG).wait(timedelta(milliseconds=1))
+    except RuntimeError:
+        pass  # closed: what was wanted
+
+
+class FaultTolerance:
+    """Keeps one data-parallel group going after lost members (module docstring)."""
+
+    def __init__(self) -> None:
+        self.membership: Membership | None = None
+        #: the members when this ``fit`` began: their shards make each step's batch
+        self.fit_members: list[int] = []
+        self._store: Any = None
+        self._init: dict[str, Any] = {}
+
+    def start(
+        self, store: Any, rank: int, world_size: int, backend: str, timeout: timedelta,
+        limit_s: float, device: Any = None,
+    ) -> None:  # fmt: skip
+        """This rank joined the default group of ``world_size`` ranks in ``store``."""
+        self._store, self.fit_members = store, list(range(world_size))
+        self._init = {"backend": backend, "timeout": timeout}
+        if device is not None and getattr(device, "type", "cpu") != "cpu":
+            self._init["device_id"] = device
+        self.membership = Membership(store, rank, list(range(world_size)), limit_s, _kill)
+        heartbeat = liveness.current()
+        if heartbeat is not None:
+            heartbeat.hand_silent_peers_to(self._silent)
+
+    def _silent(self, rank: int, report: str) -> bool:
+        assert self.membership is not None
+        if rank not in self.membership.members:
+            return True
+        if self.membership.declare_dead(rank):  # (the first to find it says so)
+            print(f"lightning_par: {report}; it is ended and the others go on without it",
+                  file=sys.stderr, flush=True)  # fmt: skip
+        return True
+
+    # ---- the step ------------------------------------------------------------------------
+    def begin_fit(self) -> None:
+        """A ``fit`` begins: its data is sharded over the members there are now."""
+        if self.membership is not None:
+            self.fit_members = list(self.membership.members)
+
+    @property
+    def lost(self) -> list[int]:
+        """The members lost since this ``fit`` began (their first ranks)."""
+        if self.membership is None:
+            return []
+        return [m for m in self.fit_members if m not in self.membership.members]
+
+    def stands_in_for(self) -> list[int]:
+        """The shards (sampler ranks of this ``fit``) of the lost members that this member
+        trains beside its own: the lost handed round robin over the survivors."""
+        if self.membership is None:
+            return []
+        survivors, me = self.membership.members, self.membership.me
+        return [
+            self.fit_members.index(m)
+            for i, m in enumerate(self.lost)
+            if survivors[i % len(survivors)] == me
+        ]  # fmt: skip
+
+    @property
+    def loss_scale(self) -> float:
+        """What each survivor's summed loss is multiplied by so that the survivors' average
+        of gradients is the average over every shard of this ``fit``."""
+        if self.membership is None:
+            return 1.0
+        return len(self.membership.members) / len(self.fit_members)
+
+    def sampler_kwargs(self, first: dict[str, Any]) -> dict[str, Any]:
+        """How a data loader built now shards its data: over the members there are
+        (``first``: Lightning's, over every rank, while none was lost)."""
+        if self.membership is None or not self.membership.lost:
+            return first
+        return {**first, "num_replicas": len(self.membership.members), "rank": self.membership.rank}
+
+    def settle(self, step: int) -> None:
+        """After this rank's gradient exchange: return once every member finished it, else
+        raise :class:`StepLost`."""
+        if self.membership is not None and self.membership.settle(step) == REDO:
+            raise StepLost(f"a member was lost before step {step}'s gradients were averaged")
+
+    def retrying(self, closure: Callable[[], Any], regrouped: Callable[[], None]) -> Callable:
+        """``closure`` run again after each loss of members (``regrouped()`` rebuilds what
+        held the old group) until a step completes."""
+
+        def run(*args: Any, **kwargs: Any) -> Any:
+            while True:
+                try:
+                    return closure(*args, **kwargs)
+                except (CommError, StepLost, dist.DistError) as error:
+                    self.regroup(error)
+                    regrouped()
+
+        return run
+
+    # ---- the next membership -------------------------------------------------------------
+    def regroup(self, error: BaseException) -> None:
+        """Destroy the default group (its survivors' blocked messages fail at once), agree
+        on the survivors and meet them in a new default group; re-raise ``error`` if no
+        member was lost (it was not a loss)."""
+        assert self.membership is not None
+        before = list(self.membership.members)
+        if dist.is_initialized():
+            break_default_group()
+            dist.destroy_process_group()
+        members = self.membership.regroup()
+        if members == before:
+            raise error
+        heartbeat = liveness.current()
+        for rank in before:
+            if rank not in members and heartbeat is not None:
+                heartbeat.forget(rank)
+        generation = self.membership.generation
+        group_store = dist.PrefixStore(f"{PREFIX}/{generation}/group", self._store)
+        dist.init_process_group(
+            rank=self.membership.rank, world_size=len(members), store=group_store, **self._init
+        )
+        gone = ", ".join(str(r) for r in before if r not in members)
+        if self.membership.rank == 0:  # one line for the job
+            print(
+                f"lightning_par: rank(s) {gone} lost; {len(members)} of {len(before)} ranks "
+                f"go on (ranks {members}), the step is run again on the same batches",
+                file=sys.stderr, flush=True,
+            )  # fmt: skip

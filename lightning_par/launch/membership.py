@@ -1,0 +1,174 @@
+"""Who is still in the job: the agreements a fault-tolerant group makes in its store.
+
+A synchronous group that goes on after losing a process needs two decisions every
+survivor reaches alike, whatever the order in which they notice the loss:
+
+* **the step's outcome** (:meth:`Membership.settle`): every rank steps its optimiser only
+  once *every* member finished the step's gradient exchange. A rank that died after
+  sending its last message, but before the others saw it arrive, would otherwise leave
+  some survivors stepped and others not. Each member counts itself in; the last one in
+  writes ``commit`` and a member that finds a peer dead (and not counted) proposes
+  ``redo``; the store's ``compare_set`` keeps the first of the two, so all read one;
+* **the next membership** (:meth:`Membership.regroup`): each survivor says it is alive;
+  once every member has either said so or is known dead, the first survivor to write the
+  list decides it, again by ``compare_set``.
+
+This is the quorum torchft's Manager forms at each step (PyTorch's fault-tolerance
+library: a lighthouse decides the replicas of the next step), reduced to one job's
+key-value store, which here outlives any rank: it is served by a process of its own (the
+launcher's :mod:`.store_host`) or by torchrun's agent. Members keep their first rank as
+their name; a generation number keeps each membership's keys apart.
+
+A member is *dead* when its process is gone on this machine (its pid absent or a zombie:
+killed, ``os._exit``), or when a peer found it silent for ``dead_peer_timeout``
+(:mod:`.liveness`) and recorded it with :meth:`Membership.declare_dead`.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import time
+from collections.abc import Callable
+from typing import Any
+
+#: Keys of one job's fault-tolerance agreements (under the group's store prefix).
+PREFIX = "lightning_par/ft"
+#: How often a waiting member looks again: from the first to the last, doubling (seconds).
+#: A store's ``wait`` with a timeout would do, but torch logs two warnings per timeout.
+POLL_S = (0.0002, 0.01)
+
+COMMIT, REDO = "commit", "redo"
+
+
+class Excluded(RuntimeError):
+    """This process was left out of the next membership (found dead while alive: frozen
+    longer than ``dead_peer_timeout``, then thawed)."""
+
+
+class MembershipTimeout(RuntimeError):
+    """A member neither answered nor could be found dead within the limit."""
+
+
+def process_gone(pid: int) -> bool:
+    """Whether process ``pid`` of this machine has ended (absent, or a zombie)."""
+    try:
+        with open(f"/proc/{pid}/stat", encoding="ascii") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] in ("Z", "X")
+    except (OSError, IndexError):
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return True
+        except OSError:
+            return False
+        return False
+
+
+class Membership:
+    """The members of one fault-tolerant group and their agreements (module docstring).
+
+    Args:
+        store: the group's key-value store (a ``TCPStore`` or a prefix of one).
+        me: this process's first rank (its name for the whole job).
+        members: every member's first rank, at the start.
+        limit_s: how long a member may take to answer before it counts as dead.
+        kill: ends a process of this machine by pid (one found silent, or too slow to
+            answer), so that it cannot speak for a member the others went on without.
+    """
+
+    def __init__(
+        self, store: Any, me: int, members: list[int], limit_s: float,
+        kill: Callable[[int], None] | None = None,
+    ) -> None:  # fmt: skip
+        self.store, self.me, self.limit_s, self.kill = store, me, limit_s, kill
+        self.members = sorted(members)
+        self.generation = 0
+        self.lost: list[int] = []  # every member lost so far, in the order they were
+        self._host = socket.gethostname()
+        self.store.set(f"{PREFIX}/proc/{me}", f"{self._host} {os.getpid()}")
+
+    @property
+    def rank(self) -> int:
+        """This member's rank in the current membership."""
+        return self.members.index(self.me)
+
+    # ---- who is dead ---------------------------------------------------------------------
+    def _process(self, member: int) -> tuple[str, int] | None:
+        key = f"{PREFIX}/proc/{member}"
+        if not self.store.check([key]):
+            return None
+        host, pid = self.store.get(key).decode().split()
+        return host, int(pid)
+
+    def is_dead(self, member: int) -> bool:
+        """Whether ``member`` is known dead (module docstring)."""
+        if self.store.check([f"{PREFIX}/dead/{member}"]):
+            return True
+        found = self._process(member)
+        return found is not None and found[0] == self._host and process_gone(found[1])
+
+    def declare_dead(self, member: int) -> bool:
+        """Record ``member`` dead (found silent, or too slow to answer); on this machine,
+        end it first (``kill``), so that every connection to it closes and a thawed
+        process cannot speak for a member the others went on without. Whether this
+        member was the first to declare it (the one to say so)."""
+        found = self._process(member)
+        if self.kill is not None and found is not None and found[0] == self._host:
+            self.kill(found[1])
+        me = str(self.me)
+        return self.store.compare_set(f"{PREFIX}/dead/{member}", "", me).decode() == me
+
+    # ---- the step's outcome --------------------------------------------------------------
+    def settle(self, step: int) -> str:
+        """After this member's gradient exchange of ``step`` succeeded: ``COMMIT`` if every
+        member's did, else ``REDO`` (a member died first)."""
+        key = f"{PREFIX}/{self.generation}/step/{step}"
+        if self.store.add(f"{key}/in", 1) == len(self.members):
+            self.store.compare_set(f"{key}/outcome", "", COMMIT)
+        return self._outcome(f"{key}/outcome")
+
+    def _outcome(self, key: str) -> str:
+        deadline, pause = time.monotonic() + self.limit_s, POLL_S[0]
+        while not self.store.check([key]):
+            if any(self.is_dead(m) for m in self.members if m != self.me):
+                self.store.compare_set(key, "", REDO)
+                break
+            if time.monotonic() > deadline:
+                raise MembershipTimeout(
+                    f"rank {self.me}: the step's outcome was not decided within "
+                    f"{self.limit_s:g} s and no peer is known dead"
+                )
+            time.sleep(pause)
+            pause = min(2 * pause, POLL_S[1])
+        return self.store.get(key).decode()
+
+    # ---- the next membership -------------------------------------------------------------
+    def regroup(self) -> list[int]:
+        """Agree on the survivors (this one among them, else :class:`Excluded`); the
+        members lost since the last membership are appended to :attr:`lost`."""
+        generation = self.generation + 1
+        key = f"{PREFIX}/{generation}"
+        self.store.set(f"{key}/alive/{self.me}", "1")
+        deadline = time.monotonic() + self.limit_s
+        while not self.store.check([f"{key}/members"]):
+            alive = [m for m in self.members if self.store.check([f"{key}/alive/{m}"])]
+            pending = [m for m in self.members if m not in alive and not self.is_dead(m)]
+            if pending and time.monotonic() > deadline:
+                for member in pending:  # alive but stuck: the others go on without it
+                    self.declare_dead(member)
+                pending = []
+            if not pending:
+                self.store.compare_set(f"{key}/members", "", json.dumps(alive))
+                break
+            time.sleep(POLL_S[1])
+        chosen = json.loads(self.store.get(f"{key}/members").decode())
+        if self.me not in chosen:
+            raise Excluded(
+                f"rank {self.me} was found dead by its peers, who went on without it "
+                f"(generation {generation})"
+            )
+        self.lost += [m for m in self.members if m not in chosen]
+        self.members, self.generation = chosen, generation
+        return chosen

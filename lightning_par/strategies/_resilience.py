@@ -1,0 +1,131 @@
+"""``fault_tolerant=True`` in a data-parallel strategy: the hooks' share of it.
+
+A strategy holds one :class:`Resilience` and calls it from its hooks unconditionally (off,
+each call does nothing): the checks before launch, the start of the membership after the
+process group, the step settled after the gradient exchange, Lightning's optimiser closure
+retried after a loss, and the lost ranks' batches trained beside this rank's own
+(:mod:`._stand_ins`). The algorithm is :mod:`lightning_par.components.fault_tolerance`.
+
+What it cannot keep exact is refused, naming the fix: gradient accumulation (a step lost
+half-way would have summed some micro-batches already), manual optimisation (the step is
+the user's), torchrun (its agent stops every worker when one fails: TorchElastic restarts
+the whole group instead), and rank 0's own loss (it holds the loggers and checkpoints, and
+under ``popen`` it is the user's script: that run ends with the line naming it).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from lightning.fabric.plugins.environments import TorchElasticEnvironment
+from lightning.pytorch.trainer.states import TrainerFn
+
+from lightning_par import _compat
+from lightning_par.components.fault_tolerance import FaultTolerance
+from lightning_par.launch.rendezvous import dead_peer_timeout
+from lightning_par.strategies._stand_ins import LostShards, stand_in_outputs, with_stand_ins
+
+
+class Resilience:
+    """The fault-tolerance hooks of ``strategy`` (a ``ParStrategy``); ``enabled``: the
+    strategy's ``fault_tolerant`` option."""
+
+    def __init__(self, strategy: Any, enabled: bool) -> None:
+        if not isinstance(enabled, bool):
+            raise TypeError(f"fault_tolerant must be True or False, got {enabled!r}")
+        self._strategy, self.enabled = strategy, enabled
+        self.tolerance = FaultTolerance()
+        self._shards = LostShards()
+
+    def _refuse(self, what: str, fix: str) -> None:
+        name = self._strategy.strategy_name
+        raise ValueError(f"{name}(fault_tolerant=True) cannot {what}: {fix}")
+
+    def check_before_launch(self, trainer: Any) -> None:
+        """Refuse what a lost rank would leave inexact, before any rank starts (again in
+        each rank: torchrun and SLURM start the ranks without a launch of ours)."""
+        if not self.enabled:
+            return
+        if trainer is not None and trainer.reload_dataloaders_every_n_epochs:
+            self._refuse(
+                "reload the data loaders every epoch (reload_dataloaders_every_n_epochs="
+                f"{trainer.reload_dataloaders_every_n_epochs}): the survivors read the lost "
+                "ranks' shards of the loader the fit began with",
+                "set reload_dataloaders_every_n_epochs=0, or fault_tolerant=False",
+            )
+        if trainer is not None and trainer.accumulate_grad_batches != 1:
+            self._refuse(
+                f"accumulate gradients (accumulate_grad_batches="
+                f"{trainer.accumulate_grad_batches}): a step lost half-way has summed some "
+                "micro-batches already",
+                "use a larger batch_size instead, or fault_tolerant=False",
+            )
+        model = self._strategy.launch_arguments.get("model")
+        if model is not None and not getattr(model, "automatic_optimization", True):
+            self._refuse(
+                "run manual optimisation: the step it would run again is your code's",
+                "use automatic optimisation, or fault_tolerant=False",
+            )
+
+    def start(self) -> None:
+        """After the process group: every rank joins the membership."""
+        if not self.enabled:
+            return
+        strategy = self._strategy
+        if isinstance(strategy.cluster_environment, TorchElasticEnvironment):
+            self._refuse(
+                "run under torchrun: its agent stops every worker when one fails",
+                "launch with `python script.py` (or srun), or use torchrun's --max-restarts "
+                "with checkpoints and fault_tolerant=False",
+            )
+        if self.tolerance.membership is not None:
+            return  # fit, then validate: the same members
+        limit = dead_peer_timeout(strategy.timeout, strategy.dead_peer_timeout)
+        self.tolerance.start(
+            strategy.process_group_store, strategy.global_rank, strategy.world_size,
+            strategy._get_process_group_backend(), strategy.timeout, limit,
+            strategy.root_device,
+        )  # fmt: skip
+
+    def setup(self, trainer: Any) -> None:
+        """After the strategy's setup: a ``fit`` shards its data over the members now."""
+        if self.enabled and trainer.state.fn == TrainerFn.FITTING:
+            self.check_before_launch(trainer)
+            self.tolerance.begin_fit()
+
+    def sampler_kwargs(self, first: dict[str, Any]) -> dict[str, Any]:
+        """A loader built after a loss shards over the survivors (``first``: Lightning's)."""
+        return self.tolerance.sampler_kwargs(first) if self.enabled else first
+
+    def regrouped(self, trainer: Any) -> None:
+        """After a loss: the next validation reads its data over the survivors."""
+        _compat.reset_combined_loader(trainer.fit_loop.epoch_loop.val_loop)
+
+    def settle(self) -> None:
+        """After the gradient exchange: step only if every member's succeeded."""
+        if self.enabled:
+            self.tolerance.settle(self._strategy.lightning_module.trainer.global_step)
+
+    def retrying(self, closure: Any, regrouped: Any) -> Any:
+        """Lightning's closure, run again after a loss (``regrouped()`` rebuilds)."""
+        return self.tolerance.retrying(closure, regrouped) if self.enabled else closure
+
+    def with_lost_shards(
+        self, output: Any, step: Any, batch: Any, batch_idx: int = 0, *rest: Any
+    ) -> Any:
+        """``output`` of this rank's ``step`` (the strategy's ``training_step`` below the
+        one calling this), its gradient also that of the lost shards this rank stands in
+        for (see :mod:`._stand_ins`)."""
+        if not self.enabled or not self.tolerance.lost:
+            return output
+        strategy = self._strategy
+        trainer = strategy.lightning_module.trainer
+        ranks = self.tolerance.stands_in_for()
+        batches = self._shards.batches(trainer.train_dataloader, ranks, batch_idx)
+        batches = [strategy.batch_to_device(b) for b in batches]
+
+        def own_step(b: Any, i: int) -> Any:
+            return step(b, i, *rest)
+
+        extra = stand_in_outputs(own_step, batches, batch_idx, strategy.lightning_module)
+        return with_stand_ins(output, extra, self.tolerance.loss_scale)

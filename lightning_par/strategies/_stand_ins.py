@@ -1,0 +1,132 @@
+"""The shards of lost ranks, trained by the survivors that stand in for them.
+
+A fault-tolerant data-parallel run (:mod:`lightning_par.components.fault_tolerance`) keeps
+the global batch of every step whole after a loss: each lost rank's shard of Lightning's
+``DistributedSampler`` is read by one survivor (:class:`LostShards`: the same sampler with
+the lost rank's number, from the step's batch on, every other loader argument kept) and
+its loss trained beside the survivor's own (:func:`with_stand_ins`). The survivors' sum of
+gradients, times ``survivors / first world``, averages to what every shard of the first
+world gives: what one process computes on the whole batch.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Callable, Iterator, Mapping
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+from torch.utils.data import BatchSampler, DataLoader, DistributedSampler
+
+from lightning_par.strategies._async_loader import rebuild_loader, user_sampler_name
+
+
+class StandInError(RuntimeError):
+    """What a fault-tolerant run cannot train in a lost rank's place (said in full)."""
+
+
+class _Shard:
+    """One lost rank's batches, read from its position in the epoch."""
+
+    def __init__(self, rank: int) -> None:
+        self.rank = rank
+        self.iterator: Iterator | None = None
+        self.epoch = self.position = -1
+
+    def batch(self, loader: DataLoader, batch_idx: int) -> Any:
+        sampler = loader.sampler
+        epoch = getattr(sampler, "epoch", 0)
+        if self.iterator is None or (self.epoch, self.position) != (epoch, batch_idx):
+            shard = copy.copy(sampler)  # Lightning's sampler, numbered as the lost rank
+            shard.rank = self.rank
+            size = loader.batch_size or 1
+            batches = BatchSampler(list(shard)[batch_idx * size :], size, loader.drop_last)
+            self.iterator = iter(rebuild_loader(loader, batches))
+            self.epoch, self.position = epoch, batch_idx
+        self.position += 1
+        return next(self.iterator)
+
+
+class LostShards:
+    """The shards this survivor stands in for, one reader each."""
+
+    def __init__(self) -> None:
+        self._shards: dict[int, _Shard] = {}
+
+    def batches(self, loader: Any, ranks: list[int], batch_idx: int) -> list[Any]:
+        """Batch ``batch_idx`` of each of ``ranks``' shards of ``loader``."""
+        check_loader(loader)
+        return [self._shards.setdefault(r, _Shard(r)).batch(loader, batch_idx) for r in ranks]
+
+
+def check_loader(loader: Any) -> None:
+    """A loader whose lost shards can be read again: one ``DataLoader`` over Lightning's
+    ``DistributedSampler``."""
+    if not isinstance(loader, DataLoader) or type(loader.sampler) is not DistributedSampler:
+        own = user_sampler_name(loader) if isinstance(loader, DataLoader) else None
+        what = f"your sampler {own}" if own else f"a {type(loader).__name__} training loader"
+        raise StandInError(
+            f"fault_tolerant=True reads a lost rank's shard again from Lightning's "
+            f"DistributedSampler; this run has {what}. Use one DataLoader with batch_size "
+            "(and shuffle or not), Trainer(use_distributed_sampler=True), or drop "
+            "fault_tolerant"
+        )
+    if loader.batch_sampler is not None and type(loader.batch_sampler) is not BatchSampler:
+        raise StandInError(
+            "fault_tolerant=True batches a lost rank's shard as a DataLoader's batch_size "
+            f"does; this loader has the batch sampler {type(loader.batch_sampler).__name__}"
+        )
+
+
+def loss_of(output: Any, where: str) -> torch.Tensor:
+    """The loss a ``training_step`` returned (a tensor, or ``{"loss": ...}``)."""
+    loss = output.get("loss") if isinstance(output, Mapping) else output
+    if not isinstance(loss, torch.Tensor):
+        raise StandInError(
+            f"fault_tolerant=True trains a lost rank's batch beside this rank's own, so "
+            f"training_step must return a loss (a tensor or a dict with 'loss'); {where} it "
+            f"returned {type(output).__name__}"
+        )
+    return loss
+
+
+def with_stand_ins(output: Any, extra: list[Any], scale: float) -> Any:
+    """``output`` (this rank's step) whose loss keeps its value (the progress bar, the
+    loggers) but whose gradient is ``scale`` times the sum of its own and the stand-ins'."""
+    own = loss_of(output, "this rank's batch")
+    total = own + sum(loss_of(e, "a lost rank's batch") for e in extra) if extra else own
+    total = total * scale
+    loss = total + (own.detach() - total.detach())
+    if isinstance(output, Mapping):
+        return {**output, "loss": loss}
+    return loss
+
+
+@contextmanager
+def muted_logging(module: Any) -> Iterator[None]:
+    """A lost rank's step logs nothing (this rank's own values stay in the logs)."""
+
+    def silent(*args: Any, **kwargs: Any) -> None:
+        return None
+
+    names = ("log", "log_dict")
+    saved = {n: module.__dict__[n] for n in names if n in module.__dict__}
+    for name in names:
+        setattr(module, name, silent)
+    try:
+        yield
+    finally:
+        for name in names:
+            if name in saved:
+                setattr(module, name, saved[name])
+            else:
+                delattr(module, name)
+
+
+def stand_in_outputs(
+    step: Callable[[Any, int], Any], batches: list[Any], batch_idx: int, module: Any
+) -> list[Any]:
+    """Run the user's ``step`` on each lost rank's batch, logging nothing."""
+    with muted_logging(module):
+        return [step(batch, batch_idx) for batch in batches]
