@@ -65,18 +65,20 @@ def main(name: str, devices: int, fault: str, out: str) -> None:
     torch.manual_seed(0)
     model = Tiny()
     started = time.monotonic()
-    trainer.fit(model, DataLoader(data(), batch_size=BATCH), DataLoader(data(), batch_size=BATCH))
+    try:
+        train, val = (DataLoader(data(), batch_size=BATCH) for _ in range(2))
+        trainer.fit(model, train, val)
+    except Exception as err:
+        raised = {"type": type(err).__name__, "message": str(err)}
+        print("RESULT " + json.dumps({"raised": raised}), flush=True)
+        return
     fit_s = time.monotonic() - started
     trainer.save_checkpoint(os.path.join(os.path.dirname(out), "final.ckpt"))
     metrics = trainer.validate(model, DataLoader(data(), batch_size=BATCH), verbose=False)
-    torch.save({k: v.detach().clone() for k, v in model.state_dict().items()}, out)
-    print(
-        "RESULT "
-        + json.dumps(
-            {"fit_s": fit_s, "steps": trainer.global_step, "val_loss": metrics[0]["val_loss"]}
-        ),
-        flush=True,
-    )
+    if trainer.is_global_zero:  # (under popen every rank runs this script)
+        torch.save({k: v.detach().clone() for k, v in model.state_dict().items()}, out)
+        result = {"raised": None, "fit_s": fit_s, "val_loss": metrics[0]["val_loss"]}
+        print("RESULT " + json.dumps(result), flush=True)
 
 
 if __name__ == "__main__":

@@ -23,9 +23,11 @@ ended, so that every connection to it closes and the survivors' collectives fail
 
 from __future__ import annotations
 
+import atexit
 import os
 import signal
 import sys
+import threading
 from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
@@ -49,6 +51,8 @@ def _kill(pid: int) -> None:
         pass  # gone already
 
 
+#: How often a rank looks whether another began regrouping (seconds).
+_WATCH_S = 0.05
 #: The tag of the receive that breaks a gloo group (no message ever carries it).
 _BREAKING_TAG = 0x7FFF_FFF0
 
@@ -63,14 +67,17 @@ def break_default_group() -> None:
     size, rank = world.size(), world.rank()
     if size == 1:
         return
-    try:
-        if str(dist.get_backend()).lower() == "nccl":
-            world.abort()
-        else:
-            peer = (rank + 1) % size
+    if str(dist.get_backend()).lower() == "nccl":
+        world.abort()
+        return
+    for peer in range(size):  # (a receive from a peer already lost fails without closing)
+        if peer == rank:
+            continue
+        try:
             world.recv([torch.zeros(1)], peer, _BREAKING_TAG).wait(timedelta(milliseconds=1))
-    except RuntimeError:
-        pass  # closed: what was wanted
+        except RuntimeError as err:
+            if "timed out" in str(err).lower() or "timeout" in str(err).lower():
+                return  # every connection of the group is closed now
 
 
 class FaultTolerance:
@@ -82,6 +89,9 @@ class FaultTolerance:
         self.fit_members: list[int] = []
         self._store: Any = None
         self._init: dict[str, Any] = {}
+        self._lock = threading.Lock()  # the default group is swapped under it
+        self._regrouping = False
+        self._stop = threading.Event()
 
     def start(
         self, store: Any, rank: int, world_size: int, backend: str, timeout: timedelta,
@@ -96,12 +106,35 @@ class FaultTolerance:
         heartbeat = liveness.current()
         if heartbeat is not None:
             heartbeat.hand_silent_peers_to(self._silent)
+        threading.Thread(target=self._watch, daemon=True, name="lp-regroup-watch").start()
+        atexit.register(self._stop.set)
+
+    def _watch(self) -> None:
+        """A member began regrouping: break this rank's group too, so that a message this
+        rank waits for from a live peer (which will never send it now) fails at once.
+        Breaking one's own group closes its connections, but a rank waiting on a third
+        one's message only learns of it from its own group."""
+        broken = -1
+        while not self._stop.wait(_WATCH_S):
+            membership = self.membership
+            try:
+                begun = membership is not None and membership.regroup_begun()
+            except Exception:
+                return  # the store is gone: the job ends
+            with self._lock:
+                generation = membership.generation if membership is not None else -1
+                if begun and not self._regrouping and broken != generation:
+                    broken = generation
+                    if dist.is_initialized():
+                        break_default_group()
 
     def _silent(self, rank: int, report: str) -> bool:
         assert self.membership is not None
         if rank not in self.membership.members:
             return True
-        if self.membership.declare_dead(rank):  # (the first to find it says so)
+        if self.membership.is_dead(rank):  # its process ended: the launcher says so
+            self.membership.declare_dead(rank)
+        elif self.membership.declare_dead(rank):  # (the first to find it says so)
             print(f"lightning_par: {report}; it is ended and the others go on without it",
                   file=sys.stderr, flush=True)  # fmt: skip
         return True
@@ -173,10 +206,15 @@ class FaultTolerance:
         member was lost (it was not a loss)."""
         assert self.membership is not None
         before = list(self.membership.members)
-        if dist.is_initialized():
-            break_default_group()
-            dist.destroy_process_group()
-        members = self.membership.regroup()
+        with self._lock:
+            self._regrouping = True
+            if dist.is_initialized():
+                break_default_group()
+                dist.destroy_process_group()
+        try:
+            members = self.membership.regroup()
+        finally:
+            self._regrouping = False
         if members == before:
             raise error
         heartbeat = liveness.current()

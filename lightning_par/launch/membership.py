@@ -73,7 +73,8 @@ class Membership:
         store: the group's key-value store (a ``TCPStore`` or a prefix of one).
         me: this process's first rank (its name for the whole job).
         members: every member's first rank, at the start.
-        limit_s: how long a member may take to answer before it counts as dead.
+        limit_s: how long a live member may take to answer before it counts as dead (a
+            silent one is declared dead by the heartbeat sooner).
         kill: ends a process of this machine by pid (one found silent, or too slow to
             answer), so that it cannot speak for a member the others went on without.
     """
@@ -145,11 +146,16 @@ class Membership:
         return self.store.get(key).decode()
 
     # ---- the next membership -------------------------------------------------------------
+    def regroup_begun(self) -> bool:
+        """Whether a member began agreeing on the next membership (this one should too)."""
+        return self.store.check([f"{PREFIX}/{self.generation + 1}/begun"])
+
     def regroup(self) -> list[int]:
         """Agree on the survivors (this one among them, else :class:`Excluded`); the
         members lost since the last membership are appended to :attr:`lost`."""
         generation = self.generation + 1
         key = f"{PREFIX}/{generation}"
+        self.store.set(f"{key}/begun", "1")
         self.store.set(f"{key}/alive/{self.me}", "1")
         deadline = time.monotonic() + self.limit_s
         while not self.store.check([f"{key}/members"]):

@@ -22,7 +22,6 @@ from lightning.pytorch.trainer.states import TrainerFn
 
 from lightning_par import _compat
 from lightning_par.components.fault_tolerance import FaultTolerance
-from lightning_par.launch.rendezvous import dead_peer_timeout
 from lightning_par.strategies._stand_ins import LostShards, stand_in_outputs, with_stand_ins
 
 
@@ -80,7 +79,9 @@ class Resilience:
             )
         if self.tolerance.membership is not None:
             return  # fit, then validate: the same members
-        limit = dead_peer_timeout(strategy.timeout, strategy.dead_peer_timeout)
+        # a member slow to answer is waited for as long as a collective would wait for it
+        # (a frozen one is found by the heartbeat after dead_peer_timeout, and ended)
+        limit = strategy.timeout.total_seconds()
         self.tolerance.start(
             strategy.process_group_store, strategy.global_rank, strategy.world_size,
             strategy._get_process_group_backend(), strategy.timeout, limit,

@@ -1,0 +1,216 @@
+"""``fault_tolerant=True``: a synchronous data-parallel run goes on without a lost rank and
+ends with one process's weights.
+
+The agreements (:mod:`lightning_par.launch.membership`) are tested in one process over a
+real store; the product as users run it: ``python _fault_tolerant_script.py`` in a
+subprocess (Lightning chooses the launch, or ``popen`` is asked for), a rank killed or
+frozen at a step by ``LIGHTNING_PAR_FAULT``, then ``save_checkpoint`` and ``validate`` as
+users call them. Each run's weights are compared with one process on the whole batch,
+computed here by hand.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import threading
+import time
+from functools import partial
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from lightning_par.components.fault_tolerance import FaultTolerance
+from lightning_par.launch.membership import COMMIT, PREFIX, REDO, Excluded, Membership
+from lightning_par.launch.processes import kill_tree
+from lightning_par.launch.store_host import StoreHost
+
+HERE = Path(__file__).parent
+SCRIPT = HERE / "_fault_tolerant_script.py"
+sys.path.insert(0, str(HERE))
+from _fault_tolerant_script import BATCH, DEAD_PEER_S, SAMPLES, STEPS, Tiny, data  # noqa: E402
+
+
+# ---- the agreements, in one process --------------------------------------------------------
+def _members(n: int, host: StoreHost) -> list[Membership]:
+    def client() -> dist.Store:
+        store = dist.TCPStore("127.0.0.1", host.port, is_master=False, wait_for_workers=False)
+        return dist.PrefixStore("test", store)
+
+    return [Membership(client(), r, list(range(n)), limit_s=10.0) for r in range(n)]
+
+
+def _together(calls: list) -> list:
+    results: list = [None] * len(calls)
+
+    def run(i: int) -> None:
+        try:
+            results[i] = calls[i]()
+        except Exception as err:  # (compared below)
+            results[i] = err
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(len(calls))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    return results
+
+
+def test_members_commit_a_step_together_and_redo_it_when_one_is_lost():
+    host = StoreHost()
+    try:
+        a, b, c = _members(3, host)
+        assert _together([partial(m.settle, 0) for m in (a, b, c)]) == [COMMIT] * 3
+        assert c.declare_dead(2) is True and a.declare_dead(2) is False  # one says so
+        assert _together([partial(m.settle, 1) for m in (a, b)]) == [REDO] * 2
+        assert _together([a.regroup, b.regroup]) == [[0, 1], [0, 1]]
+        assert (a.rank, b.rank, a.lost, a.generation) == (0, 1, [2], 1)
+        with pytest.raises(Excluded, match="rank 2 was found dead"):
+            c.regroup()  # thawed after the others went on
+        assert _together([partial(m.settle, 1) for m in (a, b)]) == [COMMIT] * 2
+    finally:
+        host.close()
+
+
+def test_survivors_read_one_outcome_when_a_member_died_after_counting_in():
+    host = StoreHost()
+    try:
+        a, b, c = _members(3, host)
+        c.store.add(f"{PREFIX}/0/step/5/in", 1)  # c finished its exchange, then died
+        c.declare_dead(2)
+        outcomes = _together([lambda: a.settle(5), lambda: b.settle(5)])
+        assert outcomes[0] == outcomes[1] and outcomes[0] in (COMMIT, REDO), outcomes
+    finally:
+        host.close()
+
+
+def test_lost_shards_go_round_robin_to_the_survivors_and_the_loss_is_rescaled():
+    tolerance = FaultTolerance()
+    tolerance.fit_members = [0, 1, 2, 3, 4]
+    tolerance.membership = SimpleNamespace(members=[0, 2, 3], me=2, lost=[1, 4], rank=1)
+    assert tolerance.lost == [1, 4]
+    assert tolerance.stands_in_for() == [4]  # 1 -> survivor 0, 4 -> survivor 2
+    tolerance.membership.me, tolerance.membership.rank = 0, 0
+    assert tolerance.stands_in_for() == [1]
+    assert tolerance.loss_scale == pytest.approx(3 / 5)
+    first = {"num_replicas": 5, "rank": 0}
+    assert tolerance.sampler_kwargs(first) == {"num_replicas": 3, "rank": 0}
+
+
+# ---- the product: a script, a fault, one process's weights ---------------------------------
+def one_process(world: int) -> dict[str, torch.Tensor]:
+    """One process on the union of the ranks' batches (Lightning's DistributedSampler
+    shuffles with seed 0: rank r's batch s is order[r::world] cut in batches)."""
+    torch.manual_seed(0)
+    model = Tiny()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    x, y = data().tensors
+    order = torch.randperm(SAMPLES, generator=torch.Generator().manual_seed(0))
+    for step in range(STEPS):
+        idx = order[step * world * BATCH : (step + 1) * world * BATCH]
+        loss = torch.nn.functional.cross_entropy(model.net(x[idx]), y[idx])
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+    return model.state_dict()
+
+
+def _session(sid: int) -> list[int]:
+    found = []
+    for entry in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            fields = Path(f"/proc/{entry}/stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[3]) == sid and fields[0] != "Z":
+            found.append(int(entry))
+    return found
+
+
+def run_script(tmp_path: Path, name: str, world: int, fault: str, **env: str):
+    """The script's output lines with their arrival times, its exit code, what it left."""
+    private_tmp = tmp_path / "tmp"
+    private_tmp.mkdir()
+    # (popen's scripts import torch again: on a loaded 2-core machine that can take 20 s)
+    environ = {**os.environ, "TMPDIR": str(private_tmp), "LIGHTNING_PAR_TIMEOUT": "90", **env}
+    environ["PYTHONPATH"] = os.pathsep.join([str(HERE.parent), *sys.path])
+    environ.pop("LIGHTNING_PAR_FAULT", None)
+    out = tmp_path / "weights.pt"
+    proc = subprocess.Popen(
+        [sys.executable, "-u", str(SCRIPT), name, str(world), fault, str(out)], cwd=tmp_path,
+        env=environ, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        start_new_session=True,
+    )  # fmt: skip
+    lines: list[tuple[float, str]] = []
+    reader = threading.Thread(
+        target=lambda: lines.extend((time.monotonic(), line) for line in proc.stdout)
+    )
+    reader.start()
+    try:
+        proc.wait(timeout=240)
+    finally:
+        if proc.poll() is None:
+            kill_tree(proc.pid)
+            proc.wait()
+        reader.join()
+    left = [p.name for p in private_tmp.iterdir() if not p.name.startswith("torchinductor")]
+    session = [p for p in _session(proc.pid) if p != proc.pid]
+    return SimpleNamespace(code=proc.returncode, lines=lines, left=left, session=session, out=out)
+
+
+def _at(run, text: str) -> float:
+    return next(t for t, line in run.lines if text in line)
+
+
+SURVIVED = [
+    ("ring_allreduce", 3, "kill:rank=1:step=5", "fork"),
+    ("ring_allreduce", 3, "freeze:rank=2:step=7", "fork"),
+    ("butterfly_allreduce", 4, "kill:rank=3:step=0", "fork"),
+    ("ring_allreduce", 3, "kill:rank=2:step=9", "popen"),
+]
+
+
+@pytest.mark.parametrize("name, world, fault, launch", SURVIVED, ids=["-".join(
+    (n, str(w), f.split(":")[0], f.split(":")[1], la)) for n, w, f, la in SURVIVED])  # fmt: skip
+def test_a_lost_rank_is_survived_with_one_process_weights(tmp_path, name, world, fault, launch):
+    env = {"LIGHTNING_PAR_START_METHOD": launch} if launch != "fork" else {}
+    run = run_script(tmp_path, name, world, fault, **env)
+    text = "".join(line for _, line in run.lines)
+    assert run.code == 0, text[-4000:]
+    assert "Traceback" not in text and "Error" not in text.replace("UserWarning", ""), text[-4000:]
+    assert run.session == [] and run.left == [], (run.session, run.left)
+    lost = fault.split(":")[1].split("=")[1]
+    survivors = [r for r in range(world) if str(r) != lost]
+    assert text.count(f"rank(s) {lost} lost; {world - 1} of {world} ranks go on") == 1, text
+    assert f"(ranks {survivors})" in text, text
+    frozen = fault.startswith("freeze")
+    assert ("it is ended and the others go on without it" in text) == frozen, text
+    detect_s = _at(run, "ranks go on") - _at(run, "LIGHTNING_PAR_FAULT: ")
+    assert detect_s < (DEAD_PEER_S + 8 if frozen else 8), detect_s
+    result = json.loads(next(line for _, line in run.lines if line.startswith("RESULT "))[7:])
+    assert result["raised"] is None, result
+    expected, got = one_process(world), torch.load(run.out, weights_only=True)
+    assert max((expected[k] - got[k]).abs().max().item() for k in expected) < 1e-5
+    x, y = data().tensors  # validate after the loss: every sample, over the survivors
+    with torch.no_grad():
+        model = Tiny()
+        model.load_state_dict(expected)
+        whole = torch.nn.functional.cross_entropy(model.net(x), y).item()
+    assert result["val_loss"] == pytest.approx(whole, abs=1e-5)
+    print(f"{name} p={world} {fault} {launch}: the survivors went on {detect_s:.2f} s after it")
+
+
+def test_rank_0_lost_ends_a_fault_tolerant_run_naming_it(tmp_path):
+    run = run_script(tmp_path, "ring_allreduce", 3, "kill:rank=0:step=4")
+    text = "".join(line for _, line in run.lines)
+    result = json.loads(next(line for _, line in run.lines if line.startswith("RESULT "))[7:])
+    assert result["raised"]["type"] == "RankLost", text[-4000:]
+    assert result["raised"]["message"].startswith("rank 0 was killed by SIGKILL"), result
+    assert "cannot go on without it" in result["raised"]["message"], result
+    assert run.session == [] and run.left == [], (run.session, run.left)
