@@ -214,3 +214,33 @@ def test_rank_0_lost_ends_a_fault_tolerant_run_naming_it(tmp_path):
     assert result["raised"]["message"].startswith("rank 0 was killed by SIGKILL"), result
     assert "cannot go on without it" in result["raised"]["message"], result
     assert run.session == [] and run.left == [], (run.session, run.left)
+
+
+# ---- the lost ranks' batches, read again -------------------------------------------------------
+def test_a_lost_ranks_batch_is_read_again_from_lightnings_sampler_and_from_device_batches():
+    from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
+
+    from lightning_par.data.device import DeviceBatches
+    from lightning_par.strategies._stand_ins import LostShards, StandInError
+
+    dataset = TensorDataset(torch.arange(60.0).view(60, 1))
+
+    def loader(rank: int) -> DataLoader:
+        sampler = DistributedSampler(dataset, num_replicas=3, rank=rank, shuffle=True, seed=4)
+        sampler.set_epoch(2)
+        return DataLoader(dataset, batch_size=4, sampler=sampler)
+
+    lost_rank_batches = list(loader(1))
+    shards = LostShards()
+    for idx in (3, 4, 0):  # from where the loss struck, then the next epoch's first
+        (got,) = shards.batches(loader(0), [1], idx)
+        assert torch.equal(got[0], lost_rank_batches[idx][0])
+    images = torch.randint(0, 255, (48, 3, 8, 8), dtype=torch.uint8)
+    labels = torch.arange(48)
+    own, lost = (DeviceBatches(images, labels, 4, r, 3, augment=True, seed=1) for r in (0, 2))
+    expected = list(lost)  # what rank 2 would have trained in epoch 0
+    next(iter(own))  # rank 0 is in epoch 0
+    (got,) = LostShards().batches(own, [2], 2)
+    assert torch.equal(got[0], expected[2][0]) and torch.equal(got[1], expected[2][1])
+    with pytest.raises(StandInError, match="DistributedSampler"):
+        LostShards().batches(DataLoader(dataset, batch_size=4), [1], 0)

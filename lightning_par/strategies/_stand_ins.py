@@ -34,18 +34,36 @@ class _Shard:
         self.iterator: Iterator | None = None
         self.epoch = self.position = -1
 
-    def batch(self, loader: DataLoader, batch_idx: int) -> Any:
-        sampler = loader.sampler
-        epoch = getattr(sampler, "epoch", 0)
+    def batch(self, loader: Any, batch_idx: int) -> Any:
+        on_device = not isinstance(loader, DataLoader)  # (checked: DeviceBatches)
+        epoch = loader.epoch - 1 if on_device else getattr(loader.sampler, "epoch", 0)
         if self.iterator is None or (self.epoch, self.position) != (epoch, batch_idx):
-            shard = copy.copy(sampler)  # Lightning's sampler, numbered as the lost rank
-            shard.rank = self.rank
-            size = loader.batch_size or 1
-            batches = BatchSampler(list(shard)[batch_idx * size :], size, loader.drop_last)
-            self.iterator = iter(rebuild_loader(loader, batches))
+            self.iterator = _device_shard(loader, self.rank, epoch, batch_idx) if on_device else (
+                _loader_shard(loader, self.rank, batch_idx)
+            )  # fmt: skip
             self.epoch, self.position = epoch, batch_idx
         self.position += 1
         return next(self.iterator)
+
+
+def _loader_shard(loader: DataLoader, rank: int, batch_idx: int) -> Iterator:
+    """Lightning's sampler numbered as the lost ``rank``, from batch ``batch_idx`` on."""
+    shard = copy.copy(loader.sampler)
+    shard.rank = rank
+    size = loader.batch_size or 1
+    batches = BatchSampler(list(shard)[batch_idx * size :], size, loader.drop_last)
+    return iter(rebuild_loader(loader, batches))
+
+
+def _device_shard(loader: Any, rank: int, epoch: int, batch_idx: int) -> Iterator:
+    """The project's on-device batches (``DeviceBatches``) of the lost ``rank``: the same
+    permutation and, seeded by rank and epoch, the same crops and flips it would draw."""
+    shard = copy.copy(loader)
+    shard.rank, shard.epoch = rank, epoch
+    iterator = iter(shard)
+    for _ in range(batch_idx):  # (the augmentation draws of the batches before it)
+        next(iterator)
+    return iterator
 
 
 class LostShards:
@@ -62,7 +80,11 @@ class LostShards:
 
 def check_loader(loader: Any) -> None:
     """A loader whose lost shards can be read again: one ``DataLoader`` over Lightning's
-    ``DistributedSampler``."""
+    ``DistributedSampler``, or the project's on-device batches."""
+    from lightning_par.data.device import DeviceBatches  # (the data package loads torchvision)
+
+    if isinstance(loader, DeviceBatches):
+        return
     if not isinstance(loader, DataLoader) or type(loader.sampler) is not DistributedSampler:
         own = user_sampler_name(loader) if isinstance(loader, DataLoader) else None
         what = f"your sampler {own}" if own else f"a {type(loader).__name__} training loader"
