@@ -28,6 +28,7 @@ import os
 import signal
 import sys
 import threading
+import time
 from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
@@ -92,12 +93,19 @@ class FaultTolerance:
         self._lock = threading.Lock()  # the default group is swapped under it
         self._regrouping = False
         self._stop = threading.Event()
+        self._dead_after_s = 0.0
+        #: ``(what, wall time)``: when a step was found lost and when the group re-formed
+        #: (``python -m lightning_par.bench faults`` reads them)
+        self.events: list[tuple[str, float]] = []
 
     def start(
         self, store: Any, rank: int, world_size: int, backend: str, timeout: timedelta,
-        limit_s: float, device: Any = None,
+        limit_s: float, dead_after_s: float, device: Any = None,
     ) -> None:  # fmt: skip
-        """This rank joined the default group of ``world_size`` ranks in ``store``."""
+        """This rank joined the default group of ``world_size`` ranks in ``store``;
+        ``limit_s``: how long a live member may take to answer; ``dead_after_s``: the
+        heartbeat's limit for a silent one."""
+        self._dead_after_s = dead_after_s
         self._store, self.fit_members = store, list(range(world_size))
         self._init = {"backend": backend, "timeout": timeout}
         if device is not None and getattr(device, "type", "cpu") != "cpu":
@@ -193,11 +201,34 @@ class FaultTolerance:
             while True:
                 try:
                     return closure(*args, **kwargs)
-                except (CommError, StepLost, dist.DistError) as error:
+                except RuntimeError as error:  # (gloo's own errors are RuntimeErrors)
+                    if not self._a_member_was_lost(error):
+                        raise
+                    self.events.append(("lost", time.time()))
                     self.regroup(error)
                     regrouped()
+                    self.events.append(("regrouped", time.time()))
 
         return run
+
+    def _a_member_was_lost(self, error: RuntimeError) -> bool:
+        """Whether ``error`` comes of a lost member: ours say so; any other (a message that
+        could not even be posted, a collective of Lightning's) counts once a member is
+        known dead or regrouping began, which a peer's heartbeat makes known within
+        ``dead_peer_timeout`` (a user's own error is raised after that wait)."""
+        if isinstance(error, (StepLost, CommError)):
+            return True
+        membership = self.membership
+        if membership is None:
+            return False
+        deadline = time.monotonic() + self._dead_after_s
+        while True:
+            others = [m for m in membership.members if m != membership.me]
+            if membership.regroup_begun() or any(membership.is_dead(m) for m in others):
+                return True
+            if time.monotonic() > deadline:
+                return False
+            time.sleep(_WATCH_S)
 
     # ---- the next membership -------------------------------------------------------------
     def regroup(self, error: BaseException) -> None:

@@ -22,6 +22,7 @@ from lightning.pytorch.trainer.states import TrainerFn
 
 from lightning_par import _compat
 from lightning_par.components.fault_tolerance import FaultTolerance
+from lightning_par.launch.rendezvous import dead_peer_timeout
 from lightning_par.strategies._stand_ins import LostShards, stand_in_outputs, with_stand_ins
 
 
@@ -82,9 +83,10 @@ class Resilience:
         # a member slow to answer is waited for as long as a collective would wait for it
         # (a frozen one is found by the heartbeat after dead_peer_timeout, and ended)
         limit = strategy.timeout.total_seconds()
+        silent = dead_peer_timeout(strategy.timeout, strategy.dead_peer_timeout)
         self.tolerance.start(
             strategy.process_group_store, strategy.global_rank, strategy.world_size,
-            strategy._get_process_group_backend(), strategy.timeout, limit,
+            strategy._get_process_group_backend(), strategy.timeout, limit, silent,
             strategy.root_device,
         )  # fmt: skip
 
