@@ -126,9 +126,15 @@ class Communicator:
     Args:
         group: the process group (``None``: the default group).
         trace: where to record messages; ``None`` records nothing (no overhead).
+        names: the rank each group rank is recorded as (default: its global rank).
     """
 
-    def __init__(self, group: dist.ProcessGroup | None = None, trace: CommTrace | None = None):
+    def __init__(
+        self,
+        group: dist.ProcessGroup | None = None,
+        trace: CommTrace | None = None,
+        names: list[int] | None = None,
+    ):
         if not dist.is_initialized():
             raise RuntimeError(
                 "torch.distributed is not initialised: call "
@@ -143,7 +149,9 @@ class Communicator:
         # ``dist.isend`` wrapper costs tens of microseconds per message in Python (rank
         # translation, group look-ups), which a pipelined collective pays per segment.
         self._pg = group if group is not None else dist.group.WORLD
-        self._global = [self._to_global(r) for r in range(self.world_size)]
+        # ``names``: how traces and errors name each group rank (a fault-tolerant group
+        # re-formed over survivors keeps each rank's first number)
+        self._global = names or [self._to_global(r) for r in range(self.world_size)]
         self.global_rank = self._global[self.rank]
 
     def global_rank_of(self, rank: int) -> int:

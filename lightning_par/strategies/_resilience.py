@@ -37,6 +37,12 @@ class Resilience:
         self.tolerance = FaultTolerance()
         self._shards = LostShards()
 
+    @property
+    def members(self) -> list[int] | None:
+        """The ranks still in the job, by their first numbers (None: off)."""
+        membership = self.tolerance.membership
+        return None if membership is None else list(membership.members)
+
     def _refuse(self, what: str, fix: str) -> None:
         name = self._strategy.strategy_name
         raise ValueError(f"{name}(fault_tolerant=True) cannot {what}: {fix}")

@@ -156,7 +156,7 @@ class AllReduceStrategy(ParStrategy):
     def regrouped(self) -> None:
         """The survivors met in a new default group: communicate over it."""
         assert self.model is not None
-        self.comm = Communicator(trace=self.trace)
+        self.comm = Communicator(trace=self.trace, names=self.resilience.members)
         self.grad_sync.attach(self.model, self.comm, self.trace)
         self.resilience.regrouped(self.lightning_module.trainer)
 
