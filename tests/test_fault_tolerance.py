@@ -269,3 +269,13 @@ def test_a_lost_task_is_survived_under_srun(tmp_path):
     assert "Traceback" not in outputs[0] + outputs[2], outputs
     expected, got = one_process(3), torch.load(out, weights_only=True)
     assert max((expected[k] - got[k]).abs().max().item() for k in expected) < 1e-5
+
+
+def test_a_strategy_with_or_without_fault_tolerance_travels_to_spawned_ranks():
+    import pickle
+
+    from lightning_par.strategies import AllReduceStrategy
+
+    for enabled in (False, True):
+        copy = pickle.loads(pickle.dumps(AllReduceStrategy("ring", fault_tolerant=enabled)))
+        assert copy.resilience.enabled is enabled and copy.resilience.tolerance.membership is None

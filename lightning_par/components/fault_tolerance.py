@@ -98,6 +98,18 @@ class FaultTolerance:
         #: (``python -m lightning_par.bench faults`` reads them)
         self.events: list[tuple[str, float]] = []
 
+    def __getstate__(self) -> dict[str, Any]:
+        # what a spawned or forkserver rank gets: no lock, thread or store of this process's
+        state = dict(self.__dict__)
+        for name in ("_lock", "_stop", "_store", "membership"):
+            state.pop(name)
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self._lock, self._stop = threading.Lock(), threading.Event()
+        self._store = self.membership = None
+
     def start(
         self, store: Any, rank: int, world_size: int, backend: str, timeout: timedelta,
         limit_s: float, dead_after_s: float, device: Any = None,
