@@ -48,6 +48,9 @@ class Heartbeat:
         name: how to name a rank in the report (``"worker 1 (rank 1)"``).
         on_dead: called with the silent rank and the report, instead of
             :func:`report_and_exit`.
+        survive: asked first about a silent rank (with the report); True: the job goes on
+            without it (it is no longer watched), e.g. a parameter server whose shard a
+            copy takes over.
     """
 
     def __init__(
@@ -58,8 +61,10 @@ class Heartbeat:
         dead_after_s: float,
         name: Callable[[int], str] = lambda r: f"rank {r}",
         on_dead: Callable[[int, str], None] | None = None,
+        survive: Callable[[int, str], bool] | None = None,
     ) -> None:
         self.store, self.rank, self.dead_after_s, self.name = store, rank, dead_after_s, name
+        self.survive = survive
         self.watched = [r for r in watched if r != rank]
         self.on_dead = on_dead or partial(report_and_exit, name(rank))
         self.interval_s = max(0.05, min(1.0, dead_after_s / 4))
@@ -118,14 +123,17 @@ class Heartbeat:
                     seen.clear()
                     continue
                 now = time.monotonic()
-                for peer in self.watched:
+                for peer in list(self.watched):
                     count = self.store.add(self._key(peer), 0)
                     last = seen.get(peer)
                     if count >= _DONE // 2 or last is None or last[0] != count:
                         seen[peer] = (count, now)
                     elif now - last[1] > self.dead_after_s and not self._finished:
-                        self.on_dead(peer, silent_report(self.name(peer), now - last[1],
-                                                         self.dead_after_s))  # fmt: skip
+                        report = silent_report(self.name(peer), now - last[1], self.dead_after_s)
+                        if self.survive is not None and self.survive(peer, report):
+                            self.watched.remove(peer)
+                            continue
+                        self.on_dead(peer, report)
                         return
         except Exception:
             return  # the store's host is gone: gloo reports that job's end itself
@@ -172,18 +180,19 @@ def watch_group(
     timeout: timedelta | None = None,
     name: Callable[[int], str] = lambda r: f"rank {r}",
     dead_after_s: float | None = None,
+    survive: Callable[[int, str], bool] | None = None,
 ) -> Heartbeat:
     """Start the heartbeat of the group this process just joined (ending the previous
     group's); peers silent for ``dead_after_s`` (default
     :func:`~lightning_par.launch.rendezvous.dead_peer_timeout`; at most the group's
-    ``timeout``) end the job."""
+    ``timeout``) end the job, but those ``survive`` says the job goes on without."""
     global _current
     if _current is not None:
         _current.stop()
     else:  # runs before the process group is destroyed at exit (atexit is last-in first-out)
         atexit.register(stop_watching)
     limit = dead_peer_timeout(timeout, dead_after_s)
-    _current = Heartbeat(store, rank, watched, limit, name, on_dead=_handler).start()
+    _current = Heartbeat(store, rank, watched, limit, name, _handler, survive).start()
     return _current
 
 
