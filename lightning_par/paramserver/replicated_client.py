@@ -13,10 +13,16 @@ Three things change for a worker (the servers' side: :mod:`.shard_server`):
   it that fails moves its shard to the next server on the ring, which kept a copy of it,
   and the two agree where the request stands (:mod:`.takeover`): the answer comes again, or
   the kept request goes again.
+
+Clipping by norm ties the servers together: none answers a step before it has every
+shard's squared norm, so a worker waiting for a live server's answer would wait forever
+for a lost server's shard to move. There a thread moves it: while the worker waits for
+pulls, it looks every 0.1 s for a lost server in the store (:meth:`ReplicatedClient.watch`).
 """
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable
 from typing import Any
 
@@ -37,8 +43,8 @@ from lightning_par.paramserver.worker import ParameterClient
 class _Failed:
     """A message whose posting failed (its peer's connection closed): waiting raises."""
 
-    def __init__(self, error: CommError) -> None:
-        self.error = error
+    def __init__(self, error: CommError, peer: int) -> None:
+        self.error, self.peer = error, peer
 
     def wait(self, timeout: Any = None) -> torch.Tensor:
         raise self.error
@@ -48,9 +54,13 @@ class ReplicatedLinks(ServerLinks):
     """:class:`ServerLinks` to shards that may move: ``recover(shard, error)`` is called when
     an answer from a shard's holder fails (and re-posts that shard's pulls)."""
 
-    def __init__(self, *args: Any, num_workers: int, recover: Callable[[int, CommError], None]):
+    def __init__(
+        self, *args: Any, num_workers: int, recover: Callable[[int, CommError, int], None]
+    ) -> None:
         super().__init__(*args)
         self.num_workers, self.recover = num_workers, recover
+        self.lock = threading.Lock()  # pending and servers, against the watch (clip by norm)
+        self.waiting = False  # inside wait_bucket
         #: the messages of the current request, per shard, in the order they went
         self.kept: dict[int, list[tuple[Kind, torch.Tensor]]] = {
             s: [] for s in range(self.plan.num_servers)
@@ -65,14 +75,14 @@ class ReplicatedLinks(ServerLinks):
         try:
             return super().send(message, s, kind, step, chunk)
         except CommError as err:
-            return _Failed(err)
+            return _Failed(err, self.servers[s])
 
     def expect(self, b, s, kind, step=None) -> Handle | _Failed:  # type: ignore[override]
         self.kind = kind
         try:
             return super().expect(b, s, kind, step)
         except CommError as err:
-            return _Failed(err)
+            return _Failed(err, self.servers[s])
 
     def wait_sends(self, sends) -> None:
         """Wait for messages to the shards' holders; one that failed because its server is
@@ -85,16 +95,24 @@ class ReplicatedLinks(ServerLinks):
                     raise
 
     def wait_bucket(self, b: int) -> None:
-        while self.pending.get(b):
-            s, handle = self.pending[b][0]
-            try:
-                flat = handle.wait()
-            except CommError as err:
-                self.recover(s, err)  # shard s moved: every pull of it posted again
-                continue
-            self.pending[b].pop(0)
-            self.write(b, s, flat)
-        self.pending.pop(b, None)
+        self.waiting = True
+        try:
+            while True:
+                with self.lock:
+                    if not self.pending.get(b):
+                        self.pending.pop(b, None)
+                        return
+                    s, handle = self.pending[b][0]
+                try:
+                    flat = handle.wait()
+                except CommError as err:
+                    self.recover(s, err, handle.peer)  # shard s moved: its pulls posted again
+                    continue
+                with self.lock:
+                    self.pending[b].remove((s, handle))
+                self.write(b, s, flat)
+        finally:
+            self.waiting = False
 
     def repost(self, s: int) -> None:
         """Shard ``s`` moved: post the receive of its slices of every bucket from its new
@@ -121,6 +139,10 @@ class ReplicatedClient(ParameterClient):
         self.request, self.command = 0, None  # request 0: the initial weights
         self.moved: set[int] = set()  # shards whose copy serves them now
         super().__init__(*args, **kwargs)
+        self.closed = threading.Event()
+        clip = kwargs.get("clip")
+        if clip is not None and clip.algorithm == "norm":
+            threading.Thread(target=self.watch, daemon=True, name="ps-lost-watch").start()
 
     @property
     def processes(self) -> int:
@@ -183,7 +205,7 @@ class ReplicatedClient(ParameterClient):
                 self.comm.recv(buffer, holder, tag=ShardTag(Kind.DONE, s))
                 return protocol.decode_count(buffer, Kind.DONE)
             except CommError as err:
-                self._recover(s, err)
+                self._recover(s, err, holder)
 
     def gather_state(self) -> dict[str, Any]:
         self._command(Command.GET_STATE)
@@ -204,13 +226,32 @@ class ReplicatedClient(ParameterClient):
             self._answer(s)
         self.remove_hooks()
 
+    def remove_hooks(self) -> None:
+        self.closed.set()
+        super().remove_hooks()
+
     # ---- a lost server --------------------------------------------------------------------
-    def _recover(self, s: int, error: CommError) -> None:
-        """An answer from shard ``s``'s holder failed: if that server is lost, the shard moves
-        to the server that kept its copy, and the request is answered from there."""
+    def watch(self) -> None:
+        """Clipping by norm: while the worker waits for pulls, move the shards of a server
+        the store says is lost (see the module docstring)."""
+        while not self.closed.wait(0.1):
+            for s, rank in enumerate(self.links.servers):
+                if self.links.waiting and lost_server(rank - self.num_workers, grace_s=0):
+                    self._recover(s, None, rank)
+
+    def _recover(self, s: int, error: CommError | None, rank: int) -> None:
+        """An answer from shard ``s``'s holder ``rank`` failed (``error``; None: the store
+        says it is lost): if that server is lost, the shard moves to the server that kept
+        its copy, and the request is answered from there."""
+        with self.links.lock:
+            if self.links.servers[s] == rank:  # (else moved already, by the other thread)
+                self._move(s, error)
+
+    def _move(self, s: int, error: CommError | None) -> None:
         lost = self.links.servers[s] - self.num_workers
         how = lost_server(lost)
         if how is None:
+            assert error is not None
             raise error
         if s in self.moved:
             raise CommError(
