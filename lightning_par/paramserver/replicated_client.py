@@ -253,13 +253,17 @@ class ReplicatedClient(ParameterClient):
         if how is None:
             assert error is not None
             raise error
-        if s in self.moved:
+        backup = backup_of(s, self.processes)
+        copy_lost = lost_server(backup, grace_s=0)
+        if s in self.moved or copy_lost:
+            why = (f"parameter server {backup}, which kept the copy, {copy_lost}" if copy_lost
+                   else "it held that shard after the shard's own server was lost")  # fmt: skip
             raise CommError(
                 f"worker {self.rank}: parameter server {lost} (rank {lost + self.num_workers}) "
-                f"{how}; it held shard {s} after that shard's own server was lost, and no "
-                "other process holds a copy of it: the job cannot go on"
+                f"{how}, and no live process holds a copy of shard {s} ({why}): the job "
+                "cannot go on (fault_tolerant survives one lost server per shard)"
             ) from error
-        holder = server_rank(self.num_workers, backup_of(s, self.processes))
+        holder = server_rank(self.num_workers, backup)
         self.links.servers[s] = holder
         self.moved.add(s)
         try:
@@ -270,6 +274,7 @@ class ReplicatedClient(ParameterClient):
                 self.links.resend(s)
         except CommError as err:
             raise CommError(
-                f"worker {self.rank}: parameter server {lost} {how}, and the server that kept "
-                f"the copy of its shard (rank {holder}) cannot take over: {err}"
+                f"worker {self.rank}: parameter server {lost} (rank {lost + self.num_workers}) "
+                f"{how}, and parameter server {backup} (rank {holder}), which kept the copy "
+                f"of its shard, could not take over: {err}"
             ) from err
