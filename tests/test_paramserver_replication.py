@@ -20,7 +20,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from lightning_par.comm import Communicator
+from lightning_par.comm import Communicator, run_on_ranks
 from lightning_par.launch.lost import how_it_ended
 from lightning_par.launch.policy import limit_threads_after_fork, plan_launch
 from lightning_par.launch.rendezvous import find_free_port
@@ -166,8 +166,6 @@ def _run(servers: int, *kills: tuple, clip: GradClip | None = None):
     The parent plays the worker that started the servers: it says which one died."""
     world = WORKERS + server_processes(servers, True)
     port = find_free_port()
-    store = dist.TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False,
-                          timeout=TIMEOUT)  # fmt: skip
     plan = plan_launch("cpu", world, can_exec=False)
     ctx = mp.get_context(plan.method)
     queue = ctx.SimpleQueue()
@@ -175,11 +173,15 @@ def _run(servers: int, *kills: tuple, clip: GradClip | None = None):
     procs = [ctx.Process(target=_rank, args=(r, *args), daemon=True) for r in range(world)]
     for proc in procs:
         proc.start()
+    # (the store's server thread starts after the forks: a fork copies no thread's locks)
+    store = dist.TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False,
+                          timeout=TIMEOUT)  # fmt: skip
     results, said, deadline = {}, set(), time.monotonic() + 90
     try:
         while len(results) < WORKERS and time.monotonic() < deadline:
             while not queue.empty():
                 rank, result = queue.get()  # (an error: its traceback)
+                assert rank < WORKERS, f"server {rank - WORKERS} failed:\n{result}"
                 results[rank] = pickle.loads(result) if isinstance(result, bytes) else result
             for r, proc in enumerate(procs[WORKERS:]):
                 if r not in said and proc.exitcode not in (None, 0):
@@ -191,6 +193,7 @@ def _run(servers: int, *kills: tuple, clip: GradClip | None = None):
             proc.join(timeout=10)
             if proc.is_alive():
                 proc.kill()
+        del store
     assert len(results) == WORKERS, "the workers did not finish"
     assert not [p for p in procs if p.is_alive()]
     return results, said
@@ -242,3 +245,20 @@ def test_a_shard_lost_with_its_copy_ends_the_job_naming_both():
     for error in results.values():
         assert isinstance(error, str) and "parameter server 0 (rank 2) was killed" in error
         assert "no live process holds a copy of shard" in error, error
+
+
+def _more_servers_than_tensors(rank: int, world: int) -> str:
+    model = nn.Linear(2, 1)  # two tensors, three servers: one holds nothing
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    try:
+        ReplicatedClient(model, opt, Communicator(), 1, 3, name="parameter_server")
+    except ValueError as err:
+        return str(err)
+    return "accepted"
+
+
+def test_a_server_without_parameters_is_refused_naming_the_option_and_the_fix():
+    # (refused before any message: the servers would never be heard from at a step)
+    (message,) = run_on_ranks(_more_servers_than_tensors, 1, timeout=30)
+    assert message.startswith("parameter_server: fault_tolerant=True needs every server"), message
+    assert "server(s) [2] hold none" in message and "lower num_servers or split_mb" in message

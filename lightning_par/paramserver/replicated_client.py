@@ -70,21 +70,22 @@ class ReplicatedLinks(ServerLinks):
     def tag(self, kind: Kind, server: int) -> ShardTag:
         return ShardTag(kind, server)
 
-    def send(self, message, s, kind, step=None, chunk=None) -> Handle | _Failed:  # type: ignore[override]
+    def send(self, message: torch.Tensor, s: int, kind: Kind, step: int | None = None,
+             chunk: int | None = None) -> Handle | _Failed:  # fmt: skip
         self.kept[s].append((kind, message))
         try:
             return super().send(message, s, kind, step, chunk)
         except CommError as err:
             return _Failed(err, self.servers[s])
 
-    def expect(self, b, s, kind, step=None) -> Handle | _Failed:  # type: ignore[override]
+    def expect(self, b: int, s: int, kind: Kind, step: int | None = None) -> Handle | _Failed:
         self.kind = kind
         try:
             return super().expect(b, s, kind, step)
         except CommError as err:
             return _Failed(err, self.servers[s])
 
-    def wait_sends(self, sends) -> None:
+    def wait_sends(self, sends: list[tuple[int, Handle | _Failed]]) -> None:
         """Wait for messages to the shards' holders; one that failed because its server is
         lost is let go (its answer will fail too, and the shard move then)."""
         for s, handle in sends:
@@ -184,13 +185,11 @@ class ReplicatedClient(ParameterClient):
         """Send ``command`` (worker 0: and ``obj``) to every shard."""
         self.settle()
         self._new_request(command)
-        message, sends = self.header(command).encode(), []
-        for s in range(len(self.servers)):
-            sends.append((s, self.links.send(message, s, Kind.HEADER)))
-            if command == Command.SET_STATE and self.rank == 0:
-                objects = protocol.encode_object(obj)
-                sends += [(s, self.links.send(m, s, Kind.OBJECT)) for m in objects]
-        self.links.wait_sends(sends)
+        messages = [(Kind.HEADER, self.header(command).encode())]
+        if command == Command.SET_STATE and self.rank == 0:
+            messages += [(Kind.OBJECT, m) for m in protocol.encode_object(obj)]
+        shards = range(len(self.servers))
+        self.links.wait_sends([(s, self.links.send(m, s, k)) for s in shards for k, m in messages])
 
     def _answer(self, s: int) -> Any:
         """Shard ``s``'s answer to the current command (worker 0's read: its state slices),
