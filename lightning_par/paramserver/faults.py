@@ -65,7 +65,7 @@ def _read(key: str, grace_s: float) -> str | None:
             return None  # the store's host (worker 0) is gone
         if time.monotonic() >= deadline:
             return None
-        time.sleep(0.05)
+        time.sleep(0.01)
 
 
 #: Where the worker that started a server says how it ended (``fault_tolerant``).

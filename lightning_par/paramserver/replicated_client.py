@@ -22,6 +22,7 @@ pulls, it looks every 0.1 s for a lost server in the store (:meth:`ReplicatedCli
 
 from __future__ import annotations
 
+import logging
 import threading
 from collections.abc import Callable
 from typing import Any
@@ -38,6 +39,8 @@ from lightning_par.paramserver.replication import backup_of, server_processes
 from lightning_par.paramserver.spec import ServerSpec
 from lightning_par.paramserver.takeover import ask_to_resume
 from lightning_par.paramserver.worker import ParameterClient
+
+log = logging.getLogger("lightning_par")
 
 
 class _Failed:
@@ -263,6 +266,7 @@ class ReplicatedClient(ParameterClient):
                 "cannot go on (fault_tolerant survives one lost server per shard)"
             ) from error
         holder = server_rank(self.num_workers, backup)
+        log.debug("worker %d: parameter server %d %s", self.rank, lost, how)
         self.links.servers[s] = holder
         self.moved.add(s)
         try:
@@ -271,6 +275,9 @@ class ReplicatedClient(ParameterClient):
                 self.links.repost(s)
             if done == self.request - 1:
                 self.links.resend(s)
+            log.debug("worker %d: parameter server %d lost; shard %d answered by rank %d from "
+                      "request %d (%s)", self.rank, lost, s, holder, self.request,
+                      "sent again" if done < self.request else "answered again")  # fmt: skip
         except CommError as err:
             raise CommError(
                 f"worker {self.rank}: parameter server {lost} (rank {lost + self.num_workers}) "
