@@ -84,9 +84,9 @@ def _arm(point: str, request: int) -> None:
     if point == "initial":  # before its backup got the initial weights
         Backup.initial = lambda self: _die()
     elif point == "begin":
-        answer = ShardServer._answer
-        ShardServer._answer = lambda self, h, n, a: (
-            (n == request and _die()) or answer(self, h, n, a)
+        serve = ShardServer.serve_request
+        ShardServer.serve_request = lambda self, h, n, a: (
+            (n == request and _die()) or serve(self, h, n, a)
         )
     elif point == "update":
         update = Backup.update

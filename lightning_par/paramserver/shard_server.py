@@ -79,11 +79,11 @@ class ShardServer:
         while True:
             header = recv_headers(self.comm, spec.num_workers, spec.num_hyper, IDLE_TIMEOUT,
                                   tag)[0]  # fmt: skip
-            if not self._answer(header, count, applied):
+            if not self.serve_request(header, count, applied):
                 return
             count, applied = count + 1, frozenset()
 
-    def _answer(self, header: Header, count: int, applied: frozenset[int]) -> bool:
+    def serve_request(self, header: Header, count: int, applied: frozenset[int]) -> bool:
         """Request ``count`` (``header``), recorded, applied and answered; False: ``STOP``."""
         command, shard = header.command, self.shard
         if command == Command.STEP:
@@ -106,14 +106,14 @@ class ShardServer:
                 "asynchronous server"
             )
         for w in self.workers:
-            self.answer_again(w, count, command)
+            self.answer(w, count, command)
         return command != Command.STOP
 
     def _record(self, header: Header, payload: tuple = ()) -> None:
         if self.backup is not None:
             self.backup.record(header, payload)
 
-    def answer_again(self, worker: int, count: int, command: Command | None) -> None:
+    def answer(self, worker: int, count: int, command: Command | None) -> None:
         """Send ``worker`` the answer to request ``count`` of ``command`` (``None``: the
         initial weights) as this shard stands: every bucket's slices, the state (worker 0's
         read), or ``DONE``."""
@@ -194,7 +194,7 @@ def keep_copy(
     if progress is None:
         return
     holder = ShardServer(comm, copy)
-    threads.spawn(partial(resume_workers, comm, copy, progress, holder.answer_again,
+    threads.spawn(partial(resume_workers, comm, copy, progress, holder.answer,
                           partial(_took_over, copy.server, server, workers, progress)),
                   f"ps-resume-{copy.server}")  # fmt: skip
     holder.serve(progress)
