@@ -41,8 +41,8 @@ from lightning_par.paramserver.shard_server import ShardServer, serve_replicated
 
 WORKERS, STEPS, BATCH = 2, 5, 4
 TIMEOUT = timedelta(seconds=30)
-#: requests: 0 the initial weights, 1-2 steps 0-1, 3 a checkpoint's read, 4-8 steps 2-4 (the
-#: pull of step k is request k+2 from step 2 on), 9 the last read, 10 the stop
+#: requests: 0 the initial weights, 1-2 steps 0-1, 3 a checkpoint's read and 4 its load,
+#: 5-7 steps 2-4 (step = request - 3), 8 the last read, 9 the stop
 READ_AT_STEP = 2
 
 
@@ -97,11 +97,11 @@ def _arm(point: str, request: int) -> None:
                 _die()
 
         Backup.update = updated
-    elif point == "answer":  # (requests from 4 on are steps: step = request - 2)
+    elif point == "answer":  # (requests 5-7 are steps 2-4)
         send = ShardOptimizer.send_slices
 
         def send_slices(self, comm, bucket, workers, step):
-            if step != request - 2:
+            if step != request - 3:
                 return send(self, comm, bucket, workers, step)
             send(self, comm, bucket, [0], step)[0].wait()
             if bucket == self.active[-1]:
@@ -129,8 +129,8 @@ def _train(comm: Communicator, rank: int, servers: int, clip: GradClip | None):
     g, n = torch.Generator().manual_seed(1), STEPS * WORKERS * BATCH
     x, y = torch.randn(n, 6, generator=g), torch.randint(0, 3, (n,), generator=g)
     for step in range(STEPS):
-        if step == READ_AT_STEP:
-            client.gather_state()  # a checkpoint's read, answered on every worker
+        if step == READ_AT_STEP:  # a checkpoint's read, and loading it (as a resume would)
+            client.load_state(client.gather_state())  # (complete on worker 0, which sends it)
         lo = (step * WORKERS + rank) * BATCH
         F.cross_entropy(model(x[lo : lo + BATCH]), y[lo : lo + BATCH]).backward()
         client.finish_backward()
@@ -212,11 +212,12 @@ def _same(run, reference) -> None:
 
 
 @pytest.mark.parametrize("kill", [
-    (1, "begin", 4),  # lost as a step begins: every worker sends it again (redone)
-    (1, "update", 5),  # the copy applied its first bucket: not applied again
-    (0, "answer", 6),  # worker 0 had its answer, worker 1 not: answered again, then redone
-    (0, "copy", 4),  # lost as the copy of shard 1 mid-step: its own shard moves, 1 goes on alone
+    (1, "begin", 5),  # lost as a step begins: every worker sends it again (redone)
+    (1, "update", 6),  # the copy applied its first bucket: not applied again
+    (0, "answer", 7),  # worker 0 had its answer, worker 1 not: answered again, then redone
+    (0, "copy", 5),  # lost as the copy of shard 1 mid-step: its own shard moves, 1 goes on alone
     (1, "begin", 3),  # lost as a checkpoint's read begins: read again from the copy
+    (0, "begin", 4),  # lost as a checkpoint's load begins: worker 0 sends the state again
 ], ids=lambda k: f"server{k[0]}-{k[1]}-request{k[2]}")  # fmt: skip
 def test_two_servers_one_lost_at_a_point_of_the_protocol(kill):
     reference = _run(2)
@@ -227,20 +228,20 @@ def test_two_servers_one_lost_at_a_point_of_the_protocol(kill):
 
 def test_a_lone_server_is_taken_over_by_its_standby_and_a_lost_standby_is_survived():
     reference = _run(1)
-    _same(_run(1, (0, "update", 4)), reference)
+    _same(_run(1, (0, "update", 5)), reference)
     _same(_run(1, (0, "initial", 0)), reference)  # even before the first step
-    _same(_run(1, (1, "copy", 5)), reference)
+    _same(_run(1, (1, "copy", 6)), reference)
 
 
 def test_clipping_by_norm_survives_a_lost_server():
     clip = GradClip(0.05, "norm")
     reference = _run(2, clip=clip)
-    _same(_run(2, (1, "update", 4), clip=clip), reference)
+    _same(_run(2, (1, "update", 5), clip=clip), reference)
 
 
 def test_a_shard_lost_with_its_copy_ends_the_job_naming_both():
     # server 1 dies as step 2 begins, server 0 (then holding both shards) as step 3 begins
-    results, said = _run(2, (1, "begin", 4), (0, "begin", 5))
+    results, said = _run(2, (1, "begin", 5), (0, "begin", 6))
     assert said == {0, 1}
     for error in results.values():
         assert isinstance(error, str) and "parameter server 0 (rank 2) was killed" in error
