@@ -150,6 +150,9 @@ def _decoders() -> dict[str, Callable[[torch.Tensor], object]]:
         "decode_object": protocol.decode_object,
         "decode_spec": protocol.decode_spec,
         "decode_state": protocol.decode_state,
+        "decode_update": lambda m: protocol.decode_update(m, m.numel() - 1, 1),
+        "decode_ack": protocol.decode_ack,
+        "decode_count": lambda m: protocol.decode_count(m, Kind.RECOVER),
     }
 
 

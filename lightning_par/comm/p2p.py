@@ -34,9 +34,13 @@ Tag = str | int  # a label for the trace; an int is also the transport's tag
 
 
 def tag_label(tag: Tag) -> str:
-    """How ``tag`` reads in a trace (an enum member: its lower-case name)."""
+    """How ``tag`` reads in a trace (an enum member: its lower-case name; an int tag with a
+    ``label``, e.g. a parameter server's tag of one shard: that label)."""
     if isinstance(tag, Enum):
         return tag.name.lower()
+    label = getattr(tag, "label", None)
+    if isinstance(label, str):
+        return label
     return str(tag) if isinstance(tag, int) else tag
 
 
@@ -196,7 +200,7 @@ class Communicator:
         if self._needs_staging(tensor):
             staged = self._host_buffer(tensor).copy_(tensor)
             payload = staged
-        work = self._pg.send([payload], dst, transport_tag(tag)) if tensor.numel() else None
+        work = self._post("send", payload, dst, tag, step, chunk) if tensor.numel() else None
         return Handle(self, work, "send", dst, tensor, staged, start, step, chunk, tag)
 
     def irecv(
@@ -215,8 +219,26 @@ class Communicator:
         start = self.trace.now() if self.trace is not None else 0.0
         staged = self._host_buffer(tensor) if self._needs_staging(tensor) else None
         target = staged if staged is not None else tensor
-        work = self._pg.recv([target], src, transport_tag(tag)) if tensor.numel() else None
+        work = self._post("recv", target, src, tag, step, chunk) if tensor.numel() else None
         return Handle(self, work, "recv", src, tensor, staged, start, step, chunk, tag)
+
+    def _post(
+        self, op: str, tensor: torch.Tensor, peer: int, tag: Tag, step: int | None,
+        chunk: int | None,
+    ) -> dist.Work:  # fmt: skip
+        """Post one message; a peer whose connection closed already fails here, at once
+        (gloo raises on posting), as a :class:`CommError` like a failed wait."""
+        try:
+            if op == "send":
+                return self._pg.send([tensor], peer, transport_tag(tag))
+            return self._pg.recv([tensor], peer, transport_tag(tag))
+        except RuntimeError as err:
+            where = f"step {step}, chunk {chunk}"
+            raise CommError(
+                f"rank {self.global_rank}: {op} {'to' if op == 'send' else 'from'} rank "
+                f"{self.global_rank_of(peer)} failed ({tag_label(tag) or 'message'}, {where}): "
+                f"{err}"
+            ) from err
 
     def send(self, tensor: torch.Tensor, dst: int, **kw) -> None:
         self.isend(tensor, dst, **kw).wait()

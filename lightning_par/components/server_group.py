@@ -37,17 +37,8 @@ from lightning_par.launch.lost import RankLost
 from lightning_par.launch.rendezvous import StoreAddress
 from lightning_par.paramserver import process as servers
 from lightning_par.paramserver.faults import explain
+from lightning_par.paramserver.replication import server_processes
 from lightning_par.paramserver.worker import ParameterClient
-
-
-def gloo_only(kwargs: dict[str, Any]) -> None:
-    """Take ``process_group_backend`` out of ``kwargs``: only gloo (or unset) is allowed."""
-    backend = kwargs.pop("process_group_backend", None)
-    if backend not in (None, "gloo"):
-        raise ValueError(
-            f"process_group_backend={backend!r}: the parameter server talks to CPU servers "
-            "over gloo (CUDA workers stage through pinned memory); leave it unset"
-        )
 
 
 @dataclass(frozen=True)
@@ -103,6 +94,9 @@ class ServerGroup:
     Args:
         num_servers, bucket_cap_mb, split_mb: see the strategies.
         client_cls: :class:`ParameterClient` or a subclass.
+        fault_tolerant: each server's shard copied in the next server process (a standby
+            for a lone server), a lost server's shard taken over by its copy
+            (:mod:`lightning_par.paramserver.replication`).
     """
 
     def __init__(
@@ -111,12 +105,15 @@ class ServerGroup:
         bucket_cap_mb: float,
         split_mb: float,
         client_cls: type[ParameterClient] = ParameterClient,
+        fault_tolerant: bool = False,
     ) -> None:
         check_positive("num_servers", num_servers, int)
         check_positive("bucket_cap_mb", bucket_cap_mb)
         check_positive("split_mb", split_mb)
         self.num_servers, self.bucket_cap_mb, self.split_mb = num_servers, bucket_cap_mb, split_mb
-        self.client_cls = client_cls
+        self.client_cls, self.fault_tolerant = client_cls, fault_tolerant
+        #: server processes: the shards' servers, and a lone server's standby
+        self.num_processes = server_processes(num_servers, fault_tolerant)
         #: where this worker stands (:meth:`start`)
         self.context: WorkerContext | None = None
         self.client: ParameterClient | None = None
@@ -155,18 +152,21 @@ class ServerGroup:
             )
         store, address = ctx.group_store()
         if ctx.local_rank == 0:  # each node starts its share of the servers
-            mine = servers.servers_of_node(self.num_servers, ctx.num_nodes, ctx.node_rank)
+            mine = servers.servers_of_node(self.num_processes, ctx.num_nodes, ctx.node_rank)
             self.started = mine
             self.processes = servers.start_servers(
-                mine, ctx.workers, self.num_servers, address, ctx.timeout,
-                dead_peer_s=ctx.dead_peer_s, **server_options,
+                mine, ctx.workers, self.num_processes, address, ctx.timeout,
+                dead_peer_s=ctx.dead_peer_s, fault_tolerant=self.fault_tolerant, **server_options,
             )  # fmt: skip
-        world = ctx.workers + self.num_servers
+        world = ctx.workers + self.num_processes
         dist.init_process_group(
             "gloo", store=store, rank=ctx.rank, world_size=world, timeout=ctx.timeout
         )
-        self._watch = servers.watch_servers(self.processes, ctx.workers) if self.processes else None
-        liveness.watch_group(store, ctx.rank, watched, ctx.timeout, ctx.rank_name, ctx.dead_peer_s)
+        procs, ft = self.processes, self.fault_tolerant
+        self._watch = servers.watch_servers(procs, ctx.workers, ft) if procs else None
+        survive = servers.fence(procs, ctx.workers) if ft else None  # lost servers: survived
+        liveness.watch_group(store, ctx.rank, watched, ctx.timeout, ctx.rank_name, ctx.dead_peer_s,
+                             survive)  # fmt: skip
         self.workers.create(ctx.workers)
         self.workers.prepare_data(module)
 
@@ -276,7 +276,7 @@ class ServerGroup:
                 self.client.close()
             self.client = None
         elif clean and ctx.rank == 0 and comm is not None:
-            self.client_cls.close_untrained(comm, ctx.workers, self.num_servers)
+            self.client_cls.close_untrained(comm, ctx.workers, self.num_processes)
         if self._watch is not None:
             self._watch.set()  # the servers end now: no longer news
         if self.processes:

@@ -34,6 +34,16 @@ def check_positive(name: str, value: Any, kind: type = float) -> None:
         raise ValueError(f"{name} must be > 0, got {value}")
 
 
+def gloo_only(kwargs: dict[str, Any]) -> None:
+    """Take ``process_group_backend`` out of ``kwargs``: only gloo (or unset) is allowed."""
+    backend = kwargs.pop("process_group_backend", None)
+    if backend not in (None, "gloo"):
+        raise ValueError(
+            f"process_group_backend={backend!r}: the parameter server talks to CPU servers "
+            "over gloo (CUDA workers stage through pinned memory); leave it unset"
+        )
+
+
 class WorkersBarrier:
     """Lightning's barrier around ``prepare_data`` (one rank may download for a long time),
     over the workers' group and with the servers' idle timeout."""

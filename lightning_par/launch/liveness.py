@@ -47,7 +47,10 @@ class Heartbeat:
         dead_after_s: seconds without a beat after which a watched rank is reported.
         name: how to name a rank in the report (``"worker 1 (rank 1)"``).
         on_dead: called with the silent rank and the report, instead of
-            :func:`report_and_exit`; if it returns True the others are still watched.
+            :func:`report_and_exit`.
+        survive: asked first about a silent rank (with the report); True: the job goes on
+            without it (it is no longer watched), e.g. a parameter server whose shard a
+            copy takes over.
     """
 
     def __init__(
@@ -57,9 +60,11 @@ class Heartbeat:
         watched: Iterable[int],
         dead_after_s: float,
         name: Callable[[int], str] = lambda r: f"rank {r}",
-        on_dead: Callable[[int, str], Any] | None = None,
+        on_dead: Callable[[int, str], None] | None = None,
+        survive: Callable[[int, str], bool] | None = None,
     ) -> None:
         self.store, self.rank, self.dead_after_s, self.name = store, rank, dead_after_s, name
+        self.survive = survive
         self.watched = [r for r in watched if r != rank]
         self.on_dead = on_dead or partial(report_and_exit, name(rank))
         self.interval_s = max(0.05, min(1.0, dead_after_s / 4))
@@ -95,10 +100,9 @@ class Heartbeat:
         self._safely(lambda: self.store.add(self._key(rank), _DONE))
 
     def hand_silent_peers_to(self, handler: Callable[[int, str], bool]) -> None:
-        """From now on a silent peer is handed to ``handler(rank, report)``; when it returns
-        True the job goes on without that peer and the others are still watched (a
-        fault-tolerant group)."""
-        self.on_dead = handler
+        """From now on a silent peer is asked about first (``survive``): a fault-tolerant
+        group goes on without it, the others still watched."""
+        self.survive = handler
 
     def stop(self) -> None:
         self.finish()
@@ -131,9 +135,11 @@ class Heartbeat:
                         seen[peer] = (count, now)
                     elif now - last[1] > self.dead_after_s and not self._finished:
                         report = silent_report(self.name(peer), now - last[1], self.dead_after_s)
-                        if self.on_dead(peer, report) is not True:
-                            return
-                        self.watched.remove(peer)  # handled: the job goes on without it
+                        if self.survive is not None and self.survive(peer, report):
+                            self.watched.remove(peer)
+                            continue
+                        self.on_dead(peer, report)
+                        return
         except Exception:
             return  # the store's host is gone: gloo reports that job's end itself
 
@@ -179,18 +185,19 @@ def watch_group(
     timeout: timedelta | None = None,
     name: Callable[[int], str] = lambda r: f"rank {r}",
     dead_after_s: float | None = None,
+    survive: Callable[[int, str], bool] | None = None,
 ) -> Heartbeat:
     """Start the heartbeat of the group this process just joined (ending the previous
     group's); peers silent for ``dead_after_s`` (default
     :func:`~lightning_par.launch.rendezvous.dead_peer_timeout`; at most the group's
-    ``timeout``) end the job."""
+    ``timeout``) end the job, but those ``survive`` says the job goes on without."""
     global _current
     if _current is not None:
         _current.stop()
     else:  # runs before the process group is destroyed at exit (atexit is last-in first-out)
         atexit.register(stop_watching)
     limit = dead_peer_timeout(timeout, dead_after_s)
-    _current = Heartbeat(store, rank, watched, limit, name, on_dead=_handler).start()
+    _current = Heartbeat(store, rank, watched, limit, name, _handler, survive).start()
     return _current
 
 

@@ -15,7 +15,12 @@
   :mod:`~lightning_par.paramserver.worker` (synchronous: push per bucket during backward,
   pull per layer before forward) and :mod:`~lightning_par.paramserver.async_client`;
 * :mod:`~lightning_par.paramserver.asynchronous`: the asynchronous (stale synchronous)
-  server; :mod:`~lightning_par.paramserver.work`: batches handed out on demand.
+  server; :mod:`~lightning_par.paramserver.work`: batches handed out on demand;
+* ``fault_tolerant``: :mod:`~lightning_par.paramserver.replication` (each shard copied in the
+  next server process, after every update), :mod:`~lightning_par.paramserver.takeover` (a
+  lost server's shard answered from its copy, the interrupted request exactly once),
+  :mod:`~lightning_par.paramserver.shard_server` (the servers' side) and
+  :mod:`~lightning_par.paramserver.replicated_client` (the workers').
 """
 
 from lightning_par.paramserver.async_client import AsyncParameterClient
@@ -25,7 +30,9 @@ from lightning_par.paramserver.clipping import GradClip
 from lightning_par.paramserver.plan import Piece, ShardPlan, plan_shards
 from lightning_par.paramserver.protocol import Command, Header, Kind, ProtocolError
 from lightning_par.paramserver.remedies import Remedies
+from lightning_par.paramserver.replicated_client import ReplicatedClient
 from lightning_par.paramserver.server import ShardOptimizer, serve, synchronous_step
+from lightning_par.paramserver.shard_server import serve_replicated
 from lightning_par.paramserver.spec import ServerSpec, check_optimizer
 from lightning_par.paramserver.worker import ParameterClient
 
@@ -41,6 +48,7 @@ __all__ = [
     "Piece",
     "ProtocolError",
     "Remedies",
+    "ReplicatedClient",
     "ServerSpec",
     "ShardOptimizer",
     "ShardPlan",
@@ -49,5 +57,6 @@ __all__ = [
     "plan_shards",
     "serve",
     "serve_async",
+    "serve_replicated",
     "synchronous_step",
 ]

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import sys
 import time
+from collections.abc import Callable
 from typing import Any
 
 from lightning_par import _compat
@@ -48,19 +49,45 @@ def record_fault(message: str) -> None:
 def reported_fault(grace_s: float = 3.0) -> str | None:
     """A server's message, waiting up to ``grace_s`` for it (a worker's own timeout can fire
     a moment before the server's, which started earlier)."""
+    return _read(FAULT_KEY, grace_s)
+
+
+def _read(key: str, grace_s: float) -> str | None:
     store = _store()
     if store is None:
         return None
     deadline = time.monotonic() + grace_s
     while True:
         try:
-            if store.check([FAULT_KEY]):
-                return store.get(FAULT_KEY).decode()
+            if store.check([key]):
+                return store.get(key).decode()
         except Exception:
             return None  # the store's host (worker 0) is gone
         if time.monotonic() >= deadline:
             return None
-        time.sleep(0.1)
+        time.sleep(0.01)
+
+
+#: Where the worker that started a server says how it ended (``fault_tolerant``).
+LOST_KEY = "lightning_par/paramserver/lost/{}"
+
+
+def record_lost(server: int, how: str) -> None:
+    """Server ``server``'s process ended (``how``: "was killed by SIGKILL"): its peers may
+    take a failed message from it for its loss (:func:`lost_server`)."""
+    store = _store()
+    if store is not None:
+        try:
+            store.set(LOST_KEY.format(server), how)
+        except Exception:
+            pass
+
+
+def lost_server(server: int, grace_s: float = 5.0) -> str | None:
+    """How server ``server``'s process ended, if it did (waiting up to ``grace_s`` for the
+    worker that started it to say so: it sees the death within milliseconds), else None:
+    a message that failed for another reason (a timeout) is no loss."""
+    return _read(LOST_KEY.format(server), grace_s)
 
 
 def explain(message: str) -> str:
@@ -71,13 +98,28 @@ def explain(message: str) -> str:
 
 def with_fault(server: int, rule: Any) -> Any:
     """``rule`` or, where a planned fault strikes this server, ``rule`` after the fault."""
-    fault = planned_fault()
-    if fault is None or fault.server != server:
+    strike = fault_of(server)
+    if strike is None:
         return rule
 
     def struck(comm, shard, step):
-        if fault.due(step, server=server):
-            fault.strike()
+        strike(step)
         return rule(comm, shard, step)
 
     return struck
+
+
+def fault_of(server: int) -> Callable[[int], None] | None:
+    """The check to make as each step of server ``server`` begins, if a planned fault
+    strikes it (once: a frozen server that is let go again goes on)."""
+    fault = planned_fault()
+    if fault is None or fault.server != server:
+        return None
+    struck: list[int] = []
+
+    def strike(step: int) -> None:
+        if not struck and fault.due(step, server=server):
+            struck.append(step)
+            fault.strike()
+
+    return strike

@@ -14,6 +14,7 @@ from torch import nn
 
 from lightning_par.comm import CommError, Communicator, Handle
 from lightning_par.comm.buckets import Bucket
+from lightning_par.comm.p2p import Tag
 from lightning_par.paramserver import protocol
 from lightning_par.paramserver.client_plan import ClientPlan
 from lightning_par.paramserver.faults import explain
@@ -43,22 +44,34 @@ class ServerLinks:
         ]  # fmt: skip
         self.pending: dict[int, list[tuple[int, Handle]]] = {}  # bucket -> (server, pull)
 
+    def tag(self, kind: Kind, server: int) -> Tag:
+        """The tag of a ``kind`` message to or from ``server`` (its kind's)."""
+        return kind
+
+    def send(self, message: torch.Tensor, s: int, kind: Kind, step: int | None = None,
+             chunk: int | None = None) -> Handle:  # fmt: skip
+        """Post ``message`` to server ``s``."""
+        return self.comm.isend(message, self.servers[s], step=step, chunk=chunk,
+                               tag=self.tag(kind, s))  # fmt: skip
+
+    def expect(self, b: int, s: int, kind: Kind, step: int | None = None) -> Handle:
+        """Post the receive of bucket ``b``'s slices from server ``s``."""
+        return self.comm.irecv(self.pull[b][s], self.servers[s], step=step, chunk=b,
+                               tag=self.tag(kind, s))  # fmt: skip
+
     def send_initial(self) -> None:
         """Worker 0: every server's initial slices (``INIT``)."""
         for b, per_server in enumerate(self.plan.slices):
             for s in self.plan.servers_of(b):
                 flat = protocol.encode_slices([self.params[pc.param].flatten()[pc.start : pc.stop]
                                                for _, pc in per_server[s]])  # fmt: skip
-                self.comm.send(flat, self.servers[s], chunk=b, tag=Kind.INIT)
+                self.wait_sends([(s, self.send(flat.clone(), s, Kind.INIT, chunk=b))])
 
     def post_pulls(self, kind: Kind = Kind.PULL) -> None:
         """Post the receive of every bucket's slices (``INIT`` at the start; ``PULL`` for the
         servers' current weights)."""
         for b in range(len(self.plan.buckets)):
-            self.pending[b] = [
-                (s, self.comm.irecv(self.pull[b][s], self.servers[s], chunk=b, tag=kind))
-                for s in self.plan.servers_of(b)
-            ]
+            self.pending[b] = [(s, self.expect(b, s, kind)) for s in self.plan.servers_of(b)]
 
     def push(self, bucket: Bucket, step: int) -> list[tuple[int, Handle]]:
         """Post ``bucket``'s gradient slices to their servers and the receives of the updated
@@ -69,11 +82,8 @@ class ServerLinks:
             sl = self.plan.slices[b][s]
             grads = [bucket.views[i].flatten()[pc.start : pc.stop] for i, pc in sl]
             message = protocol.encode_push(grads, [bucket.flags[i] for i, _ in sl])
-            server = self.servers[s]
-            sends.append((s, self.comm.isend(message, server, step=step, chunk=b, tag=Kind.PUSH)))
-            pulls.append(
-                (s, self.comm.irecv(self.pull[b][s], server, step=step, chunk=b, tag=Kind.PULL))
-            )
+            sends.append((s, self.send(message, s, Kind.PUSH, step, b)))
+            pulls.append((s, self.expect(b, s, Kind.PULL, step)))
         self.pending[b] = pulls
         return sends
 
@@ -84,7 +94,7 @@ class ServerLinks:
                 handle.wait()
             except CommError as err:
                 raise CommError(explain(
-                    f"worker {self.rank}: push to parameter server {s} "
+                    f"worker {self.rank}: a message to parameter server {s} "
                     f"(rank {self.servers[s]}) failed: {err}"
                 )) from err  # fmt: skip
 
@@ -93,19 +103,23 @@ class ServerLinks:
         pulls = self.pending.pop(b, None)
         if not pulls:
             return
+        for s, handle in pulls:
+            try:
+                flat = handle.wait()
+            except CommError as err:
+                raise CommError(explain(
+                    f"worker {self.rank}: no update from parameter server {s} "
+                    f"(rank {self.servers[s]}): {err}"
+                )) from err  # fmt: skip
+            self.write(b, s, flat)
+
+    def write(self, b: int, s: int, flat: torch.Tensor) -> None:
+        """Write bucket ``b``'s slices received from server ``s`` into the parameters."""
+        pieces = [pc for _, pc in self.plan.slices[b][s]]
+        received = protocol.decode_slices(flat, [pc.numel for pc in pieces])
         with torch.no_grad():
-            for s, handle in pulls:
-                try:
-                    flat = handle.wait()
-                except CommError as err:
-                    raise CommError(explain(
-                        f"worker {self.rank}: no update from parameter server {s} "
-                        f"(rank {self.servers[s]}): {err}"
-                    )) from err  # fmt: skip
-                pieces = [pc for _, pc in self.plan.slices[b][s]]
-                received = protocol.decode_slices(flat, [pc.numel for pc in pieces])
-                for pc, values in zip(pieces, received):
-                    self.params[pc.param].data.view(-1)[pc.start : pc.stop].copy_(values)
+            for pc, values in zip(pieces, received):
+                self.params[pc.param].data.view(-1)[pc.start : pc.stop].copy_(values)
 
     def settle(self) -> None:
         """Wait for every outstanding pull."""

@@ -16,6 +16,12 @@ worker's process id (a forkserver's child has the forkserver as parent), so no s
 outlives a failed run. The starting worker watches its servers in turn: one that dies
 (killed by the OOM killer, say) is reported within a second in the group's store, naming
 the server, so every worker's error names it (:mod:`lightning_par.paramserver.faults`).
+
+With ``fault_tolerant`` a server's death does not end the job: the starting worker records
+how it ended in the store (the others take a failed message for its loss only then), a
+server silent for ``dead_peer_timeout`` (frozen) is killed by the worker that started it
+(:func:`fence`), so that its connections close and its shard's copy takes over
+(:mod:`lightning_par.paramserver.shard_server`), and a lone server gets a standby.
 """
 
 from __future__ import annotations
@@ -44,8 +50,15 @@ from lightning_par.launch.policy import FORKSERVER_PRELOAD, limit_threads_after_
 from lightning_par.launch.processes import die_with_parent
 from lightning_par.launch.rendezvous import StoreAddress, connect_group_store, dead_peer_timeout
 from lightning_par.paramserver.asynchronous import serve_async
-from lightning_par.paramserver.faults import record_fault, reported_fault, with_fault
+from lightning_par.paramserver.faults import (
+    lost_server,
+    record_fault,
+    record_lost,
+    reported_fault,
+    with_fault,
+)
 from lightning_par.paramserver.server import serve, synchronous_step
+from lightning_par.paramserver.shard_server import serve_replicated
 
 
 def _watch(pid: int) -> None:
@@ -73,7 +86,7 @@ class ServerLaunch:
 
     server: int  # its index among the servers (group rank ``num_workers + server``)
     num_workers: int
-    num_servers: int
+    num_servers: int  # server processes (fault_tolerant with one server: 2, the standby)
     address: StoreAddress  # the group's store
     timeout: timedelta  # the group's timeout: one unit from the strategy to the socket
     owner: int  # the pid of the worker that started it (the server dies with it)
@@ -82,6 +95,7 @@ class ServerLaunch:
     staleness: int | None = None
     remedies: Any = None  # a lightning_par.paramserver.remedies.Remedies (asynchronous)
     dead_peer_s: float | None = None  # the strategy's dead_peer_timeout (None: the default)
+    fault_tolerant: bool = False
 
     @property
     def rank(self) -> int:
@@ -108,10 +122,15 @@ def server_main(launch: ServerLaunch, parent: ParentState | None = None) -> None
         # every rank (asynchronous: the workers it loses are forgotten as it drops them)
         watched = range(num_workers + launch.num_servers)
         limit = dead_peer_timeout(timeout, launch.dead_peer_s)
-        beat = Heartbeat(store, rank, watched, limit, partial(role_name, num_workers))
+        # fault_tolerant: a silent server is killed by its starter and its copy takes over
+        survive = (lambda peer, report: peer >= num_workers) if launch.fault_tolerant else None
+        beat = Heartbeat(store, rank, watched, limit, partial(role_name, num_workers),
+                         survive=survive)  # fmt: skip
         beat.start()
         if launch.asynchronous:
             serve_async(Communicator(), server, launch.staleness, launch.remedies, beat.forget)
+        elif launch.fault_tolerant:
+            serve_replicated(Communicator(), server, launch.num_servers, store, timeout)
         else:
             serve(Communicator(), server, with_fault(server, synchronous_step))
     except BaseException as err:
@@ -138,7 +157,7 @@ def role_name(num_workers: int, rank: int) -> str:
 def start_servers(
     servers: list[int], num_workers: int, num_servers: int, address: StoreAddress,
     timeout: timedelta, asynchronous: bool = False, staleness: int | None = None,
-    remedies: Any = None, dead_peer_s: float | None = None,
+    remedies: Any = None, dead_peer_s: float | None = None, fault_tolerant: bool = False,
 ) -> list[mp.process.BaseProcess]:  # fmt: skip
     """Start ``servers`` (indices out of ``num_servers``) from this worker, before it joins
     the group at ``address``; with ``asynchronous`` they run
@@ -157,7 +176,7 @@ def start_servers(
         launch = ServerLaunch(
             s, num_workers, num_servers, address, timeout, os.getpid(), threads=1,
             asynchronous=asynchronous, staleness=staleness, remedies=remedies,
-            dead_peer_s=dead_peer_s,
+            dead_peer_s=dead_peer_s, fault_tolerant=fault_tolerant,
         )  # fmt: skip
         proc = ctx.Process(
             target=server_main,
@@ -184,10 +203,14 @@ def _kill_left(procs: list[mp.process.BaseProcess], owner: int) -> None:
             proc.join()
 
 
-def watch_servers(procs: list[mp.process.BaseProcess], num_workers: int) -> threading.Event:
+def watch_servers(
+    procs: list[mp.process.BaseProcess], num_workers: int, fault_tolerant: bool = False
+) -> threading.Event:
     """Report a server of ``procs`` that dies before it is told to stop (set the returned
     event first): its index, rank and how it ended go to the group's store, where every
-    worker's error message finds them. Call once this process has joined the group."""
+    worker's error message finds them (``fault_tolerant``: where its peers learn that it is
+    lost, :func:`~lightning_par.paramserver.faults.record_lost`). Call once this process
+    has joined the group."""
     stopping = threading.Event()
 
     def watch() -> None:
@@ -196,9 +219,13 @@ def watch_servers(procs: list[mp.process.BaseProcess], num_workers: int) -> thre
             for sentinel in mp.connection.wait(list(left), timeout=0.5):
                 proc = left.pop(sentinel)
                 proc.join()
+                s = proc.server_index  # type: ignore[attr-defined]
+                if fault_tolerant and not stopping.is_set() and proc.exitcode != 0:
+                    if lost_server(s, grace_s=0) is None:  # (fenced: said so already)
+                        record_lost(s, _how_it_ended(proc.exitcode))
+                    continue
                 if stopping.is_set() or proc.exitcode == 0 or reported_fault(grace_s=0):
                     continue  # (a server that failed on its own said why already)
-                s = proc.server_index  # type: ignore[attr-defined]
                 record_fault(
                     f"parameter server {s} (rank {num_workers + s}), process {proc.pid}, "
                     f"{_how_it_ended(proc.exitcode)}{DIED}"
@@ -206,6 +233,22 @@ def watch_servers(procs: list[mp.process.BaseProcess], num_workers: int) -> thre
 
     threading.Thread(target=watch, daemon=True, name="ps-server-watch").start()
     return stopping
+
+
+def fence(procs: list[mp.process.BaseProcess], num_workers: int):
+    """A worker's answer to a silent peer (``fault_tolerant``): a server goes on without it
+    (``survive`` of :class:`~lightning_par.launch.liveness.Heartbeat`), killed first if this
+    worker started it, so that its connections close and its copy takes over."""
+
+    def survive(peer: int, report: str) -> bool:
+        for proc in procs:
+            if num_workers + proc.server_index == peer and proc.is_alive():  # type: ignore[attr-defined]
+                how = report.removeprefix(role_name(num_workers, peer)).strip()
+                record_lost(peer - num_workers, f"{how}, and its starter killed it")
+                proc.kill()
+        return peer >= num_workers
+
+    return survive
 
 
 def _how_it_ended(exitcode: int) -> str:

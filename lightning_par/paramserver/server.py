@@ -18,12 +18,14 @@ Two parts, kept apart so that asynchronous SGD can reuse the first:
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
+from functools import partial
 from typing import Any
 
 import torch
 from torch import nn
 
 from lightning_par.comm import CommError, Communicator, Handle, wait_all
+from lightning_par.comm.p2p import Tag
 from lightning_par.paramserver import protocol
 from lightning_par.paramserver.clipping import clip_value, norm_factor, squared_norm
 from lightning_par.paramserver.messages import (
@@ -37,6 +39,7 @@ from lightning_par.paramserver.protocol import (
     Command,
     Kind,
     ProtocolError,
+    ShardTag,
     server_rank,
 )
 from lightning_par.paramserver.spec import ServerSpec, set_hyper
@@ -45,10 +48,18 @@ Key = tuple[int, int, int]  # (parameter, start, stop) of one slice
 
 
 class ShardOptimizer:
-    """This server's slices of the parameters and the user's optimiser over them."""
+    """This server's slices of the parameters and the user's optimiser over them.
 
-    def __init__(self, spec: ServerSpec, server: int) -> None:
+    ``server`` is the shard's index; with ``tagged`` (``fault_tolerant``) its messages travel
+    on tags of their own (:class:`~lightning_par.paramserver.protocol.ShardTag`), as one
+    process may hold two shards. :attr:`norms`, if set, turns this shard's squared gradient
+    norm into the whole gradient's (clipping by norm) instead of the exchange with every
+    other server."""
+
+    def __init__(self, spec: ServerSpec, server: int, tagged: bool = False) -> None:
         self.spec, self.server = spec, server
+        self.tag: Callable[[Kind], Tag] = partial(ShardTag, shard=server) if tagged else Kind
+        self.norms: Callable[[float, int], float] | None = None
         #: every server's group rank (clipping by norm: they exchange squared norms)
         self.servers = [server_rank(spec.num_workers, s) for s in range(spec.plan.num_servers)]
         self.layout = [spec.plan.message(b, server) for b in spec.buckets]
@@ -72,12 +83,16 @@ class ShardOptimizer:
         self._group_index = [g for g, ps in enumerate(groups) if ps]
         self.optimizer = spec.optimizer_cls(param_groups) if param_groups else None
 
-    def share_initial(self, comm: Communicator) -> None:
-        """Take worker 0's initial slices and send them to every worker (``INIT``)."""
+    def share_initial(self, comm: Communicator, replicate: Callable[[], None] | None = None
+                      ) -> None:  # fmt: skip
+        """Take worker 0's initial slices (``replicate`` them) and send them to every worker
+        (``INIT``)."""
         for b in self.active:
-            comm.recv(self.flat[b], 0, chunk=b, tag=Kind.INIT)
+            comm.recv(self.flat[b], 0, chunk=b, tag=self.tag(Kind.INIT))
             protocol.decode_slices(self.flat[b], self.sizes(b), Kind.INIT)  # (checks it)
-        wait_all([comm.isend(self.slices(b), w, chunk=b, tag=Kind.INIT)
+        if replicate is not None:
+            replicate()
+        wait_all([comm.isend(self.slices(b), w, chunk=b, tag=self.tag(Kind.INIT))
                   for b in self.active for w in range(self.spec.num_workers)])  # fmt: skip
 
     def sizes(self, bucket: int) -> list[int]:
@@ -103,8 +118,8 @@ class ShardOptimizer:
         self, comm: Communicator, bucket: int, workers: Iterable[int], step: int
     ) -> list[Handle]:
         """Post ``bucket``'s updated slices to ``workers`` (``PULL``)."""
-        return [comm.isend(self.slices(bucket), w, step=step, chunk=bucket, tag=Kind.PULL)
-                for w in workers]  # fmt: skip
+        return [comm.isend(self.slices(bucket), w, step=step, chunk=bucket,
+                           tag=self.tag(Kind.PULL)) for w in workers]  # fmt: skip
 
     def set_hyper(self, values: list[float]) -> None:
         """Hyperparameters from the workers (their schedulers run there)."""
@@ -165,32 +180,45 @@ def _copy(value: Any) -> Any:
 
 def apply_averaged(
     comm: Communicator, shard: ShardOptimizer, grads: dict[int, tuple[torch.Tensor, torch.Tensor]],
-    step: int,
+    step: int, applied: frozenset[int] = frozenset(),
 ) -> None:  # fmt: skip
     """Apply each active bucket's averaged gradient (``bucket -> (grad, used)``), clipped as
-    the spec says; by norm every server takes part, even one holding no bucket."""
+    the spec says, but not to the buckets ``applied`` already (their clipped gradient is
+    still computed: a lost server's step redone by its backup); by norm every server takes
+    part, even one holding no bucket."""
     clip = shard.spec.clip
     if clip is not None and clip.algorithm == "norm":
         mine = squared_norm([grad for grad, _ in grads.values()])
-        total = exchange_squared_norms(comm, shard.servers, shard.server, mine, step)
+        if shard.norms is not None:
+            total = shard.norms(mine, step)
+        else:
+            total = exchange_squared_norms(comm, shard.servers, shard.server, mine, step)
         factor = norm_factor(total, clip.value)
         for grad, _ in grads.values():
             grad.mul_(factor)
     for b, (grad, used) in grads.items():
         if clip is not None and clip.algorithm == "value":
             clip_value(grad, clip)
-        shard.apply(b, grad, used)
+        if b not in applied:
+            shard.apply(b, grad, used)
 
 
-def synchronous_step(comm: Communicator, shard: ShardOptimizer, step: int) -> None:
+def synchronous_step(
+    comm: Communicator, shard: ShardOptimizer, step: int, replicate: Replicate | None = None,
+    applied: frozenset[int] = frozenset(),
+) -> None:  # fmt: skip
     """Wait for every worker's push of a bucket, average, apply, send the slices back.
 
     Bucket by bucket, so the first buckets' weights go back while later pushes arrive;
-    clipping by norm needs the whole gradient's norm, so it waits for every bucket first."""
+    clipping by norm needs the whole gradient's norm, so it waits for every bucket first.
+    ``replicate(bucket, grad, used)`` (``fault_tolerant``) hands each applied update to the
+    shard's backup before the slices go back; buckets ``applied`` already (by a lost
+    primary, replicated) are not applied again."""
     workers = shard.spec.num_workers
     pushes = {b: [shard.push_buffer(b) for _ in range(workers)] for b in shard.active}
+    tag = shard.tag(Kind.PUSH)
     recvs = {
-        b: [comm.irecv(buf, w, step=step, chunk=b, tag=Kind.PUSH) for w, buf in enumerate(bufs)]
+        b: [comm.irecv(buf, w, step=step, chunk=b, tag=tag) for w, buf in enumerate(bufs)]
         for b, bufs in pushes.items()
     }
     whole = shard.spec.clip is not None and shard.spec.clip.algorithm == "norm"
@@ -203,13 +231,25 @@ def synchronous_step(comm: Communicator, shard: ShardOptimizer, step: int) -> No
         waiting[b] = (grad.div_(workers), used)
         if whole:
             continue
-        apply_averaged(comm, shard, waiting, step)
+        apply_averaged(comm, shard, waiting, step, applied)
+        _replicate(replicate, waiting, applied)
         sends += shard.send_slices(comm, b, range(workers), step)
         waiting = {}
     if whole:
-        apply_averaged(comm, shard, waiting, step)
+        apply_averaged(comm, shard, waiting, step, applied)
+        _replicate(replicate, waiting, applied)
         sends += [h for b in shard.active for h in shard.send_slices(comm, b, range(workers), step)]
     wait_all(sends)
+
+
+Replicate = Callable[[int, torch.Tensor, torch.Tensor], None]
+
+
+def _replicate(replicate: Replicate | None, grads: dict[int, tuple[torch.Tensor, torch.Tensor]],
+               applied: frozenset[int]) -> None:  # fmt: skip
+    for b, (grad, used) in grads.items():
+        if replicate is not None and b not in applied:
+            replicate(b, grad, used)
 
 
 StepRule = Callable[[Communicator, ShardOptimizer, int], None]

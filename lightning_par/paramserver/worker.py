@@ -33,6 +33,7 @@ from lightning_par.paramserver.links import ServerLinks
 from lightning_par.paramserver.messages import recv_object, send_headers, send_object
 from lightning_par.paramserver.protocol import NONE, Command, Header, Kind, server_rank
 from lightning_par.paramserver.spec import (
+    ServerSpec,
     check_optimizer,
     hyper_schema,
     hyper_values,
@@ -73,6 +74,7 @@ class ParameterClient:
     ) -> None:
         params = [p for p in module.parameters() if p.requires_grad]
         check_optimizer(optimizer, params, name)
+        self.name = name
         self.module, self.optimizer, self.comm, self.params = module, optimizer, comm, params
         self.rank, self.num_workers = comm.rank, num_workers
         self.servers = [server_rank(num_workers, s) for s in range(num_servers)]
@@ -90,13 +92,9 @@ class ParameterClient:
             num_servers, int(split_mb * 2**20),
         )  # fmt: skip
         self.plan = self.layout.shards
-        self.links = ServerLinks(comm, self.layout, params, self.servers)
-        if self.rank == 0:
-            spec = server_spec(optimizer, params, num_workers, members, self.plan, clip)
-            for server in self.servers:
-                send_object(comm, spec, server)
-            self.links.send_initial()
-        self.links.post_pulls(Kind.INIT)  # every worker starts from the servers' weights
+        self.links = self.make_links()
+        spec = server_spec(optimizer, params, num_workers, members, self.plan, clip)
+        self.begin(spec if self.rank == 0 else None)
         self.settle()
         self._hooks = []
         for sub in module.modules():
@@ -104,6 +102,19 @@ class ParameterClient:
             if own:
                 needed = self.layout.buckets_of(own)
                 self._hooks.append(sub.register_forward_pre_hook(self._waiter(needed)))
+
+    def make_links(self) -> ServerLinks:
+        """The object that moves this worker's pushes and pulls."""
+        return ServerLinks(self.comm, self.layout, self.params, self.servers)
+
+    def begin(self, spec: ServerSpec | None) -> None:
+        """Worker 0 (``spec``): the spec to every server, then their initial slices; every
+        worker: the receive of the servers' initial weights, where every worker starts."""
+        if spec is not None:
+            for server in self.servers:
+                send_object(self.comm, spec, server)
+            self.links.send_initial()
+        self.links.post_pulls(Kind.INIT)
 
     # ---- one step -------------------------------------------------------------------------
     def lrs(self) -> list[float]:
@@ -155,8 +166,8 @@ class ParameterClient:
 
     def settle(self) -> None:
         """Wait for every outstanding pull (before evaluation, checkpoints, the end)."""
-        for b in list(self.links.pending):
-            self.wait_bucket(b)
+        while self.links.pending:  # (a wait may post a pull again: fault_tolerant)
+            self.wait_bucket(next(iter(self.links.pending)))
 
     # ---- commands -------------------------------------------------------------------------
     def gather_state(self) -> dict[str, Any]:
@@ -167,9 +178,16 @@ class ParameterClient:
         result = self.optimizer.state_dict()
         if self.rank != 0:
             return result
+        shards = [recv_object(self.comm, server, protocol.decode_state) for server in self.servers]
+        return self.full_state(result, shards)
+
+    def full_state(
+        self, result: dict[str, Any], shards: list[dict[tuple[int, int, int], Any]]
+    ) -> dict[str, Any]:
+        """``result`` (the worker optimiser's ``state_dict``) with the state of every slice
+        of every server's ``shards`` put together, in the user's optimiser's format."""
         full: dict[int, dict[str, Any]] = {}
-        for server in self.servers:
-            slices = recv_object(self.comm, server, protocol.decode_state)
+        for slices in shards:
             for (param, start, stop), state in slices.items():
                 p = self.params[param]
                 entry = full.setdefault(param, {})

@@ -50,7 +50,8 @@ from torchmetrics import Metric
 from typing_extensions import override
 
 from lightning_par import _compat
-from lightning_par.components.server_group import ServerGroup, gloo_only
+from lightning_par.components.server_group import ServerGroup
+from lightning_par.components.worker_group import gloo_only
 from lightning_par.paramserver.async_client import (
     ONE_BUCKET_MB,
     AsyncParameterClient,

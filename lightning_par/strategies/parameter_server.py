@@ -25,6 +25,12 @@ the goodbye) are in its base,
   from the servers, in the format of the user's optimiser, so they load without this
   strategy; resuming sends the state back to the servers.
 
+With ``fault_tolerant=True`` each server's shard (its slices of the weights and their
+optimiser state) is copied in the next server process after every update (a standby process
+for a lone server), and a server that dies is taken over by that copy: the job goes on and
+its weights equal those of a run without the loss
+(:mod:`lightning_par.paramserver.replication`, :mod:`~lightning_par.paramserver.takeover`).
+
 Gradient clipping (by norm: the servers exchange their shards' squared norms) and
 ``bf16-mixed`` are exact against one process (:mod:`~lightning_par.strategies._ps_features`).
 Refused before training: manual optimisation, several optimisers, ``16-mixed`` and true
@@ -40,7 +46,9 @@ import lightning.pytorch as pl
 from lightning.pytorch.trainer.states import TrainerFn
 from typing_extensions import override
 
-from lightning_par.components.server_group import ServerGroup, gloo_only
+from lightning_par.components.server_group import ServerGroup
+from lightning_par.components.worker_group import gloo_only
+from lightning_par.paramserver.replicated_client import ReplicatedClient
 from lightning_par.paramserver.worker import ParameterClient
 from lightning_par.strategies._late_params import refuse_late_parameters
 from lightning_par.strategies._ps_features import trainer_clip
@@ -54,6 +62,8 @@ class ParameterServerStrategy(ServerGroupStrategy):
         num_servers: server processes ``S``; parameters are spread over them by bytes.
         bucket_cap_mb: gradient bucket (push) size in MiB; small buckets push layer by layer.
         split_mb: tensors larger than this (MiB) are split over all servers.
+        fault_tolerant: copy each server's shard in the next server process (one server: in
+            a standby process), so that the job goes on, exactly, when a server dies.
         **kwargs: ``trace``, ``trace_dir``, ``start_method``, ``timeout`` (see
             :class:`~lightning_par.strategies._base.ParStrategy`). The process group is
             always gloo (servers run on CPU; CUDA tensors are staged through pinned memory).
@@ -66,12 +76,17 @@ class ParameterServerStrategy(ServerGroupStrategy):
         num_servers: int = 1,
         bucket_cap_mb: float = 1.0,
         split_mb: float = 1.0,
+        fault_tolerant: bool = False,
         **kwargs: Any,
     ) -> None:
         gloo_only(kwargs)
-        self.servers = ServerGroup(num_servers, bucket_cap_mb, split_mb, ParameterClient)
+        if not isinstance(fault_tolerant, bool):
+            raise TypeError(f"fault_tolerant must be True or False, got {fault_tolerant!r}")
+        client = ReplicatedClient if fault_tolerant else ParameterClient
+        self.servers = ServerGroup(num_servers, bucket_cap_mb, split_mb, client, fault_tolerant)
         super().__init__(process_group_backend="gloo", **kwargs)
         self.num_servers, self.bucket_cap_mb, self.split_mb = num_servers, bucket_cap_mb, split_mb
+        self.fault_tolerant = fault_tolerant
 
     @property
     def client(self) -> ParameterClient | None:
@@ -86,8 +101,8 @@ class ParameterServerStrategy(ServerGroupStrategy):
 
     @override
     def watched_ranks(self) -> list[int]:
-        """Every worker and server: the step waits for all of them."""
-        return list(range(self.world_size + self.num_servers))
+        """Every worker and server (and a lone server's standby): the step waits for all."""
+        return list(range(self.world_size + self.servers.num_processes))
 
     @override
     def setup(self, trainer: pl.Trainer) -> None:

@@ -30,6 +30,12 @@ message *of its kind* from that peer, whatever else was posted in between. By co
 * ``STOP``: the server ends (asynchronous: once every worker stopped, each gets the final
   slices, one ``PULL`` per bucket).
 
+With ``fault_tolerant`` every message of a shard travels on that shard's tag
+(:class:`ShardTag`), every request gets an answer from every shard (``DONE`` where it
+returns no data), and a primary sends its backup each update it applied (``UPDATE``,
+answered by ``ACK``); a worker that lost a server agrees with its shard's new holder with
+``RECOVER`` (:mod:`.recovery`).
+
 Before the first header, worker 0 sends each server its
 :class:`~lightning_par.paramserver.spec.ServerSpec` (``OBJECT``, :func:`decode_spec`;
 ``None`` means stop: nothing is trained), then its initial weight slices (``INIT``), which
@@ -47,10 +53,12 @@ from lightning_par.paramserver.protocol.header import (
     IDLE_TIMEOUT,
     MAGIC,
     NONE,
+    SHARD_STRIDE,
     Command,
     Header,
     Kind,
     ProtocolError,
+    ShardTag,
     header_size,
     server_rank,
 )
@@ -80,6 +88,16 @@ from lightning_par.paramserver.protocol.payloads import (
     push_size,
     work_buffer,
 )
+from lightning_par.paramserver.protocol.recovery import (
+    ack_buffer,
+    count_buffer,
+    decode_ack,
+    decode_count,
+    decode_update,
+    encode_ack,
+    encode_count,
+    encode_update,
+)
 
 __all__ = [
     "IDLE_TIMEOUT",
@@ -87,11 +105,21 @@ __all__ = [
     "MAGIC",
     "MAX_OBJECT_BYTES",
     "NONE",
+    "SHARD_STRIDE",
     "Command",
     "Header",
     "Info",
     "Kind",
     "ProtocolError",
+    "ShardTag",
+    "ack_buffer",
+    "count_buffer",
+    "decode_ack",
+    "decode_count",
+    "decode_update",
+    "encode_ack",
+    "encode_count",
+    "encode_update",
     "decode_info",
     "decode_norm",
     "decode_object",

@@ -36,6 +36,28 @@ class Kind(IntEnum):
     INFO = 6
     WORK = 7
     NORM = 8
+    UPDATE = 9  # (fault_tolerant) the update a primary applied, to its shard's backup
+    ACK = 10  # (fault_tolerant) the backup holds what the primary sent it
+    RECOVER = 11  # (fault_tolerant) worker and new holder of a lost server's shard agree
+    DONE = 12  # (fault_tolerant) a holder's answer to a request that returns no data
+
+
+#: Tags per shard (``fault_tolerant``): one process may hold two shards (its own and a
+#: lost server's), each answered by its own thread, so each shard's messages of one kind
+#: travel on a tag of their own.
+SHARD_STRIDE = 16
+
+
+class ShardTag(int):
+    """The gloo tag of ``kind`` for shard ``shard`` (above every plain :class:`Kind`); a
+    trace labels it as the kind (``push``, ``pull``) whichever shard it is for."""
+
+    label: str
+
+    def __new__(cls, kind: Kind, shard: int) -> ShardTag:
+        tag = super().__new__(cls, int(kind) + SHARD_STRIDE * (shard + 1))
+        tag.label = kind.name.lower()
+        return tag
 
 
 #: "No batch" in a header's trained/count fields and in a ``WORK`` reply.

@@ -15,7 +15,7 @@ from lightning_par.paramserver.protocol.header import Kind, ProtocolError
 from lightning_par.paramserver.spec import ServerSpec
 
 
-def _expect(message: torch.Tensor, kind: Kind, dtypes: tuple[torch.dtype, ...], numel: int) -> None:
+def expect(message: torch.Tensor, kind: Kind, dtypes: tuple[torch.dtype, ...], numel: int) -> None:
     """Refuse a received ``kind`` message of another dtype or size (a pickle's bytes, a
     message of another kind): the decoders below read nothing before this passes."""
     if message.dtype not in dtypes or message.numel() != numel:
@@ -41,7 +41,7 @@ def encode_slices(slices: Sequence[torch.Tensor]) -> torch.Tensor:
 def decode_slices(message: torch.Tensor, sizes: Sequence[int], kind: Kind = Kind.PULL
                   ) -> list[torch.Tensor]:  # fmt: skip
     """The slices (views, of ``sizes`` elements each) of a received ``INIT``/``PULL``."""
-    _expect(message, kind, _FLOATS, sum(sizes))
+    expect(message, kind, _FLOATS, sum(sizes))
     return list(message.split(list(sizes)))
 
 
@@ -63,10 +63,11 @@ def push_buffer(num_elements: int, num_slices: int, dtype: torch.dtype) -> torch
     return torch.empty(push_size(num_elements, num_slices), dtype=dtype)
 
 
-def decode_push(message: torch.Tensor, num_elements: int, num_slices: int
-                ) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
-    """The gradient and the "has a gradient" mask of a received (or summed) ``PUSH``."""
-    _expect(message, Kind.PUSH, _FLOATS, push_size(num_elements, num_slices))
+def decode_push(message: torch.Tensor, num_elements: int, num_slices: int,
+                kind: Kind = Kind.PUSH) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+    """The gradient and the "has a gradient" mask of a received (or summed) ``PUSH`` (or of
+    an ``UPDATE``, which has a push's layout)."""
+    expect(message, kind, _FLOATS, push_size(num_elements, num_slices))
     return message[:num_elements], message[num_elements:] > 0
 
 
@@ -96,7 +97,7 @@ def info_buffer() -> torch.Tensor:
 
 
 def decode_info(message: torch.Tensor) -> Info:
-    _expect(message, Kind.INFO, (torch.float64,), INFO_SIZE)
+    expect(message, Kind.INFO, (torch.float64,), INFO_SIZE)
     staleness, lead, version = (int(v) for v in message.tolist())
     return Info(staleness, lead, version)
 
@@ -112,7 +113,7 @@ def work_buffer() -> torch.Tensor:
 
 
 def decode_work(message: torch.Tensor) -> tuple[int, int]:
-    _expect(message, Kind.WORK, (torch.int64,), 2)
+    expect(message, Kind.WORK, (torch.int64,), 2)
     epoch, batch = message.tolist()
     return int(epoch), int(batch)
 
@@ -127,7 +128,7 @@ def norm_buffer() -> torch.Tensor:
 
 
 def decode_norm(message: torch.Tensor) -> float:
-    _expect(message, Kind.NORM, (torch.float64,), 1)
+    expect(message, Kind.NORM, (torch.float64,), 1)
     return float(message)
 
 
@@ -149,7 +150,7 @@ def object_size_buffer() -> torch.Tensor:
 
 def decode_object_size(message: torch.Tensor, sender: str) -> int:
     """The length an ``OBJECT`` announces (refused past :data:`MAX_OBJECT_BYTES`)."""
-    _expect(message, Kind.OBJECT, (torch.int64,), 1)
+    expect(message, Kind.OBJECT, (torch.int64,), 1)
     if not 0 <= int(message) <= MAX_OBJECT_BYTES:
         raise wire.WireError(f"refused an object of {int(message)} bytes from {sender}")
     return int(message)

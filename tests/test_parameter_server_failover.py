@@ -1,0 +1,112 @@
+"""A parameter server lost mid-run with ``fault_tolerant=True`` (``LIGHTNING_PAR_FAULT`` kills
+or freezes it as a step begins): a user's plain script in a fresh interpreter, Lightning
+choosing the launch (fork here, popen when asked), ends normally; its weights equal those of
+a run in which no server was lost; one line on stderr names the lost server and says the job
+went on; no process and no temporary file is left."""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import torch
+from test_lost_ranks import _session
+
+from lightning_par.launch.faults import FAULT_ENV
+from lightning_par.launch.processes import kill_tree
+
+HERE = Path(__file__).parent
+SCRIPT = HERE / "_ps_failover_script.py"
+DEAD_PEER_S = 2.0  # the script's dead_peer_timeout
+WORKERS = 2
+#: the line of a server taken over by its copy
+TOOK_OVER = (r"lightning_par: parameter server {lost} \(rank {rank}\) (was killed by SIGKILL|"
+             r"stopped responding for .*its starter killed it).*; parameter server {by} "
+             r"\(rank \d+\) took over its shard .* and the job went on")  # fmt: skip
+
+
+def _run(tmp_path: Path, args: list[str], limit_s: float, **env: str):
+    """Run the script; its exit code, stderr's lines with the time each arrived, what is
+    left in its session and its temporary folder."""
+    private_tmp = tmp_path / "tmp"
+    private_tmp.mkdir()
+    environ = {**os.environ, "TMPDIR": str(private_tmp), **env}
+    environ["PYTHONPATH"] = os.pathsep.join([str(HERE.parent), *sys.path])
+    environ.pop(FAULT_ENV, None)
+    proc = subprocess.Popen(
+        [sys.executable, "-u", str(SCRIPT), str(tmp_path), *args], cwd=tmp_path, env=environ,
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
+    )  # fmt: skip
+    lines: list[tuple[float, str]] = []
+    readers = [
+        threading.Thread(target=lambda: lines.extend((time.monotonic(), x) for x in proc.stderr)),
+        threading.Thread(target=lambda: proc.stdout.read()),
+    ]
+    for reader in readers:
+        reader.start()
+    try:
+        proc.wait(timeout=limit_s)
+    finally:
+        if proc.poll() is None:
+            kill_tree(proc.pid)
+            proc.wait()
+        for reader in readers:
+            reader.join()
+    deadline = time.monotonic() + 5  # a server's last exit is asynchronous
+    while (session := [p for p in _session(proc.pid) if p != proc.pid]) and (
+        time.monotonic() < deadline
+    ):
+        time.sleep(0.2)
+    left = sorted(p.name for p in private_tmp.iterdir() if not p.name.startswith("torchinductor"))
+    return proc.returncode, lines, session, left
+
+
+def _check(tmp_path: Path, scenarios: list[str], run) -> list[float]:
+    """Every scenario's weights and line; the seconds from each fault to its line."""
+    code, lines, session, left = run
+    text = "".join(line for _, line in lines)
+    assert code == 0, text[-4000:]
+    assert "Traceback" not in text and "Error" not in text, text[-4000:]
+    assert session == [] and left == [], (session, left)
+    reference = torch.load(tmp_path / "0.pt")
+    starts = [i for i, (_, line) in enumerate(lines) if line.startswith("SCENARIO ")]
+    assert len(starts) == len(scenarios), text[-4000:]
+    waited = []
+    for i, scenario in enumerate(scenarios[1:], start=1):
+        own = lines[starts[i] : starts[i + 1] if i + 1 < len(starts) else len(lines)]
+        weights = torch.load(tmp_path / f"{i}.pt")
+        for name, value in reference.items():
+            torch.testing.assert_close(weights[name], value, atol=1e-6, rtol=0, msg=scenario)
+        servers, fault = scenario.split(":", 1)
+        lost = int(re.search(r"server=(\d)", fault).group(1))
+        by = (lost + 1) % max(2, int(servers))
+        struck = [t for t, line in own if f"{FAULT_ENV}: parameter server {lost} " in line]
+        pattern = TOOK_OVER.format(lost=lost, rank=WORKERS + lost, by=by)
+        said = [t for t, line in own if re.fullmatch(pattern, line.strip())]
+        assert len(struck) == 1 and len(said) == 1, (scenario, text[-4000:])
+        waited.append(said[0] - struck[0])
+        frozen = fault.startswith("freeze")
+        assert (DEAD_PEER_S if frozen else 0) < waited[-1] < (DEAD_PEER_S if frozen else 0) + 8
+    losses = [line for _, line in lines if line.startswith("lightning_par: parameter server ")]
+    assert len(losses) == len(scenarios) - 1, losses  # one line per lost server, no more
+    return waited
+
+
+def test_a_lost_server_is_taken_over_exactly_in_a_fork_launch(tmp_path):
+    scenarios = ["2:none", "2:kill:server=1:step=3", "1:kill:server=0:step=3",
+                 "2:freeze:server=0:step=2"]  # fmt: skip
+    run = _run(tmp_path, ["--clip", *scenarios], limit_s=240)
+    waited = _check(tmp_path, scenarios, run)
+    print("seconds from fault to the takeover's line:", dict(zip(scenarios[1:], waited)))
+
+
+def test_a_lost_server_is_taken_over_exactly_in_a_popen_launch(tmp_path):
+    scenarios = ["2:none", "2:kill:server=0:step=3", "1:kill:server=0:step=5"]
+    run = _run(tmp_path, scenarios, limit_s=240, LIGHTNING_PAR_START_METHOD="popen")
+    waited = _check(tmp_path, scenarios, run)
+    print("seconds from fault to the takeover's line:", dict(zip(scenarios[1:], waited)))

@@ -1,0 +1,265 @@
+"""Replicated parameter servers without Lightning (``fault_tolerant``: :mod:`~lightning_par.
+paramserver.replication`, ``takeover``, ``shard_server``, ``replicated_client``): two workers
+and the server processes in one gloo group, one server killed at a chosen point of the
+protocol; every worker's weights and the optimiser state gathered from the servers equal a
+run in which no server was lost."""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import pickle
+import signal
+import time
+import traceback
+from datetime import timedelta
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+from lightning_par.comm import Communicator, run_on_ranks
+from lightning_par.launch.lost import how_it_ended
+from lightning_par.launch.policy import limit_threads_after_fork, plan_launch
+from lightning_par.launch.rendezvous import find_free_port
+from lightning_par.paramserver import faults, protocol
+from lightning_par.paramserver.clipping import GradClip
+from lightning_par.paramserver.faults import LOST_KEY
+from lightning_par.paramserver.protocol import NONE, Kind, ShardTag
+from lightning_par.paramserver.replicated_client import ReplicatedClient
+from lightning_par.paramserver.replication import (
+    Backup,
+    Replica,
+    backup_of,
+    copy_held_by,
+    server_processes,
+)
+from lightning_par.paramserver.server import ShardOptimizer
+from lightning_par.paramserver.shard_server import ShardServer, serve_replicated
+
+WORKERS, STEPS, BATCH = 2, 5, 4
+TIMEOUT = timedelta(seconds=30)
+#: requests: 0 the initial weights, 1-2 steps 0-1, 3 a checkpoint's read and 4 its load,
+#: 5-7 steps 2-4 (step = request - 3), 8 the last read, 9 the stop
+READ_AT_STEP = 2
+
+
+# ---- the ring and the messages, without processes --------------------------------------------
+def test_each_shard_is_copied_in_the_next_server_process_and_a_lone_server_has_a_standby():
+    assert server_processes(1, True) == 2 and server_processes(1, False) == 1
+    assert server_processes(3, True) == 3
+    assert [backup_of(s, 3) for s in range(3)] == [1, 2, 0]
+    assert [copy_held_by(p, 3, 3) for p in range(3)] == [2, 0, 1]
+    assert [copy_held_by(p, 1, 2) for p in range(2)] == [None, 0]  # the standby copies 0
+
+
+def test_shard_tags_are_apart_from_every_kind_and_from_each_other_and_read_as_their_kind():
+    tags = {int(ShardTag(kind, s)) for kind in Kind for s in range(4)}
+    assert len(tags) == 4 * len(Kind) and not tags & {int(k) for k in Kind}
+    assert ShardTag(Kind.PUSH, 3).label == "push"
+
+
+def test_recovery_messages_round_trip_and_refuse_another_layout():
+    grad, used = torch.arange(5.0), torch.tensor([True, False])
+    back, mask = protocol.decode_update(protocol.encode_update(grad, used), 5, 2)
+    assert torch.equal(back, grad) and mask.tolist() == [True, False]
+    assert protocol.decode_ack(protocol.encode_ack(7, NONE)) == (7, NONE)
+    assert protocol.decode_count(protocol.encode_count(12), Kind.DONE) == 12
+    with pytest.raises(protocol.ProtocolError, match="ACK message"):
+        protocol.decode_ack(protocol.encode_count(1))
+
+
+# ---- a kill at a point of the protocol -------------------------------------------------------
+def _die() -> None:
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+def _arm(point: str, request: int) -> None:
+    """In a server process: die at ``point`` of ``request``: before its backup has the
+    ``initial`` weights; as it ``begin``s; once its backup
+    acknowledged its first ``update``; after its ``answer`` went to worker 0 only; as the
+    ``copy`` of another shard, after applying that request's first update, before the ack."""
+    if point == "initial":  # before its backup got the initial weights
+        Backup.initial = lambda self: _die()
+    elif point == "begin":
+        serve = ShardServer.serve_request
+        ShardServer.serve_request = lambda self, h, n, a: (
+            (n == request and _die()) or serve(self, h, n, a)
+        )
+    elif point == "update":
+        update = Backup.update
+
+        def updated(self, bucket, grad, used):
+            update(self, bucket, grad, used)
+            if self.record_count == request:
+                _die()
+
+        Backup.update = updated
+    elif point == "answer":  # (requests 5-7 are steps 2-4)
+        send = ShardOptimizer.send_slices
+
+        def send_slices(self, comm, bucket, workers, step):
+            if step != request - 3:
+                return send(self, comm, bucket, workers, step)
+            send(self, comm, bucket, [0], step)[0].wait()
+            if bucket == self.active[-1]:
+                _die()
+            return []
+
+        ShardOptimizer.send_slices = send_slices
+    elif point == "copy":
+        ack = Replica._ack
+        Replica._ack = lambda self, b: (
+            (self.done + 1 == request and b != NONE and _die()) or ack(self, b)
+        )
+
+
+def _model() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(6, 12), nn.Tanh(), nn.Linear(12, 3))
+
+
+def _train(comm: Communicator, rank: int, servers: int, clip: GradClip | None):
+    model = _model()
+    opt = torch.optim.Adam(model.parameters(), lr=0.05)
+    client = ReplicatedClient(model, opt, comm, WORKERS, servers, bucket_cap_mb=1e-4,
+                              split_mb=2e-4, clip=clip)  # fmt: skip
+    g, n = torch.Generator().manual_seed(1), STEPS * WORKERS * BATCH
+    x, y = torch.randn(n, 6, generator=g), torch.randint(0, 3, (n,), generator=g)
+    for step in range(STEPS):
+        if step == READ_AT_STEP:  # a checkpoint's read, and loading it (as a resume would)
+            client.load_state(client.gather_state())  # (complete on worker 0, which sends it)
+        lo = (step * WORKERS + rank) * BATCH
+        F.cross_entropy(model(x[lo : lo + BATCH]), y[lo : lo + BATCH]).backward()
+        client.finish_backward()
+        opt.zero_grad()
+    state = client.gather_state()
+    client.close()
+    weights = torch.cat([p.detach().flatten() for p in model.parameters()]).numpy()
+    return weights, {k: {n: v.numpy() if torch.is_tensor(v) else v for n, v in s.items()}
+                     for k, s in state["state"].items()} if rank == 0 else None  # fmt: skip
+
+
+def _rank(rank, world, port, servers, kills, clip, queue, threads) -> None:
+    limit_threads_after_fork(threads)
+    try:
+        store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=TIMEOUT)
+        dist.init_process_group("gloo", store=store, rank=rank, world_size=world, timeout=TIMEOUT)
+        faults._store = lambda: store  # where the parent says which server died
+        if rank >= WORKERS:
+            for server, point, request in kills:
+                if server == rank - WORKERS:
+                    _arm(point, request)
+            serve_replicated(Communicator(), rank - WORKERS, world - WORKERS, store, TIMEOUT)
+        else:
+            queue.put((rank, pickle.dumps(_train(Communicator(), rank, servers, clip))))
+        dist.destroy_process_group()
+    except BaseException:
+        queue.put((rank, traceback.format_exc()))
+    os._exit(0)
+
+
+def _run(servers: int, *kills: tuple, clip: GradClip | None = None):
+    """Train on two workers and ``servers`` shards; each kill: ``(server, point, request)``.
+    The parent plays the worker that started the servers: it says which one died."""
+    world = WORKERS + server_processes(servers, True)
+    port = find_free_port()
+    plan = plan_launch("cpu", world, can_exec=False)
+    ctx = mp.get_context(plan.method)
+    queue = ctx.SimpleQueue()
+    args = (world, port, servers, kills, clip, queue, plan.threads_per_rank or 1)
+    procs = [ctx.Process(target=_rank, args=(r, *args), daemon=True) for r in range(world)]
+    for proc in procs:
+        proc.start()
+    # (the store's server thread starts after the forks: a fork copies no thread's locks)
+    store = dist.TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False,
+                          timeout=TIMEOUT)  # fmt: skip
+    results, said, deadline = {}, set(), time.monotonic() + 90
+    try:
+        while len(results) < WORKERS and time.monotonic() < deadline:
+            while not queue.empty():
+                rank, result = queue.get()  # (an error: its traceback)
+                assert rank < WORKERS, f"server {rank - WORKERS} failed:\n{result}"
+                results[rank] = pickle.loads(result) if isinstance(result, bytes) else result
+            for r, proc in enumerate(procs[WORKERS:]):
+                if r not in said and proc.exitcode not in (None, 0):
+                    store.set(LOST_KEY.format(r), how_it_ended(proc.exitcode))
+                    said.add(r)
+            time.sleep(0.05)
+    finally:
+        for proc in procs:
+            proc.join(timeout=10)
+            if proc.is_alive():
+                proc.kill()
+        del store
+    assert len(results) == WORKERS, "the workers did not finish"
+    assert not [p for p in procs if p.is_alive()]
+    return results, said
+
+
+def _same(run, reference) -> None:
+    (results, _), (expected, _) = run, reference
+    assert all(isinstance(r, tuple) for r in results.values()), results
+    for w in range(WORKERS):
+        torch.testing.assert_close(torch.from_numpy(results[w][0]),
+                                   torch.from_numpy(expected[w][0]), atol=1e-6, rtol=0)  # fmt: skip
+    for key, state in expected[0][1].items():
+        for name, value in state.items():
+            got = results[0][1][key][name]
+            assert (got == value).all() if hasattr(value, "shape") else got == value, name
+
+
+@pytest.mark.parametrize("kill", [
+    (1, "begin", 5),  # lost as a step begins: every worker sends it again (redone)
+    (1, "update", 6),  # the copy applied its first bucket: not applied again
+    (0, "answer", 7),  # worker 0 had its answer, worker 1 not: answered again, then redone
+    (0, "copy", 5),  # lost as the copy of shard 1 mid-step: its own shard moves, 1 goes on alone
+    (1, "begin", 3),  # lost as a checkpoint's read begins: read again from the copy
+    (0, "begin", 4),  # lost as a checkpoint's load begins: worker 0 sends the state again
+], ids=lambda k: f"server{k[0]}-{k[1]}-request{k[2]}")  # fmt: skip
+def test_two_servers_one_lost_at_a_point_of_the_protocol(kill):
+    reference = _run(2)
+    run = _run(2, kill)
+    assert run[1] == {kill[0]}
+    _same(run, reference)
+
+
+def test_a_lone_server_is_taken_over_by_its_standby_and_a_lost_standby_is_survived():
+    reference = _run(1)
+    _same(_run(1, (0, "update", 5)), reference)
+    _same(_run(1, (0, "initial", 0)), reference)  # even before the first step
+    _same(_run(1, (1, "copy", 6)), reference)
+
+
+def test_clipping_by_norm_survives_a_lost_server():
+    clip = GradClip(0.05, "norm")
+    reference = _run(2, clip=clip)
+    _same(_run(2, (1, "update", 5), clip=clip), reference)
+
+
+def test_a_shard_lost_with_its_copy_ends_the_job_naming_both():
+    # server 1 dies as step 2 begins, server 0 (then holding both shards) as step 3 begins
+    results, said = _run(2, (1, "begin", 5), (0, "begin", 6))
+    assert said == {0, 1}
+    for error in results.values():
+        assert isinstance(error, str) and "parameter server 0 (rank 2) was killed" in error
+        assert "no live process holds a copy of shard" in error, error
+
+
+def _more_servers_than_tensors(rank: int, world: int) -> str:
+    model = nn.Linear(2, 1)  # two tensors, three servers: one holds nothing
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    try:
+        ReplicatedClient(model, opt, Communicator(), 1, 3, name="parameter_server")
+    except ValueError as err:
+        return str(err)
+    return "accepted"
+
+
+def test_a_server_without_parameters_is_refused_naming_the_option_and_the_fix():
+    # (refused before any message: the servers would never be heard from at a step)
+    (message,) = run_on_ranks(_more_servers_than_tensors, 1, timeout=30)
+    assert message.startswith("parameter_server: fault_tolerant=True needs every server"), message
+    assert "server(s) [2] hold none" in message and "lower num_servers or split_mb" in message
