@@ -41,7 +41,7 @@ from lightning_par.launch.liveness import Heartbeat
 from lightning_par.launch.lost import REPORTS_ENV, how_it_ended
 from lightning_par.launch.parent_state import ParentState
 from lightning_par.launch.policy import FORKSERVER_PRELOAD, limit_threads_after_fork, plan_launch
-from lightning_par.launch.processes import die_with_parent
+from lightning_par.launch.processes import die_with_parent, forkserver_context
 from lightning_par.launch.rendezvous import StoreAddress, connect_group_store, dead_peer_timeout
 from lightning_par.paramserver.asynchronous import serve_async
 from lightning_par.paramserver.faults import record_fault, reported_fault, with_fault
@@ -147,7 +147,7 @@ def start_servers(
     plan = plan_launch("cpu", max(1, len(servers)), can_exec=False)
     ctx = mp.get_context(plan.method)
     if plan.method == "forkserver":
-        ctx.set_forkserver_preload(FORKSERVER_PRELOAD)
+        ctx = forkserver_context(FORKSERVER_PRELOAD)
     daemonic = not mp.current_process().daemon  # a daemon may not start daemons
     procs = []
     for s in servers:

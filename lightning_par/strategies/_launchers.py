@@ -60,7 +60,7 @@ from lightning_par.launch.policy import (
     process_state,
     warn_if_oversubscribed,
 )
-from lightning_par.launch.processes import die_with_parent
+from lightning_par.launch.processes import die_with_parent, forkserver_context
 from lightning_par.launch.rendezvous import STORE_ENV, host_job_store
 from lightning_par.strategies._carry_back import (
     load_in_script,
@@ -152,9 +152,7 @@ class PolicyLauncher(_compat.MultiProcessingLauncher):
                     return self._launch_scripts(function, args, trainer, kw)
                 self._start_method = self.plan.method
                 if self.plan.method == "forkserver":
-                    import multiprocessing as mp
-
-                    mp.get_context("forkserver").set_forkserver_preload(FORKSERVER_PRELOAD)
+                    forkserver_context(FORKSERVER_PRELOAD)
                 # async_sgd goes on without a lost worker
                 survive = getattr(strategy, "survives_lost_workers", False)
                 with joined_by_us(folder, strategy.rank_name, survive):
