@@ -37,8 +37,8 @@ from typing import Any
 import torch.distributed as dist
 
 from lightning_par.comm import CommError, Communicator
-from lightning_par.launch.liveness import Heartbeat
-from lightning_par.launch.lost import REPORTS_ENV, how_it_ended
+from lightning_par.launch.liveness import Heartbeat, report_and_exit
+from lightning_par.launch.lost import REPORTS_ENV, how_it_ended, leave_report
 from lightning_par.launch.parent_state import ParentState
 from lightning_par.launch.policy import FORKSERVER_PRELOAD, limit_threads_after_fork, plan_launch
 from lightning_par.launch.processes import die_with_parent, forkserver_context
@@ -92,12 +92,17 @@ def server_main(launch: ServerLaunch, parent: ParentState | None = None) -> None
     """A server process: join the group as rank ``W + server`` and serve until told to stop.
     ``parent``: the starting worker's state, restored in a forkserver's child."""
     die_with_parent()
+    # a server ends with its worker: a SIGTERM to the worker's process group (torchrun's
+    # agent stopping the job) is the worker's to handle; a server it killed would be taken
+    # for the process the job lost
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     if parent is not None:
         parent.restore()
     threading.Thread(target=_watch, args=(launch.owner,), daemon=True).start()
     limit_threads_after_fork(max(1, launch.threads))
     server, num_workers, rank = launch.server, launch.num_workers, launch.rank
     timeout = launch.timeout
+    beat: Heartbeat | None = None
     try:
         store = connect_group_store(launch.address, timeout)
         dist.init_process_group(
@@ -109,6 +114,8 @@ def server_main(launch: ServerLaunch, parent: ParentState | None = None) -> None
         watched = range(num_workers + launch.num_servers)
         limit = dead_peer_timeout(timeout, launch.dead_peer_s)
         beat = Heartbeat(store, rank, watched, limit, partial(role_name, num_workers))
+        # (asynchronous: no worker watches the workers other than 0, which it may lose)
+        beat.on_dead = partial(_peer_silent, beat, launch.asynchronous and num_workers)
         beat.start()
         if launch.asynchronous:
             serve_async(Communicator(), server, launch.staleness, launch.remedies, beat.forget)
@@ -116,9 +123,12 @@ def server_main(launch: ServerLaunch, parent: ParentState | None = None) -> None
             serve(Communicator(), server, with_fault(server, synchronous_step))
     except BaseException as err:
         record_fault(str(err) if f"rank {rank}" in str(err) else f"server rank {rank}: {err}")
-        # a peer lost or hung, under a launch of this project: the workers' error and the
-        # launcher's line name it; the traceback of this echo would only hide it
-        if not (isinstance(err, CommError) and os.environ.get(REPORTS_ENV)):
+        # a peer lost or hung: the launcher's line names it (a launch of this project), or
+        # the workers' (another launch); the traceback of this echo would only hide it
+        named = os.environ.get(REPORTS_ENV) or (
+            beat is not None and (beat.handed_over() or beat.lost_peer())
+        )  # fmt: skip
+        if not (isinstance(err, CommError) and named):
             print(
                 f"parameter server {server} (rank {rank}) failed:\n{traceback.format_exc()}",
                 file=sys.stderr, flush=True,
@@ -126,6 +136,22 @@ def server_main(launch: ServerLaunch, parent: ParentState | None = None) -> None
         os._exit(1)  # do not wait for peers that may be gone
     beat.stop()
     dist.destroy_process_group()
+
+
+def _peer_silent(beat: Heartbeat, unwatched_below: int, peer: int, report: str) -> None:
+    """A server's heartbeat found ``peer`` silent. The launcher of this project names it, if
+    one waits (the server ends); else a peer the workers watch is theirs to name, and the
+    server ends with the worker that started it. Workers ``1 .. unwatched_below - 1``
+    (``async_sgd``'s, which no worker watches) this server hands over instead
+    (:meth:`~lightning_par.launch.liveness.Heartbeat.hand_over_silent`: killed, its report
+    left for the workers) and ends, so that the workers' next step fails and names it; or,
+    where it cannot be killed (another machine), says it itself."""
+    if leave_report(peer, report):
+        os._exit(1)
+    if 0 < peer < unwatched_below:
+        if beat.hand_over_silent(peer, report):
+            os._exit(1)
+        report_and_exit(beat.name(beat.rank), peer, report)
 
 
 def role_name(num_workers: int, rank: int) -> str:
