@@ -24,6 +24,7 @@ from test_lost_ranks import CHECKPOINT, DEAD_PEER_S, HERE, SCRIPT, _session
 from lightning_par.launch.faults import FAULT_ENV
 from lightning_par.launch.liveness import Heartbeat
 from lightning_par.launch.lost import RankLost, _one_line
+from lightning_par.launch.peer_loss import lost_peer
 from lightning_par.launch.process_id import ProcessId, this_process
 
 KILLED = "{}, process \\d+, ended without raising an error \\(killed by a signal"
@@ -72,17 +73,17 @@ def test_a_collective_that_failed_names_the_peer_whose_process_ended():
     zero.start(), one.start()  # (one at a time: zero learns of one at its next beat)
     time.sleep(0.5)
     assert zero.peers == {1: this_process()} and one.peers == {0: this_process()}
-    assert zero.lost_peer() is None  # every peer runs: this rank's own failure
+    assert lost_peer(zero) is None  # every peer runs: this rank's own failure
     zero.peers[1] = _ended_process()
-    rank, text = zero.lost_peer()
+    rank, text = lost_peer(zero)
     assert rank == 1 and re.fullmatch(KILLED.format("rank 1") + ".*os._exit\\)", text), text
     one.finish()  # a peer that raised finished its stage first: its own traceback tells
-    assert zero.lost_peer() is None
+    assert lost_peer(zero) is None
     one.resume()
     zero.peers[1] = ProcessId("another-machine:1", 1, 1)  # a peer elsewhere: its beats tell
-    assert zero.lost_peer() is None
+    assert lost_peer(zero) is None
     one._stop.set()
-    rank, text = zero.lost_peer()
+    rank, text = lost_peer(zero)
     assert rank == 1 and text.startswith("rank 1 stopped beating as its connection closed"), text
     zero.stop()
 

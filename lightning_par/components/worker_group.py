@@ -25,6 +25,7 @@ from torchmetrics import Metric
 
 from lightning_par import _compat
 from lightning_par.comm import CommError
+from lightning_par.launch import peer_loss
 from lightning_par.launch.lost import RankLost
 from lightning_par.paramserver.faults import explain
 from lightning_par.paramserver.protocol import IDLE_TIMEOUT
@@ -48,14 +49,14 @@ def wait_for_workers(
     group of their own. A worker lost during the call (``async_sgd`` goes on without it)
     never comes: gloo's rendezvous would wait for it for the whole ``timeout``, deaf to
     signals (torchrun's agent stopping the job). Here a silent one that a server handed
-    over in ``beat``'s group (:meth:`~lightning_par.launch.liveness.Heartbeat.handed_over`)
+    over in ``beat``'s group (:func:`~lightning_par.launch.peer_loss.handed_over`)
     ends the wait at once with :class:`RankLost` naming it, and ``timeout`` with one naming
     those that did not come."""
     store.set(f"lightning_par/back/{rank}", "1")
     keys = [f"lightning_par/back/{w}" for w in range(workers)]
     deadline = time.monotonic() + timeout.total_seconds()
     while not store.check(keys):
-        handed = beat.handed_over() if beat is not None else None
+        handed = peer_loss.handed_over(beat) if beat is not None else None
         if handed is not None:
             raise RankLost(handed[1], handed[0])
         if time.monotonic() > deadline:

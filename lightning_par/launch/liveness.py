@@ -16,14 +16,11 @@ A rank that finished a stage (``teardown``) says so (:meth:`Heartbeat.finish`) a
 longer watched until it joins the next stage (:meth:`Heartbeat.resume`); a rank the job
 goes on without (a lost ``async_sgd`` worker) is forgotten (:meth:`Heartbeat.forget`).
 
-A peer whose process *ended* closes its connections, and the collective waiting on it fails
-at once with gloo's "Connection reset by peer", which names no rank. Each rank also
-publishes which process it is (:mod:`.process_id`), so that a rank whose collective failed
-can name the peer that ended without finishing its stage (:meth:`Heartbeat.lost_peer`): at
-once on the same machine, and on another one when its beat stops. Under a ``popen`` launch
-the store lives as long as the launching process (rank 0): once that process is gone, the
-others stop using the store (torch would print a C++ stack for each call on the dead
-connection).
+Each rank also publishes which process it is (:mod:`.process_id`) and learns its peers',
+so that a rank whose collective failed can name the peer whose process ended
+(:mod:`.peer_loss`). Under a ``popen`` launch the store lives as long as the launching
+process (rank 0): once that process is gone, the others stop using the store (torch would
+print a C++ stack for each call on the dead connection).
 """
 
 from __future__ import annotations
@@ -39,22 +36,16 @@ from datetime import timedelta
 from functools import partial
 from typing import Any
 
+from lightning_par.launch import peer_loss
 from lightning_par.launch.lost import LAUNCHER_RANK_ENV, leave_report
 from lightning_par.launch.process_id import ProcessId, this_process
 from lightning_par.launch.rendezvous import DEAD_PEER_ENV, dead_peer_timeout
 
 #: Added to a rank's count when it finished a stage (counts stay far below it).
 _DONE = 1 << 40
-#: Seconds between a peer's connection closing and its process being seen to end (the
-#: kernel closes a process's sockets a moment before it becomes a zombie).
-_EXIT_WINDOW_S = 0.5
-#: Where a process leaves the report of a lost peer for the ranks that name it.
-_HANDED_KEY = "lightning_par/handed-over"
-#: Seconds a rank waits, as it joins a group, for its peers to say which process they are.
-_LEARN_S = 5.0
-#: Beats a peer on another machine may miss, after a collective failed, before it counts as
-#: ended (a live process beats from a thread of its own, whatever its main thread does).
-_MISSED_BEATS = 3
+#: Seconds after joining a group during which a rank looks, every ``_LEARN_EVERY_S``, for
+#: the processes its peers publish (later: at each beat).
+_LEARN_S, _LEARN_EVERY_S = 5.0, 0.02
 
 
 class Heartbeat:
@@ -85,52 +76,56 @@ class Heartbeat:
         self.interval_s = max(0.05, min(1.0, dead_after_s / 4))
         #: the processes of the watched peers, as each publishes its own (see the docstring)
         self.peers: dict[int, ProcessId] = {}
-        self._seen: dict[int, tuple[int, float]] = {}  # peer -> (count, when it last moved)
+        self.seen: dict[int, tuple[int, float]] = {}  # peer -> (count, when it last moved)
         owner = os.environ.get(LAUNCHER_RANK_ENV, "")
         self._store_owner = int(owner) if owner.isdigit() else None  # popen: the store's rank
         self._stop = threading.Event()
         self._finished = False
-        self._store_failed = False
+        self.store_failed = False
         self._reported: set[int] = set()  # peers handed to on_dead
         self._thread = threading.Thread(target=self._run, daemon=True, name="lp-heartbeat")
 
     def start(self) -> Heartbeat:
-        self.store.set(self._key(self.rank, "proc"), str(this_process()))
+        self.store.set(self.key(self.rank, "proc"), str(this_process()))
         self._beat()
-        # the peers publish theirs as they join, a moment apart: know them before the first
-        # step (the store may go with a lost peer: popen's rank 0)
-        deadline = time.monotonic() + min(self.dead_after_s, _LEARN_S)
-        while self._learn_peers() and time.monotonic() < deadline:
-            time.sleep(0.01)
+        self._learn_peers()
         self._thread.start()
         return self
 
-    def _key(self, rank: int, what: str = "beat") -> str:
+    def key(self, rank: int, what: str = "beat") -> str:
         return f"lightning_par/{what}/{rank}"
 
     def _beat(self) -> None:
-        self.store.add(self._key(self.rank), 1)
+        self.store.add(self.key(self.rank), 1)
 
     def finish(self) -> None:
         """This rank ended its stage: peers stop watching it (and it stops watching)."""
         if not self._finished:
             self._finished = True
-            self._safely(lambda: self.store.add(self._key(self.rank), _DONE))
+            self.safely(lambda: self.store.add(self.key(self.rank), _DONE))
 
     def resume(self) -> None:
         """This rank joins the next stage of the same group: watched again."""
         if self._finished:
             self._finished = False
-            self._safely(lambda: self.store.add(self._key(self.rank), -_DONE))
+            self.safely(lambda: self.store.add(self.key(self.rank), -_DONE))
+
+    def finished_stage(self, peer: int) -> bool:
+        """Whether ``peer`` finished its stage (or was forgotten); once the store is gone,
+        as last seen."""
+        count = self.safely(lambda: self.store.add(self.key(peer), 0))
+        if count is None:
+            count = self.seen.get(peer, (0, 0.0))[0]
+        return count >= _DONE // 2
 
     def forget(self, rank: int, report: str = "") -> None:
         """The job goes on without ``rank`` (a lost worker): no peer watches it any more.
         ``report`` (how it was lost) is left for the ranks that name a lost peer, should the
         job end after all (torchrun's agent ends it as soon as any of its processes ends):
-        :meth:`handed_over`."""
-        self._safely(lambda: self.store.add(self._key(rank), _DONE))
+        :func:`~.peer_loss.handed_over`."""
+        self.safely(lambda: self.store.add(self.key(rank), _DONE))
         if report:
-            self._hand_over(rank, report)
+            peer_loss.hand_over(self, rank, report)
 
     def stop(self) -> None:
         self.finish()
@@ -141,15 +136,15 @@ class Heartbeat:
             # exception", seen at the end of a popen job)
             self._thread.join(timeout=self.interval_s + 2.0)
 
-    def _safely(self, action: Callable[[], Any]) -> Any:
-        if self._store_gone():
+    def safely(self, action: Callable[[], Any]) -> Any:
+        if self.store_gone():
             return None
         try:
             return action()
         except Exception:
             return None  # the store's host is gone: gloo reports that job's end itself
 
-    def _store_gone(self) -> bool:
+    def store_gone(self) -> bool:
         """Whether the process that holds the store (``popen``'s rank 0) ended."""
         owner = self.peers.get(self._store_owner) if self._store_owner is not None else None
         return owner is not None and owner.local and owner.ended()
@@ -157,112 +152,49 @@ class Heartbeat:
     def _learn_peers(self) -> bool:
         """Read the process of each watched peer that published it; whether some did not."""
         for peer in self.watched:
-            key = self._key(peer, "proc")
+            key = self.key(peer, "proc")
             if peer not in self.peers and self.store.check([key]):
                 self.peers[peer] = ProcessId.parse(self.store.get(key).decode())
         return len(self.peers) < len(self.watched)
 
     def _run(self) -> None:
+        # the peers publish their processes as they join, a moment apart: learn them at once
+        # (the store may go with a lost peer: popen's rank 0); beat and watch every interval
+        learn_until = time.monotonic() + _LEARN_S
+        next_beat = time.monotonic() + self.interval_s
         try:
-            while not self._stop.wait(self.interval_s):
-                if self._store_gone():
-                    return
-                self._beat()
-                if len(self.peers) < len(self.watched):
-                    self._learn_peers()
-                if self._finished:
-                    self._seen.clear()
-                    continue
+            while True:
+                learning = len(self.peers) < len(self.watched)
                 now = time.monotonic()
-                for peer in self.watched:
-                    count = self.store.add(self._key(peer), 0)
-                    last = self._seen.get(peer)
-                    if count >= _DONE // 2 or last is None or last[0] != count:
-                        self._seen[peer] = (count, now)
-                    elif now - last[1] > self.dead_after_s and peer not in self._reported:
-                        # (beating on: a handler that lets this rank live must not make it
-                        # look silent in turn)
-                        self._reported.add(peer)
-                        self.on_dead(peer, silent_report(self.name(peer), now - last[1],
-                                                         self.dead_after_s))  # fmt: skip
+                wait = _LEARN_EVERY_S if learning and now < learn_until else next_beat - now
+                if self._stop.wait(max(0.0, wait)) or self.store_gone():
+                    return
+                if learning:
+                    self._learn_peers()
+                if time.monotonic() >= next_beat:
+                    next_beat = time.monotonic() + self.interval_s
+                    self._beat()
+                    self._watch()
         except Exception:
-            self._store_failed = True  # the store's host is gone: gloo reports the job's end
+            self.store_failed = True  # the store's host is gone: gloo reports the job's end
 
-    # ---- after a collective failed -------------------------------------------------------------
-    def lost_peer(self) -> tuple[int, str] | None:
-        """After a collective of this rank failed: a watched peer whose process ended without
-        finishing its stage, with a report naming it, or None (no peer ended: the failure
-        is this rank's own, or a peer's that raised). Waits at most about a second on one
-        machine, a few beats for a peer on another."""
-        remote = [p for p in self.watched if p not in self.peers or not self.peers[p].local]
-        wait_s = _EXIT_WINDOW_S + (_MISSED_BEATS * self.interval_s if remote else 0.0)
-        deadline = time.monotonic() + wait_s
-        while True:
-            for peer in self.watched:
-                process = self.peers.get(peer)
-                if process is not None and process.local and process.ended():
-                    how = f", process {process.pid}, ended {_ENDED_HOW}"
-                elif peer in remote and self._stopped_beating(peer):
-                    how = " stopped beating as its connection closed (its process was killed "
-                    how += "or ended without raising an error, or its machine is gone)"
-                else:
-                    continue
-                if not self._peer_finished(peer):
-                    return peer, f"{self.name(peer)}{how}"
-            if time.monotonic() >= deadline:
-                return None
-            time.sleep(0.05)
-
-    def _stopped_beating(self, peer: int) -> bool:
-        last = self._seen.get(peer)
-        missed = _MISSED_BEATS * self.interval_s
-        fresh = not self._store_failed  # (else what was last seen is stale)
-        return fresh and last is not None and time.monotonic() - last[1] > missed
-
-    def _peer_finished(self, peer: int) -> bool:
-        count = self._safely(lambda: self.store.add(self._key(peer), 0))
-        if count is None:  # (the store is gone: what was last seen)
-            count = self._seen.get(peer, (0, 0.0))[0]
-        return count >= _DONE // 2
-
-    def hand_over_silent(self, peer: int, report: str) -> bool:
-        """Where no launcher of this project names a silent ``peer``: leave ``report`` for
-        the ranks that name it (:meth:`handed_over`: a server finds an ``async_sgd`` worker
-        silent that no worker watches) and SIGKILL the peer if it runs on this machine, so
-        that the collectives waiting on it fail at once; whether it was killed."""
-        self._hand_over(peer, report)
-        process = self.peers.get(peer)
-        if process is None or not process.local:
-            return False
-        process.kill()
-        return True
-
-    def _hand_over(self, peer: int, report: str) -> None:
-        store = self.store  # (the first report stands: a second is the echo of the first)
-        self._safely(
-            lambda: store.check([_HANDED_KEY]) or store.set(_HANDED_KEY, f"{peer}\n{report}")
-        )
-
-    def handed_over(self) -> tuple[int, str] | None:
-        """The lost peer a process of this group handed over (silent, or dropped by a
-        server), with its report, if one did."""
-        store = self.store
-        found = self._safely(lambda: store.check([_HANDED_KEY]) and store.get(_HANDED_KEY))
-        if not found:
-            return None
-        rank, report = found.decode().split("\n", 1)
-        return int(rank), report
-
-    def first_to_report(self) -> bool:
-        """Whether this rank is the first of its group to report a lost peer (every rank
-        that sees the loss would otherwise print the same line)."""
-        count = self._safely(lambda: self.store.add("lightning_par/reported", 1))
-        return count is None or count == 1
-
-
-#: How a peer that ended without finishing its stage was lost, as far as its peers can know
-#: (its exit code goes only to its parent: torchrun's agent prints it in its table).
-_ENDED_HOW = "without raising an error (killed by a signal, as the OOM killer does, or os._exit)"
+    def _watch(self) -> None:
+        """Hand a watched peer silent for ``dead_after_s`` to ``on_dead`` (once each)."""
+        if self._finished:
+            self.seen.clear()
+            return
+        now = time.monotonic()
+        for peer in self.watched:
+            count = self.store.add(self.key(peer), 0)
+            last = self.seen.get(peer)
+            if count >= _DONE // 2 or last is None or last[0] != count:
+                self.seen[peer] = (count, now)
+            elif now - last[1] > self.dead_after_s and peer not in self._reported:
+                # (beating on: a handler that lets this rank live must not make it look
+                # silent in turn)
+                self._reported.add(peer)
+                self.on_dead(peer, silent_report(self.name(peer), now - last[1],
+                                                 self.dead_after_s))  # fmt: skip
 
 
 def silent_report(who: str, silent_s: float, limit_s: float) -> str:
@@ -331,7 +263,7 @@ def store_gone() -> bool:
     """Whether the process that holds the store of this process's (last) group ended
     (``popen``'s rank 0): a call on that store would fail, printing torch's C++ stack first."""
     beat = _current or _last
-    return beat is not None and beat._store_gone()
+    return beat is not None and beat.store_gone()
 
 
 def stop_watching() -> None:

@@ -37,6 +37,7 @@ from typing import Any
 import torch.distributed as dist
 
 from lightning_par.comm import CommError, Communicator
+from lightning_par.launch import peer_loss
 from lightning_par.launch.liveness import Heartbeat, report_and_exit
 from lightning_par.launch.lost import REPORTS_ENV, how_it_ended, leave_report
 from lightning_par.launch.parent_state import ParentState
@@ -126,7 +127,7 @@ def server_main(launch: ServerLaunch, parent: ParentState | None = None) -> None
         # a peer lost or hung: the launcher's line names it (a launch of this project), or
         # the workers' (another launch); the traceback of this echo would only hide it
         named = os.environ.get(REPORTS_ENV) or (
-            beat is not None and (beat.handed_over() or beat.lost_peer())
+            beat is not None and (peer_loss.handed_over(beat) or peer_loss.lost_peer(beat))
         )  # fmt: skip
         if not (isinstance(err, CommError) and named):
             print(
@@ -143,13 +144,13 @@ def _peer_silent(beat: Heartbeat, unwatched_below: int, peer: int, report: str) 
     one waits (the server ends); else a peer the workers watch is theirs to name, and the
     server ends with the worker that started it. Workers ``1 .. unwatched_below - 1``
     (``async_sgd``'s, which no worker watches) this server hands over instead
-    (:meth:`~lightning_par.launch.liveness.Heartbeat.hand_over_silent`: killed, its report
+    (:func:`~lightning_par.launch.peer_loss.hand_over_silent`: killed, its report
     left for the workers) and ends, so that the workers' next step fails and names it; or,
     where it cannot be killed (another machine), says it itself."""
     if leave_report(peer, report):
         os._exit(1)
     if 0 < peer < unwatched_below:
-        if beat.hand_over_silent(peer, report):
+        if peer_loss.hand_over_silent(beat, peer, report):
             os._exit(1)
         report_and_exit(beat.name(beat.rank), peer, report)
 

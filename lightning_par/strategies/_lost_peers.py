@@ -13,7 +13,7 @@ what a launch of this project does (:mod:`._lost_ranks`), with :class:`LostPeers
   end); on another machine, where it cannot be, this rank says so and ends (a blocked
   collective cannot be interrupted from Python);
 * when this rank fails, a peer whose process ended without finishing its stage
-  (:meth:`~lightning_par.launch.liveness.Heartbeat.lost_peer`), or the silent one, is the
+  (:func:`~lightning_par.launch.peer_loss.lost_peer`), or the silent one, is the
   cause: the first rank to see it prints one line at once (torchrun's agent may end it any
   moment after), and ``fit`` raises :class:`~lightning_par.launch.lost.RankLost` holding
   that line, which a script that does not catch it does not print again;
@@ -38,7 +38,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
 
-from lightning_par.launch import liveness
+from lightning_par.launch import liveness, peer_loss
 from lightning_par.launch.lost import (
     RankLost,
     launcher_names,
@@ -90,7 +90,7 @@ class LostPeers:
         beat = liveness.current()
         lost = error if isinstance(error, RankLost) and not error.said else self.silent
         if lost is None and beat is not None:
-            found = beat.handed_over() or beat.lost_peer()
+            found = peer_loss.handed_over(beat) or peer_loss.lost_peer(beat)
             lost = RankLost(found[1], found[0]) if found is not None else None
         if lost is None:
             held.release()
@@ -98,7 +98,7 @@ class LostPeers:
         self.handled.set()
         named = RankLost(self.line(lost), lost.rank, "".join(traceback.format_exception(error)))
         log.debug("lightning_par: %s; this rank failed with:\n%s", named, named.details)
-        if not launcher_names(lost.rank) and (beat is None or beat.first_to_report()):
+        if not launcher_names(lost.rank) and (beat is None or peer_loss.first_to_report(beat)):
             print(f"lightning_par: {named}", file=sys.stderr, flush=True)
         named.said = True
         one_line_when_uncaught()
@@ -111,7 +111,7 @@ class LostPeers:
             os._exit(1)
         self.silent = RankLost(report, rank)
         beat = liveness.current()
-        killed = beat is not None and beat.hand_over_silent(rank, report)
+        killed = beat is not None and peer_loss.hand_over_silent(beat, rank, report)
         # the main thread's collective fails on the killed peer and names it; else this
         # thread does, after a while (a collective cannot be interrupted from Python)
         ending = threading.Timer(FAIL_WITHIN_S if killed else 0.0, self._end, (self.silent,))
