@@ -93,6 +93,7 @@ class Heartbeat:
         return self
 
     def key(self, rank: int, what: str = "beat") -> str:
+        """The key of ``rank``'s count (``beat``) or process (``proc``) in the group's store."""
         return f"lightning_par/{what}/{rank}"
 
     def _beat(self) -> None:
@@ -137,6 +138,7 @@ class Heartbeat:
             self._thread.join(timeout=self.interval_s + 2.0)
 
     def safely(self, action: Callable[[], Any]) -> Any:
+        """``action()`` on the store, or None where the store is gone."""
         if self.store_gone():
             return None
         try:

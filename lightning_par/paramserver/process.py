@@ -116,7 +116,7 @@ def server_main(launch: ServerLaunch, parent: ParentState | None = None) -> None
         limit = dead_peer_timeout(timeout, launch.dead_peer_s)
         beat = Heartbeat(store, rank, watched, limit, partial(role_name, num_workers))
         # (asynchronous: no worker watches the workers other than 0, which it may lose)
-        beat.on_dead = partial(_peer_silent, beat, launch.asynchronous and num_workers)
+        beat.on_dead = partial(_peer_silent, beat, num_workers if launch.asynchronous else 0)
         beat.start()
         if launch.asynchronous:
             serve_async(Communicator(), server, launch.staleness, launch.remedies, beat.forget)
