@@ -1,7 +1,9 @@
 """A user's script, run by ``tests/test_lost_ranks.py`` as ``python _lost_rank_script.py
 STRATEGY:FAULT ...``: for each argument, ``LIGHTNING_PAR_FAULT=FAULT`` and one ``fit`` of a
 small network on two CPU ranks (Lightning chooses the launch), a checkpoint every two
-steps; what ``fit`` raised is printed as one ``RESULT {json}`` line."""
+steps; what ``fit`` raised is printed as one ``RESULT {json}`` line. With ``--uncaught``
+first (``tests/test_lost_peers.py``: under torchrun, where every rank runs the script),
+``fit`` is called as most scripts do, catching nothing."""
 
 from __future__ import annotations
 
@@ -36,7 +38,7 @@ class Tiny(pl.LightningModule):
         return torch.optim.SGD(self.parameters(), lr=0.1)
 
 
-def fit(name: str, fault: str) -> None:
+def fit(name: str, fault: str, uncaught: bool = False) -> None:
     os.environ[FAULT_ENV] = fault  # read by the strategy's constructor
     row = spec(name)
     strategy = row.cls(**row.options, dead_peer_timeout=DEAD_PEER_S)
@@ -47,6 +49,9 @@ def fit(name: str, fault: str) -> None:
     )  # fmt: skip
     g = torch.Generator().manual_seed(0)
     data = TensorDataset(torch.randn(256, 8, generator=g), torch.randint(0, 4, (256,), generator=g))
+    if uncaught:
+        trainer.fit(Tiny(), DataLoader(data, batch_size=4))
+        return
     try:
         trainer.fit(Tiny(), DataLoader(data, batch_size=4))
         raised = None
@@ -56,6 +61,7 @@ def fit(name: str, fault: str) -> None:
 
 
 if __name__ == "__main__":
-    for scenario in sys.argv[1:]:
+    uncaught = sys.argv[1:2] == ["--uncaught"]
+    for scenario in sys.argv[1 + uncaught :]:
         name, fault = scenario.split(":", 1)
-        fit(name, fault)
+        fit(name, fault, uncaught)

@@ -1,7 +1,9 @@
 """A lost rank, killed or frozen by ``LIGHTNING_PAR_FAULT``, ends the run within a bounded
 time with one line naming the rank, how it was lost and the newest checkpoint; no
 traceback, no process and no temporary file or folder is left (a plain script in a fresh
-interpreter, Lightning choosing the launch: fork on this machine, popen when asked)."""
+interpreter, Lightning choosing the launch: fork on this machine, popen or forkserver when
+asked). Where the ranks name a lost peer themselves (torchrun, popen's rank 0):
+``tests/test_lost_peers.py``."""
 
 from __future__ import annotations
 
@@ -45,6 +47,9 @@ POPEN = [
     ("ring_allreduce:freeze:rank=1:step=3", "rank 1 stopped responding for"),
     ("parameter_server:kill:rank=1:step=3", "worker 1 (rank 1) was killed by SIGKILL; every rank"),
 ]
+#: a forkserver launch: worker 0 starts its servers from a forkserver of its own, and is
+#: killed by the launcher once worker 1 is lost
+FORKSERVER = [("parameter_server:kill:rank=1:step=3", "worker 1 (rank 1) was killed by SIGKILL")]
 
 
 # ---- the pieces, without processes ---------------------------------------------------------
@@ -172,6 +177,15 @@ def test_a_killed_or_frozen_rank_ends_each_plugins_fork_launch_naming_it(tmp_pat
 def test_a_killed_or_frozen_script_ends_a_popen_launch_naming_it(tmp_path, scenario, start):
     run = _run(tmp_path, [scenario], limit_s=200, LIGHTNING_PAR_START_METHOD="popen")
     waited = _check(tmp_path, [(scenario, start)], run)
+    print("seconds from fault to line:", waited)
+
+
+def test_a_forkserver_launch_with_parameter_servers_leaves_no_folder_and_no_server(tmp_path):
+    """No ``pymp-*`` folder (a forkserver's socket) and no forkserver process outlives the
+    script: worker 0's servers come from a forkserver of its own, and worker 0 is killed."""
+    run = _run(tmp_path, [s for s, _ in FORKSERVER], limit_s=240,
+               LIGHTNING_PAR_START_METHOD="forkserver")  # fmt: skip
+    waited = _check(tmp_path, FORKSERVER, run)
     print("seconds from fault to line:", waited)
 
 

@@ -31,7 +31,7 @@ import torch.distributed as dist
 from lightning_par import _compat
 from lightning_par.comm import CommTrace, Communicator, Event
 from lightning_par.components.process_group import destroy_process_group
-from lightning_par.components.worker_group import WorkerGroup, check_positive
+from lightning_par.components.worker_group import WorkerGroup, check_positive, wait_for_workers
 from lightning_par.launch import liveness
 from lightning_par.launch.lost import RankLost
 from lightning_par.launch.rendezvous import StoreAddress
@@ -282,17 +282,21 @@ class ServerGroup:
         if self.processes:
             servers.stop_servers(self.processes, wait_s=10.0 if clean else 0.0)
             self.processes = []
+        beat = liveness.current()
         liveness.stop_watching()
         if clean:  # the servers are gone: a later fit/test/validate builds a new group
             dist.destroy_process_group()
             if ctx.outlives_the_call:
-                self._join_workers_between_calls(ctx)
+                self._join_workers_between_calls(ctx, beat)
 
-    def _join_workers_between_calls(self, ctx: WorkerContext) -> None:
+    def _join_workers_between_calls(self, ctx: WorkerContext, beat: Any) -> None:
         """The script goes on in every worker: Lightning's barrier in ``save_checkpoint``
         and the collectives of the next call's set-up need a group, as under Lightning's
-        DDP, whose group lives on after ``fit``. The servers are gone: the workers alone."""
+        DDP, whose group lives on after ``fit``. The servers are gone: the workers alone,
+        once all are back (:func:`~.worker_group.wait_for_workers`: one lost during the
+        call never comes)."""
         store, _ = ctx.group_store()
+        wait_for_workers(store, ctx.rank, ctx.workers, ctx.timeout, beat, ctx.rank_name)
         dist.init_process_group(
             "gloo", store=store, rank=ctx.rank, world_size=ctx.workers, timeout=ctx.timeout
         )

@@ -15,6 +15,12 @@ the report goes to the launcher, which says it in one line (:mod:`.lost`); elsew
 A rank that finished a stage (``teardown``) says so (:meth:`Heartbeat.finish`) and is no
 longer watched until it joins the next stage (:meth:`Heartbeat.resume`); a rank the job
 goes on without (a lost ``async_sgd`` worker) is forgotten (:meth:`Heartbeat.forget`).
+
+Each rank also publishes which process it is (:mod:`.process_id`) and learns its peers',
+so that a rank whose collective failed can name the peer whose process ended
+(:mod:`.peer_loss`). Under a ``popen`` launch the store lives as long as the launching
+process (rank 0): once that process is gone, the others stop using the store (torch would
+print a C++ stack for each call on the dead connection).
 """
 
 from __future__ import annotations
@@ -30,11 +36,16 @@ from datetime import timedelta
 from functools import partial
 from typing import Any
 
-from lightning_par.launch.lost import leave_report
+from lightning_par.launch import peer_loss
+from lightning_par.launch.lost import LAUNCHER_RANK_ENV, leave_report
+from lightning_par.launch.process_id import ProcessId, this_process
 from lightning_par.launch.rendezvous import DEAD_PEER_ENV, dead_peer_timeout
 
 #: Added to a rank's count when it finished a stage (counts stay far below it).
 _DONE = 1 << 40
+#: Seconds after joining a group during which a rank looks, every ``_LEARN_EVERY_S``, for
+#: the processes its peers publish (later: at each beat).
+_LEARN_S, _LEARN_EVERY_S = 5.0, 0.02
 
 
 class Heartbeat:
@@ -68,36 +79,59 @@ class Heartbeat:
         self.watched = [r for r in watched if r != rank]
         self.on_dead = on_dead or partial(report_and_exit, name(rank))
         self.interval_s = max(0.05, min(1.0, dead_after_s / 4))
+        #: the processes of the watched peers, as each publishes its own (see the docstring)
+        self.peers: dict[int, ProcessId] = {}
+        self.seen: dict[int, tuple[int, float]] = {}  # peer -> (count, when it last moved)
+        owner = os.environ.get(LAUNCHER_RANK_ENV, "")
+        self._store_owner = int(owner) if owner.isdigit() else None  # popen: the store's rank
         self._stop = threading.Event()
         self._finished = False
+        self.store_failed = False
+        self._reported: set[int] = set()  # peers handed to on_dead
         self._thread = threading.Thread(target=self._run, daemon=True, name="lp-heartbeat")
 
     def start(self) -> Heartbeat:
+        self.store.set(self.key(self.rank, "proc"), str(this_process()))
         self._beat()
+        self._learn_peers()
         self._thread.start()
         return self
 
-    def _key(self, rank: int) -> str:
-        return f"lightning_par/beat/{rank}"
+    def key(self, rank: int, what: str = "beat") -> str:
+        """The key of ``rank``'s count (``beat``) or process (``proc``) in the group's store."""
+        return f"lightning_par/{what}/{rank}"
 
     def _beat(self) -> None:
-        self.store.add(self._key(self.rank), 1)
+        self.store.add(self.key(self.rank), 1)
 
     def finish(self) -> None:
         """This rank ended its stage: peers stop watching it (and it stops watching)."""
         if not self._finished:
             self._finished = True
-            self._safely(lambda: self.store.add(self._key(self.rank), _DONE))
+            self.safely(lambda: self.store.add(self.key(self.rank), _DONE))
 
     def resume(self) -> None:
         """This rank joins the next stage of the same group: watched again."""
         if self._finished:
             self._finished = False
-            self._safely(lambda: self.store.add(self._key(self.rank), -_DONE))
+            self.safely(lambda: self.store.add(self.key(self.rank), -_DONE))
 
-    def forget(self, rank: int) -> None:
-        """The job goes on without ``rank`` (a lost worker): no peer watches it any more."""
-        self._safely(lambda: self.store.add(self._key(rank), _DONE))
+    def finished_stage(self, peer: int) -> bool:
+        """Whether ``peer`` finished its stage (or was forgotten); once the store is gone,
+        as last seen."""
+        count = self.safely(lambda: self.store.add(self.key(peer), 0))
+        if count is None:
+            count = self.seen.get(peer, (0, 0.0))[0]
+        return count >= _DONE // 2
+
+    def forget(self, rank: int, report: str = "") -> None:
+        """The job goes on without ``rank`` (a lost worker): no peer watches it any more.
+        ``report`` (how it was lost) is left for the ranks that name a lost peer, should the
+        job end after all (torchrun's agent ends it as soon as any of its processes ends):
+        :func:`~.peer_loss.handed_over`."""
+        self.safely(lambda: self.store.add(self.key(rank), _DONE))
+        if report:
+            peer_loss.hand_over(self, rank, report)
 
     def hand_silent_peers_to(self, handler: Callable[[int, str], bool]) -> None:
         """From now on a silent peer is asked about first (``survive``): a fault-tolerant
@@ -113,35 +147,69 @@ class Heartbeat:
             # exception", seen at the end of a popen job)
             self._thread.join(timeout=self.interval_s + 2.0)
 
-    def _safely(self, action: Callable[[], Any]) -> None:
+    def safely(self, action: Callable[[], Any]) -> Any:
+        """``action()`` on the store, or None where the store is gone."""
+        if self.store_gone():
+            return None
         try:
-            action()
+            return action()
         except Exception:
-            pass  # the store's host is gone: gloo reports that job's end itself
+            return None  # the store's host is gone: gloo reports that job's end itself
+
+    def store_gone(self) -> bool:
+        """Whether the process that holds the store (``popen``'s rank 0) ended."""
+        owner = self.peers.get(self._store_owner) if self._store_owner is not None else None
+        return owner is not None and owner.local and owner.ended()
+
+    def _learn_peers(self) -> bool:
+        """Read the process of each watched peer that published it; whether some did not."""
+        for peer in self.watched:
+            key = self.key(peer, "proc")
+            if peer not in self.peers and self.store.check([key]):
+                self.peers[peer] = ProcessId.parse(self.store.get(key).decode())
+        return len(self.peers) < len(self.watched)
 
     def _run(self) -> None:
-        seen: dict[int, tuple[int, float]] = {}
+        # the peers publish their processes as they join, a moment apart: learn them at once
+        # (the store may go with a lost peer: popen's rank 0); beat and watch every interval
+        learn_until = time.monotonic() + _LEARN_S
+        next_beat = time.monotonic() + self.interval_s
         try:
-            while not self._stop.wait(self.interval_s):
-                self._beat()
-                if self._finished:
-                    seen.clear()
-                    continue
+            while True:
+                learning = len(self.peers) < len(self.watched)
                 now = time.monotonic()
-                for peer in list(self.watched):
-                    count = self.store.add(self._key(peer), 0)
-                    last = seen.get(peer)
-                    if count >= _DONE // 2 or last is None or last[0] != count:
-                        seen[peer] = (count, now)
-                    elif now - last[1] > self.dead_after_s and not self._finished:
-                        report = silent_report(self.name(peer), now - last[1], self.dead_after_s)
-                        if self.survive is not None and self.survive(peer, report):
-                            self.watched.remove(peer)
-                            continue
-                        self.on_dead(peer, report)
-                        return
+                wait = _LEARN_EVERY_S if learning and now < learn_until else next_beat - now
+                if self._stop.wait(max(0.0, wait)) or self.store_gone():
+                    return
+                if learning:
+                    self._learn_peers()
+                if time.monotonic() >= next_beat:
+                    next_beat = time.monotonic() + self.interval_s
+                    self._beat()
+                    self._watch()
         except Exception:
-            return  # the store's host is gone: gloo reports that job's end itself
+            self.store_failed = True  # the store's host is gone: gloo reports the job's end
+
+    def _watch(self) -> None:
+        """Hand a watched peer silent for ``dead_after_s`` to ``on_dead`` (once each)."""
+        if self._finished:
+            self.seen.clear()
+            return
+        now = time.monotonic()
+        for peer in list(self.watched):
+            count = self.store.add(self.key(peer), 0)
+            last = self.seen.get(peer)
+            if count >= _DONE // 2 or last is None or last[0] != count:
+                self.seen[peer] = (count, now)
+            elif now - last[1] > self.dead_after_s and peer not in self._reported:
+                report = silent_report(self.name(peer), now - last[1], self.dead_after_s)
+                if self.survive is not None and self.survive(peer, report):
+                    self.watched.remove(peer)  # a fault-tolerant group goes on without it
+                    continue
+                # (beating on: a handler that lets this rank live must not make it look
+                # silent in turn)
+                self._reported.add(peer)
+                self.on_dead(peer, report)
 
 
 def silent_report(who: str, silent_s: float, limit_s: float) -> str:
@@ -162,6 +230,7 @@ def report_and_exit(reporter: str, peer: int, report: str) -> None:
 
 
 _current: Heartbeat | None = None  # the heartbeat of this process's default group
+_last: Heartbeat | None = None  # the one before, once stopped (see store_gone)
 _handler: Callable[[int, str], None] | None = None  # see silent_peers_handed_to
 
 
@@ -206,9 +275,16 @@ def current() -> Heartbeat | None:
     return _current
 
 
+def store_gone() -> bool:
+    """Whether the process that holds the store of this process's (last) group ended
+    (``popen``'s rank 0): a call on that store would fail, printing torch's C++ stack first."""
+    beat = _current or _last
+    return beat is not None and beat.store_gone()
+
+
 def stop_watching() -> None:
     """The group ends (``destroy_process_group``): stop its heartbeat."""
-    global _current
+    global _current, _last
     if _current is not None:
         _current.stop()
-        _current = None
+        _current, _last = None, _current

@@ -21,6 +21,7 @@ from __future__ import annotations
 import os
 import signal
 import stat
+import sys
 import tempfile
 import uuid
 from collections.abc import Iterator
@@ -55,11 +56,33 @@ class RankLost(RuntimeError):
         rank: the lost rank.
         details: how every rank ended and what the others reported (also logged at
             ``DEBUG`` by the ``lightning_par`` logger), kept off the one line.
+        said: whether the line was printed already (by a rank that found the loss, before
+            its launcher could end it): uncaught, it is not printed again.
     """
 
     def __init__(self, message: str, rank: int, details: str = "") -> None:
         super().__init__(message)
-        self.rank, self.details = rank, details
+        self.rank, self.details, self.said = rank, details, False
+
+
+_previous_hook = None  # the excepthook before one_line_when_uncaught's
+
+
+def _one_line(kind: type[BaseException], error: BaseException, trace: object) -> None:
+    if isinstance(error, RankLost):
+        if not error.said:
+            print(f"lightning_par: {error}", file=sys.stderr, flush=True)
+        return
+    (_previous_hook or sys.__excepthook__)(kind, error, trace)
+
+
+def one_line_when_uncaught() -> None:
+    """From now on, a :class:`RankLost` that ends the script prints as its one line, not
+    under a traceback (its frames are the launcher's and Lightning's, and its cause is in
+    another process), and not at all if it was printed already."""
+    global _previous_hook
+    if _previous_hook is None:
+        _previous_hook, sys.excepthook = sys.excepthook, _one_line
 
 
 @contextmanager
@@ -94,14 +117,19 @@ def make_private_folder(folder: str) -> bool:
     return stat.S_ISDIR(info.st_mode) and info.st_uid == os.getuid()
 
 
+def launcher_names(lost_rank: int) -> bool:
+    """Whether the process that launched this one is of this project and names
+    ``lost_rank`` itself: not under torchrun or SLURM, nor when it is that rank (``popen``)."""
+    launcher_rank = os.environ.get(LAUNCHER_RANK_ENV)
+    return bool(os.environ.get(REPORTS_ENV)) and launcher_rank != str(lost_rank)
+
+
 def leave_report(lost_rank: int, text: str) -> bool:
     """In a process of a launch of this project: leave ``text`` (which names
     ``lost_rank`` and how it was lost) for the launcher; False when no launcher of this
-    project waits for one (torchrun, SLURM), or it cannot be written."""
+    project waits for one (:func:`launcher_names`), or it cannot be written."""
     folder = os.environ.get(REPORTS_ENV)
-    if os.environ.get(LAUNCHER_RANK_ENV) == str(lost_rank):
-        return False
-    if not folder or not make_private_folder(folder):
+    if not launcher_names(lost_rank) or not folder or not make_private_folder(folder):
         return False
     path = os.path.join(folder, _REPORT.format(lost_rank))
     partial = f"{path}.{os.getpid()}.partial"

@@ -2,8 +2,8 @@
 
 Plumbing shared by :func:`~lightning_par.launch.run.run_on_ranks`, the strategies' launcher,
 the parameter-server processes, the benchmarks and the tests: kill a process with every
-process it started, make a child die with its parent, run a command or a block of code
-under a wall-clock limit.
+process it started, make a child die with its parent, start children from a forkserver that
+leaves nothing behind, run a command or a block of code under a wall-clock limit.
 """
 
 from __future__ import annotations
@@ -66,6 +66,51 @@ def die_with_parent() -> None:
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
     except OSError:
         pass
+
+
+_forkserver_owner: int | None = None  # the process that registered _end_forkserver
+
+
+def forkserver_context(preload: list[str]) -> Any:
+    """multiprocessing's ``forkserver`` context, importing ``preload`` once, that leaves
+    nothing behind:
+
+    * its children share this process's multiprocessing folder (``pymp-*`` in the temporary
+      folder, where a forkserver's socket lives), which this process removes as it exits.
+      Otherwise the first child, created before the server started, makes one of its own,
+      which stays when that child is killed (a parameter servers' worker stopped after
+      another rank was lost);
+    * the server process ends with this one (SIGKILL at exit: it only forks; the children
+      it forked are done or die with it). multiprocessing lets it end by itself once it
+      reads that this process is gone, which with torch imported takes a second or two
+      after the script returned.
+    """
+    import multiprocessing as mp
+    import multiprocessing.util
+
+    global _forkserver_owner
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(preload)
+    mp.util.get_temp_dir()
+    if _forkserver_owner != os.getpid():  # (once per process; a forked child registers anew)
+        _forkserver_owner = os.getpid()
+        # after the finalizers that stop children (priority >= 0), before the folder's (-100)
+        mp.util.Finalize(None, _end_forkserver, args=(os.getpid(),), exitpriority=-50)
+    return ctx
+
+
+def _end_forkserver(owner: int) -> None:
+    from multiprocessing import forkserver
+
+    pid = getattr(forkserver._forkserver, "_forkserver_pid", None)
+    if pid is None or os.getpid() != owner:
+        return
+    try:
+        if os.waitpid(pid, os.WNOHANG) == (0, 0):  # (raises unless it is this process's child)
+            os.kill(pid, signal.SIGKILL)
+            os.waitpid(pid, 0)
+    except OSError:
+        pass  # ended and reaped already
 
 
 class Completed:

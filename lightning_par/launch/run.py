@@ -22,7 +22,7 @@ from typing import Any
 
 from lightning_par.launch.parent_state import ParentState
 from lightning_par.launch.policy import FORKSERVER_PRELOAD, limit_threads_after_fork, plan_launch
-from lightning_par.launch.processes import die_with_parent, stop_process_groups
+from lightning_par.launch.processes import die_with_parent, forkserver_context, stop_process_groups
 from lightning_par.launch.rendezvous import (
     RUN_TIMEOUT_S,
     default_timeout,
@@ -248,7 +248,7 @@ def _run_once(fn, world_size, backend, group_timeout, args, kwargs) -> list[Any]
     ctx = mp.get_context(plan.method)
     threads = plan.threads_per_rank
     if plan.method == "forkserver":
-        ctx.set_forkserver_preload(FORKSERVER_PRELOAD)
+        ctx = forkserver_context(FORKSERVER_PRELOAD)
         threads = forkserver_threads(world_size)
     queue = ctx.SimpleQueue()
     store_dir = tempfile.mkdtemp(prefix="lightning_par-ranks-")

@@ -89,10 +89,10 @@ class AsyncServer:
 
     def __init__(
         self, comm: Communicator, shard: ShardOptimizer, staleness: int | None,
-        remedies: Remedies | None = None, forget: Callable[[int], None] | None = None,
+        remedies: Remedies | None = None, forget: Callable[[int, str], None] | None = None,
     ) -> None:  # fmt: skip
         self.comm, self.shard, self.staleness = comm, shard, staleness
-        self.forget = forget or (lambda w: None)
+        self.forget = forget or (lambda w, report: None)
         workers = shard.spec.num_workers
         self.remedies = remedies or Remedies()
         self.stale = StaleUpdate(self.remedies, shard.flat, workers)
@@ -183,7 +183,10 @@ class AsyncServer:
         if w == 0:
             raise CommError(f"worker 0 (rank 0: logging, checkpoints) was lost: {err}")
         self.running.discard(w)
-        self.forget(w)  # dead, not frozen: no heartbeat reports it
+        # dead, not frozen: no heartbeat names it; the report, should the job end after all
+        how = "its process was killed or ended without raising an error"
+        self.forget(w, f"worker {w} (rank {w}) was lost: its connection to parameter server "
+                       f"{self.shard.server} closed ({how})")  # fmt: skip
         self.waiting.pop(w, None)
         self.held.pop(w, None)
         lost = self.work.drop(w)
@@ -276,10 +279,11 @@ def serve_async(
     server: int,
     staleness: int | None,
     remedies: Remedies | None = None,
-    forget: Callable[[int], None] | None = None,
+    forget: Callable[[int, str], None] | None = None,
 ) -> AsyncServer | None:
     """Run server ``server`` asynchronously until every worker has sent ``STOP``;
-    ``forget(w)`` as it drops lost worker ``w`` (its heartbeat stops watching it)."""
+    ``forget(w, report)`` as it drops lost worker ``w`` (its heartbeat stops watching it;
+    ``report`` says how it was lost)."""
     role = f"asynchronous parameter server {server} (rank {comm.rank})"
     try:
         spec: ServerSpec | None = recv_object(comm, 0, protocol.decode_spec, IDLE_TIMEOUT)

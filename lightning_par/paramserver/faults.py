@@ -18,14 +18,18 @@ from collections.abc import Callable
 from typing import Any
 
 from lightning_par import _compat
+from lightning_par.launch import liveness
 from lightning_par.launch.faults import planned_fault
 
 FAULT_KEY = "lightning_par/paramserver/fault"
 
 
 def _store() -> Any:
-    """The default group's store, or None (no group). Runs while another error is being
-    reported, so a moved torch name is printed rather than raised over that error."""
+    """The default group's store, or None (no group, or its host is gone). Runs while another
+    error is being reported, so a moved torch name is printed rather than raised over that
+    error."""
+    if liveness.store_gone():
+        return None
     try:
         return _compat.default_store()
     except _compat.CompatError as err:

@@ -43,11 +43,12 @@ from typing import Any
 import torch.distributed as dist
 
 from lightning_par.comm import CommError, Communicator
-from lightning_par.launch.liveness import Heartbeat
-from lightning_par.launch.lost import REPORTS_ENV, how_it_ended
+from lightning_par.launch import peer_loss
+from lightning_par.launch.liveness import Heartbeat, report_and_exit
+from lightning_par.launch.lost import REPORTS_ENV, how_it_ended, leave_report
 from lightning_par.launch.parent_state import ParentState
 from lightning_par.launch.policy import FORKSERVER_PRELOAD, limit_threads_after_fork, plan_launch
-from lightning_par.launch.processes import die_with_parent
+from lightning_par.launch.processes import die_with_parent, forkserver_context
 from lightning_par.launch.rendezvous import StoreAddress, connect_group_store, dead_peer_timeout
 from lightning_par.paramserver.asynchronous import serve_async
 from lightning_par.paramserver.faults import (
@@ -106,12 +107,17 @@ def server_main(launch: ServerLaunch, parent: ParentState | None = None) -> None
     """A server process: join the group as rank ``W + server`` and serve until told to stop.
     ``parent``: the starting worker's state, restored in a forkserver's child."""
     die_with_parent()
+    # a server ends with its worker: a SIGTERM to the worker's process group (torchrun's
+    # agent stopping the job) is the worker's to handle; a server it killed would be taken
+    # for the process the job lost
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     if parent is not None:
         parent.restore()
     threading.Thread(target=_watch, args=(launch.owner,), daemon=True).start()
     limit_threads_after_fork(max(1, launch.threads))
     server, num_workers, rank = launch.server, launch.num_workers, launch.rank
     timeout = launch.timeout
+    beat: Heartbeat | None = None
     try:
         store = connect_group_store(launch.address, timeout)
         dist.init_process_group(
@@ -126,6 +132,8 @@ def server_main(launch: ServerLaunch, parent: ParentState | None = None) -> None
         survive = (lambda peer, report: peer >= num_workers) if launch.fault_tolerant else None
         beat = Heartbeat(store, rank, watched, limit, partial(role_name, num_workers),
                          survive=survive)  # fmt: skip
+        # (asynchronous: no worker watches the workers other than 0, which it may lose)
+        beat.on_dead = partial(_peer_silent, beat, num_workers if launch.asynchronous else 0)
         beat.start()
         if launch.asynchronous:
             serve_async(Communicator(), server, launch.staleness, launch.remedies, beat.forget)
@@ -135,9 +143,12 @@ def server_main(launch: ServerLaunch, parent: ParentState | None = None) -> None
             serve(Communicator(), server, with_fault(server, synchronous_step))
     except BaseException as err:
         record_fault(str(err) if f"rank {rank}" in str(err) else f"server rank {rank}: {err}")
-        # a peer lost or hung, under a launch of this project: the workers' error and the
-        # launcher's line name it; the traceback of this echo would only hide it
-        if not (isinstance(err, CommError) and os.environ.get(REPORTS_ENV)):
+        # a peer lost or hung: the launcher's line names it (a launch of this project), or
+        # the workers' (another launch); the traceback of this echo would only hide it
+        named = os.environ.get(REPORTS_ENV) or (
+            beat is not None and (peer_loss.handed_over(beat) or peer_loss.lost_peer(beat))
+        )  # fmt: skip
+        if not (isinstance(err, CommError) and named):
             print(
                 f"parameter server {server} (rank {rank}) failed:\n{traceback.format_exc()}",
                 file=sys.stderr, flush=True,
@@ -145,6 +156,22 @@ def server_main(launch: ServerLaunch, parent: ParentState | None = None) -> None
         os._exit(1)  # do not wait for peers that may be gone
     beat.stop()
     dist.destroy_process_group()
+
+
+def _peer_silent(beat: Heartbeat, unwatched_below: int, peer: int, report: str) -> None:
+    """A server's heartbeat found ``peer`` silent. The launcher of this project names it, if
+    one waits (the server ends); else a peer the workers watch is theirs to name, and the
+    server ends with the worker that started it. Workers ``1 .. unwatched_below - 1``
+    (``async_sgd``'s, which no worker watches) this server hands over instead
+    (:func:`~lightning_par.launch.peer_loss.hand_over_silent`: killed, its report
+    left for the workers) and ends, so that the workers' next step fails and names it; or,
+    where it cannot be killed (another machine), says it itself."""
+    if leave_report(peer, report):
+        os._exit(1)
+    if 0 < peer < unwatched_below:
+        if peer_loss.hand_over_silent(beat, peer, report):
+            os._exit(1)
+        report_and_exit(beat.name(beat.rank), peer, report)
 
 
 def role_name(num_workers: int, rank: int) -> str:
@@ -166,7 +193,7 @@ def start_servers(
     plan = plan_launch("cpu", max(1, len(servers)), can_exec=False)
     ctx = mp.get_context(plan.method)
     if plan.method == "forkserver":
-        ctx.set_forkserver_preload(FORKSERVER_PRELOAD)
+        ctx = forkserver_context(FORKSERVER_PRELOAD)
     daemonic = not mp.current_process().daemon  # a daemon may not start daemons
     procs = []
     for s in servers:

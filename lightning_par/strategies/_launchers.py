@@ -19,7 +19,8 @@
   newest checkpoint is (:mod:`._interrupts`);
 * a rank lost (killed, ended without raising, or silent for ``dead_peer_timeout``) ends the
   job at once with :class:`~lightning_par.launch.lost.RankLost`, one line naming the rank,
-  how it was lost and the newest checkpoint (:mod:`._lost_ranks`);
+  how it was lost and the newest checkpoint (:mod:`._lost_ranks`), which a script that does
+  not catch it prints alone;
 * a rank's exception reaches the main process with its own type (``ValueError``, ...),
   chained to torch's report of the rank's traceback (:mod:`._rank_errors`);
 * after a fork ``fit`` the main process gets the FULL model and the training state
@@ -28,7 +29,8 @@
   after every launch, rank 0's random states and trace (as files, not through the queue).
 
 :class:`ExistingRanksLauncher` is used when the ranks already exist (torchrun, SLURM,
-``run_on_ranks``): it starts nothing, also in a notebook.
+``run_on_ranks``, ``popen``'s scripts): it starts nothing, also in a notebook, and the
+ranks name a lost peer themselves (:mod:`._lost_peers`).
 """
 
 from __future__ import annotations
@@ -50,7 +52,13 @@ from typing_extensions import override
 
 from lightning_par import _compat
 from lightning_par.comm.trace import trace_from_dict, trace_to_dict
-from lightning_par.launch.lost import REPORTS_ENV, RankLost, new_folder_name, reports_to
+from lightning_par.launch.lost import (
+    REPORTS_ENV,
+    RankLost,
+    new_folder_name,
+    one_line_when_uncaught,
+    reports_to,
+)
 from lightning_par.launch.parent_state import ParentState
 from lightning_par.launch.policy import (
     FORKSERVER_PRELOAD,
@@ -60,7 +68,7 @@ from lightning_par.launch.policy import (
     process_state,
     warn_if_oversubscribed,
 )
-from lightning_par.launch.processes import die_with_parent
+from lightning_par.launch.processes import die_with_parent, forkserver_context
 from lightning_par.launch.rendezvous import STORE_ENV, host_job_store
 from lightning_par.strategies._carry_back import (
     load_in_script,
@@ -68,6 +76,7 @@ from lightning_par.strategies._carry_back import (
     save_for_script,
 )
 from lightning_par.strategies._interrupts import lost_rank_message, sigterm_as_interrupt, stop_ranks
+from lightning_par.strategies._lost_peers import LostPeers
 from lightning_par.strategies._lost_ranks import ScriptRanks, joined_by_us
 from lightning_par.strategies._rank_errors import RankErrors
 
@@ -84,7 +93,12 @@ def launch_arguments(function: Callable, args: tuple, kwargs: dict[str, Any]) ->
 
 
 class ExistingRanksLauncher(_compat.SubprocessScriptLauncher):
-    """Every rank already runs this code: start nothing (as safe in a notebook as anywhere)."""
+    """Every rank already runs this code: start nothing (as safe in a notebook as anywhere);
+    a lost peer is named in one line by the ranks themselves (:mod:`._lost_peers`)."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.lost_peers = LostPeers()
 
     @property
     @override
@@ -95,7 +109,8 @@ class ExistingRanksLauncher(_compat.SubprocessScriptLauncher):
     def launch(self, function: Callable, *args: Any, trainer: pl.Trainer | None = None, **kw):
         if trainer is not None:
             trainer.strategy.launch_arguments = launch_arguments(function, args, kw)
-        return function(*args, **kw)
+        with self.lost_peers.watching(trainer):
+            return function(*args, **kw)
 
 
 class PolicyLauncher(_compat.MultiProcessingLauncher):
@@ -152,9 +167,7 @@ class PolicyLauncher(_compat.MultiProcessingLauncher):
                     return self._launch_scripts(function, args, trainer, kw)
                 self._start_method = self.plan.method
                 if self.plan.method == "forkserver":
-                    import multiprocessing as mp
-
-                    mp.get_context("forkserver").set_forkserver_preload(FORKSERVER_PRELOAD)
+                    forkserver_context(FORKSERVER_PRELOAD)
                 # async_sgd goes on without a lost worker
                 survive = getattr(strategy, "survives_lost_workers", False)
                 with joined_by_us(folder, strategy.rank_name, survive):
@@ -167,6 +180,7 @@ class PolicyLauncher(_compat.MultiProcessingLauncher):
             stop_ranks(procs, trainer, error, self._started)
             if lost is not None:
                 message = lost_rank_message(lost, trainer, self._started)
+                one_line_when_uncaught()
                 raise RankLost(message, lost.rank, lost.details) from None
             original = errors.original(error) if errors is not None else None
             if original is not None:

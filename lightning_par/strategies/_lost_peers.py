@@ -1,0 +1,145 @@
+"""A lost peer named by the ranks themselves, where no launcher of this project can: under
+torchrun or SLURM, and in the scripts of a ``popen`` launch whose lost rank is rank 0 (the
+launching process itself).
+
+torchrun's agent sees a rank end, stops the others (SIGTERM, SIGKILL 30 s later) and prints
+its failure table, while each surviving rank fails in a collective with gloo's "Connection
+reset by peer" under a traceback of this project's internals; a frozen rank the agent does
+not see at all (it is alive). So a rank that another launcher started does within itself
+what a launch of this project does (:mod:`._lost_ranks`), with :class:`LostPeers`:
+
+* a peer its heartbeat finds silent for ``dead_peer_timeout`` is killed if it runs on this
+  machine, so that the collective waiting on it fails at once (and torchrun's agent sees it
+  end); on another machine, where it cannot be, this rank says so and ends (a blocked
+  collective cannot be interrupted from Python);
+* when this rank fails, a peer whose process ended without finishing its stage
+  (:func:`~lightning_par.launch.peer_loss.lost_peer`), or the silent one, is the
+  cause: the first rank to see it prints one line at once (torchrun's agent may end it any
+  moment after), and ``fit`` raises :class:`~lightning_par.launch.lost.RankLost` holding
+  that line, which a script that does not catch it does not print again;
+* where a launcher of this project waits (``popen``'s scripts, the lost rank not rank 0)
+  the rank stays quiet: that launcher names the lost rank, with its exit code.
+
+While this rank looks for the lost peer and ends, a SIGTERM (torchrun's agent stopping the
+job) is held back: Lightning's handler of it broadcasts on the group whose peer is gone, and
+its error would take the place of the lost rank's line.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import sys
+import threading
+import time
+import traceback
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+from lightning_par.launch import liveness, peer_loss
+from lightning_par.launch.lost import (
+    RankLost,
+    launcher_names,
+    leave_report,
+    one_line_when_uncaught,
+)
+from lightning_par.strategies._interrupts import checkpoint_clause
+
+log = logging.getLogger("lightning_par")
+
+#: Seconds this rank's collective gets to fail once a silent peer was killed, before this
+#: rank says so and ends by itself (its main thread computes alone, say).
+FAIL_WITHIN_S = 5.0
+
+
+class LostPeers:
+    """The lost peers of a rank started by another launcher (see the module docstring)."""
+
+    def __init__(self) -> None:
+        self.trainer: Any = None
+        self.started = time.time()
+        self.silent: RankLost | None = None  # the peer the heartbeat found silent
+        self.handled = threading.Event()  # the main thread named the lost peer
+
+    @contextmanager
+    def watching(self, trainer: Any) -> Iterator[None]:
+        """While a ``Trainer`` call runs in this rank: a failure caused by a lost peer
+        becomes one line and a :class:`RankLost`."""
+        self.trainer, self.started, self.silent = trainer, time.time(), None
+        self.handled.clear()
+        with liveness.silent_peers_handed_to(self.peer_silent):
+            try:
+                yield
+            except BaseException as error:
+                lost = self.cause_of(error)
+                if lost is None:
+                    raise
+                raise lost from None
+
+    def line(self, lost: RankLost) -> str:
+        return f"{lost}; the job ends{checkpoint_clause(self.trainer, self.started)}"
+
+    def cause_of(self, error: BaseException) -> RankLost | None:
+        """The lost peer that made this rank fail with ``error``, as a :class:`RankLost`
+        holding the one line (printed here by the first rank to see it), or None."""
+        if isinstance(error, KeyboardInterrupt):
+            return None
+        held = _HeldSigterm()
+        beat = liveness.current()
+        lost = error if isinstance(error, RankLost) and not error.said else self.silent
+        if lost is None and beat is not None:
+            found = peer_loss.handed_over(beat) or peer_loss.lost_peer(beat)
+            lost = RankLost(found[1], found[0]) if found is not None else None
+        if lost is None:
+            held.release()
+            return None
+        self.handled.set()
+        named = RankLost(self.line(lost), lost.rank, "".join(traceback.format_exception(error)))
+        log.debug("lightning_par: %s; this rank failed with:\n%s", named, named.details)
+        if not launcher_names(lost.rank) and (beat is None or peer_loss.first_to_report(beat)):
+            print(f"lightning_par: {named}", file=sys.stderr, flush=True)
+        named.said = True
+        one_line_when_uncaught()
+        return named
+
+    def peer_silent(self, rank: int, report: str) -> None:
+        """The heartbeat (on its own thread) found ``rank`` silent (see the module
+        docstring)."""
+        if leave_report(rank, report):  # a launcher of this project names it
+            os._exit(1)
+        self.silent = RankLost(report, rank)
+        beat = liveness.current()
+        killed = beat is not None and peer_loss.hand_over_silent(beat, rank, report)
+        # the main thread's collective fails on the killed peer and names it; else this
+        # thread does, after a while (a collective cannot be interrupted from Python)
+        ending = threading.Timer(FAIL_WITHIN_S if killed else 0.0, self._end, (self.silent,))
+        ending.daemon = True
+        ending.start()
+
+    def _end(self, lost: RankLost) -> None:
+        if not self.handled.is_set():
+            print(f"lightning_par: {self.line(lost)}", file=sys.stderr, flush=True)
+            os._exit(1)
+
+
+class _HeldSigterm:
+    """SIGTERM recorded instead of handled (in the main thread), until :meth:`release`;
+    left in place when the rank ends (Lightning's teardown restores the handler it found)."""
+
+    def __init__(self) -> None:
+        self.received = False
+        self.previous: Any = None
+        if threading.current_thread() is threading.main_thread():
+            self.previous = signal.signal(signal.SIGTERM, self._record)
+
+    def _record(self, signum: int, frame: Any) -> None:
+        self.received = True
+
+    def release(self) -> None:
+        """Handle SIGTERM as before again (and one that came meanwhile now)."""
+        if self.previous is not None:
+            signal.signal(signal.SIGTERM, self.previous)
+            if self.received:
+                os.kill(os.getpid(), signal.SIGTERM)
