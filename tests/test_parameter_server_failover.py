@@ -129,6 +129,9 @@ def test_a_lost_worker_ends_the_job_naming_it_and_what_survives_one(tmp_path, me
     code, lines, session, left = _run(tmp_path, ["2:kill:rank=1:step=3"], limit_s=90, **env)
     text = "".join(line for _, line in lines)
     assert code != 0, text[-4000:]
-    said = [line for _, line in lines if re.fullmatch(LOST_WORKER, line.strip())]
-    assert len(said) == 1, text[-4000:]
+    said = [t for t, line in lines if re.fullmatch(LOST_WORKER, line.strip())]
+    struck = [t for t, line in lines if f"{FAULT_ENV}: rank 1 " in line]
+    assert len(said) == 1 and len(struck) == 1, text[-4000:]
     assert session == [] and left == [], (session, left)
+    assert said[0] - struck[0] < 10  # found at once (a closed connection), not at a timeout
+    print(f"seconds from the kill to the line ({method}): {said[0] - struck[0]:.2f}")
