@@ -14,6 +14,7 @@ import threading
 import time
 from pathlib import Path
 
+import pytest
 import torch
 from test_lost_ranks import _session
 
@@ -110,3 +111,27 @@ def test_a_lost_server_is_taken_over_exactly_in_a_popen_launch(tmp_path):
     run = _run(tmp_path, scenarios, limit_s=240, LIGHTNING_PAR_START_METHOD="popen")
     waited = _check(tmp_path, scenarios, run)
     print("seconds from fault to the takeover's line:", dict(zip(scenarios[1:], waited)))
+
+
+#: the line that ends a job whose worker is lost: who, how, and what does survive one
+LOST_WORKER = (r"(\[rank0\]: )?(lightning_par\.launch\.lost\.)?RankLost: worker 1 \(rank 1\) "
+               r"was killed by SIGKILL; every rank was stopped; no checkpoint was saved; "
+               r"ParameterServerStrategy\(fault_tolerant=True\) survives a lost parameter "
+               r"server, not a lost worker .* use async_sgd .* fault_tolerant=True, or save "
+               r"checkpoints .*")  # fmt: skip
+
+
+@pytest.mark.parametrize("method", ["fork", "popen"])
+def test_a_lost_worker_ends_the_job_naming_it_and_what_survives_one(tmp_path, method):
+    """fault_tolerant=True covers lost servers only: a lost worker ends the job (exit code
+    not 0) with one line naming it and the fix, and leaves no process or temporary file."""
+    env = {"LIGHTNING_PAR_START_METHOD": "popen"} if method == "popen" else {}
+    code, lines, session, left = _run(tmp_path, ["2:kill:rank=1:step=3"], limit_s=90, **env)
+    text = "".join(line for _, line in lines)
+    assert code != 0, text[-4000:]
+    said = [t for t, line in lines if re.fullmatch(LOST_WORKER, line.strip())]
+    struck = [t for t, line in lines if f"{FAULT_ENV}: rank 1 " in line]
+    assert len(said) == 1 and len(struck) == 1, text[-4000:]
+    assert session == [] and left == [], (session, left)
+    assert said[0] - struck[0] < 10  # found at once (a closed connection), not at a timeout
+    print(f"seconds from the kill to the line ({method}): {said[0] - struck[0]:.2f}")

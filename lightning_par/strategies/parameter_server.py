@@ -30,6 +30,8 @@ optimiser state) is copied in the next server process after every update (a stan
 for a lone server), and a server that dies is taken over by that copy: the job goes on and
 its weights equal those of a run without the loss
 (:mod:`lightning_par.paramserver.replication`, :mod:`~lightning_par.paramserver.takeover`).
+A lost worker still ends the job; the line naming it says what survives one
+(:attr:`ParameterServerStrategy.lost_worker_advice`).
 
 Gradient clipping (by norm: the servers exchange their shards' squared norms) and
 ``bf16-mixed`` are exact against one process (:mod:`~lightning_par.strategies._ps_features`).
@@ -98,6 +100,20 @@ class ParameterServerStrategy(ServerGroupStrategy):
     def setup_distributed(self) -> None:
         self.set_world_ranks()  # (no reset_seed(): see ParStrategy.setup_distributed)
         self.start_servers({})  # the synchronous servers: no options
+
+    @property
+    def lost_worker_advice(self) -> str | None:
+        """Said after the line naming a lost worker (the job ends): ``fault_tolerant`` covers
+        lost servers only, and what does survive a lost worker."""
+        if not self.fault_tolerant:
+            return None
+        return (
+            "ParameterServerStrategy(fault_tolerant=True) survives a lost parameter server, "
+            "not a lost worker (the servers wait for every worker's push each step): to go "
+            "on without a lost worker use async_sgd (its servers drop lost workers) or an "
+            "allreduce strategy with fault_tolerant=True, or save checkpoints "
+            "(ModelCheckpoint) and resume with trainer.fit(ckpt_path=...)"
+        )
 
     @override
     def watched_ranks(self) -> list[int]:
