@@ -16,7 +16,8 @@ ROOT = Path(__file__).parent.parent
 def test_bench_faults_reports_each_approach_of_a_killed_rank(tmp_path):
     env = {**os.environ, "LIGHTNING_PAR_BENCH_SYNTHETIC": "1", "TMPDIR": str(tmp_path)}
     env["PYTHONPATH"] = str(ROOT)
-    args = ["--worlds", "3", "--steps", "12", "--fault-step", "7", "--checkpoint-every", "3"]
+    args = ["--worlds", "3", "--steps", "12", "--fault-step", "7", "--checkpoint-every", "3",
+            "--width", "8", "--num-blocks", "2", "--batch-size", "16"]  # fmt: skip
     done = subprocess.run(
         [sys.executable, "-m", "lightning_par.bench", "faults", *args, "--json"],
         capture_output=True, text=True, env=env, cwd=tmp_path, timeout=600,
@@ -24,6 +25,7 @@ def test_bench_faults_reports_each_approach_of_a_killed_rank(tmp_path):
     assert done.returncode == 0, done.stderr[-3000:]
     result = json.loads(done.stdout[done.stdout.index("{") :])
     assert result["environment"]["cores"] >= 1 and result["fault_step"] == 7
+    assert result["model"] == {"width": 8, "num_blocks": 2, "batch_size": 16}
     ours, restart = result["rows"]
     assert (ours["approach"], restart["approach"]) == ("fault_tolerant", "restart"), result
     assert ours["steps_lost"] == 0 and restart["steps_lost"] == 1, result  # 7 - checkpoint 6

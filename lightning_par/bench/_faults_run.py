@@ -1,13 +1,14 @@
 """One run of ``bench faults``, as a user's script: ``python -m lightning_par.bench._faults_run
-PLUGIN WORLD APPROACH STEPS EVERY OUT [RESUME]``.
+PLUGIN WORLD APPROACH STEPS EVERY MODEL OUT [RESUME]``.
 
 ``APPROACH``: ``fault_tolerant`` (the plugin's ``fault_tolerant=True``) or ``restart`` (the
 plugin as it is, a checkpoint every ``EVERY`` steps, run again from the newest one
 with ``RESUME`` = ``resume``). The fault comes from ``LIGHTNING_PAR_FAULT`` in the
 environment. Rank 0 appends one JSON line per finished optimiser step to ``OUT``
 (``{"step", "t"}``, wall time) and, at the end, the fault-tolerance events
-(``{"event", "t"}``). The CIFAR CNN trains on cifar10-mini (or synthetic images, with
-``LIGHTNING_PAR_BENCH_SYNTHETIC=1``), batch 32 per rank, Lightning choosing the launch.
+(``{"event", "t"}``). The CIFAR CNN (``MODEL``: ``WIDTH,BLOCKS,BATCH``, its width and
+residual blocks and the batch per rank) trains on cifar10-mini (or synthetic images, with
+``LIGHTNING_PAR_BENCH_SYNTHETIC=1``), Lightning choosing the launch.
 """
 
 from __future__ import annotations
@@ -49,8 +50,9 @@ class StepClock(pl.Callback):
 
 
 def main(
-    plugin: str, world: int, approach: str, steps: int, every: int, out: str, resume: bool
-) -> None:
+    plugin: str, world: int, approach: str, steps: int, every: int, model: str, out: str,
+    resume: bool,
+) -> None:  # fmt: skip
     row = spec(plugin)
     options = dict(row.options, dead_peer_timeout=5.0)
     if approach == "fault_tolerant":
@@ -60,7 +62,9 @@ def main(
     if approach == "restart":
         callbacks.append(ModelCheckpoint(dirpath=folder, every_n_train_steps=every, save_last=True))
     synthetic = os.environ.get("LIGHTNING_PAR_BENCH_SYNTHETIC") == "1"
-    data = CIFAR10DataModule(source="synthetic" if synthetic else "cifar10-mini", batch_size=32)
+    width, blocks, batch = (int(n) for n in model.split(","))
+    source = "synthetic" if synthetic else "cifar10-mini"
+    data = CIFAR10DataModule(source=source, batch_size=batch)
     trainer = pl.Trainer(
         strategy=row.cls(**options), accelerator="cpu", devices=world, max_steps=steps,
         logger=False, enable_progress_bar=False, enable_model_summary=False,
@@ -70,11 +74,12 @@ def main(
     pl.seed_everything(0, verbose=False)
     ckpt = os.path.join(folder, "last.ckpt") if resume else None
     try:
-        trainer.fit(CifarCNN(), data, ckpt_path=ckpt)
+        trainer.fit(CifarCNN(width=width, num_blocks=blocks), data, ckpt_path=ckpt)
     except Exception as err:  # the restart approach's first run ends with the lost rank
         print(f"RAISED {type(err).__name__}: {str(err).splitlines()[0]}", flush=True)
 
 
 if __name__ == "__main__":
-    plugin, world, approach, steps, every, out = sys.argv[1:7]
-    main(plugin, int(world), approach, int(steps), int(every), out, sys.argv[7:] == ["resume"])
+    plugin, world, approach, steps, every, model, out = sys.argv[1:8]
+    resume = sys.argv[8:] == ["resume"]
+    main(plugin, int(world), approach, int(steps), int(every), model, out, resume)

@@ -1,11 +1,13 @@
 """A rank killed mid-run: what ``fault_tolerant=True`` costs against restarting from a checkpoint.
 
     python -m lightning_par.bench faults [--plugins ring_allreduce] [--worlds 3,4]
-        [--steps 40] [--fault-step 15] [--json]
+        [--steps 40] [--fault-step 15] [--width 32] [--num-blocks 4] [--batch-size 32]
+        [--json]
 
-For each plugin and world size, the CIFAR CNN trains on cifar10-mini (batch 32 per rank,
-CPU, Lightning choosing the launch) as a user's script in a process of its own, and the
-last rank is killed (``LIGHTNING_PAR_FAULT=kill:rank=W-1:step=F``) as step ``F`` begins:
+For each plugin and world size, the CIFAR CNN (``--width``, ``--num-blocks``) trains on
+cifar10-mini (``--batch-size`` images per rank, CPU, Lightning choosing the launch) as a
+user's script in a process of its own, and the last rank is killed
+(``LIGHTNING_PAR_FAULT=kill:rank=W-1:step=F``) as step ``F`` begins:
 
 * **fault_tolerant**: the plugin's ``fault_tolerant=True``: the survivors go on;
 * **restart** (the peer, what TorchElastic and a user do today): the plugin as it is, with
@@ -36,6 +38,8 @@ from lightning_par.launch.processes import run_bounded
 
 RUN = "lightning_par.bench._faults_run"
 PLUGINS = ("ring_allreduce",)
+#: The CNN's width and residual blocks, and the batch per rank (the defaults).
+MODEL = (32, 4, 32)
 LIMIT_S = 600.0
 
 
@@ -60,15 +64,18 @@ def _read(path: Path) -> tuple[list[tuple[int, float]], dict[str, float]]:
 
 
 def measure(
-    plugin: str, world: int, approach: str, steps: int, fault: int, every: int
-) -> dict[str, Any]:
+    plugin: str, world: int, approach: str, steps: int, fault: int, every: int,
+    model: tuple[int, int, int] = MODEL,
+) -> dict[str, Any]:  # fmt: skip
     """One plugin, one world size, one approach: the figures of the module docstring
-    (``every``: steps between the restart approach's checkpoints)."""
+    (``every``: steps between the restart approach's checkpoints; ``model``: the CNN's
+    width and blocks, and the batch per rank)."""
     row: dict[str, Any] = {"plugin": plugin, "world": world, "approach": approach}
     with tempfile.TemporaryDirectory(prefix="lightning_par-bench-faults-") as tmp:
         folder, out = Path(tmp), Path(tmp) / "steps.jsonl"
         env = {**os.environ, FAULT_ENV: f"kill:rank={world - 1}:step={fault}"}
-        args = [plugin, str(world), approach, str(steps), str(every), str(out)]
+        sizes = ",".join(str(n) for n in model)
+        args = [plugin, str(world), approach, str(steps), str(every), sizes, str(out)]
         output = _run(args, env, folder)
         if "RAISED" in output and approach == "fault_tolerant":
             return {**row, "failed": output.split("RAISED ", 1)[1].splitlines()[0]}
@@ -103,9 +110,11 @@ def _cell(value: Any, width: int, fmt: str) -> str:
 
 
 def report(result: dict[str, Any]) -> str:
+    model = result["model"]
     lines = [
-        f"a rank killed as step {result['fault_step']} begins (CIFAR CNN, batch 32 per rank, "
-        "CPU); times in seconds",
+        f"a rank killed as step {result['fault_step']} begins (CIFAR CNN of width "
+        f"{model['width']} with {model['num_blocks']} blocks, batch {model['batch_size']} per "
+        "rank, CPU); times in seconds",
         f"{'plugin':<16}{'p':>3}  {'approach':<16}{'detect':>8}{'regroup':>9}{'steps lost':>11}"
         f"{'steps/s before':>16}{'after':>8}{'time lost':>11}",
     ]
@@ -134,12 +143,18 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--steps", type=int, default=40)
     parser.add_argument("--fault-step", type=int, default=15)
     parser.add_argument("--checkpoint-every", type=int, default=10)
+    parser.add_argument("--width", type=int, default=MODEL[0], help="the CNN's first channels")
+    parser.add_argument("--num-blocks", type=int, default=MODEL[1], help="its residual blocks")
+    parser.add_argument("--batch-size", type=int, default=MODEL[2], help="per rank and step")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args(argv)
     if not 3 < args.fault_step < args.steps - 3:
         parser.error("--fault-step must leave 3 steps before it and 3 after it")
     if not 0 < args.checkpoint_every < args.fault_step:
         parser.error("--checkpoint-every must be at least 1 and come before --fault-step")
+    if min(args.width, args.num_blocks, args.batch_size) < 1:
+        parser.error("--width, --num-blocks and --batch-size must be at least 1")
+    model = (args.width, args.num_blocks, args.batch_size)
     started = RunEnvironment.now()
     rows, ratios = [], []
     for plugin in args.plugins.split(","):
@@ -148,7 +163,8 @@ def main(argv: list[str] | None = None) -> int:
             for approach in ("fault_tolerant", "restart"):
                 try:
                     pair[approach] = measure(plugin, world, approach, args.steps,
-                                             args.fault_step, args.checkpoint_every)  # fmt: skip
+                                             args.fault_step, args.checkpoint_every,
+                                             model)  # fmt: skip
                 except Exception as err:  # a run that fails is a row saying so
                     pair[approach] = {"plugin": plugin, "world": world, "approach": approach,
                                       "failed": str(err).splitlines()[0]}  # fmt: skip
@@ -157,6 +173,9 @@ def main(argv: list[str] | None = None) -> int:
                 ratio = pair["restart"]["lost_s"] / max(pair["fault_tolerant"]["lost_s"], 1e-3)
                 ratios.append({"plugin": plugin, "world": world,
                                "restart_over_fault_tolerant": ratio})  # fmt: skip
-    result = {"fault_step": args.fault_step, "steps": args.steps, "rows": rows, "ratios": ratios}
+    result = {
+        "fault_step": args.fault_step, "steps": args.steps, "rows": rows, "ratios": ratios,
+        "model": dict(zip(("width", "num_blocks", "batch_size"), model)),
+    }  # fmt: skip
     print_result(result, report, args.json, started, indent=1)
     return 0
