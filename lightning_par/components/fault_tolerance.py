@@ -1,8 +1,9 @@
 """The fault-tolerance component: a synchronous group that goes on without a lost process.
 
-What a data-parallel strategy with ``fault_tolerant=True`` holds (torchft's design,
-Howard et al., "torchft", PyTorch 2025: a quorum per step, survivors going on with fewer
-replicas, reduced to one job's store; :mod:`lightning_par.launch.membership`):
+What a data-parallel strategy with ``fault_tolerant=True`` holds (the design of torchft,
+PyTorch's fault-tolerance library, github.com/pytorch/torchft: a quorum per step, survivors
+going on with fewer replicas; here reduced to one job's store,
+:mod:`lightning_par.launch.membership`):
 
 * every step ends with :meth:`FaultTolerance.settle`: the optimiser steps only once every
   member finished the step's gradient exchange; otherwise :class:`StepLost` is raised;
