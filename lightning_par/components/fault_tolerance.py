@@ -85,7 +85,9 @@ def break_default_group() -> None:
 class FaultTolerance:
     """Keeps one data-parallel group going after lost members (module docstring)."""
 
-    def __init__(self) -> None:
+    def __init__(self, recovery: str = "the step is run again on the same batches") -> None:
+        #: how the line saying who was lost ends: what the survivors do next
+        self.recovery = recovery
         self.membership: Membership | None = None
         #: the members when this ``fit`` began: their shards make each step's batch
         self.fit_members: list[int] = []
@@ -274,6 +276,6 @@ class FaultTolerance:
         if self.membership.rank == 0:  # one line for the job
             print(
                 f"lightning_par: rank(s) {gone} lost; {len(members)} of {len(before)} ranks "
-                f"go on (ranks {members}), the step is run again on the same batches",
+                f"go on (ranks {members}), {self.recovery}",
                 file=sys.stderr, flush=True,
             )  # fmt: skip

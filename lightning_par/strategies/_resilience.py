@@ -28,13 +28,14 @@ from lightning_par.strategies._stand_ins import LostShards, stand_in_outputs, wi
 
 class Resilience:
     """The fault-tolerance hooks of ``strategy`` (a ``ParStrategy``); ``enabled``: the
-    strategy's ``fault_tolerant`` option."""
+    strategy's ``fault_tolerant`` option; ``recovery``: what the survivors do after a loss,
+    in words (:class:`FaultTolerance`'s line)."""
 
-    def __init__(self, strategy: Any, enabled: bool) -> None:
+    def __init__(self, strategy: Any, enabled: bool, recovery: str | None = None) -> None:
         if not isinstance(enabled, bool):
             raise TypeError(f"fault_tolerant must be True or False, got {enabled!r}")
         self._strategy, self.enabled = strategy, enabled
-        self.tolerance = FaultTolerance()
+        self.tolerance = FaultTolerance() if recovery is None else FaultTolerance(recovery)
         self._shards = LostShards()
 
     @property
