@@ -13,7 +13,7 @@ BatchNorm's ``num_batches_tracked``) are counters, not weights: they are left al
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 
 import torch
 import torch.distributed as dist
@@ -64,21 +64,41 @@ def average_parameters(
     tensors = averaged_tensors(module, buffers)
     if comm.world_size == 1 or not tensors:
         return 0
-    groups: dict[tuple[torch.dtype, torch.device], list[torch.Tensor]] = {}
-    for t in tensors:
-        groups.setdefault((t.dtype, t.device), []).append(t)
-    total = 0
-    for group in groups.values():
-        flat = torch.cat([t.detach().reshape(-1) for t in group])
-        allreduce(flat, comm=comm)
-        flat.div_(comm.world_size)
+    for t, mean in zip(tensors, replica_mean([tensors], comm.world_size, allreduce, comm)):
+        t.copy_(mean)
+    return sum(t.numel() for t in tensors)
+
+
+@torch.no_grad()
+def replica_mean(
+    replicas: Sequence[Sequence[torch.Tensor]],
+    total: int,
+    allreduce: Callable[..., torch.Tensor] = ring_allreduce,
+    comm: Communicator | None = None,
+) -> list[torch.Tensor]:
+    """The mean of each tensor over every replica of the job, as new tensors (the replicas
+    are left unchanged): the ``replicas`` this rank trains (lists of tensors of one
+    structure) summed here, those sums summed over ``comm``'s ranks, divided by ``total``,
+    the replicas of the whole job. One rank training one replica each: :func:`average_parameters`.
+    """
+    comm = comm if comm is not None else Communicator()
+    groups: dict[tuple[torch.dtype, torch.device], list[int]] = {}
+    for i, t in enumerate(replicas[0]):
+        groups.setdefault((t.dtype, t.device), []).append(i)
+    means: list[torch.Tensor] = [torch.empty(0)] * len(replicas[0])
+    for positions in groups.values():
+        flat = torch.cat([replicas[0][i].detach().reshape(-1) for i in positions])
+        for replica in replicas[1:]:
+            flat.add_(torch.cat([replica[i].detach().reshape(-1) for i in positions]))
+        if comm.world_size > 1:
+            allreduce(flat, comm=comm)
+        flat.div_(total)
         offset = 0
-        for t in group:
-            n = t.numel()
-            t.copy_(flat[offset : offset + n].view_as(t))
+        for i in positions:
+            n = replicas[0][i].numel()
+            means[i] = flat[offset : offset + n].view_as(replicas[0][i])
             offset += n
-        total += flat.numel()
-    return total
+    return means
 
 
 @torch.no_grad()
