@@ -34,22 +34,30 @@ class _Shard:
         self.iterator: Iterator | None = None
         self.epoch = self.position = -1
 
-    def batch(self, loader: Any, batch_idx: int) -> Any:
+    def batch(self, loader: Any, batch_idx: int, epoch: int | None = None) -> Any:
         on_device = not isinstance(loader, DataLoader)  # (checked: DeviceBatches)
-        epoch = loader.epoch - 1 if on_device else getattr(loader.sampler, "epoch", 0)
+        epoch = current_epoch(loader) if epoch is None else epoch
         if self.iterator is None or (self.epoch, self.position) != (epoch, batch_idx):
             self.iterator = _device_shard(loader, self.rank, epoch, batch_idx) if on_device else (
-                _loader_shard(loader, self.rank, batch_idx)
+                _loader_shard(loader, self.rank, epoch, batch_idx)
             )  # fmt: skip
             self.epoch, self.position = epoch, batch_idx
         self.position += 1
         return next(self.iterator)
 
 
-def _loader_shard(loader: DataLoader, rank: int, batch_idx: int) -> Iterator:
-    """Lightning's sampler numbered as the lost ``rank``, from batch ``batch_idx`` on."""
+def current_epoch(loader: Any) -> int:
+    """The epoch ``loader`` (a checked one: :func:`check_loader`) is reading now."""
+    if isinstance(loader, DataLoader):
+        return getattr(loader.sampler, "epoch", 0)
+    return loader.epoch - 1  # (DeviceBatches: counted when an epoch's iterator is made)
+
+
+def _loader_shard(loader: DataLoader, rank: int, epoch: int, batch_idx: int) -> Iterator:
+    """Lightning's sampler numbered as the lost ``rank``, in ``epoch`` from batch
+    ``batch_idx`` on."""
     shard = copy.copy(loader.sampler)
-    shard.rank = rank
+    shard.rank, shard.epoch = rank, epoch
     size = loader.batch_size or 1
     batches = BatchSampler(list(shard)[batch_idx * size :], size, loader.drop_last)
     return iter(rebuild_loader(loader, batches))
@@ -72,10 +80,14 @@ class LostShards:
     def __init__(self) -> None:
         self._shards: dict[int, _Shard] = {}
 
-    def batches(self, loader: Any, ranks: list[int], batch_idx: int) -> list[Any]:
-        """Batch ``batch_idx`` of each of ``ranks``' shards of ``loader``."""
+    def batches(
+        self, loader: Any, ranks: list[int], batch_idx: int, epoch: int | None = None
+    ) -> list[Any]:
+        """Batch ``batch_idx`` of each of ``ranks``' shards of ``loader``, in ``epoch``
+        (default: the one it is reading now; a local-SGD replay may cross an epoch's end)."""
         check_loader(loader)
-        return [self._shards.setdefault(r, _Shard(r)).batch(loader, batch_idx) for r in ranks]
+        shards = [self._shards.setdefault(r, _Shard(r)) for r in ranks]
+        return [shard.batch(loader, batch_idx, epoch) for shard in shards]
 
 
 def check_loader(loader: Any) -> None:
