@@ -29,6 +29,16 @@ Between averagings the replicas differ: validation during an epoch (``val_check_
 runs each rank's own replica, and a checkpoint saved then holds rank 0's. Every rank must
 make the same number of optimiser steps (Lightning's ``DistributedSampler`` gives equal
 shards), since each averaging is a collective.
+
+**fault_tolerant=True** keeps every replica past a lost rank (other than 0): at each
+averaging each rank keeps the mean and receives its left neighbour's optimiser state; the
+next averaging finds the loss (the averagings are the only collectives: Lightning's
+per-step SIGTERM broadcast is replaced by each rank's own flag), the survivors re-form the
+group (:mod:`~lightning_par.components.fault_tolerance`), the lost rank's right neighbour
+rebuilds its replica, replays its steps since the last averaging and trains it every step
+after, and the averaging is run again over every replica of the first world: the run ends
+with the weights it would have had without the fault, to float rounding
+(:mod:`~lightning_par.components.replica_ring`, :mod:`._local_replicas`).
 """
 
 from __future__ import annotations
@@ -39,13 +49,21 @@ from typing import Any
 
 import lightning.pytorch as pl
 import torch
+from lightning.pytorch.trainer.states import TrainerFn
+from lightning.pytorch.utilities.exceptions import SIGTERMException
 from torch.optim import Optimizer
 from typing_extensions import override
 
 from lightning_par import _compat
 from lightning_par.collectives import ALGORITHMS, get_allreduce
 from lightning_par.collectives.averaging import average_parameters, broadcast_parameters
+from lightning_par.comm import Communicator
 from lightning_par.strategies._base import ParStrategy
+from lightning_par.strategies._local_replicas import LocalReplicas
+from lightning_par.strategies._resilience import Resilience
+
+#: What the survivors do after a loss, in the line that names it.
+RECOVERY = "each lost replica is rebuilt by the next rank and the averaging is run again"
 
 
 def check_period(period: Any) -> int | None:
@@ -74,6 +92,11 @@ class LocalSGDStrategy(ParStrategy):
         algorithm: the allreduce that sums the parameters, a key of
             :data:`lightning_par.collectives.ALGORITHMS` (default ``"ring"``).
         average_buffers: also average floating buffers (BatchNorm running statistics).
+        fault_tolerant: go on without a rank that is lost (killed, frozen past
+            ``dead_peer_timeout``): its replica is rebuilt from its neighbour's copy and
+            trained by that neighbour, so the weights stay those of the run without the
+            fault (module docstring). Each averaging then also sends each rank's optimiser
+            state to its neighbour.
         **kwargs: ``trace``, ``trace_dir``, ``start_method``, ``process_group_backend``,
             ``timeout`` (see :class:`~lightning_par.strategies._base.ParStrategy`) and the
             arguments Lightning passes. With ``trace`` every averaging is an
@@ -87,6 +110,7 @@ class LocalSGDStrategy(ParStrategy):
         period: int | None = 4,
         algorithm: str = "ring",
         average_buffers: bool = True,
+        fault_tolerant: bool = False,
         **kwargs: Any,
     ) -> None:
         self.period = check_period(period)
@@ -95,6 +119,8 @@ class LocalSGDStrategy(ParStrategy):
         self._algorithm_name = algorithm
         self._allreduce = ALGORITHMS[algorithm]
         self._average_buffers = bool(average_buffers)
+        self.resilience = Resilience(self, fault_tolerant, RECOVERY)
+        self.replicas = LocalReplicas(self, self.resilience, self._allreduce, self._average_buffers)
         #: Optimiser steps since the last averaging, and averagings done in this run.
         self.steps_since_average = 0
         self.averagings = 0
@@ -112,16 +138,21 @@ class LocalSGDStrategy(ParStrategy):
     def configure_sync(self) -> None:
         self.steps_since_average = 0
         self.averagings = 0
+        self.replicas.begin_fit()
 
     def average(self) -> None:
-        """Average the replicas now (every rank must call it)."""
+        """Average the replicas now (every rank must call it); ``fault_tolerant``: again
+        over the survivors, every replica in it, when a rank is lost meanwhile."""
         assert self.model is not None and self.comm is not None
         if self.world_size > 1:  # one replica is its own average: no communication
             span = self.trace.span("average") if self.trace is not None else nullcontext()
             with span:
-                average_parameters(
-                    self.model, self._allreduce, self.comm, buffers=self._average_buffers
-                )
+                if self.resilience.enabled:
+                    self.resilience.retrying(self.replicas.average, self.regrouped)()
+                else:
+                    average_parameters(
+                        self.model, self._allreduce, self.comm, buffers=self._average_buffers
+                    )
         self.steps_since_average = 0
         self.averagings += 1
 
@@ -149,6 +180,7 @@ class LocalSGDStrategy(ParStrategy):
         **kwargs: Any,
     ) -> Any:
         output = super().optimizer_step(optimizer, closure, model, **kwargs)
+        self.replicas.after_step()
         self.steps_since_average += 1
         if self.period is not None:
             due = self.steps_since_average >= self.period
@@ -172,3 +204,55 @@ class LocalSGDStrategy(ParStrategy):
         if self.steps_since_average > 0:
             self.average()
         super().on_train_end()
+
+    # ---- fault tolerance (a no-op without ``fault_tolerant``) ---------------------------------
+    @property
+    def survives_lost_workers(self) -> bool:
+        """The launcher goes on when a rank other than 0 is lost (``fault_tolerant``)."""
+        return self.resilience.enabled
+
+    @override
+    def check_before_launch(self, trainer: Any) -> None:
+        super().check_before_launch(trainer)
+        self.resilience.check_before_launch(trainer)
+        self.replicas.check_before_launch()
+
+    @override
+    def setup_distributed(self) -> None:
+        super().setup_distributed()
+        self.resilience.start()
+
+    @override
+    def setup(self, trainer: pl.Trainer) -> None:
+        super().setup(trainer)
+        self.resilience.setup(trainer)
+        self.replicas.check_before_launch()
+        if self.resilience.enabled and trainer.state.fn == TrainerFn.FITTING:
+            # Lightning broadcasts a SIGTERM flag from rank 0 before every step and ignores
+            # its failure: after a loss the survivors' collectives would fall out of step
+            # (one that got the flag goes on, one that did not waits on rank 0). Without
+            # it the averagings are the only collectives, and every survivor finds a loss
+            # in the same one.
+            _compat.replace_sigterm_broadcast(trainer, self._own_sigterm)
+
+    def _own_sigterm(self) -> None:
+        """No broadcast: each rank stops on its own signal (fault_tolerant)."""
+        if getattr(self.lightning_module.trainer, "received_sigterm", False):
+            raise SIGTERMException()
+
+    @property
+    @override
+    def distributed_sampler_kwargs(self) -> dict[str, Any]:
+        return self.resilience.sampler_kwargs(super().distributed_sampler_kwargs)
+
+    @override
+    def training_step(self, *args: Any, **kwargs: Any) -> Any:
+        self.replicas.before_step(args[1] if len(args) > 1 else kwargs.get("batch_idx", 0))
+        return super().training_step(*args, **kwargs)
+
+    def regrouped(self) -> None:
+        """The survivors met in a new default group: average over it, and stand in for the
+        lost ranks' replicas."""
+        self.comm = Communicator(trace=self.trace)
+        self.resilience.regrouped(self.lightning_module.trainer)
+        self.replicas.regrouped()
