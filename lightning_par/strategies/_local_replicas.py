@@ -52,7 +52,13 @@ from lightning_par.components.replica_ring import (
 )
 from lightning_par.strategies._base import ParStrategy
 from lightning_par.strategies._resilience import Resilience
-from lightning_par.strategies._stand_ins import LostShards, check_loader, loss_of, muted_logging
+from lightning_par.strategies._stand_ins import (
+    LostShards,
+    check_loader,
+    current_epoch,
+    loss_of,
+    muted_logging,
+)
 
 
 class LocalReplicas:
@@ -102,7 +108,7 @@ class LocalReplicas:
             check_loader(loader)  # (a lost shard must be readable: refused at the first step)
             self._replicate_first()
         self._open = StepRecord(
-            getattr(loader.sampler, "epoch", 0), batch_idx,
+            current_epoch(loader), batch_idx,
             hyperparameters(strategy.optimizers[0]), random_state(strategy.root_device),
         )  # fmt: skip
 
