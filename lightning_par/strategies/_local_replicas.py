@@ -154,9 +154,10 @@ class LocalReplicas:
                 )
                 self._catch_up(self.stand_ins[member])
                 print(
-                    f"lightning_par: local_sgd: rank {me} trains rank {member}'s replica from "
-                    f"the last averaging on ({len(self.records)} step(s) replayed in "
-                    f"{time.monotonic() - started:.2f} s)", file=sys.stderr, flush=True,
+                    f"lightning_par: local_sgd: rank {me} trains rank {member}'s replica too, "
+                    f"rebuilt as of the last averaging ({len(self.records)} step(s) since "
+                    f"replayed in {time.monotonic() - started:.2f} s)",
+                    file=sys.stderr, flush=True,
                 )  # fmt: skip
         for stand_in in self.stand_ins.values():
             self._catch_up(stand_in)
