@@ -1,10 +1,11 @@
 """A user's script, run by ``tests/test_local_sgd_faults.py`` as ``python
-_local_sgd_fault_script.py DEVICES PERIOD FAULT OUT``: ``LIGHTNING_PAR_FAULT=FAULT`` (or none
-for ``-``), one ``fit`` of a small network with dropout, Adam, a per-step LR schedule and
-gradient clipping on ``DEVICES`` CPU ranks with ``local_sgd(period=PERIOD,
+_local_sgd_fault_script.py DEVICES PERIOD FAULT OUT [sync]``: ``LIGHTNING_PAR_FAULT=FAULT``
+(or none for ``-``), one ``fit`` of a small network with dropout, Adam, a per-step LR
+schedule and gradient clipping on ``DEVICES`` CPU ranks with ``local_sgd(period=PERIOD,
 fault_tolerant=True)`` (Lightning chooses the launch; ``LIGHTNING_PAR_START_METHOD`` may ask
-for another), then ``save_checkpoint`` and ``validate``; rank 0 saves the final weights to
-``OUT`` and prints one ``RESULT {json}`` line."""
+for another), the training loss logged with ``sync_dist=True`` if ``sync`` is given, then
+``save_checkpoint`` and ``validate``; rank 0 saves the final weights to ``OUT`` and prints
+one ``RESULT {json}`` line."""
 
 from __future__ import annotations
 
@@ -28,14 +29,15 @@ SAMPLES, BATCH, STEPS = 240, 4, 12
 
 
 class Net(pl.LightningModule):
-    def __init__(self) -> None:
+    def __init__(self, sync: bool = False) -> None:
         super().__init__()
         self.net = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Dropout(0.3), nn.Linear(16, 4))
+        self.sync = sync
 
     def training_step(self, batch, batch_idx):
         x, y = batch
         loss = nn.functional.cross_entropy(self.net(x), y)
-        self.log("train_loss", loss)
+        self.log("train_loss", loss, sync_dist=self.sync)
         return loss
 
     def validation_step(self, batch, batch_idx):
@@ -55,7 +57,7 @@ def data() -> TensorDataset:
     )
 
 
-def main(devices: int, period: int, fault: str, out: str) -> None:
+def main(devices: int, period: int, fault: str, out: str, sync: bool = False) -> None:
     if fault != "-":
         os.environ[FAULT_ENV] = fault  # read by the strategy's constructor
     strategy = LocalSGDStrategy(period=period, fault_tolerant=True, dead_peer_timeout=DEAD_PEER_S)
@@ -65,7 +67,7 @@ def main(devices: int, period: int, fault: str, out: str) -> None:
         gradient_clip_val=0.5, num_sanity_val_steps=0,
     )  # fmt: skip
     torch.manual_seed(0)
-    model = Net()
+    model = Net(sync)
     started = time.monotonic()
     train = DataLoader(data(), batch_size=BATCH, shuffle=True)
     trainer.fit(model, train, DataLoader(data(), batch_size=BATCH))
@@ -79,4 +81,4 @@ def main(devices: int, period: int, fault: str, out: str) -> None:
 
 
 if __name__ == "__main__":
-    main(int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], sys.argv[4])
+    main(int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], sys.argv[4], sys.argv[5:] == ["sync"])

@@ -216,7 +216,7 @@ def _session(sid: int) -> list[int]:
     return found
 
 
-def run_script(folder: Path, period: int, fault: str, **env: str) -> SimpleNamespace:
+def run_script(folder: Path, period: int, fault: str, *extra: str, **env: str) -> SimpleNamespace:
     """The script's output lines with their arrival times, its exit code, what it left."""
     folder.mkdir()
     private_tmp = folder / "tmp"
@@ -226,7 +226,8 @@ def run_script(folder: Path, period: int, fault: str, **env: str) -> SimpleNames
     environ.pop(FAULT_ENV, None)
     out = folder / "weights.pt"
     proc = subprocess.Popen(
-        [sys.executable, "-u", str(SCRIPT), "3", str(period), fault, str(out)], cwd=folder,
+        [sys.executable, "-u", str(SCRIPT), "3", str(period), fault, str(out), *extra],
+        cwd=folder,
         env=environ, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
         start_new_session=True,
     )  # fmt: skip
@@ -270,25 +271,26 @@ def _at(run: SimpleNamespace, text: str) -> float:
     return next(t for t, line in run.lines if text in line)
 
 
-LOST = [  # fault, launch, period, host, steps replayed
-    ("kill:rank=1:step=5", "fork", 4, 2, 4),  # mid-period: steps 4-7 replayed by rank 2
-    ("kill:rank=2:step=7", "fork", 4, 0, 4),  # as the step ending a period begins
-    ("kill:rank=2:step=9", "popen", 4, 0, 4),  # rank 2's right neighbour is rank 0
-    ("kill:rank=1:step=11", "fork", 5, 2, 2),  # found by the last averaging, at fit's end
-    ("freeze:rank=2:step=6", "fork", 4, 0, 4),  # silent: ended after dead_peer_timeout
+LOST = [  # fault, launch, period, extra, host, steps replayed
+    ("kill:rank=1:step=5", "fork", 4, "", 2, 4),  # mid-period: steps 4-7 replayed by rank 2
+    ("kill:rank=2:step=7", "fork", 4, "", 0, 4),  # as the step ending a period begins
+    ("kill:rank=2:step=9", "popen", 4, "", 0, 4),  # rank 2's right neighbour is rank 0
+    ("kill:rank=1:step=11", "fork", 5, "", 2, 2),  # found by the last averaging, at fit's end
+    ("freeze:rank=2:step=6", "fork", 4, "", 0, 4),  # silent: ended after dead_peer_timeout
+    ("kill:rank=2:step=5", "fork", 4, "sync", 0, 2),  # found by step 5's sync_dist: 4, 5
 ]
 
 
 @pytest.mark.parametrize(
-    "fault, launch, period, host, replayed", LOST,
-    ids=["-".join([*f.split(":"), la, f"period{p}"]) for f, la, p, _, _ in LOST],
+    "fault, launch, period, extra, host, replayed", LOST,
+    ids=["-".join([*f.split(":"), la, f"period{p}", *e.split()]) for f, la, p, e, _, _ in LOST],
 )  # fmt: skip
 def test_a_rank_lost_mid_period_leaves_the_weights_of_the_run_without_it(
-    tmp_path, without_fault, fault, launch, period, host, replayed
+    tmp_path, without_fault, fault, launch, period, extra, host, replayed
 ):
     reference = without_fault(period)
     env = {"LIGHTNING_PAR_START_METHOD": launch} if launch != "fork" else {}
-    run = run_script(tmp_path / "run", period, fault, **env)
+    run = run_script(tmp_path / "run", period, fault, *extra.split(), **env)
     text = run.text
     assert run.code == 0, text[-4000:]
     assert "Traceback" not in text and "Error" not in text.replace("UserWarning", ""), text
@@ -314,10 +316,10 @@ def test_a_rank_lost_mid_period_leaves_the_weights_of_the_run_without_it(
     got = torch.load(run.out, weights_only=True)
     assert max((expected[k] - got[k]).abs().max().item() for k in expected) < 1e-6
     assert run.result["val_loss"] == pytest.approx(reference.result["val_loss"], abs=1e-6)
-    found_s = _at(run, "ranks go on") - _at(run, f"{FAULT_ENV}: ")
+    found_s = _at(run, "ranks go on") - _at(run, f"{FAULT_ENV}: ")  # (the next collective)
     assert found_s < (DEAD_PEER_S + 8 if frozen else 8), found_s  # (a period is ~0.3 s here)
     extra_s = run.result["fit_s"] - reference.result["fit_s"]
     print(
-        f"{fault} {launch} period {period}: found {found_s:.2f} s after the fault (at the "
-        f"next averaging), replay {took_over[0]} s, fit {extra_s:+.2f} s against no fault"
+        f"{fault} {launch} period {period} {extra}: found {found_s:.2f} s after the fault, "
+        f"replay {took_over[0]} s, fit {extra_s:+.2f} s against no fault"
     )

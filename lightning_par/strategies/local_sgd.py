@@ -32,12 +32,13 @@ shards), since each averaging is a collective.
 
 **fault_tolerant=True** keeps every replica past a lost rank (other than 0): at each
 averaging each rank keeps the mean and receives its left neighbour's optimiser state; the
-next averaging finds the loss (the averagings are the only collectives: Lightning's
-per-step SIGTERM broadcast is replaced by each rank's own flag), the survivors re-form the
-group (:mod:`~lightning_par.components.fault_tolerance`), the lost rank's right neighbour
-rebuilds its replica, replays its steps since the last averaging and trains it every step
-after, and the averaging is run again over every replica of the first world: the run ends
-with the weights it would have had without the fault, to float rounding
+next averaging finds the loss (or a metric synced with ``sync_dist=True``, or a barrier,
+which then run again over the survivors; Lightning's per-step SIGTERM broadcast, whose
+failure no rank would see alike, is replaced by each rank's own flag), the survivors
+re-form the group (:mod:`~lightning_par.components.fault_tolerance`), the lost rank's right
+neighbour rebuilds its replica, replays its steps since the last averaging and trains it
+every step after, and the averaging is run again over every replica of the first world:
+the run ends with the weights it would have had without the fault, to float rounding
 (:mod:`~lightning_par.components.replica_ring`, :mod:`._local_replicas`).
 """
 
@@ -249,6 +250,24 @@ class LocalSGDStrategy(ParStrategy):
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
         self.replicas.before_step(args[1] if len(args) > 1 else kwargs.get("batch_idx", 0))
         return super().training_step(*args, **kwargs)
+
+    @override
+    def reduce(self, tensor: Any, group: Any | None = None, reduce_op: Any | None = "mean") -> Any:
+        """``fault_tolerant``: a metric synced (``sync_dist=True``) when a rank is lost is
+        synced again over the survivors (its replica is stood in for after this step)."""
+        if not self.resilience.enabled or group is not None or not torch.is_tensor(tensor):
+            return super().reduce(tensor, group=group, reduce_op=reduce_op)
+        base = super()
+        return self.resilience.collective(
+            lambda: base.reduce(tensor.clone(), reduce_op=reduce_op), self.regrouped
+        )
+
+    @override
+    def barrier(self, name: str | None = None) -> None:
+        if not self.resilience.enabled:
+            return super().barrier(name)
+        base = super()
+        self.resilience.collective(lambda: base.barrier(name), self.regrouped)
 
     def regrouped(self) -> None:
         """The survivors met in a new default group: average over it, and stand in for the
