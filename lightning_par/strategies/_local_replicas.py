@@ -14,7 +14,9 @@ algorithm is :mod:`lightning_par.components.replica_ring`:
   runs it again over the survivors after a loss): the lost replicas stood in for, the mean
   of every replica, each rank's replicas' states passed to its right neighbour, the
   outcome agreed on (``settle``), and only then the mean written;
-* ``regrouped``: which survivor trains each lost member's replica.
+* ``regrouped`` (after a loss found by an averaging, or by a reduce or barrier of
+  Lightning's): which survivor trains each lost member's replica; it takes it over after
+  its next step or at the averaging, whichever comes first.
 
 A stand-in's step is the user's: ``training_step`` (logging nothing), ``backward`` with its
 hooks, ``optimizer_zero_grad``, gradient clipping and ``on_before_optimizer_step`` through
@@ -22,8 +24,10 @@ the precision plugin, and the optimiser's ``step``, with the hyperparameters the
 member's step had (an LR scheduler's too). Per-batch callback hooks
 (``on_train_batch_end``) run for a rank's own replica only; randomness in the data
 pipeline (augmentations) is drawn afresh for a lost shard, the training step's (dropout)
-is the lost member's. What cannot be exact is refused: ``16-mixed`` (one GradScaler per
-process, whose scale a stand-in's steps would move).
+is the lost member's; a ``training_step`` making collectives of its own (``all_gather``)
+cannot be stood in for. What cannot be exact is refused: ``16-mixed`` (one GradScaler per
+process, whose scale a stand-in's steps would move), and what
+:class:`~lightning_par.strategies._resilience.Resilience` refuses.
 """
 
 from __future__ import annotations
@@ -182,11 +186,12 @@ class LocalReplicas:
         for group, values in zip(optimizer.param_groups, record.hyperparameters):
             group.update(copy.deepcopy(values))
 
-        def closure() -> torch.Tensor:
+        def closure() -> torch.Tensor | None:  # (Lightning's: a step returning None skips)
             output = ParStrategy.training_step(strategy, batch, record.batch_idx)
-            loss = loss_of(output, "a lost rank's batch")
+            loss = None if output is None else loss_of(output, "a lost rank's batch")
             module.optimizer_zero_grad(record.epoch, record.batch_idx, optimizer)
-            strategy.backward(loss, optimizer)
+            if loss is not None:
+                strategy.backward(loss, optimizer)
             return loss
 
         with stand_in.installed(self.layout.tensors, record.random, device):
