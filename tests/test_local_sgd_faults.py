@@ -221,7 +221,9 @@ def run_script(folder: Path, period: int, fault: str, *extra: str, **env: str) -
     folder.mkdir()
     private_tmp = folder / "tmp"
     private_tmp.mkdir()
-    environ = {**os.environ, "TMPDIR": str(private_tmp), **env}
+    # (a popen rank imports torch and Lightning before it joins: on a loaded 2-core machine
+    # that may take longer than the suite's 20 s group timeout)
+    environ = {**os.environ, "TMPDIR": str(private_tmp), "LIGHTNING_PAR_TIMEOUT": "60", **env}
     environ["PYTHONPATH"] = os.pathsep.join([str(HERE.parent), *sys.path])
     environ.pop(FAULT_ENV, None)
     out = folder / "weights.pt"
