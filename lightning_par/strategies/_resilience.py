@@ -15,14 +15,12 @@ under ``popen`` it is the user's script: that run ends with the line naming it).
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import Any
 
 from lightning.fabric.plugins.environments import TorchElasticEnvironment
 from lightning.pytorch.trainer.states import TrainerFn
 
 from lightning_par import _compat
-from lightning_par.comm import CommError
 from lightning_par.components.fault_tolerance import FaultTolerance
 from lightning_par.launch.rendezvous import dead_peer_timeout
 from lightning_par.strategies._stand_ins import LostShards, stand_in_outputs, with_stand_ins
@@ -121,21 +119,6 @@ class Resilience:
     def retrying(self, closure: Any, regrouped: Any) -> Any:
         """Lightning's closure, run again after a loss (``regrouped()`` rebuilds)."""
         return self.tolerance.retrying(closure, regrouped) if self.enabled else closure
-
-    def collective(self, run: Callable[[], Any], regrouped: Callable[[], None]) -> Any:
-        """``run()``, one of Lightning's collectives that every rank fails alike when a peer
-        is lost (a reduce, a barrier: none completes without every member), run again over
-        the survivors after a loss; gloo's error on the way is a :class:`CommError`."""
-
-        def once() -> Any:
-            try:
-                return run()
-            except CommError:
-                raise
-            except RuntimeError as err:  # gloo: "connection closed", "reset by peer"
-                raise CommError(f"a collective of Lightning's failed: {err}") from err
-
-        return self.retrying(once, regrouped)()
 
     def with_lost_shards(
         self, output: Any, step: Any, batch: Any, batch_idx: int = 0, *rest: Any

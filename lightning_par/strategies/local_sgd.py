@@ -257,17 +257,17 @@ class LocalSGDStrategy(ParStrategy):
         synced again over the survivors (its replica is stood in for after this step)."""
         if not self.resilience.enabled or group is not None or not torch.is_tensor(tensor):
             return super().reduce(tensor, group=group, reduce_op=reduce_op)
-        base = super()
-        return self.resilience.collective(
+        base = super()  # (every rank fails alike: none completes without every member)
+        return self.resilience.retrying(
             lambda: base.reduce(tensor.clone(), reduce_op=reduce_op), self.regrouped
-        )
+        )()
 
     @override
     def barrier(self, name: str | None = None) -> None:
         if not self.resilience.enabled:
             return super().barrier(name)
         base = super()
-        self.resilience.collective(lambda: base.barrier(name), self.regrouped)
+        self.resilience.retrying(lambda: base.barrier(name), self.regrouped)()
 
     def regrouped(self) -> None:
         """The survivors met in a new default group: average over it, and stand in for the
