@@ -269,6 +269,15 @@ def without_fault(tmp_path_factory):
     return run
 
 
+#: torch's warning (with its C++ frames) when a store client of a popen rank's heartbeat
+#: or regroup watcher is still asking as the job's store host closes at the job's end: a
+#: shutdown race of the launcher (the allreduce strategies' popen runs show it as often)
+STORE_CLOSED = re.compile(
+    r"^(\[rank\d+\]:\[W.*TCPStore\.cpp.*|Exception raised from (recv|send)Bytes.*|frame #\d+: .*"
+    r"|<omitting python frames>)$", re.M,
+)  # fmt: skip
+
+
 def _at(run: SimpleNamespace, text: str) -> float:
     return next(t for t, line in run.lines if text in line)
 
@@ -295,7 +304,8 @@ def test_a_rank_lost_mid_period_leaves_the_weights_of_the_run_without_it(
     run = run_script(tmp_path / "run", period, fault, *extra.split(), **env)
     text = run.text
     assert run.code == 0, text[-4000:]
-    assert "Traceback" not in text and "Error" not in text.replace("UserWarning", ""), text
+    errors = STORE_CLOSED.sub("", text).replace("UserWarning", "")
+    assert "Traceback" not in text and "Error" not in errors, text
     assert run.session == [] and run.left == [], (run.session, run.left)
     lost = int(fault.split(":")[1].split("=")[1])
     survivors = [r for r in range(3) if r != lost]
