@@ -232,8 +232,9 @@ class LocalSGDStrategy(ParStrategy):
             # Lightning broadcasts a SIGTERM flag from rank 0 before every step and ignores
             # its failure: after a loss the survivors' collectives would fall out of step
             # (one that got the flag goes on, one that did not waits on rank 0). Without
-            # it the averagings are the only collectives, and every survivor finds a loss
-            # in the same one.
+            # it the ranks meet only in the averagings and in Lightning's reduce and
+            # barrier, none of which completes anywhere without every member: every
+            # survivor finds a loss in the same one.
             _compat.replace_sigterm_broadcast(trainer, self._own_sigterm)
 
     def _own_sigterm(self) -> None:
