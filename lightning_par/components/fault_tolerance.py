@@ -97,6 +97,8 @@ class FaultTolerance:
         self._regrouping = False
         self._stop = threading.Event()
         self._dead_after_s = 0.0
+        #: whether training runs (the watcher asks the store only then)
+        self.watching = False
         #: ``(what, wall time)``: when a step was found lost and when the group re-formed
         #: (``python -m lightning_par.bench faults`` reads them)
         self.events: list[tuple[str, float]] = []
@@ -140,6 +142,10 @@ class FaultTolerance:
         broken = -1
         while not self._stop.wait(_WATCH_S):
             membership = self.membership
+            if not self.watching:
+                continue  # between fits: no step to lose, and the store may be closing
+            if liveness.store_gone():
+                return  # popen's rank 0 ended with the job's store: nothing to watch
             try:
                 begun = membership is not None and membership.regroup_begun()
             except Exception:

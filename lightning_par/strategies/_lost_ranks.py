@@ -31,6 +31,7 @@ details (how every rank ended, what the others raised) stay on the exception
 
 from __future__ import annotations
 
+import atexit
 import logging
 import multiprocessing.connection
 import os
@@ -56,6 +57,8 @@ log = logging.getLogger("lightning_par")
 #: after SIGTERM, which a frozen rank ignores); also how long the launching process of a
 #: ``popen`` launch gets to report a lost child itself.
 GRACE_S = 3.0
+#: Seconds the launching process of a ``popen`` launch waits at exit for its scripts.
+EXIT_WAIT_S = 10.0
 
 
 def _abrupt(context: Any, index: int) -> bool:
@@ -214,9 +217,21 @@ class ScriptRanks:
                 yield
 
     def observe(self, procs: list) -> None:
-        """Lightning started the scripts: watch them."""
+        """Lightning started the scripts: watch them, and at exit wait for them a moment
+        (registered after the job's store host, so it runs before that host is stopped:
+        a script still finishing would otherwise find its store gone, and torch prints a
+        C++ stack for each of its calls)."""
         self.procs = procs
         threading.Thread(target=self._watch, daemon=True, name="lightning_par-scripts").start()
+        atexit.register(self._wait_for_scripts)
+
+    def _wait_for_scripts(self, limit_s: float = EXIT_WAIT_S) -> None:
+        deadline = time.monotonic() + limit_s
+        for proc in self.procs:
+            try:
+                proc.wait(timeout=max(0.0, deadline - time.monotonic()))
+            except Exception:
+                return  # still running: it dies with this process (die_with_parent)
 
     def _failed(self) -> RankLost | None:
         codes = [(self.first + 1 + i, p.poll()) for i, p in enumerate(self.procs)]

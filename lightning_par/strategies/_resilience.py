@@ -102,6 +102,11 @@ class Resilience:
         if self.enabled and trainer.state.fn == TrainerFn.FITTING:
             self.check_before_launch(trainer)
             self.tolerance.begin_fit()
+            self.tolerance.watching = True
+
+    def teardown(self) -> None:
+        """The end of a trainer call: nothing to watch until the next ``fit``."""
+        self.tolerance.watching = False
 
     def sampler_kwargs(self, first: dict[str, Any]) -> dict[str, Any]:
         """A loader built after a loss shards over the survivors (``first``: Lightning's)."""

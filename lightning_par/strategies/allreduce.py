@@ -162,5 +162,6 @@ class AllReduceStrategy(ParStrategy):
 
     @override
     def teardown(self) -> None:
+        self.resilience.teardown()
         self.grad_sync.close()
         super().teardown()

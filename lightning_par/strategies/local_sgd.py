@@ -224,6 +224,11 @@ class LocalSGDStrategy(ParStrategy):
         self.resilience.start()
 
     @override
+    def teardown(self) -> None:
+        self.resilience.teardown()
+        super().teardown()
+
+    @override
     def setup(self, trainer: pl.Trainer) -> None:
         super().setup(trainer)
         self.resilience.setup(trainer)
