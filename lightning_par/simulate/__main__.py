@@ -29,6 +29,7 @@ from lightning_par.simulate.links import PRESETS, parse_topology
 from lightning_par.simulate.profile import profile
 from lightning_par.simulate.replay import load_run
 from lightning_par.simulate.report import (
+    base_table,
     scaling_figure,
     scaling_table,
     side_by_side,
@@ -37,8 +38,8 @@ from lightning_par.simulate.report import (
 )
 from lightning_par.simulate.scale import scaling_row
 from lightning_par.simulate.validate import (
-    fastest,
     kept_machine,
+    kept_rounds,
     measure,
     own_link,
     pooled_loopback,
@@ -217,7 +218,7 @@ def validation(work: str | None, reuse: str | None, rounds: int) -> dict:
     load = os.getloadavg()[0]
     with tempfile.TemporaryDirectory(prefix="lightning_par-simulate-") as tmp:
         if reuse:
-            found = fastest(Path(reuse))
+            found = kept_rounds(Path(reuse))
         else:
             found = measure(Path(work or tmp), rounds=rounds)
         cores, threads, delay_s = kept_machine(found)
@@ -231,7 +232,11 @@ def validation_report(doc: dict) -> str:
     return (
         f"measured on {doc['cores']} cores, {doc['threads']} thread(s) per rank, scheduler "
         f"delay {doc['scheduler_delay_s'] * 1e3:.1f} ms (the delay matters where ranks cannot "
-        f"share the cores evenly)\n\n{validation_table(doc['rows'])}"
+        f"share the cores evenly), load {doc['load_1m_start']} -> {doc['load_1m_end']}\n\n"
+        f"{validation_table(doc['rows'])}\n\nWhat the scale rows started from (each "
+        "strategy's 2-worker rounds; compute is CPU time, each traced span its best round, "
+        "messages priced by the fastest quarter of their transfers):\n\n"
+        f"{base_table(doc['rows'])}"
     )
 
 

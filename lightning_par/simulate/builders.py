@@ -39,23 +39,26 @@ from the measured run:
 
 from __future__ import annotations
 
-import functools
-
-import torch
-
 from lightning_par.collectives.cost_model import predict
-from lightning_par.measure.run import make_model, sample_shape
 from lightning_par.pipeline.schedule import gpipe_steps
 from lightning_par.simulate.links import Topology
-from lightning_par.simulate.ops import After, Comm, Compute, Graph, Join, Msg, Post, Wait
+from lightning_par.simulate.ops import (
+    After,
+    Comm,
+    Compute,
+    Graph,
+    Join,
+    Msg,
+    NotApplicable,
+    Post,
+    Wait,
+)
 from lightning_par.simulate.profile import Profile
-from lightning_par.simulate.tp_share import measured_busiest_share
-from lightning_par.tensorparallel.cost import all_gather_cost, busiest_rank_share
-from lightning_par.tensorparallel.plan import resolve_plan
+from lightning_par.simulate.stage_share import cut_bytes, stage_balance, stage_shares
+from lightning_par.simulate.tp_share import busiest_share, tp_allreduces
+from lightning_par.tensorparallel.cost import all_gather_cost
 
-
-class NotApplicable(ValueError):
-    """The strategy cannot run at that many devices (the reason is the message)."""
+__all__ = ["BUILDERS", "NotApplicable", "build", "busiest_share"]
 
 
 def _allreduce_s(algorithm: str, nbytes: int, p: int, topo: Topology) -> float:
@@ -90,12 +93,25 @@ def data_parallel_graph(prof: Profile, p: int, topo: Topology, cores: int | None
     main.append(Compute(work - bwd, "forward"))
     bg = g.lane(0, "bg")
     each = _allreduce_s(prof.algorithm, prof.grad_bytes // buckets, p, topo)
+    cpu = communication_cpu(prof, cores) / buckets
     for _ in range(buckets):
         if bwd > 0:
             main.append(Compute(bwd / buckets, "backward"))
         bg.extend([After((0, "main"), len(main) - 1, 1.0), Comm(each, "allreduce bucket")])
+        if cpu:
+            bg.append(Comm(cpu, "communication CPU", on_cores=True))
     main.append(Join((0, "bg"), len(bg)))
     return g
+
+
+def communication_cpu(prof: Profile, cores: int | None) -> float:
+    """CPU seconds per step a rank spends moving its messages beyond its main thread (gloo's
+    threads, the bucket thread: :attr:`~.profile.Profile.comm_cpu_s`, measured), where the
+    ranks share ``cores`` of this machine (``None``: other hardware, where the link's cost
+    says it all). Measured on 2 to 4 ranks of the allreduce family it barely follows the
+    bytes a rank sends (a ring at 4 ranks sends 1.5 times the bytes of 2, and spent 1.85
+    against 2.05 ms), so it is carried as measured."""
+    return prof.comm_cpu_s if cores is not None else 0.0
 
 
 def ps_graph(prof: Profile, p: int, topo: Topology, cores: int | None,
@@ -127,20 +143,42 @@ def ps_graph(prof: Profile, p: int, topo: Topology, cores: int | None,
     return g
 
 
+def _stages(prof: Profile, p: int, chunks: int, cores: int | None) -> tuple[list[float],
+                                                                           list[int]]:  # fmt: skip
+    """Each stage's share of the model and the activation bytes at each cut at ``p`` stages:
+    the strategy's own cut of the compare model (:mod:`.stage_share`, layers timed here when
+    predicting this machine), or an even split and the measured activation size for a
+    user's own run."""
+    even = [1 / p] * p, [prof.act_bytes] * (p - 1)
+    if not prof.model or prof.family != "pipeline":
+        return even
+    micro = max(prof.global_batch // chunks, 1)
+    measure = micro if cores is not None else 0
+    try:
+        balance = stage_balance(prof.model, p, prof.options, measure)
+    except ValueError:  # no module.net to cut: the strategy cut at split points of its own
+        return even
+    return stage_shares(prof.model, balance, measure), cut_bytes(prof.model, balance, micro)
+
+
 def pipeline_graph(prof: Profile, p: int, topo: Topology, cores: int | None,
                    weak: bool = False) -> Graph:  # fmt: skip
     if prof.max_devices and p > prof.max_devices:
         raise NotApplicable(f"{p} stages > {prof.limit}")
     chunks = 1 if prof.family == "layerwise" else prof.chunks
-    fwd, bwd = prof.fwd_s / p, prof.bwd_s / p
+    fwd, bwd = prof.fwd_s, prof.bwd_s  # per micro-batch, the whole model
     rest = max(prof.compute_s - chunks * (prof.fwd_s + prof.bwd_s) / prof.world, 0.0)
     if not fwd and not bwd:  # no fwd/bwd spans: all compute, backward twice the forward
         whole = prof.compute_s * prof.world / chunks
-        fwd, bwd, rest = whole / 3 / p, 2 * whole / 3 / p, 0.0
+        fwd, bwd, rest = whole / 3, 2 * whole / 3, 0.0
+    shares, cuts = _stages(prof, p, chunks, cores)
+    # a stage's messages cost it CPU where ranks share this machine's cores: the measured
+    # stage's (one neighbour) per message it sends
+    per_send = communication_cpu(prof, cores) / chunks
     g = Graph()
-    act = {(s, i): g.message(Msg(s, s + 1, prof.act_bytes)) for s in range(p - 1)
+    act = {(s, i): g.message(Msg(s, s + 1, cuts[s])) for s in range(p - 1)
            for i in range(chunks)}  # fmt: skip
-    grad = {(s, i): g.message(Msg(s + 1, s, prof.act_bytes)) for s in range(p - 1)
+    grad = {(s, i): g.message(Msg(s + 1, s, cuts[s])) for s in range(p - 1)
             for i in range(chunks)}  # fmt: skip
     for s in range(p):
         lane = g.lane(s)
@@ -150,20 +188,17 @@ def pipeline_graph(prof: Profile, p: int, topo: Topology, cores: int | None,
         sent = []
         for step in gpipe_steps(s, p, chunks):
             i = step.micro_batch
-            if step.op == "fwd":
-                if s > 0:
-                    lane.append(Wait(act[(s - 1, i)]))
-                lane.append(Compute(fwd, f"F{i}"))
-                if s < p - 1:
-                    lane.append(Post(act[(s, i)]))
-                    sent.append(act[(s, i)])
-            else:
-                if s < p - 1:
-                    lane.append(Wait(grad[(s, i)]))
-                lane.append(Compute(bwd, f"B{i}"))
-                if s > 0:
-                    lane.append(Post(grad[(s - 1, i)]))
-                    sent.append(grad[(s - 1, i)])
+            forward = step.op == "fwd"
+            waits = act.get((s - 1, i)) if forward else grad.get((s, i))
+            sends = act.get((s, i)) if forward else grad.get((s - 1, i))
+            if waits is not None:
+                lane.append(Wait(waits))
+            lane.append(Compute((fwd if forward else bwd) * shares[s], f"{step.op[0].upper()}{i}"))
+            if sends is not None:
+                lane.append(Post(sends))
+                sent.append(sends)
+                if per_send:
+                    lane.append(Comm(per_send, "communication CPU", on_cores=True))
         lane.extend(map(Wait, sent))
     return g
 
@@ -182,34 +217,21 @@ def tp_graph(prof: Profile, p: int, topo: Topology, cores: int | None,
         work = prof.compute_s - prof.model_s + prof.model_s * ratio
     else:  # a user's own run: every layer assumed split evenly
         work = prof.compute_s * prof.world / p
-    each = _allreduce_s("ring", prof.collective_bytes, p, topo)
+    sizes = tp_allreduces(prof, p)
+    # the ranks' CPU for moving the bytes, as measured, scaled by the bytes each rank sends
+    # in the ring allreduces at p over at the measured size
+    sent = sum(2 * (p - 1) / p * b for b in sizes)
+    measured = sum(2 * (prof.world - 1) / prof.world * b for b in tp_allreduces(prof, prof.world))
+    cpu = communication_cpu(prof, cores) * (sent / measured if measured else 1.0)
     g = Graph(weight={0: p})
     lane = g.lane(0)
-    for _ in range(prof.collectives):
-        lane.extend([Compute(work / (prof.collectives + 1)), Comm(each, "allreduce")])
-    lane.append(Compute(work / (prof.collectives + 1)))
+    for nbytes in sizes:
+        lane.extend([Compute(work / (len(sizes) + 1)),
+                     Comm(_allreduce_s("ring", nbytes, p, topo), "allreduce")])  # fmt: skip
+        if cpu:
+            lane.append(Comm(cpu / len(sizes), "communication CPU", on_cores=True))
+    lane.append(Compute(work / (len(sizes) + 1)))
     return g
-
-
-@functools.cache
-def busiest_share(model_name: str, p: int, measure_batch: int = 0) -> float:
-    """The busiest rank's share of the compare model ``model_name`` under the automatic plan
-    at ``p`` ranks: by FLOPs (:func:`~lightning_par.tensorparallel.cost.busiest_rank_share`),
-    or, with ``measure_batch``, timed on this machine on a batch of that many images
-    (:func:`~.tp_share.measured_busiest_share`). :class:`NotApplicable` where that plan cuts
-    nothing: the strategy refuses such a run."""
-    model = make_model(model_name)
-    example = torch.zeros(2, *sample_shape(model))
-    try:
-        plan = resolve_plan(model, p, example_inputs=(example,))
-    except ValueError as err:
-        raise NotApplicable(f"{model_name} at {p} ranks: {err}") from err
-    if p > 1 and not any(cut.style != "norm" for cut in plan.cuts):
-        raise NotApplicable(f"{model_name} has no layer the automatic plan cuts {p} ways")
-    if measure_batch:
-        batch = torch.randn(measure_batch, *example.shape[1:], generator=torch.Generator())
-        return measured_busiest_share(model, plan, batch)
-    return busiest_rank_share(model, plan, example)
 
 
 def hybrid_graph(prof: Profile, p: int, topo: Topology, cores: int | None,
