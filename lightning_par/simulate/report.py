@@ -147,7 +147,9 @@ def validation_table(rows: list[dict]) -> str:
              "|---|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
     for r in rows:
         err = "-" if r["error"] is None else f"{r['error']:+.1%}"
-        noise = f"{len(r.get('steps_s') or [])}, {_fmt(r.get('spread'), 100, 0)}%"
+        noise = str(len(r.get("steps_s") or []))
+        if r.get("spread") is not None:
+            noise += f", {r['spread']:.0%}"
         load = _fmt(r.get("other_load"), 1.0, 2)
         got, guess = r.get("measured_split"), r.get("predicted_split")
         parts = ["", "", ""]
