@@ -56,7 +56,7 @@ def test_lightning_gives_each_rank_its_share_of_the_cores():
 
 
 def test_threads_the_ranks_were_given_override_lightnings_choice():
-    from lightning_par.simulate.validate import measured_threads
+    from lightning_par.simulate.machine import measured_threads
 
     prof = Profile("x", "allreduce", 2, 2, 8, 0.0, compute_s=16.0, batch_s=16.0,
                    grad_bytes=4000)  # fmt: skip
@@ -71,15 +71,15 @@ def test_threads_the_ranks_were_given_override_lightnings_choice():
     assert measured_threads(16, env={"OMP_NUM_THREADS": "1"}) == 1
     assert measured_threads(16, env={"OMP_NUM_THREADS": "junk"}) == 8
     # --reuse on another machine or shell: the cores and threads the runs recorded
+    from lightning_par.simulate.machine import recorded_machine
     from lightning_par.simulate.replay import Run
-    from lightning_par.simulate.validate import recorded_machine
 
     runs = [Run("ring", [], None, row={"cores": 16, "threads": 1, "delay_s": 0.004})]
-    assert recorded_machine(runs) == (16, 1, 0.004)
-    assert recorded_machine(runs, cores=2, threads=2, delay_s=0.0) == (2, 2, 0.0)
+    assert recorded_machine(runs) == (16, 1, 0.004, {}, {})
+    assert recorded_machine(runs, cores=2, threads=2, delay_s=0.0) == (2, 2, 0.0, {}, {})
     # runs that recorded nothing, from a machine with other cores: no delay measured here
     old = [Run("old", [], None)]
-    assert recorded_machine(old, cores=999) == (999, measured_threads(999), 0.0)
+    assert recorded_machine(old, cores=999) == (999, measured_threads(999), 0.0, {}, {})
 
 
 def test_scale_out_on_two_cores_slows_data_parallel_compute_by_p_over_cores():

@@ -150,20 +150,24 @@ def test_every_bucket_waits_for_the_slowest_replica():
 def test_the_validation_measures_the_delay_only_where_some_size_is_uneven(monkeypatch, tmp_path):
     import json
 
-    from lightning_par.simulate import validate
+    from lightning_par.simulate import machine
 
     measured = []
-    monkeypatch.setattr(validate, "measure_delay", lambda cores: measured.append(cores) or 0.007)
+    monkeypatch.setattr(machine, "measure_delay", lambda cores: measured.append(cores) or 0.007)
     # sizes 2, 3, 4 on 16 cores, one thread each: every rank has a core; nothing to measure
-    assert validate.scheduler_delay(16, 1) == 0.0 and measured == []
+    assert machine.scheduler_delay(16, 1) == 0.0 and measured == []
     # 3 ranks on 2 cores cannot be placed evenly
-    assert validate.scheduler_delay(2, 1) == 0.007 and measured == [2]
+    assert machine.scheduler_delay(2, 1) == 0.007 and measured == [2]
     # --reuse reads what the runs recorded, not this machine
     folder = tmp_path / "0-p2-ring_allreduce"
     folder.mkdir()
-    (folder / "row.json").write_text(json.dumps({"cores": 2, "threads": 1, "delay_s": 0.005}))
-    assert validate.kept_machine({("ring_allreduce", 2): [folder]}) == (2, 1, 0.005)
+    row = {"cores": 2, "threads": 1, "delay_s": 0.005, "sharing_cost": {"3": 1.1, "4": 1.05},
+           "step_cpu": {"2": 0.03, "3": 0.02, "4": 0.015}}  # fmt: skip
+    (folder / "row.json").write_text(json.dumps(row))
+    kept = machine.kept_machine({("ring_allreduce", 2): [folder]})
+    assert kept == (2, 1, 0.005, {3: 1.1, 4: 1.05}, {2: 0.03, 3: 0.02, 4: 0.015})
     assert measured == [2]
+    assert json.loads(json.dumps(kept.as_row())) == row
 
 
 def test_what_the_model_leaves_out_of_the_small_step_is_carried_once_per_step():

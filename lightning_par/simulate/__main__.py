@@ -26,6 +26,7 @@ from pathlib import Path
 from lightning_par.quiet import quiet_lightning
 from lightning_par.simulate.engine import simulate
 from lightning_par.simulate.links import PRESETS, parse_topology
+from lightning_par.simulate.machine import kept_machine
 from lightning_par.simulate.profile import profile
 from lightning_par.simulate.replay import load_run
 from lightning_par.simulate.report import (
@@ -38,7 +39,6 @@ from lightning_par.simulate.report import (
 )
 from lightning_par.simulate.scale import scaling_row
 from lightning_par.simulate.validate import (
-    kept_machine,
     kept_rounds,
     measure,
     own_link,
@@ -221,18 +221,27 @@ def validation(work: str | None, reuse: str | None, rounds: int) -> dict:
             found = kept_rounds(Path(reuse))
         else:
             found = measure(Path(work or tmp), rounds=rounds)
-        cores, threads, delay_s = kept_machine(found)
-        table = rows(found, cores, threads, delay_s)
+        machine = kept_machine(found)
+        table = rows(found, machine)
     return {"rows": table, "load_1m_start": round(load, 2),
-            "load_1m_end": round(os.getloadavg()[0], 2), "cores": cores,
-            "threads": threads, "scheduler_delay_s": delay_s}  # fmt: skip
+            "load_1m_end": round(os.getloadavg()[0], 2), "cores": machine.cores,
+            "threads": machine.threads, "scheduler_delay_s": machine.delay_s,
+            "sharing_cost": machine.sharing_cost}  # fmt: skip
+
+
+def _sharing(cost: dict) -> str:
+    if not cost:
+        return "no rank takes turns on a core"
+    each = ", ".join(f"{p} ranks {c:.2f}x" for p, c in sorted(cost.items()))
+    return f"a step's CPU where ranks take turns on the cores: {each}"
 
 
 def validation_report(doc: dict) -> str:
     return (
         f"measured on {doc['cores']} cores, {doc['threads']} thread(s) per rank, scheduler "
         f"delay {doc['scheduler_delay_s'] * 1e3:.1f} ms (the delay matters where ranks cannot "
-        f"share the cores evenly), load {doc['load_1m_start']} -> {doc['load_1m_end']}\n\n"
+        f"share the cores evenly), {_sharing(doc.get('sharing_cost') or {})}, load "
+        f"{doc['load_1m_start']} -> {doc['load_1m_end']}\n\n"
         f"{validation_table(doc['rows'])}\n\nWhat the scale rows started from (each "
         "strategy's 2-worker rounds; compute is CPU time, each traced span its best round, "
         "messages priced by the fastest quarter of their transfers):\n\n"

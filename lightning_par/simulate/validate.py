@@ -36,7 +36,6 @@ counts.
 from __future__ import annotations
 
 import json
-import os
 import statistics
 from pathlib import Path
 
@@ -49,13 +48,12 @@ from lightning_par.simulate.base import (
     fastest_link,
     spread,
 )
-from lightning_par.simulate.cores import lightning_threads
 from lightning_par.simulate.graph import transfer_samples
 from lightning_par.simulate.links import Link, Topology, fit_link
+from lightning_par.simulate.machine import Machine, measure_machine, recorded_machine
 from lightning_par.simulate.profile import Profile
 from lightning_par.simulate.replay import Run, load_run, replay
-from lightning_par.simulate.scale import predict_split, predict_step
-from lightning_par.simulate.scheduler import measure_delay
+from lightning_par.simulate.scale import predict_split, predict_step, takes_turns, timed_batch
 
 #: The strategies the issue asks to validate: the allreduce family, servers, pipeline, tensor.
 VALIDATED = ("ring_allreduce", "tree_allreduce", "butterfly_allreduce", "round_robin_allreduce",
@@ -78,9 +76,8 @@ def measure(work: Path, strategies=VALIDATED, rounds: int = 2, steps: int = 10, 
                              "model": "CifarCNN", "accelerator": "cpu", "steps": steps,
                              "source": "cifar10-mini", "devices": p, "global_batch": batch,
                              "folder": str(folder)})  # fmt: skip
-    cores = os.cpu_count() or 1  # kept with each run: --reuse may read them elsewhere
-    threads = measured_threads(cores)
-    machine = {"cores": cores, "threads": threads, "delay_s": scheduler_delay(cores, threads)}
+    # kept with each run: --reuse may read them elsewhere
+    machine = measure_machine(SIZES, "CifarCNN", batch).as_row()
     results = run_all(rows, timeout)
     for row in rows:
         result, folder = results.get(row["index"], {}), Path(row["folder"])
@@ -111,17 +108,15 @@ def pooled_loopback(runs: list[Run]) -> Link:
     return fit_link([s for run in runs for s in transfer_samples(run.traces)])
 
 
-def rows(found: dict[tuple[str, int], list[Path]], cores: int | None = None,
-         threads: int | None = None, delay_s: float | None = None) -> list[dict]:  # fmt: skip
+def rows(found: dict[tuple[str, int], list[Path]], machine: Machine | None = None
+         ) -> list[dict]:  # fmt: skip
     """The validation table from :func:`measure`'s folders, every round of each (strategy,
-    size), the fastest first (see the module docstring). ``cores``, ``threads``,
-    ``delay_s``: of the measuring machine (default: :func:`recorded_machine`)."""
+    size), the fastest first (see the module docstring). ``machine``: the measuring one
+    (default: :func:`.machine.recorded_machine`)."""
     runs = {key: [load_run(folder) for folder in folders] for key, folders in found.items()}
-    cores, threads, delay_s = recorded_machine([r[0] for r in runs.values()], cores, threads,
-                                               delay_s)  # fmt: skip
+    machine = machine or recorded_machine([r[0] for r in runs.values()])
     # the link where a strategy traced no transfer of its own: every 2-worker run's
     loop = pooled_loopback([rounds[0] for (_, p), rounds in runs.items() if p == SIZES[0]])
-    machine = {"cores": cores, "threads": threads, "delay_s": delay_s}
     out = []
     for name in dict.fromkeys(n for n, _ in found):
         if (name, SIZES[0]) not in runs:
@@ -138,7 +133,7 @@ def rows(found: dict[tuple[str, int], list[Path]], cores: int | None = None,
             if (name, p) not in runs:
                 continue
             big = runs[(name, p)]
-            guess, split, offset = scaled(start, p, topo, big[0].other_load or 0.0, **machine)
+            guess, split, offset = scaled(start, p, topo, big[0].other_load or 0.0, machine)
             row = _row(name, f"scale 2->{p}", big, guess)
             row.update(predicted_split=split, offset_s=offset, base=start.noise.as_dict(),
                        link={"alpha_s": link.alpha, "beta_s_per_byte": link.beta},
@@ -148,65 +143,32 @@ def rows(found: dict[tuple[str, int], list[Path]], cores: int | None = None,
 
 
 def scaled(start: Base | Profile, p: int, topo: Topology, other_load: float = 0.0,
-           **machine) -> tuple[float, dict[str, float], float]:  # fmt: skip
+           machine: Machine | None = None) -> tuple[float, dict[str, float], float]:  # fmt: skip
     """The step at ``p`` predicted from a strategy's base runs: the model's step at ``p``
     from ``start``'s profile (:class:`~.base.Base`: each figure at its best round) plus what
     the model leaves out of the fastest base round's measured step (the offset, returned
     too: that round's step less the model of it, from its own figures and beside the load
     it had), once per step. A bare :class:`~.profile.Profile` is its own fastest round.
     ``other_load``: the cores' worth other processes took beside the run at ``p``
-    (:func:`.cores.capacity`). ``machine``: ``cores``, ``threads``, ``delay_s`` for
-    :func:`~.scale.predict_split`."""
+    (:func:`.cores.capacity`). ``machine``: the cores, threads, scheduler delay and the cost
+    of taking turns on the cores the prediction replays the graph with (``None``: every
+    rank a processor of its own)."""
     if isinstance(start, Profile):
         prof = fastest = start
         measured_s, base_load = start.step_s, 0.0
     else:
         prof, fastest = start.profile, start.fastest
         measured_s, base_load = start.fastest_run.measured_step_s, start.fastest_run.other_load
-    model = predict_step(fastest, fastest.world, topo, other_load=base_load or 0.0, **machine)
+    on = {} if machine is None else {"cores": machine.cores, "threads": machine.threads,
+                                     "delay_s": machine.delay_s}  # fmt: skip
+    model = predict_step(fastest, fastest.world, topo, other_load=base_load or 0.0, **on)
     offset = (measured_s or 0.0) - model
-    guess, split = predict_split(prof, p, topo, other_load=other_load, **machine)
+    cost = 1.0
+    if machine is not None:
+        prof = timed_batch(prof, p, machine.step_cpu)
+        cost = machine.sharing_cost.get(p, 1.0) if takes_turns(prof) else 1.0
+    guess, split = predict_split(prof, p, topo, 1 / cost, other_load=other_load, **on)
     return guess + offset, split, offset
-
-
-def kept_machine(found: dict[tuple[str, int], list[Path]]) -> tuple[int, int, float]:
-    """:func:`recorded_machine` of :func:`measure`'s folders, from their ``row.json`` alone."""
-    kept = [Run(name, [], None, row=json.loads((f / "row.json").read_text()))
-            for (name, _), folders in found.items() for f in folders[:1]
-            if (f / "row.json").exists()]  # fmt: skip
-    return recorded_machine(kept)
-
-
-def recorded_machine(runs: list[Run], cores: int | None = None, threads: int | None = None,
-                     delay_s: float | None = None) -> tuple[int, int, float]:  # fmt: skip
-    """Cores, threads per rank and scheduler delay of the machine that measured ``runs``: as
-    given, else as :func:`measure` recorded them in the runs' ``row.json``, else this
-    machine's now (the delay only where this machine has as many cores: else 0)."""
-    recorded = next((run.row for run in runs if "cores" in run.row), {})
-    cores = cores or recorded.get("cores") or os.cpu_count() or 1
-    threads = threads or recorded.get("threads") or measured_threads(cores)
-    if delay_s is None:
-        delay_s = recorded.get("delay_s")
-    if delay_s is None:
-        delay_s = scheduler_delay(cores, threads) if cores == os.cpu_count() else 0.0
-    return cores, threads, delay_s
-
-
-def scheduler_delay(cores: int, threads: int) -> float:
-    """The scheduler's delay (:func:`.scheduler.measure_delay`) where some size of
-    :data:`SIZES` cannot place its ranks evenly on ``cores`` (it matters there only), else 0."""
-    uneven = any(p * threads > cores and p * threads % cores for p in SIZES)
-    return measure_delay(cores) if uneven else 0.0
-
-
-def measured_threads(cores: int, env: dict | None = None) -> int:
-    """Intra-op threads each rank of :func:`measure`'s runs computed on: ``OMP_NUM_THREADS``
-    where the user set it, else what Lightning picked for the first row (``SIZES[0]`` ranks).
-    All rows run in one process and Lightning sets ``OMP_NUM_THREADS`` there on its first
-    launch, so the 3- and 4-worker rows keep that choice."""
-    env = os.environ if env is None else env
-    given = env.get("OMP_NUM_THREADS", "")
-    return int(given) if given.isdigit() and int(given) > 0 else lightning_threads(SIZES[0], cores)
 
 
 def measured_split(run: Run, pooled: Link) -> dict[str, float]:
