@@ -39,6 +39,7 @@ from lightning_par.simulate.report import (
 )
 from lightning_par.simulate.scale import scaling_row
 from lightning_par.simulate.validate import (
+    VALIDATED,
     kept_rounds,
     measure,
     own_link,
@@ -70,6 +71,16 @@ def _speeds(items: list[str]) -> dict[int, float]:
             message = f"--rank-speed {item!r}: write RANK=FACTOR (1=0.5: rank 1 twice as slow)"
             raise argparse.ArgumentTypeError(message) from None
     return out
+
+
+def _strategies(text: str) -> list[str]:
+    names = [x.strip() for x in text.split(",") if x.strip()]
+    unknown = [n for n in names if n not in VALIDATED]
+    if not names or unknown:
+        raise argparse.ArgumentTypeError(
+            f"--strategies {text!r}: choose from {','.join(VALIDATED)} (the validated ones)"
+        )
+    return names
 
 
 def parse(argv: list[str] | None) -> argparse.Namespace:
@@ -117,6 +128,13 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     )
     parser.add_argument("--out", default="runs/simulate", help="folder of figures")
     parser.add_argument("--rounds", type=int, default=2, help="--validate: runs per size")
+    parser.add_argument(
+        "--strategies",
+        type=_strategies,
+        default=list(VALIDATED),
+        help="--validate: which of the validated strategies to train, comma-separated "
+        "(default: all)",
+    )
     parser.add_argument("--work", help="--validate: keep the runs here (default: temporary)")
     parser.add_argument(
         "--reuse", metavar="DIR", help="--validate: the runs a --work DIR kept (no training)"
@@ -209,9 +227,10 @@ def replay_main(args) -> int:
     return 0
 
 
-def validation(work: str | None, reuse: str | None, rounds: int) -> dict:
-    """Every validation row (trained here into ``work``, or read from a kept ``reuse``
-    folder), with the machine it was measured on and the load."""
+def validation(work: str | None, reuse: str | None, rounds: int,
+               strategies: tuple[str, ...] = VALIDATED) -> dict:  # fmt: skip
+    """Every validation row (``strategies`` trained here into ``work``, or read from a kept
+    ``reuse`` folder), with the machine it was measured on and the load."""
     import tempfile
 
     quiet_lightning()
@@ -220,7 +239,7 @@ def validation(work: str | None, reuse: str | None, rounds: int) -> dict:
         if reuse:
             found = kept_rounds(Path(reuse))
         else:
-            found = measure(Path(work or tmp), rounds=rounds)
+            found = measure(Path(work or tmp), tuple(strategies), rounds=rounds)
         machine = kept_machine(found)
         table = rows(found, machine)
     return {"rows": table, "load_1m_start": round(load, 2),
@@ -250,7 +269,7 @@ def validation_report(doc: dict) -> str:
 
 
 def validate_main(args) -> int:
-    doc = validation(args.work, args.reuse, args.rounds)
+    doc = validation(args.work, args.reuse, args.rounds, tuple(args.strategies))
     print(json.dumps(doc) if args.json else validation_report(doc))
     return 0
 

@@ -18,15 +18,15 @@ from the measured run:
   ``async_sgd`` has no barrier: a server answers each push on its own.
 * **gpipe / layerwise**: ``K = p`` stage lanes running
   :func:`lightning_par.pipeline.schedule.gpipe_steps` for ``M`` micro-batches (layerwise: 1),
-  activations and gradients as messages between neighbours; forward and backward per stage
-  are the measured ones over ``K`` (an even partition).
+  activations and gradients as messages between neighbours; each stage computes its share
+  of the measured model under the strategy's own cut at ``p`` (:mod:`.stage_share`).
 * **tensor_parallel**: the busiest rank computes its slice of every layer the automatic plan
-  cuts at ``p`` (the plan changes with ``p``: a layer whose width does not split is left
-  whole, a cut may be uneven) and every other layer whole, weighed by FLOPs, or by their
-  times on this machine when predicting it (:func:`busiest_share`); the step's overhead
-  outside forward and backward is not split; each of the step's allreduces (measured count
-  and size) is a ring allreduce at ``p``.
+  cuts at ``p`` and every other layer whole (:mod:`.tp_share`); the step's overhead outside
+  forward and backward is not split; the plan's allreduces at ``p``, each a ring allreduce.
   A user's own run (no compare model to plan) assumes every layer split evenly.
+
+Where the ranks share this machine's cores (``cores``), each pays its measured
+communication CPU (:func:`communication_cpu`) as work that shares them too.
 * **hybrid**: its ``mp`` stays as measured, ``dp = p / mp`` replicas ring-allreduce ``1/mp``
   of the gradients.
 * **zero**: the measured units (buckets) on one communication lane, each ring phase
@@ -54,7 +54,7 @@ from lightning_par.simulate.ops import (
     Wait,
 )
 from lightning_par.simulate.profile import Profile
-from lightning_par.simulate.stage_share import cut_bytes, stage_balance, stage_shares
+from lightning_par.simulate.stage_share import stages_at
 from lightning_par.simulate.tp_share import busiest_share, tp_allreduces
 from lightning_par.tensorparallel.cost import all_gather_cost
 
@@ -143,24 +143,6 @@ def ps_graph(prof: Profile, p: int, topo: Topology, cores: int | None,
     return g
 
 
-def _stages(prof: Profile, p: int, chunks: int, cores: int | None) -> tuple[list[float],
-                                                                           list[int]]:  # fmt: skip
-    """Each stage's share of the model and the activation bytes at each cut at ``p`` stages:
-    the strategy's own cut of the compare model (:mod:`.stage_share`, layers timed here when
-    predicting this machine), or an even split and the measured activation size for a
-    user's own run."""
-    even = [1 / p] * p, [prof.act_bytes] * (p - 1)
-    if not prof.model or prof.family != "pipeline":
-        return even
-    micro = max(prof.global_batch // chunks, 1)
-    measure = micro if cores is not None else 0
-    try:
-        balance = stage_balance(prof.model, p, prof.options, measure)
-    except ValueError:  # no module.net to cut: the strategy cut at split points of its own
-        return even
-    return stage_shares(prof.model, balance, measure), cut_bytes(prof.model, balance, micro)
-
-
 def pipeline_graph(prof: Profile, p: int, topo: Topology, cores: int | None,
                    weak: bool = False) -> Graph:  # fmt: skip
     if prof.max_devices and p > prof.max_devices:
@@ -171,7 +153,7 @@ def pipeline_graph(prof: Profile, p: int, topo: Topology, cores: int | None,
     if not fwd and not bwd:  # no fwd/bwd spans: all compute, backward twice the forward
         whole = prof.compute_s * prof.world / chunks
         fwd, bwd, rest = whole / 3, 2 * whole / 3, 0.0
-    shares, cuts = _stages(prof, p, chunks, cores)
+    shares, cuts = stages_at(prof, p, chunks, cores is not None)
     # a stage's messages cost it CPU where ranks share this machine's cores: the measured
     # stage's (one neighbour) per message it sends
     per_send = communication_cpu(prof, cores) / chunks

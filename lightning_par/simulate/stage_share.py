@@ -28,6 +28,7 @@ from torch import nn
 
 from lightning_par.measure.run import make_model, sample_shape
 from lightning_par.pipeline.partition import balance_by_params, layer_times
+from lightning_par.simulate.profile import Profile
 from lightning_par.split import balance_by_cost
 
 REPEATS = 5
@@ -107,3 +108,20 @@ def cut_bytes(model_name: str, balance: list[int], micro_batch: int) -> list[int
     ``micro_batch`` samples (its gradient comes back the same size), for each cut of
     ``balance``."""
     return list(_cut_bytes(model_name, tuple(balance), micro_batch))
+
+
+def stages_at(prof: Profile, p: int, chunks: int, here: bool) -> tuple[list[float], list[int]]:
+    """Each stage's share of the model and the activation bytes at each cut at ``p``
+    stages: the strategy's own cut of the compare model (layers timed here when the
+    simulator predicts this machine: ``here``), or an even split and the measured
+    activation size for a user's own run (or a model without ``module.net``)."""
+    even = [1 / p] * p, [prof.act_bytes] * (p - 1)
+    if not prof.model or prof.family != "pipeline":
+        return even
+    micro = max(prof.global_batch // chunks, 1)
+    measure = micro if here else 0
+    try:
+        balance = stage_balance(prof.model, p, prof.options, measure)
+    except ValueError:  # no module.net to cut: the strategy cut at split points of its own
+        return even
+    return stage_shares(prof.model, balance, measure), cut_bytes(prof.model, balance, micro)
