@@ -99,6 +99,8 @@ def test_each_timed_figure_is_its_best_round_and_the_offset_reads_the_fastest():
     assert base.fastest_run is fast and base.fastest.backward_s == pytest.approx(2.5)
     assert base.profile.backward_s == pytest.approx(2.0)  # the least of the two rounds
     assert base.profile.compute_s == pytest.approx(4.0)
+    # communication CPU (process less main thread: 1 s and 2 s) swings: the median round
+    assert base.profile.comm_cpu_s == pytest.approx(1.5)
     assert base.noise.rounds == 2
     assert base.noise.steps_s == pytest.approx([12.0, 10.0])
     assert base.noise.as_dict()["spread"] == pytest.approx(0.2)

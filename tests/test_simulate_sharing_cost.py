@@ -4,13 +4,15 @@ the scale-out uses them."""
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 
 from lightning_par.simulate import sharing_cost
 from lightning_par.simulate.links import Link, Topology
 from lightning_par.simulate.machine import Machine
 from lightning_par.simulate.profile import Profile
-from lightning_par.simulate.sharing_cost import measure_step_cpu, step_at
+from lightning_par.simulate.sharing_cost import measure_step_cpu
 from lightning_par.simulate.validate import scaled
 
 LATENCY_ONLY = Topology(Link("a", alpha=1.0, beta=0.0), Link("a", alpha=1.0, beta=0.0))
@@ -67,25 +69,38 @@ def test_the_model_step_is_measured_with_real_ranks():
     assert set(cost) == {3} and 1.0 <= cost[3] < 3.0
 
 
-def test_a_ranks_step_at_p_keeps_the_frameworks_share_and_swaps_the_models():
+def test_a_ranks_per_sample_work_follows_the_models_step_timed_on_both_batches():
+    from lightning_par.simulate.builders import batch_share
+    from lightning_par.simulate.scale import timed_batch
+
     alone = {2: 0.0295, 3: 0.0191, 4: 0.0155}
-    # 35 ms at 2 ranks, of which the model's step alone is 29.5: 5.5 ms of framework
-    assert step_at(0.035, 4, 2, alone) == pytest.approx(0.0055 + 0.0155)
-    assert step_at(0.035, 3, 2, alone) == pytest.approx(0.0055 + 0.0191)
-    assert step_at(0.035, 8, 2, alone) == 0.035  # a size not timed: as measured
+    # 35 ms at 2 ranks, 29 ms of it per sample: 6 ms of framework stays
+    prof = Profile("x", "allreduce", 2, 2, 48, 0.04, compute_s=0.035, batch_s=0.029,
+                   cpu_based=True)  # fmt: skip
+    for p in (3, 4):
+        timed = timed_batch(prof, p, alone)
+        at_p = 0.035 * batch_share(timed, p, weak=False)
+        assert at_p == pytest.approx(0.006 + 0.029 * alone[p] / alone[2])
+    # not timed, or not data parallel: in proportion to the batch
+    assert 0.035 * batch_share(timed_batch(prof, 8, alone), 8, False) == pytest.approx(
+        0.006 + 0.029 / 4
+    )
+    assert timed_batch(replace(prof, family="tp"), 4, alone).sample_scale == {}
 
 
 def test_data_parallel_ranks_pay_the_timed_batch_and_the_cost_a_pipeline_does_not():
     machine = Machine(2, 1, 0.0, {4: 1.5}, {2: 8.0, 4: 3.0})
     dp = Profile("x", "allreduce", 2, 2, 8, 10.0, compute_s=10.0, batch_s=10.0,
                  cpu_based=True)  # fmt: skip
-    # 4 ranks: 10 - 8 + 3 = 5 s of CPU each (half the 2 ranks' 10: the per-sample part
-    # halves), 1.5 times that for taking turns, 4 on 2 cores
+    # 4 ranks: the 10 s per sample times 3 / 8 (the model's step timed on both batches), 1.5
+    # times that for taking turns, 4 ranks on 2 cores
     guess, split, offset = scaled(dp, 4, LATENCY_ONLY, machine=machine)
-    assert guess - offset == pytest.approx(2 * 5 * 1.5 + 6)
-    # the model's step at 4 ranks' batch timed at 5 s, not half of 8: 10 - 8 + 5 = 7 s each
+    assert guess - offset == pytest.approx(2 * 10 * 3 / 8 * 1.5 + 6)
+    # a model whose step at 4 ranks' batch is 5 s, not half of 8: 10 x 5 / 8 s each
     timed = Machine(2, 1, 0.0, {}, {2: 8.0, 4: 5.0})
-    assert scaled(dp, 4, LATENCY_ONLY, machine=timed)[0] - offset == pytest.approx(2 * 7 + 6)
+    assert scaled(dp, 4, LATENCY_ONLY, machine=timed)[0] - offset == pytest.approx(
+        2 * 10 * 5 / 8 + 6
+    )
     untimed = Machine(2, 1, 0.0, {}, {})  # older runs: the per-sample part as profiled
     assert scaled(dp, 4, LATENCY_ONLY, machine=untimed)[0] - offset == pytest.approx(2 * 5 + 6)
     pipe = Profile("gpipe", "pipeline", 2, 2, 8, 10.0, compute_s=6.0, chunks=2, fwd_s=1.0,

@@ -66,21 +66,28 @@ def _allreduce_s(algorithm: str, nbytes: int, p: int, topo: Topology) -> float:
     return predict(algorithm, max(nbytes // 4, 1), p).time(link.alpha, link.beta)
 
 
+def sample_scale(prof: Profile, p: int) -> float:
+    """A data-parallel rank's per-sample work at ``p`` over at the measured size: its batch,
+    ``world / p`` of the measured, or, where the model's step was timed on both batches on
+    this machine (:attr:`~.profile.Profile.sample_scale`), that step's ratio."""
+    return prof.sample_scale.get(p, prof.world / p)
+
+
 def batch_share(prof: Profile, p: int, weak: bool) -> float:
     """Data-parallel compute at ``p`` over the measured: the per-sample part
-    (:attr:`~.profile.Profile.batch_s`) scales by ``world / p`` at a fixed global batch
-    (strong scaling), by 1 at a fixed batch per device (weak scaling); the per-step part
-    stays."""
+    (:attr:`~.profile.Profile.batch_s`) scales by :func:`sample_scale` at a fixed global
+    batch (strong scaling), by 1 at a fixed batch per device (weak scaling); the per-step
+    part stays."""
     if weak or not prof.compute_s:
         return 1.0
     fixed = prof.compute_s - prof.batch_s
-    return (fixed + prof.batch_s * prof.world / p) / prof.compute_s
+    return (fixed + prof.batch_s * sample_scale(prof, p)) / prof.compute_s
 
 
 def data_parallel_graph(prof: Profile, p: int, topo: Topology, cores: int | None,
                         weak: bool = False) -> Graph:  # fmt: skip
     work = prof.compute_s * batch_share(prof, p, weak)
-    bwd = min(prof.backward_s, prof.batch_s) * (1.0 if weak else prof.world / p)
+    bwd = min(prof.backward_s, prof.batch_s) * (1.0 if weak else sample_scale(prof, p))
     g = Graph(weight={0: p})
     main = g.lane(0)
     if prof.family == "local_sgd":
@@ -240,7 +247,7 @@ def zero_graph(prof: Profile, p: int, topo: Topology, cores: int | None,
                weak: bool = False) -> Graph:  # fmt: skip
     stage = int(prof.options.get("stage", 3))
     work = prof.compute_s * batch_share(prof, p, weak)
-    bwd = min(prof.backward_s, prof.batch_s) * (1.0 if weak else prof.world / p)
+    bwd = min(prof.backward_s, prof.batch_s) * (1.0 if weak else sample_scale(prof, p))
     units = max(prof.buckets, 1)
     phase = _ring_phase_s(prof.grad_bytes // units, p, topo)
     g = Graph(weight={0: p})

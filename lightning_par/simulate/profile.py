@@ -65,6 +65,10 @@ class Profile:
     #: for a core; ``comm_cpu_s``: CPU per step beyond the main thread's (communication)
     cpu_based: bool = False
     comm_cpu_s: float = 0.0
+    #: per size ``p``: a data-parallel rank's per-sample work at ``p`` over at ``world``,
+    #: where the model's step was timed on both batches on this machine
+    #: (:mod:`.sharing_cost`); ``world / p`` where absent
+    sample_scale: dict[int, float] = field(default_factory=dict)
 
 
 FAMILIES = {

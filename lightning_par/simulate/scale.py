@@ -26,7 +26,6 @@ from lightning_par.simulate.links import Topology
 from lightning_par.simulate.memory import state_bytes_per_rank
 from lightning_par.simulate.ops import After, Compute, Graph
 from lightning_par.simulate.profile import Profile
-from lightning_par.simulate.sharing_cost import step_at
 
 
 def predict_step(prof: Profile, p: int, topo: Topology, speed: float = 1.0,
@@ -108,18 +107,15 @@ DATA_PARALLEL = ("allreduce", "ddp", "local_sgd", "ps", "async_ps", "zero")
 
 
 def timed_batch(prof: Profile, p: int, alone: dict[int, float]) -> Profile:
-    """``prof`` with the per-sample part of its compute set so that a data-parallel rank's
-    compute at ``p`` is :func:`.sharing_cost.step_at`'s: the base run's CPU per step with
-    the model's step at the base batch swapped for its step at ``p``'s, both timed on this
-    machine (``alone``). ``prof`` itself for other strategies, or where they were not timed."""
-    if prof.family not in DATA_PARALLEL or p == prof.world or not prof.cpu_based:
+    """``prof`` with a data-parallel rank's per-sample work at ``p`` scaled by the model's
+    step on ``p``'s batch over on the base batch, both timed on this machine (``alone``:
+    :func:`.sharing_cost.measure_step_cpu`), not by the batch alone (:func:`.builders.
+    sample_scale`). ``prof`` itself for other strategies, or where they were not timed."""
+    if prof.family not in DATA_PARALLEL or p not in alone or prof.world not in alone:
         return prof
-    target = step_at(prof.compute_s, p, prof.world, alone)
-    if target == prof.compute_s:
+    if not prof.cpu_based or alone[prof.world] <= 0:
         return prof
-    # batch_share's compute at p: compute_s - batch_s * (1 - world / p)
-    per_sample = (prof.compute_s - target) / (1 - prof.world / p)
-    return replace(prof, batch_s=min(max(per_sample, 0.0), prof.compute_s))
+    return replace(prof, sample_scale={**prof.sample_scale, p: alone[p] / alone[prof.world]})
 
 
 def takes_turns(prof: Profile) -> bool:

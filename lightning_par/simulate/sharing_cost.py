@@ -5,9 +5,10 @@ timed on each size's batch, a core to each rank, and what taking turns on the co
 images, and its step's CPU does not follow that in proportion: the framework's work per step
 (the loop, logging, the optimiser) stays, and the model's own time is not linear in the
 batch where activations outgrow a core's cache (CifarCNN's training step, one thread: 15.5,
-19.1 and 29.5 ms at 12, 16 and 24 images). So the scale-out keeps the base run's CPU per
-step and swaps the model's step at the base batch for its step at ``p``'s
-(:func:`step_at`), both timed here (``alone``).
+19.1 and 29.5 ms at 12, 16 and 24 images). So the scale-out keeps the framework's part of
+the base run's CPU per step and scales its per-sample part by the model's step on ``p``'s
+batch over on the base batch, both timed here (``alone``; a ratio, so a machine that slows
+both alike moves it little: :func:`.scale.timed_batch`).
 
 **Taking turns.** Processor sharing (:mod:`.cores`) stretches a rank's step by the time it
 waits for a core, its CPU time unchanged. On a real CPU the ranks that take turns on a core
@@ -105,12 +106,3 @@ def measure_step_cpu(model_name: str, global_batch: int, sizes: tuple[int, ...],
     alone = {p: statistics.median(t[1][p] for t in kept) for p in sizes}
     cost = {p: max(statistics.median(t[2][p] for t in kept), 1.0) for p in kept[0][2]}
     return alone, cost
-
-
-def step_at(base_cpu: float, p: int, world: int, alone: dict[int, float]) -> float:
-    """A rank's CPU per step at ``p`` from the base run's ``base_cpu`` at ``world``: the
-    framework's share stays, the model's step at the base batch gives way to its step at
-    ``p``'s (``alone``: :func:`measure_step_cpu`); ``base_cpu`` where either is not timed."""
-    if p not in alone or world not in alone:
-        return base_cpu
-    return max(base_cpu - alone[world] + alone[p], alone[p])
