@@ -55,16 +55,17 @@ def test_a_trial_beside_other_load_is_run_again(monkeypatch):
     alone, cost = measure_step_cpu("CifarCNN", 48, (2, 3), cores=2, trials=2)
     assert cost == pytest.approx({3: 0.0215 / 0.0191})
     assert len(calls) == 6
-    # never quiet: the least disturbed trial stands
+    # never quiet: not measured (beside a busy core the cost read 1.40 at 4 ranks)
     calls, fake = fake_ranks([{16: 0.030}, {16: 0.025}], [1.0, 0.5])
     monkeypatch.setattr(sharing_cost, "run_on_ranks", fake)
-    assert measure_step_cpu("CifarCNN", 48, (3,), cores=2, trials=1)[1] == pytest.approx(
-        {3: 0.025 / 0.0191}
-    )
+    assert measure_step_cpu("CifarCNN", 48, (3,), cores=2, trials=1) == ({}, {})
 
 
 def test_the_model_step_is_measured_with_real_ranks():
     alone, cost = measure_step_cpu("CifarCNN", 48, (2, 3), cores=2, steps=4, trials=1)
+    if not alone:  # both tries ran beside other processes' load: not measured, as documented
+        assert cost == {}
+        return
     assert set(alone) == {2, 3} and alone[2] > alone[3] > 0
     assert set(cost) == {3} and 1.0 <= cost[3] < 3.0
 

@@ -245,7 +245,8 @@ def validation(work: str | None, reuse: str | None, rounds: int,
     return {"rows": table, "load_1m_start": round(load, 2),
             "load_1m_end": round(os.getloadavg()[0], 2), "cores": machine.cores,
             "threads": machine.threads, "scheduler_delay_s": machine.delay_s,
-            "sharing_cost": machine.sharing_cost}  # fmt: skip
+            "sharing_cost": machine.sharing_cost, "step_cpu": machine.step_cpu,
+            "unmeasured": list(machine.unmeasured)}  # fmt: skip
 
 
 def _sharing(cost: dict) -> str:
@@ -255,12 +256,20 @@ def _sharing(cost: dict) -> str:
     return f"a step's CPU where ranks take turns on the cores: {each}"
 
 
+def _unmeasured(doc: dict) -> str:
+    missing = doc.get("unmeasured") or []
+    if not missing:
+        return ""
+    return (f"\nnot measured, every trial ran beside other processes' load: {', '.join(missing)}"
+            " (taken as 0 / in proportion to the batch / no cost of taking turns)")  # fmt: skip
+
+
 def validation_report(doc: dict) -> str:
     return (
         f"measured on {doc['cores']} cores, {doc['threads']} thread(s) per rank, scheduler "
         f"delay {doc['scheduler_delay_s'] * 1e3:.1f} ms (the delay matters where ranks cannot "
         f"share the cores evenly), {_sharing(doc.get('sharing_cost') or {})}, load "
-        f"{doc['load_1m_start']} -> {doc['load_1m_end']}\n\n"
+        f"{doc['load_1m_start']} -> {doc['load_1m_end']}{_unmeasured(doc)}\n\n"
         f"{validation_table(doc['rows'])}\n\nWhat the scale rows started from (each "
         "strategy's 2-worker rounds; compute is CPU time, each traced span its best round, "
         "messages priced by the fastest quarter of their transfers):\n\n"

@@ -28,12 +28,15 @@ class Machine(NamedTuple):
     sharing_cost: dict[int, float] = {}  # a NamedTuple's default, never changed
     #: per size: the model's training step on that size's batch, a core each (CPU seconds)
     step_cpu: dict[int, float] = {}
+    #: what could not be measured: every trial of it ran beside other processes' load
+    unmeasured: tuple[str, ...] = ()
 
     def as_row(self) -> dict:
         """What :mod:`.validate` records in each ``row.json``."""
         return {"cores": self.cores, "threads": self.threads, "delay_s": self.delay_s,
                 "sharing_cost": {str(p): c for p, c in self.sharing_cost.items()},
-                "step_cpu": {str(p): c for p, c in self.step_cpu.items()}}  # fmt: skip
+                "step_cpu": {str(p): c for p, c in self.step_cpu.items()},
+                "unmeasured": list(self.unmeasured)}  # fmt: skip
 
 
 def measure_machine(sizes: tuple[int, ...], model: str, global_batch: int) -> Machine:
@@ -41,7 +44,10 @@ def measure_machine(sizes: tuple[int, ...], model: str, global_batch: int) -> Ma
     cores = os.cpu_count() or 1
     threads = measured_threads(cores, sizes[0])
     alone, cost = measure_step_cpu(model, global_batch, sizes, cores, threads)
-    return Machine(cores, threads, scheduler_delay(cores, threads, sizes), cost, alone)
+    delay = scheduler_delay(cores, threads, sizes)
+    unmeasured = (("scheduler delay",) if delay is None else ()) + (
+        ("step CPU at each size",) if not alone else ())  # fmt: skip
+    return Machine(cores, threads, delay or 0.0, cost, alone, unmeasured)
 
 
 def kept_machine(found: dict[tuple[str, int], list[Path]]) -> Machine:
@@ -68,12 +74,15 @@ def recorded_machine(runs: list[Run], cores: int | None = None, threads: int | N
         delay_s = scheduler_delay(cores, threads, sizes) if cores == os.cpu_count() else 0.0
     cost = {int(p): c for p, c in (recorded.get("sharing_cost") or {}).items()}
     alone = {int(p): c for p, c in (recorded.get("step_cpu") or {}).items()}
-    return Machine(cores, threads, delay_s, cost, alone)
+    return Machine(cores, threads, delay_s or 0.0, cost, alone,
+                   tuple(recorded.get("unmeasured") or ()))  # fmt: skip
 
 
-def scheduler_delay(cores: int, threads: int, sizes: tuple[int, ...] = (2, 3, 4)) -> float:
-    """The scheduler's delay (:func:`.scheduler.measure_delay`) where some of ``sizes``
-    cannot place its ranks evenly on ``cores`` (it matters there only), else 0."""
+def scheduler_delay(cores: int, threads: int,
+                    sizes: tuple[int, ...] = (2, 3, 4)) -> float | None:  # fmt: skip
+    """The scheduler's delay (:func:`.scheduler.measure_delay`; ``None`` where every trial
+    ran beside other load) where some of ``sizes`` cannot place its ranks evenly on
+    ``cores`` (it matters there only), else 0."""
     uneven = any(p * threads > cores and p * threads % cores for p in sizes)
     return measure_delay(cores) if uneven else 0.0
 

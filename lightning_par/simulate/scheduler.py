@@ -13,7 +13,7 @@ one other busy core where quiet trials read 3-6 ms. So each trial also measures 
 worth of CPU other processes took while its loops ran (the machine's busy time less the
 ranks' own, :func:`lightning_par.measure.probe.other_load`'s reading); a trial beside more
 than :data:`QUIET_LOAD` of it is run again, a few times at most, and where none was quiet
-the least disturbed one stands.
+the delay is not measured (``None``): the least disturbed of such trials read 61 ms.
 
 On this project's 2-core machine 3 ranks of 10 to 40 ms each took 3 to 7 ms longer per
 meeting than fair sharing (``python -m lightning_par.simulate --validate`` records the
@@ -110,17 +110,18 @@ def delay_from_excess(excess_s: float, work_s: float, cores: int) -> float:
     return (lo + hi) / 2
 
 
-def measure_delay(cores: int, rounds: int = 30, trials: int = 3, timeout: float = 120) -> float:
+def measure_delay(cores: int, rounds: int = 30, trials: int = 3,
+                  timeout: float = 120) -> float | None:  # fmt: skip
     """This machine's delay (seconds) before a waiting thread takes a core that fell idle,
     from :func:`_meet_loop` at ``cores + 1`` and ``cores`` ranks (see the module docstring):
     the median over ``trials`` quiet trials of the median over work sizes (a trial beside
-    other load is run again, up to ``trials`` more times; without a quiet one, the least
-    disturbed trial's). Zero on one core, where two ranks always share it evenly."""
+    other load is run again, up to ``trials`` more times; ``None`` without a quiet one). Zero
+    on one core, where two ranks always share it evenly."""
     if cores < 2:
         return 0.0
     rate = _units_per_second()
     reps = [max(1, round(w * rate)) for w in WORK_S]
-    quiet, disturbed = [], []
+    quiet = []
     for _ in range(2 * trials):
         crowded = run_on_ranks(_meet_loop, cores + 1, reps, rounds, timeout=timeout)
         alone = run_on_ranks(_meet_loop, cores, reps, rounds, timeout=timeout)
@@ -130,10 +131,8 @@ def measure_delay(cores: int, rounds: int = 30, trials: int = 3, timeout: float 
             # fair sharing would add work / cores to the round the ranks take alone
             excess = crowded[0]["sizes"][i][0] - alone[0]["sizes"][i][0] - work / cores
             sizes.append(delay_from_excess(excess, work, cores))
-        other = max(loop_other_load(crowded), loop_other_load(alone))
-        (quiet if other <= QUIET_LOAD else disturbed).append((other, statistics.median(sizes)))
+        if max(loop_other_load(crowded), loop_other_load(alone)) <= QUIET_LOAD:
+            quiet.append(statistics.median(sizes))
         if len(quiet) == trials:
             break
-    if not quiet:
-        return min(disturbed)[1]
-    return statistics.median(estimate for _, estimate in quiet)
+    return statistics.median(quiet) if quiet else None

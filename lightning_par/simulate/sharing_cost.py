@@ -22,7 +22,10 @@ the 2-worker runs' CPU scaled to 16 images, its 4-worker ranks 0-7 % (``cost``).
 :func:`measure_step_cpu` times both: ``cores`` ranks (a core each) run the step on every
 size's batch, then, for each size whose ranks outnumber the cores, that many ranks run it
 on their batch; medians of the steps, of the ranks and of the trials. A trial beside other
-processes' load (which costs CPU the same way) is run again, as :mod:`.scheduler` does.
+processes' load (which costs CPU the same way, and more so on the larger batch: beside one
+busy core the cost at 4 ranks read 1.40) is run again, as :mod:`.scheduler` does; without a
+quiet trial neither is measured, and the scale-out scales the per-sample work by the batch
+and pays no cost.
 """
 
 from __future__ import annotations
@@ -95,14 +98,17 @@ def measure_step_cpu(model_name: str, global_batch: int, sizes: tuple[int, ...],
     """Per size in ``sizes``: the CPU seconds of ``model_name``'s training step on the batch
     a rank of that size reads, a core each (``alone``); and, per size whose ranks
     (``threads`` each) outnumber ``cores``, how many times that its step takes when they
-    take turns on the cores (``cost``, at least 1). See the module docstring."""
-    quiet, disturbed = [], []
+    take turns on the cores (``cost``, at least 1); both empty where no trial was quiet. See
+    the module docstring."""
+    quiet = []
     for _ in range(2 * trials):
         found = _trial(model_name, global_batch, sizes, cores, threads, steps, timeout)
-        (quiet if found[0] <= QUIET_LOAD else disturbed).append(found)
+        if found[0] <= QUIET_LOAD:
+            quiet.append(found)
         if len(quiet) == trials:
             break
-    kept = quiet or [min(disturbed, key=lambda t: t[0])]
-    alone = {p: statistics.median(t[1][p] for t in kept) for p in sizes}
-    cost = {p: max(statistics.median(t[2][p] for t in kept), 1.0) for p in kept[0][2]}
+    if not quiet:
+        return {}, {}
+    alone = {p: statistics.median(t[1][p] for t in quiet) for p in sizes}
+    cost = {p: max(statistics.median(t[2][p] for t in quiet), 1.0) for p in quiet[0][2]}
     return alone, cost
