@@ -229,3 +229,24 @@ def test_tensor_parallel_runs_the_allreduces_of_the_plan_at_p():
     sent = {p: sum(2 * (p - 1) / p * b for b in tp_allreduces(prof, p)) for p in (2, 3)}
     assert sum(op.seconds for op in at_3) == pytest.approx(4.0 * sent[3] / sent[2])
     assert not any(op.on_cores for op in graph.lanes[(0, "main")] if isinstance(op, Comm))
+
+
+def test_an_uneven_tensor_parallel_cut_asks_less_of_shared_cores_than_p_busiest_ranks():
+    from lightning_par.simulate.builders import build
+    from lightning_par.simulate.tp_share import mean_over_busiest
+
+    # even cuts at 2 and 4 ranks; at 3 the second block splits 16 | 8 | 8 channels
+    assert mean_over_busiest("CifarCNN", 2) == pytest.approx(1.0)
+    assert mean_over_busiest("CifarCNN", 4) == pytest.approx(1.0)
+    uneven = mean_over_busiest("CifarCNN", 3)
+    assert 0.8 < uneven < 1.0
+    prof = Profile("tp", "tp", 2, 2, 8, 0.0, compute_s=10.0, model="CifarCNN", model_s=6.0,
+                   max_devices=16, limit="")  # fmt: skip
+    model = 6.0 * busiest_share("CifarCNN", 3) / busiest_share("CifarCNN", 2)
+    work = 4.0 + model
+    # the lane stands for 3 ranks: the busiest one's work on the critical path, their sum
+    # on the cores (the two lighter ranks spare part of the model)
+    assert build(prof, 3, LATENCY_ONLY).weight[0] == pytest.approx(
+        3 * (work - model * (1 - uneven)) / work
+    )
+    assert build(prof, 4, LATENCY_ONLY).weight[0] == pytest.approx(4.0)

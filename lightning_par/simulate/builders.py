@@ -55,7 +55,7 @@ from lightning_par.simulate.ops import (
 )
 from lightning_par.simulate.profile import Profile
 from lightning_par.simulate.stage_share import stages_at
-from lightning_par.simulate.tp_share import busiest_share, tp_allreduces
+from lightning_par.simulate.tp_share import busiest_share, mean_over_busiest, tp_allreduces
 from lightning_par.tensorparallel.cost import all_gather_cost
 
 __all__ = ["BUILDERS", "NotApplicable", "build", "busiest_share"]
@@ -204,15 +204,18 @@ def tp_graph(prof: Profile, p: int, topo: Topology, cores: int | None,
         ratio = (busiest_share(prof.model, p, measure)
                  / busiest_share(prof.model, prof.world, measure))  # fmt: skip
         work = prof.compute_s - prof.model_s + prof.model_s * ratio
+        # the ranks together: the busiest one's work less what an uneven cut spares the rest
+        spared = prof.model_s * ratio * (1 - mean_over_busiest(prof.model, p))
+        demand = p * (work - spared) / work if work else p
     else:  # a user's own run: every layer assumed split evenly
-        work = prof.compute_s * prof.world / p
+        work, demand = prof.compute_s * prof.world / p, p
     sizes = tp_allreduces(prof, p)
     # the ranks' CPU for moving the bytes, as measured, scaled by the bytes each rank sends
     # in the ring allreduces at p over at the measured size
     sent = sum(2 * (p - 1) / p * b for b in sizes)
     measured = sum(2 * (prof.world - 1) / prof.world * b for b in tp_allreduces(prof, prof.world))
     cpu = communication_cpu(prof, cores) * (sent / measured if measured else 1.0)
-    g = Graph(weight={0: p})
+    g = Graph(weight={0: demand})  # the ranks' compute on shared cores
     lane = g.lane(0)
     for nbytes in sizes:
         lane.extend([Compute(work / (len(sizes) + 1)),

@@ -40,7 +40,7 @@ def lightning_threads(ranks: int, cores: int) -> int:
 
 def stretches(
     computes: dict[tuple, tuple[float, float, float]],
-    weight: dict[int, int],
+    weight: dict[int, float],
     cores: int,
     threads: int = 1,
     other_load: float = 0.0,

@@ -79,8 +79,9 @@ class Graph:
     steps: int = 1
     #: Where each op ran in the measured run (graphs built from traces), for charts.
     measured: dict[Lane, list[tuple[float, float]]] = field(default_factory=dict)
-    #: How many identical ranks a rank's lanes stand for (default 1), for core sharing.
-    weight: dict[int, int] = field(default_factory=dict)
+    #: How many identical ranks a rank's lanes stand for (default 1), for core sharing (a
+    #: fraction where the ranks it stands for do less than it in all).
+    weight: dict[int, float] = field(default_factory=dict)
 
     def message(self, msg: Msg) -> int:
         self.messages.append(msg)

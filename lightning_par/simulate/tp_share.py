@@ -19,6 +19,7 @@ from __future__ import annotations
 import copy
 import functools
 import time
+from dataclasses import replace
 from typing import Any
 
 import torch
@@ -118,6 +119,18 @@ def busiest_share(model_name: str, p: int, measure_batch: int = 0) -> float:
         batch = torch.randn(measure_batch, *example.shape[1:], generator=torch.Generator())
         return measured_busiest_share(model, plan, batch)
     return busiest_rank_share(model, plan, example)
+
+
+@functools.cache
+def mean_over_busiest(model_name: str, p: int) -> float:
+    """The mean rank's share of the model over the busiest rank's under the automatic plan
+    at ``p`` (by FLOPs): below 1 where a cut is uneven (CifarCNN's second block at 3 ranks,
+    16 | 8 | 8 channels), so the ranks together ask less of shared cores than ``p`` times
+    the busiest one does."""
+    model, example, plan = _plan(model_name, p)
+    even = replace(plan, cuts=[replace(cut, sizes=(1,) * len(cut.sizes)) for cut in plan.cuts])
+    busiest = busiest_rank_share(model, plan, example)
+    return busiest_rank_share(model, even, example) / busiest if busiest else 1.0
 
 
 def tp_allreduces(prof: Profile, p: int) -> list[int]:
