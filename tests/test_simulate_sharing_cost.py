@@ -72,21 +72,21 @@ def test_the_model_step_is_measured_with_real_ranks():
 
 def test_a_ranks_per_sample_work_follows_the_models_step_timed_on_both_batches():
     from lightning_par.simulate.builders import batch_share
-    from lightning_par.simulate.scale import timed_batch
+    from lightning_par.simulate.scale import on_this_machine
 
     alone = {2: 0.0295, 3: 0.0191, 4: 0.0155}
     # 35 ms at 2 ranks, 29 ms of it per sample: 6 ms of framework stays
     prof = Profile("x", "allreduce", 2, 2, 48, 0.04, compute_s=0.035, batch_s=0.029,
                    cpu_based=True)  # fmt: skip
     for p in (3, 4):
-        timed = timed_batch(prof, p, alone)
+        timed = on_this_machine(prof, p, alone, {})
         at_p = 0.035 * batch_share(timed, p, weak=False)
         assert at_p == pytest.approx(0.006 + 0.029 * alone[p] / alone[2])
     # not timed, or not data parallel: in proportion to the batch
-    assert 0.035 * batch_share(timed_batch(prof, 8, alone), 8, False) == pytest.approx(
+    assert 0.035 * batch_share(on_this_machine(prof, 8, alone, {}), 8, False) == pytest.approx(
         0.006 + 0.029 / 4
     )
-    assert timed_batch(replace(prof, family="tp"), 4, alone).sample_scale == {}
+    assert on_this_machine(replace(prof, family="tp"), 4, alone, {}).sample_scale == {}
 
 
 def test_data_parallel_ranks_pay_the_timed_batch_and_the_cost_a_pipeline_does_not():
@@ -102,6 +102,11 @@ def test_data_parallel_ranks_pay_the_timed_batch_and_the_cost_a_pipeline_does_no
     assert scaled(dp, 4, LATENCY_ONLY, machine=timed)[0] - offset == pytest.approx(
         2 * 10 * 5 / 8 + 6
     )
+    # the framework's 4 s of a step not in the model's pays no cost: 4 + 6 x 3/8 x 1.5 each
+    framework = Profile("x", "allreduce", 2, 2, 8, 10.0, compute_s=10.0, batch_s=6.0,
+                        cpu_based=True)  # fmt: skip
+    guess, split, offset = scaled(framework, 4, LATENCY_ONLY, machine=machine)
+    assert guess - offset == pytest.approx(2 * (4 + 6 * 3 / 8 * 1.5) + 6)
     untimed = Machine(2, 1, 0.0, {}, {})  # older runs: the per-sample part as profiled
     assert scaled(dp, 4, LATENCY_ONLY, machine=untimed)[0] - offset == pytest.approx(2 * 5 + 6)
     pipe = Profile("gpipe", "pipeline", 2, 2, 8, 10.0, compute_s=6.0, chunks=2, fwd_s=1.0,

@@ -106,16 +106,25 @@ def measured_sharing(prof: Profile, topo: Topology, cores: int,
 DATA_PARALLEL = ("allreduce", "ddp", "local_sgd", "ps", "async_ps", "zero")
 
 
-def timed_batch(prof: Profile, p: int, alone: dict[int, float]) -> Profile:
-    """``prof`` with a data-parallel rank's per-sample work at ``p`` scaled by the model's
-    step on ``p``'s batch over on the base batch, both timed on this machine (``alone``:
-    :func:`.sharing_cost.measure_step_cpu`), not by the batch alone (:func:`.builders.
-    sample_scale`). ``prof`` itself for other strategies, or where they were not timed."""
-    if prof.family not in DATA_PARALLEL or p not in alone or prof.world not in alone:
-        return prof
-    if not prof.cpu_based or alone[prof.world] <= 0:
-        return prof
-    return replace(prof, sample_scale={**prof.sample_scale, p: alone[p] / alone[prof.world]})
+def on_this_machine(prof: Profile, p: int, step_cpu: dict[int, float],
+                    sharing_cost: dict[int, float]) -> Profile:  # fmt: skip
+    """``prof`` for predicting ``p`` ranks on the machine that timed ``step_cpu`` and
+    ``sharing_cost`` (:func:`.sharing_cost.measure_step_cpu`): a data-parallel rank's
+    per-sample work scaled by the model's step on ``p``'s batch over on the base batch, not
+    by the batch alone (:func:`.builders.sample_scale`); and the model's own work costing
+    ``sharing_cost[p]`` times its CPU where every rank computes at once and the ranks take
+    turns on the cores (:func:`takes_turns`). ``prof`` itself where nothing was timed."""
+    found = {}
+    if (
+        prof.family in DATA_PARALLEL
+        and prof.cpu_based
+        and p in step_cpu
+        and step_cpu.get(prof.world)
+    ):
+        found["sample_scale"] = {**prof.sample_scale, p: step_cpu[p] / step_cpu[prof.world]}
+    if takes_turns(prof) and p in sharing_cost:
+        found["turn_cost"] = {**prof.turn_cost, p: sharing_cost[p]}
+    return replace(prof, **found) if found else prof
 
 
 def takes_turns(prof: Profile) -> bool:
@@ -123,7 +132,7 @@ def takes_turns(prof: Profile) -> bool:
     the cores take turns on them through the whole step and pay the cost of
     :mod:`.sharing_cost`: data-parallel replicas and tensor-parallel slices do; a
     pipeline's stages compute in turn, most of them idle at any time."""
-    return prof.family in (*DATA_PARALLEL, "tp", "hybrid")
+    return prof.family in (*DATA_PARALLEL, "tp")
 
 
 def global_batch(prof: Profile, p: int, weak: bool) -> float:

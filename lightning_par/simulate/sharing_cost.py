@@ -8,7 +8,7 @@ batch where activations outgrow a core's cache (CifarCNN's training step, one th
 19.1 and 29.5 ms at 12, 16 and 24 images). So the scale-out keeps the framework's part of
 the base run's CPU per step and scales its per-sample part by the model's step on ``p``'s
 batch over on the base batch, both timed here (``alone``; a ratio, so a machine that slows
-both alike moves it little: :func:`.scale.timed_batch`).
+both alike moves it little: :func:`.scale.on_this_machine`).
 
 **Taking turns.** Processor sharing (:mod:`.cores`) stretches a rank's step by the time it
 waits for a core, its CPU time unchanged. On a real CPU the ranks that take turns on a core
@@ -34,6 +34,7 @@ import statistics
 import time
 
 import torch
+import torch.distributed as dist
 
 from lightning_par.launch import run_on_ranks
 from lightning_par.measure.probe import machine_busy_s
@@ -43,10 +44,12 @@ from lightning_par.simulate.scheduler import QUIET_LOAD, loop_other_load
 
 def _train_steps(rank: int, world: int, model_name: str, batches: list[int], steps: int,
                  threads: int) -> dict:  # fmt: skip
-    """``steps`` training steps of ``model_name`` on each of ``batches`` random images: the
-    median CPU seconds per step of this thread per batch (``step_cpu``), and what
-    :func:`.scheduler.loop_other_load` reads."""
+    """``steps`` training steps of ``model_name`` on each of ``batches`` random images, the
+    ranks meeting after each (as data-parallel ranks do: a rank that waits sleeps, and its
+    core goes to another): the median CPU seconds per step of this thread per batch
+    (``step_cpu``), and what :func:`.scheduler.loop_other_load` reads."""
     torch.set_num_threads(threads)
+    token = torch.zeros(1)
     torch.manual_seed(rank)
     model = make_model(model_name)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
@@ -63,6 +66,7 @@ def _train_steps(rank: int, world: int, model_name: str, batches: list[int], ste
             loss.backward()
             optimizer.step()
             seconds.append(time.thread_time() - start)
+            dist.all_reduce(token)
         out.append(statistics.median(seconds[2:] or seconds))
     after = machine_busy_s()
     return {"step_cpu": out, "cpu": time.process_time() - cpu, "wall": time.perf_counter() - wall,
@@ -93,7 +97,7 @@ Seconds = dict[int, float]
 
 
 def measure_step_cpu(model_name: str, global_batch: int, sizes: tuple[int, ...], cores: int,
-                     threads: int = 1, steps: int = 20, trials: int = 2,
+                     threads: int = 1, steps: int = 30, trials: int = 3,
                      timeout: float = 120) -> tuple[Seconds, Seconds]:  # fmt: skip
     """Per size in ``sizes``: the CPU seconds of ``model_name``'s training step on the batch
     a rank of that size reads, a core each (``alone``); and, per size whose ranks

@@ -53,7 +53,7 @@ from lightning_par.simulate.links import Link, Topology, fit_link
 from lightning_par.simulate.machine import Machine, measure_machine, recorded_machine
 from lightning_par.simulate.profile import Profile
 from lightning_par.simulate.replay import Run, load_run, replay
-from lightning_par.simulate.scale import predict_split, predict_step, takes_turns, timed_batch
+from lightning_par.simulate.scale import on_this_machine, predict_split, predict_step
 
 #: The strategies the issue asks to validate: the allreduce family, servers, pipeline, tensor.
 VALIDATED = ("ring_allreduce", "tree_allreduce", "butterfly_allreduce", "round_robin_allreduce",
@@ -163,11 +163,9 @@ def scaled(start: Base | Profile, p: int, topo: Topology, other_load: float = 0.
                                      "delay_s": machine.delay_s}  # fmt: skip
     model = predict_step(fastest, fastest.world, topo, other_load=base_load or 0.0, **on)
     offset = (measured_s or 0.0) - model
-    cost = 1.0
     if machine is not None:
-        prof = timed_batch(prof, p, machine.step_cpu)
-        cost = machine.sharing_cost.get(p, 1.0) if takes_turns(prof) else 1.0
-    guess, split = predict_split(prof, p, topo, 1 / cost, other_load=other_load, **on)
+        prof = on_this_machine(prof, p, machine.step_cpu, machine.sharing_cost)
+    guess, split = predict_split(prof, p, topo, other_load=other_load, **on)
     return guess + offset, split, offset
 
 
