@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import pytest
 
-from lightning_par.simulate.cores import lightning_threads, stretches
+from lightning_par.simulate.cores import capacity, lightning_threads, stretches
 from lightning_par.simulate.engine import simulate
 from lightning_par.simulate.links import Link, Topology
-from lightning_par.simulate.ops import Compute, Graph, Msg, Post, Wait
+from lightning_par.simulate.ops import Comm, Compute, Graph, Msg, Post, Wait
 from lightning_par.simulate.profile import Profile
 from lightning_par.simulate.scale import predict_split, predict_step
 
@@ -56,7 +56,7 @@ def test_lightning_gives_each_rank_its_share_of_the_cores():
 
 
 def test_threads_the_ranks_were_given_override_lightnings_choice():
-    from lightning_par.simulate.validate import measured_threads
+    from lightning_par.simulate.machine import measured_threads
 
     prof = Profile("x", "allreduce", 2, 2, 8, 0.0, compute_s=16.0, batch_s=16.0,
                    grad_bytes=4000)  # fmt: skip
@@ -71,15 +71,15 @@ def test_threads_the_ranks_were_given_override_lightnings_choice():
     assert measured_threads(16, env={"OMP_NUM_THREADS": "1"}) == 1
     assert measured_threads(16, env={"OMP_NUM_THREADS": "junk"}) == 8
     # --reuse on another machine or shell: the cores and threads the runs recorded
+    from lightning_par.simulate.machine import recorded_machine
     from lightning_par.simulate.replay import Run
-    from lightning_par.simulate.validate import recorded_machine
 
     runs = [Run("ring", [], None, row={"cores": 16, "threads": 1, "delay_s": 0.004})]
-    assert recorded_machine(runs) == (16, 1, 0.004)
-    assert recorded_machine(runs, cores=2, threads=2, delay_s=0.0) == (2, 2, 0.0)
+    assert recorded_machine(runs) == (16, 1, 0.004, {}, {}, ())
+    assert recorded_machine(runs, cores=2, threads=2, delay_s=0.0) == (2, 2, 0.0, {}, {}, ())
     # runs that recorded nothing, from a machine with other cores: no delay measured here
     old = [Run("old", [], None)]
-    assert recorded_machine(old, cores=999) == (999, measured_threads(999), 0.0)
+    assert recorded_machine(old, cores=999) == (999, measured_threads(999), 0.0, {}, {}, ())
 
 
 def test_scale_out_on_two_cores_slows_data_parallel_compute_by_p_over_cores():
@@ -90,7 +90,9 @@ def test_scale_out_on_two_cores_slows_data_parallel_compute_by_p_over_cores():
     assert predict_step(prof, 4, LATENCY_ONLY, cores=2) == pytest.approx(10 + 6)
     assert predict_step(prof, 4, LATENCY_ONLY) == pytest.approx(5 + 6)
     step, split = predict_split(prof, 4, LATENCY_ONLY, cores=2)
-    assert split == pytest.approx({"compute": 10.0, "communication": 6.0, "waiting": 0.0})
+    # half of the compute is the wait for a core
+    assert split == pytest.approx({"compute": 10.0, "communication": 6.0, "waiting": 0.0,
+                                   "core_compute": 5.0, "core_communication": 0.0})  # fmt: skip
     # measured at 4 ranks on 2 cores: its compute already held the 2x, removed first
     measured_at_4 = Profile("x", "allreduce", 4, 4, 8, 0.0, compute_s=10.0, batch_s=10.0)
     assert predict_step(measured_at_4, 4, LATENCY_ONLY, cores=2) == pytest.approx(10 + 6)
@@ -103,3 +105,48 @@ def test_idle_parameter_servers_take_no_core():
     assert predict_step(prof, 2, FREE, cores=2) == pytest.approx(2.0)
     # three workers: 2 x 2/3 s of work each, three at once on two cores
     assert predict_step(prof, 3, FREE, cores=2) == pytest.approx(2.0 * 2 / 3 * 1.5)
+
+
+def test_other_processes_leave_the_ranks_fewer_cores():
+    # two ranks of 1 s on 2 cores: 1 s alone, 2 s beside one core's worth of other work
+    assert simulate(lanes(2), FREE, cores=2).max_step_s == pytest.approx(1.0)
+    assert simulate(lanes(2), FREE, cores=2, other_load=1.0).max_step_s == pytest.approx(2.0)
+    # one rank still has a core of its own beside one other core's worth
+    assert simulate(lanes(1), FREE, cores=2, other_load=1.0).max_step_s == pytest.approx(1.0)
+    assert capacity(2, 0.5) == pytest.approx(1.5)
+    assert capacity(2, 5.0) == pytest.approx(0.1)  # a rank that ran at all got some
+
+
+def test_loopback_messages_are_cpu_work_that_waits_for_a_core():
+    # four ranks in one lane move their bytes at once: on 2 cores each waits as long again
+    g = Graph(weight={0: 4})
+    g.lane(0).extend([Compute(1.0), Comm(0.5, "bytes", on_cores=True), Comm(0.25, "latency")])
+    result = simulate(g, FREE, cores=2)
+    assert result.max_step_s == pytest.approx(2.0 + 1.0 + 0.25)
+    assert result.per_step_core_wait(0) == pytest.approx({"compute": 1.0, "communication": 0.5})
+    assert result.split[0]["communication"] == pytest.approx(1.25)
+    # a machine of its own per rank: nothing waits
+    alone = simulate(g, FREE)
+    assert alone.max_step_s == pytest.approx(1.75)
+    assert alone.per_step_core_wait(0) == {"compute": 0.0, "communication": 0.0}
+
+
+def test_a_cpu_profile_is_not_divided_by_the_measured_runs_sharing():
+    # measured at 4 ranks on 2 cores: wall compute held the 2x, CPU time does not
+    cpu = Profile("x", "allreduce", 4, 4, 8, 0.0, compute_s=5.0, batch_s=5.0, cpu_based=True)
+    assert predict_step(cpu, 4, LATENCY_ONLY, cores=2) == pytest.approx(10 + 6)
+    # the same beside one core's worth of other work: 4 ranks on the core left
+    assert predict_step(cpu, 4, LATENCY_ONLY, cores=2, other_load=1.0) == pytest.approx(20 + 6)
+    step, split = predict_split(cpu, 4, LATENCY_ONLY, cores=2)
+    assert split["core_compute"] == pytest.approx(5.0)
+    assert split["core_communication"] == 0.0
+
+
+def test_the_allreduce_family_pays_its_measured_communication_cpu_on_shared_cores():
+    prof = Profile("x", "allreduce", 2, 2, 8, 0.0, compute_s=10.0, batch_s=10.0,
+                   grad_bytes=4000, comm_cpu_s=1.0, cpu_based=True)  # fmt: skip
+    # 4 ranks on 2 cores: 5 s of compute each, doubled; the ring's 6 latencies; each rank's
+    # 1 s of message CPU, doubled too
+    assert predict_step(prof, 4, LATENCY_ONLY, cores=2) == pytest.approx(10 + 6 + 2)
+    # on other hardware (no cores to share) the link's cost says it all
+    assert predict_step(prof, 4, LATENCY_ONLY) == pytest.approx(5 + 6)

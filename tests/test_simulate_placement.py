@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 
 from lightning_par.simulate import scheduler
@@ -46,29 +48,54 @@ def test_the_delay_is_read_back_from_the_excess_it_causes(cores):
     assert delay_from_excess(1.0, 0.02, cores) == pytest.approx(2 * 0.02 * (cores + 1))
 
 
-def test_measure_delay_inverts_the_meeting_loops(monkeypatch):
-    calls = []
-    delays = iter([0.006, 0.004, 0.5])  # per trial; the last one disturbed
+def fake_meetings(delays, other_loads):
+    """A ``run_on_ranks`` for :func:`measure_delay`: 3 ranks on 2 cores take 1.5 x work +
+    d / 2 and 1 ms to meet (one ``d`` per trial), 2 ranks take work + 1 ms; each trial's
+    crowded loop ran beside its ``other_loads`` cores' worth of other work."""
+    calls, delays, loads = [], iter(delays), iter(other_loads)
+    work = [0.01, 0.02, 0.04]
 
-    def fake_run_on_ranks(fn, world, reps, rounds, timeout):
+    def run_on_ranks(fn, world, reps, rounds, timeout):
         calls.append(world)
-        work = [0.01, 0.02, 0.04]
-        if world == 3:  # 3 on 2 cores: the round is 1.5 x work + d / 2, plus 1 ms to meet
-            d = next(delays)
-            return [[(1.5 * w + d / 2 + 0.001, 1.5 * w) for w in work]] * world
-        return [[(w + 0.001, w) for w in work]] * world
+        if world == 3:
+            d, other = next(delays), next(loads)
+            sizes = [(1.5 * w + d / 2 + 0.001, 1.5 * w) for w in work]
+        else:
+            other, sizes = 0.0, [(w + 0.001, w) for w in work]
+        ranks = [{"sizes": sizes, "cpu": 1.0, "wall": 1.0, "busy": None}] * world
+        ranks[0] = {**ranks[0], "busy": world * 1.0 + other}
+        return ranks
 
-    monkeypatch.setattr(scheduler, "run_on_ranks", fake_run_on_ranks)
+    return calls, run_on_ranks
+
+
+def test_measure_delay_inverts_the_meeting_loops(monkeypatch):
+    calls, fake = fake_meetings([0.006, 0.004, 0.5], [0.0, 0.0, 0.0])  # the last disturbed
+    monkeypatch.setattr(scheduler, "run_on_ranks", fake)
     assert measure_delay(2, trials=3) == pytest.approx(0.006)  # the median trial
     assert calls == [3, 2] * 3
     assert measure_delay(1) == 0.0  # one core: two ranks always share it evenly
     assert calls == [3, 2] * 3
 
 
+def test_a_trial_beside_other_work_is_run_again(monkeypatch):
+    # the first trial ran beside a busy core (it reads 13 ms): it does not count
+    calls, fake = fake_meetings([0.013, 0.004, 0.005, 0.006], [1.0, 0.0, 0.1, 0.0])
+    monkeypatch.setattr(scheduler, "run_on_ranks", fake)
+    assert measure_delay(2, trials=3) == pytest.approx(0.005)
+    assert calls == [3, 2] * 4
+    # never quiet: not measured (the least disturbed trial read 9 ms, not the machine's)
+    calls, fake = fake_meetings([0.013, 0.009], [1.0, 0.6])
+    monkeypatch.setattr(scheduler, "run_on_ranks", fake)
+    assert measure_delay(2, trials=1) is None
+    assert calls == [3, 2] * 2
+
+
 def test_measure_delay_on_this_machine_is_a_few_milliseconds_at_most():
-    # 3 and 2 real ranks meeting in gloo allreduces (a quick run: 3 rounds per size)
+    # 3 and 2 real ranks meeting in gloo allreduces (a quick run: 3 rounds per size); a
+    # machine busy with other work at both tries cannot say (None)
     delay = measure_delay(2, rounds=3, trials=1, timeout=60)
-    assert 0.0 <= delay <= 2 * max(scheduler.WORK_S) * 3
+    assert delay is None or 0.0 <= delay <= 2 * max(scheduler.WORK_S) * 3
 
 
 def data_parallel(backward_s: float = 0.0) -> Profile:
@@ -93,6 +120,18 @@ def test_replicas_wait_for_the_slowest_where_they_cannot_be_placed_evenly():
     )
 
 
+def test_other_work_fills_the_core_a_lone_replica_leaves_idle():
+    prof = data_parallel()
+    quiet = predict_step(prof, 3, LATENCY_ONLY, cores=2, delay_s=2.0)
+    assert quiet - predict_step(prof, 3, LATENCY_ONLY, cores=2) == pytest.approx(1.0)
+    # beside half a core's worth of other work, half of the 1 s wait is lost (and the
+    # ranks share the 1.5 cores left)
+    busy = predict_step(prof, 3, LATENCY_ONLY, cores=2, delay_s=2.0, other_load=0.5)
+    fair = predict_step(prof, 3, LATENCY_ONLY, cores=2, other_load=0.5)
+    assert busy - fair == pytest.approx(0.5)
+    assert fair == pytest.approx(20 / 1.5 + 4)
+
+
 def test_every_bucket_waits_for_the_slowest_replica():
     # backward in two buckets: each bucket starts as late as the slowest replica fills it
     graph = build(data_parallel(backward_s=6.0), 3, LATENCY_ONLY, cores=2)
@@ -112,28 +151,38 @@ def test_every_bucket_waits_for_the_slowest_replica():
 def test_the_validation_measures_the_delay_only_where_some_size_is_uneven(monkeypatch, tmp_path):
     import json
 
-    from lightning_par.simulate import validate
+    from lightning_par.simulate import machine
 
     measured = []
-    monkeypatch.setattr(validate, "measure_delay", lambda cores: measured.append(cores) or 0.007)
+    monkeypatch.setattr(machine, "measure_delay", lambda cores: measured.append(cores) or 0.007)
     # sizes 2, 3, 4 on 16 cores, one thread each: every rank has a core; nothing to measure
-    assert validate.scheduler_delay(16, 1) == 0.0 and measured == []
+    assert machine.scheduler_delay(16, 1) == 0.0 and measured == []
     # 3 ranks on 2 cores cannot be placed evenly
-    assert validate.scheduler_delay(2, 1) == 0.007 and measured == [2]
+    assert machine.scheduler_delay(2, 1) == 0.007 and measured == [2]
     # --reuse reads what the runs recorded, not this machine
     folder = tmp_path / "0-p2-ring_allreduce"
     folder.mkdir()
-    (folder / "row.json").write_text(json.dumps({"cores": 2, "threads": 1, "delay_s": 0.005}))
-    assert validate.kept_machine({("ring_allreduce", 2): folder}) == (2, 1, 0.005)
+    row = {"cores": 2, "threads": 1, "delay_s": 0.005, "sharing_cost": {"3": 1.1, "4": 1.05},
+           "step_cpu": {"2": 0.03, "3": 0.02, "4": 0.015}}  # fmt: skip
+    (folder / "row.json").write_text(json.dumps(row))
+    kept = machine.kept_machine({("ring_allreduce", 2): [folder]})
+    assert kept == (2, 1, 0.005, {3: 1.1, 4: 1.05}, {2: 0.03, 3: 0.02, 4: 0.015}, ())
     assert measured == [2]
+    assert json.loads(json.dumps(kept.as_row())) == {**row, "unmeasured": []}
+    # measured beside other processes' load at every trial: not measured, and it says so
+    monkeypatch.setattr(machine, "measure_delay", lambda cores: None)
+    monkeypatch.setattr(machine, "measure_step_cpu", lambda *args: ({}, {}))
+    busy = machine.measure_machine((2, 3, 4), "CifarCNN", 48)
+    assert busy.delay_s == 0.0 and busy.sharing_cost == {} and busy.step_cpu == {}
+    assert busy.unmeasured == ("scheduler delay", "step CPU at each size")
 
 
 def test_what_the_model_leaves_out_of_the_small_step_is_carried_once_per_step():
     from lightning_par.simulate.validate import scaled
 
-    prof = data_parallel()
+    prof = replace(data_parallel(), step_s=15.0)
     # the model's 2-rank step: 10 s of compute and the ring's 2 latencies; measured 3 s more
-    guess, split, offset = scaled(prof, 15.0, 4, LATENCY_ONLY)
+    guess, split, offset = scaled(prof, 4, LATENCY_ONLY)
     assert offset == pytest.approx(3.0)
     # at 4 ranks: 5 s of compute, 6 latencies, and the same 3 s (not three times 3 s, as a
     # latency fitted to the 2-rank step would give)

@@ -119,16 +119,40 @@ def test_validation_table_shows_where_a_scale_row_missed():
     from lightning_par.simulate.report import validation_table
 
     row = {"strategy": "ring_allreduce", "kind": "scale 2->4", "measured_s": 0.3,
-           "predicted_s": 0.2, "error": -1 / 3,
-           "measured_split": {"compute": 0.25, "communication_and_waiting": 0.05},
-           "predicted_split": {"compute": 0.15, "communication": 0.04,
-                               "waiting": 0.01}}  # fmt: skip
+           "predicted_s": 0.2, "error": -1 / 3, "steps_s": [0.3, 0.33, 0.36], "spread": 0.2,
+           "other_load": 0.25, "offset_s": 0.005,
+           "measured_split": {"compute": 0.25, "communication_and_waiting": 0.05,
+                              "cpu": 0.12},
+           "predicted_split": {"compute": 0.15, "communication": 0.04, "waiting": 0.01,
+                               "core_compute": 0.07, "core_communication": 0.0}}  # fmt: skip
     cells = validation_table([row]).splitlines()[-1].split(" | ")
     assert cells[1:] == [
         "scale 2->4",
         "300.0",
+        "3, 20%",  # rounds, and the slowest over the fastest
+        "0.25",  # cores' worth of other processes' work beside the fastest
         "200.0",
         "-33.3%",
-        "250.0 -> 150.0",
-        "50.0 -> 50.0 |",
+        "250.0 -> 150.0",  # compute, waits for a core included
+        "130.0 -> 70.0",  # of which waiting for a core
+        "50.0 -> 55.0 |",  # the rest, the 2-worker offset carried over
     ]
+    replay = {"strategy": "ring_allreduce", "kind": "replay", "measured_s": 0.3,
+              "predicted_s": 0.3, "error": 0.0, "steps_s": [0.3], "spread": None,
+              "other_load": None}  # fmt: skip
+    assert validation_table([replay]).splitlines()[-1].split(" | ")[3:5] == ["1", "-"]
+
+
+def test_a_validation_row_reports_every_round_and_the_load_beside_the_fastest():
+    from lightning_par.simulate.replay import Run
+    from lightning_par.simulate.validate import _row
+
+    def run(step: float) -> Run:
+        return Run("ring", [], {0: [(0.0, step)], 1: [(0.0, step)]})
+
+    row = _row("ring_allreduce", "scale 2->3", [run(0.04), run(0.05), run(0.044)], 0.042)
+    assert row["measured_s"] == pytest.approx(0.04)  # the fastest round is the measured
+    assert row["error"] == pytest.approx(0.05)
+    assert row["steps_s"] == pytest.approx([0.04, 0.05, 0.044])
+    assert row["spread"] == pytest.approx(0.25)
+    assert row["other_load"] is None  # no CPU clocks in these runs

@@ -180,3 +180,73 @@ def test_zero_memory_per_rank_is_the_papers_figure_1():
     other = scaling_row(dp(), 8, free)
     assert other["state_bytes"] is None  # no model for the others
     assert MEMORY_NOTE in scaling_table([row, other]) and MEMORY_NOTE not in scaling_table([other])
+
+
+def test_pipeline_stages_hold_the_layers_the_strategys_cut_gives_them():
+    from lightning_par.measure.run import make_model
+    from lightning_par.pipeline.partition import balance_by_params
+    from lightning_par.simulate.builders import build
+    from lightning_par.simulate.ops import Compute
+    from lightning_par.simulate.stage_share import cut_bytes, stage_shares
+
+    prof = Profile("gpipe", "pipeline", 2, 2, 8, 0.0, compute_s=6.0, chunks=2, fwd_s=1.0,
+                   bwd_s=2.0, act_bytes=1, max_devices=4, limit="4 layers",
+                   model="CifarCNN")  # fmt: skip
+    balance = balance_by_params(make_model("CifarCNN").net, 4)
+    shares = stage_shares("CifarCNN", balance)
+    assert balance == [1, 1, 1, 1] and sum(shares) == pytest.approx(1.0)
+    assert max(shares) > 0.4  # a residual block, not a quarter of the model
+    graph = build(prof, 4, LATENCY_ONLY)
+    for s, share in enumerate(shares):
+        fwd_bwd = sum(op.seconds for op in graph.lanes[(s, "main")]
+                      if isinstance(op, Compute) and op.name != "overhead")  # fmt: skip
+        assert fwd_bwd == pytest.approx(2 * 3.0 * share)  # 2 micro-batches of 1 + 2 s
+    # each cut sends the activation the model has there (a micro-batch of 8 / 2 images)
+    sizes = sorted({m.nbytes for m in graph.messages})
+    assert sizes == sorted(set(cut_bytes("CifarCNN", balance, 4)))
+    # a user's own run (no compare model to cut): an even split, the measured activations
+    even = build(replace(prof, model=""), 4, LATENCY_ONLY)
+    assert {m.nbytes for m in even.messages} == {1}
+
+
+def test_tensor_parallel_runs_the_allreduces_of_the_plan_at_p():
+    from lightning_par.simulate.builders import build
+    from lightning_par.simulate.ops import Comm
+    from lightning_par.simulate.tp_share import tp_allreduces
+
+    prof = Profile("tp", "tp", 2, 2, 48, 0.0, compute_s=10.0, model="CifarCNN", model_s=6.0,
+                   collectives=3, collective_bytes=400, max_devices=16, limit="")  # fmt: skip
+    # at 2 ranks both residual blocks are cut (4 allreduces a step), at 3 and 4 only the
+    # second (2): the measured count does not carry over
+    assert len(tp_allreduces(prof, 2)) == 4
+    assert len(tp_allreduces(prof, 3)) == len(tp_allreduces(prof, 4)) == 2
+    graph = build(prof, 3, LATENCY_ONLY)
+    assert sum(isinstance(op, Comm) for op in graph.lanes[(0, "main")]) == 2
+    # measured communication CPU, on this machine's cores, follows the bytes a rank sends
+    cpu = replace(prof, comm_cpu_s=4.0)
+    at_3 = [op for op in build(cpu, 3, LATENCY_ONLY, cores=2).lanes[(0, "main")]
+            if isinstance(op, Comm) and op.on_cores]  # fmt: skip
+    sent = {p: sum(2 * (p - 1) / p * b for b in tp_allreduces(prof, p)) for p in (2, 3)}
+    assert sum(op.seconds for op in at_3) == pytest.approx(4.0 * sent[3] / sent[2])
+    assert not any(op.on_cores for op in graph.lanes[(0, "main")] if isinstance(op, Comm))
+
+
+def test_an_uneven_tensor_parallel_cut_asks_less_of_shared_cores_than_p_busiest_ranks():
+    from lightning_par.simulate.builders import build
+    from lightning_par.simulate.tp_share import mean_over_busiest
+
+    # even cuts at 2 and 4 ranks; at 3 the second block splits 16 | 8 | 8 channels
+    assert mean_over_busiest("CifarCNN", 2) == pytest.approx(1.0)
+    assert mean_over_busiest("CifarCNN", 4) == pytest.approx(1.0)
+    uneven = mean_over_busiest("CifarCNN", 3)
+    assert 0.8 < uneven < 1.0
+    prof = Profile("tp", "tp", 2, 2, 8, 0.0, compute_s=10.0, model="CifarCNN", model_s=6.0,
+                   max_devices=16, limit="")  # fmt: skip
+    model = 6.0 * busiest_share("CifarCNN", 3) / busiest_share("CifarCNN", 2)
+    work = 4.0 + model
+    # the lane stands for 3 ranks: the busiest one's work on the critical path, their sum
+    # on the cores (the two lighter ranks spare part of the model)
+    assert build(prof, 3, LATENCY_ONLY).weight[0] == pytest.approx(
+        3 * (work - model * (1 - uneven)) / work
+    )
+    assert build(prof, 4, LATENCY_ONLY).weight[0] == pytest.approx(4.0)

@@ -48,6 +48,9 @@ class Event:
     start: float
     end: float
     micro_batch: int | None = None
+    #: CPU seconds the recording thread ran inside the span (``time.thread_time``): its own
+    #: work, without the time it waited for a core (``None`` in traces written before it)
+    cpu: float | None = None
 
 
 @dataclass
@@ -72,6 +75,19 @@ class CommTrace:
     def span(self, name: str, micro_batch: int | None = None) -> _Span:
         """Context manager recording a compute :class:`Event`."""
         return _Span(self, name, micro_batch)
+
+    def mark(self) -> tuple[float, float]:
+        """Where a span opened elsewhere than it closes starts: (trace time, this thread's
+        CPU time), for :meth:`close`."""
+        return self.now(), time.thread_time()
+
+    def close(self, name: str, mark: tuple[float, float], micro_batch: int | None = None) -> Event:
+        """Record the :class:`Event` ``name`` from ``mark`` (:meth:`mark`, on this thread)
+        to now."""
+        event = Event(self.rank, name, mark[0], self.now(), micro_batch,
+                      time.thread_time() - mark[1])  # fmt: skip
+        self.events.append(event)
+        return event
 
     @contextmanager
     def left_out(self) -> Iterator[None]:
@@ -137,13 +153,11 @@ class _Span:
         self.trace, self.name, self.micro_batch = trace, name, micro_batch
 
     def __enter__(self) -> _Span:
-        self.start = self.trace.now()
+        self.start = self.trace.mark()
         return self
 
     def __exit__(self, *exc: object) -> None:
-        self.trace.events.append(
-            Event(self.trace.rank, self.name, self.start, self.trace.now(), self.micro_batch)
-        )
+        self.trace.close(self.name, self.start, self.micro_batch)
 
 
 def trace_to_dict(trace: CommTrace) -> dict:

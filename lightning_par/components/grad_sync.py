@@ -19,7 +19,7 @@ from contextlib import AbstractContextManager, nullcontext
 
 import torch
 
-from lightning_par.comm import CommTrace, Communicator, Event
+from lightning_par.comm import CommTrace, Communicator
 from lightning_par.comm.buckets import GradientBuckets, allreduce_buckets, average_unbucketed
 
 
@@ -56,7 +56,7 @@ class GradientSync:
         self._model: torch.nn.Module | None = None
         self._comm: Communicator | None = None
         self._trace: CommTrace | None = None
-        self._backward_start = 0.0
+        self._backward_start = (0.0, 0.0)  # CommTrace.mark()
 
     def attach(
         self, model: torch.nn.Module, comm: Communicator, trace: CommTrace | None = None
@@ -79,7 +79,7 @@ class GradientSync:
     def backward_started(self) -> None:
         """Mark the start of backward in the trace (its ``backward`` event)."""
         if self._trace is not None:
-            self._backward_start = self._trace.now()
+            self._backward_start = self._trace.mark()
 
     def finish(self, rank: int) -> None:
         """After backward: wait for every bucket, then average the late parameters."""
@@ -89,7 +89,7 @@ class GradientSync:
         if trace is None:
             self.buckets.synchronize()
         else:
-            trace.events.append(Event(rank, "backward", self._backward_start, trace.now()))
+            trace.close("backward", self._backward_start)
             with trace.span("wait for buckets"):
                 self.buckets.synchronize()
         self._average_late_parameters()

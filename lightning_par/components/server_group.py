@@ -29,7 +29,7 @@ import lightning.pytorch as pl
 import torch.distributed as dist
 
 from lightning_par import _compat
-from lightning_par.comm import CommTrace, Communicator, Event
+from lightning_par.comm import CommTrace, Communicator
 from lightning_par.components.process_group import destroy_process_group
 from lightning_par.components.worker_group import WorkerGroup, check_positive, wait_for_workers
 from lightning_par.launch import liveness
@@ -128,7 +128,7 @@ class ServerGroup:
         #: the servers' optimiser state at the end of the last fit, for a checkpoint saved
         #: after it in ranks that outlive the call (popen, torchrun)
         self.final_state: dict[str, Any] | None = None
-        self._backward_start = 0.0
+        self._backward_start = (0.0, 0.0)  # CommTrace.mark()
 
     # ---- processes -----------------------------------------------------------------------------
     def start(
@@ -218,7 +218,7 @@ class ServerGroup:
     def pre_backward(self) -> None:
         self.settle()  # any layer the forward did not wait for (unused, reused)
         if self.client is not None and self.trace is not None:
-            self._backward_start = self.trace.now()
+            self._backward_start = self.trace.mark()
 
     def post_backward(self) -> None:
         trace = self.trace
@@ -227,9 +227,7 @@ class ServerGroup:
         if trace is None:
             self.client.finish_backward()
             return
-        trace.events.append(
-            Event(self._context.rank, "backward", self._backward_start, trace.now())
-        )
+        trace.close("backward", self._backward_start)
         with trace.span("wait for pushes"):
             self.client.finish_backward()
 

@@ -30,7 +30,7 @@ import torch
 from torch import nn
 
 from lightning_par.collectives import ring_all_gather, ring_allreduce
-from lightning_par.comm import CommTrace, Event
+from lightning_par.comm import CommTrace
 from lightning_par.components.grad_sync import GradientSync
 from lightning_par.components.pipeline_features import (
     clip_by_whole_model,
@@ -82,7 +82,7 @@ class ZeroShards(ModelSplitter):
         self.stage3: StageThree | None = None
         self._executor: ThreadPoolExecutor | None = None
         self.trace: CommTrace | None = None
-        self._backward_start: float | None = None
+        self._backward_start: tuple[float, float] | None = None  # CommTrace.mark()
 
     @property
     def name(self) -> str:  # type: ignore[override]
@@ -144,7 +144,7 @@ class ZeroShards(ModelSplitter):
         if self.grad_sync is not None:
             self.grad_sync.backward_started()
         elif self.trace is not None:
-            self._backward_start = self.trace.now()
+            self._backward_start = self.trace.mark()
 
     def synchronize(self, rank: int) -> None:
         """After backward (inside the optimizer's closure, before clipping): every rank's
@@ -166,8 +166,7 @@ class ZeroShards(ModelSplitter):
             self.grads.synchronize()
         else:  # the spans the compare's step split and the simulator read
             if self._backward_start is not None:
-                now = self.trace.now()
-                self.trace.events.append(Event(rank, "backward", self._backward_start, now))
+                self.trace.close("backward", self._backward_start)
                 self._backward_start = None
             with self.trace.span("wait for reduce-scatters"):
                 self.grads.synchronize()

@@ -26,9 +26,11 @@ from pathlib import Path
 from lightning_par.quiet import quiet_lightning
 from lightning_par.simulate.engine import simulate
 from lightning_par.simulate.links import PRESETS, parse_topology
+from lightning_par.simulate.machine import kept_machine
 from lightning_par.simulate.profile import profile
 from lightning_par.simulate.replay import load_run
 from lightning_par.simulate.report import (
+    base_table,
     scaling_figure,
     scaling_table,
     side_by_side,
@@ -37,8 +39,8 @@ from lightning_par.simulate.report import (
 )
 from lightning_par.simulate.scale import scaling_row
 from lightning_par.simulate.validate import (
-    fastest,
-    kept_machine,
+    VALIDATED,
+    kept_rounds,
     measure,
     own_link,
     pooled_loopback,
@@ -69,6 +71,16 @@ def _speeds(items: list[str]) -> dict[int, float]:
             message = f"--rank-speed {item!r}: write RANK=FACTOR (1=0.5: rank 1 twice as slow)"
             raise argparse.ArgumentTypeError(message) from None
     return out
+
+
+def _strategies(text: str) -> list[str]:
+    names = [x.strip() for x in text.split(",") if x.strip()]
+    unknown = [n for n in names if n not in VALIDATED]
+    if not names or unknown:
+        raise argparse.ArgumentTypeError(
+            f"--strategies {text!r}: choose from {','.join(VALIDATED)} (the validated ones)"
+        )
+    return names
 
 
 def parse(argv: list[str] | None) -> argparse.Namespace:
@@ -116,6 +128,13 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     )
     parser.add_argument("--out", default="runs/simulate", help="folder of figures")
     parser.add_argument("--rounds", type=int, default=2, help="--validate: runs per size")
+    parser.add_argument(
+        "--strategies",
+        type=_strategies,
+        default=list(VALIDATED),
+        help="--validate: which of the validated strategies to train, comma-separated "
+        "(default: all)",
+    )
     parser.add_argument("--work", help="--validate: keep the runs here (default: temporary)")
     parser.add_argument(
         "--reuse", metavar="DIR", help="--validate: the runs a --work DIR kept (no training)"
@@ -208,35 +227,58 @@ def replay_main(args) -> int:
     return 0
 
 
-def validation(work: str | None, reuse: str | None, rounds: int) -> dict:
-    """Every validation row (trained here into ``work``, or read from a kept ``reuse``
-    folder), with the machine it was measured on and the load."""
+def validation(work: str | None, reuse: str | None, rounds: int,
+               strategies: tuple[str, ...] = VALIDATED) -> dict:  # fmt: skip
+    """Every validation row (``strategies`` trained here into ``work``, or read from a kept
+    ``reuse`` folder), with the machine it was measured on and the load."""
     import tempfile
 
     quiet_lightning()
     load = os.getloadavg()[0]
     with tempfile.TemporaryDirectory(prefix="lightning_par-simulate-") as tmp:
         if reuse:
-            found = fastest(Path(reuse))
+            found = kept_rounds(Path(reuse))
         else:
-            found = measure(Path(work or tmp), rounds=rounds)
-        cores, threads, delay_s = kept_machine(found)
-        table = rows(found, cores, threads, delay_s)
+            found = measure(Path(work or tmp), tuple(strategies), rounds=rounds)
+        machine = kept_machine(found)
+        table = rows(found, machine)
     return {"rows": table, "load_1m_start": round(load, 2),
-            "load_1m_end": round(os.getloadavg()[0], 2), "cores": cores,
-            "threads": threads, "scheduler_delay_s": delay_s}  # fmt: skip
+            "load_1m_end": round(os.getloadavg()[0], 2), "cores": machine.cores,
+            "threads": machine.threads, "scheduler_delay_s": machine.delay_s,
+            "sharing_cost": machine.sharing_cost, "step_cpu": machine.step_cpu,
+            "unmeasured": list(machine.unmeasured)}  # fmt: skip
+
+
+def _sharing(cost: dict) -> str:
+    if not cost:
+        return "no rank takes turns on a core"
+    each = ", ".join(f"{p} ranks {c:.2f}x" for p, c in sorted(cost.items()))
+    return f"a step's CPU where ranks take turns on the cores: {each}"
+
+
+def _unmeasured(doc: dict) -> str:
+    missing = doc.get("unmeasured") or []
+    if not missing:
+        return ""
+    return (f"\nnot measured, every trial ran beside other processes' load: {', '.join(missing)}"
+            " (taken as 0 / in proportion to the batch / no cost of taking turns)")  # fmt: skip
 
 
 def validation_report(doc: dict) -> str:
     return (
         f"measured on {doc['cores']} cores, {doc['threads']} thread(s) per rank, scheduler "
         f"delay {doc['scheduler_delay_s'] * 1e3:.1f} ms (the delay matters where ranks cannot "
-        f"share the cores evenly)\n\n{validation_table(doc['rows'])}"
+        f"share the cores evenly), {_sharing(doc.get('sharing_cost') or {})}, load "
+        f"{doc['load_1m_start']} -> {doc['load_1m_end']}{_unmeasured(doc)}\n\n"
+        f"{validation_table(doc['rows'])}\n\nWhat the scale rows started from (each "
+        "strategy's 2-worker rounds; compute is CPU time, each traced span its best round, "
+        "messages priced by the fastest quarter of their transfers):\n\n"
+        f"{base_table(doc['rows'])}"
     )
 
 
 def validate_main(args) -> int:
-    doc = validation(args.work, args.reuse, args.rounds)
+    doc = validation(args.work, args.reuse, args.rounds, tuple(args.strategies))
     print(json.dumps(doc) if args.json else validation_report(doc))
     return 0
 

@@ -18,15 +18,15 @@ from the measured run:
   ``async_sgd`` has no barrier: a server answers each push on its own.
 * **gpipe / layerwise**: ``K = p`` stage lanes running
   :func:`lightning_par.pipeline.schedule.gpipe_steps` for ``M`` micro-batches (layerwise: 1),
-  activations and gradients as messages between neighbours; forward and backward per stage
-  are the measured ones over ``K`` (an even partition).
+  activations and gradients as messages between neighbours; each stage computes its share
+  of the measured model under the strategy's own cut at ``p`` (:mod:`.stage_share`).
 * **tensor_parallel**: the busiest rank computes its slice of every layer the automatic plan
-  cuts at ``p`` (the plan changes with ``p``: a layer whose width does not split is left
-  whole, a cut may be uneven) and every other layer whole, weighed by FLOPs, or by their
-  times on this machine when predicting it (:func:`busiest_share`); the step's overhead
-  outside forward and backward is not split; each of the step's allreduces (measured count
-  and size) is a ring allreduce at ``p``.
+  cuts at ``p`` and every other layer whole (:mod:`.tp_share`); the step's overhead outside
+  forward and backward is not split; the plan's allreduces at ``p``, each a ring allreduce.
   A user's own run (no compare model to plan) assumes every layer split evenly.
+
+Where the ranks share this machine's cores (``cores``), each pays its measured
+communication CPU (:func:`communication_cpu`) as work that shares them too.
 * **hybrid**: its ``mp`` stays as measured, ``dp = p / mp`` replicas ring-allreduce ``1/mp``
   of the gradients.
 * **zero**: the measured units (buckets) on one communication lane, each ring phase
@@ -39,23 +39,26 @@ from the measured run:
 
 from __future__ import annotations
 
-import functools
-
-import torch
-
 from lightning_par.collectives.cost_model import predict
-from lightning_par.measure.run import make_model, sample_shape
 from lightning_par.pipeline.schedule import gpipe_steps
 from lightning_par.simulate.links import Topology
-from lightning_par.simulate.ops import After, Comm, Compute, Graph, Join, Msg, Post, Wait
+from lightning_par.simulate.ops import (
+    After,
+    Comm,
+    Compute,
+    Graph,
+    Join,
+    Msg,
+    NotApplicable,
+    Post,
+    Wait,
+)
 from lightning_par.simulate.profile import Profile
-from lightning_par.simulate.tp_share import measured_busiest_share
-from lightning_par.tensorparallel.cost import all_gather_cost, busiest_rank_share
-from lightning_par.tensorparallel.plan import resolve_plan
+from lightning_par.simulate.stage_share import stages_at
+from lightning_par.simulate.tp_share import busiest_share, mean_over_busiest, tp_allreduces
+from lightning_par.tensorparallel.cost import all_gather_cost
 
-
-class NotApplicable(ValueError):
-    """The strategy cannot run at that many devices (the reason is the message)."""
+__all__ = ["BUILDERS", "NotApplicable", "build", "busiest_share"]
 
 
 def _allreduce_s(algorithm: str, nbytes: int, p: int, topo: Topology) -> float:
@@ -63,21 +66,29 @@ def _allreduce_s(algorithm: str, nbytes: int, p: int, topo: Topology) -> float:
     return predict(algorithm, max(nbytes // 4, 1), p).time(link.alpha, link.beta)
 
 
+def sample_scale(prof: Profile, p: int) -> float:
+    """A data-parallel rank's per-sample work at ``p`` over at the measured size: its batch,
+    ``world / p`` of the measured, or, where the model's step was timed on both batches on
+    this machine (:attr:`~.profile.Profile.sample_scale`), that step's ratio; times what
+    taking turns on the cores costs it there (:attr:`~.profile.Profile.turn_cost`)."""
+    return prof.sample_scale.get(p, prof.world / p) * prof.turn_cost.get(p, 1.0)
+
+
 def batch_share(prof: Profile, p: int, weak: bool) -> float:
     """Data-parallel compute at ``p`` over the measured: the per-sample part
-    (:attr:`~.profile.Profile.batch_s`) scales by ``world / p`` at a fixed global batch
-    (strong scaling), by 1 at a fixed batch per device (weak scaling); the per-step part
-    stays."""
+    (:attr:`~.profile.Profile.batch_s`) scales by :func:`sample_scale` at a fixed global
+    batch (strong scaling), by 1 at a fixed batch per device (weak scaling); the per-step
+    part stays."""
     if weak or not prof.compute_s:
         return 1.0
     fixed = prof.compute_s - prof.batch_s
-    return (fixed + prof.batch_s * prof.world / p) / prof.compute_s
+    return (fixed + prof.batch_s * sample_scale(prof, p)) / prof.compute_s
 
 
 def data_parallel_graph(prof: Profile, p: int, topo: Topology, cores: int | None,
                         weak: bool = False) -> Graph:  # fmt: skip
     work = prof.compute_s * batch_share(prof, p, weak)
-    bwd = min(prof.backward_s, prof.batch_s) * (1.0 if weak else prof.world / p)
+    bwd = min(prof.backward_s, prof.batch_s) * (1.0 if weak else sample_scale(prof, p))
     g = Graph(weight={0: p})
     main = g.lane(0)
     if prof.family == "local_sgd":
@@ -90,12 +101,25 @@ def data_parallel_graph(prof: Profile, p: int, topo: Topology, cores: int | None
     main.append(Compute(work - bwd, "forward"))
     bg = g.lane(0, "bg")
     each = _allreduce_s(prof.algorithm, prof.grad_bytes // buckets, p, topo)
+    cpu = communication_cpu(prof, cores) / buckets
     for _ in range(buckets):
         if bwd > 0:
             main.append(Compute(bwd / buckets, "backward"))
         bg.extend([After((0, "main"), len(main) - 1, 1.0), Comm(each, "allreduce bucket")])
+        if cpu:
+            bg.append(Comm(cpu, "communication CPU", on_cores=True))
     main.append(Join((0, "bg"), len(bg)))
     return g
+
+
+def communication_cpu(prof: Profile, cores: int | None) -> float:
+    """CPU seconds per step a rank spends moving its messages beyond its main thread (gloo's
+    threads, the bucket thread: :attr:`~.profile.Profile.comm_cpu_s`, measured), where the
+    ranks share ``cores`` of this machine (``None``: other hardware, where the link's cost
+    says it all). Measured on 2 to 4 ranks of the allreduce family it barely follows the
+    bytes a rank sends (a ring at 4 ranks sends 1.5 times the bytes of 2, and spent 1.85
+    against 2.05 ms), so it is carried as measured."""
+    return prof.comm_cpu_s if cores is not None else 0.0
 
 
 def ps_graph(prof: Profile, p: int, topo: Topology, cores: int | None,
@@ -132,15 +156,19 @@ def pipeline_graph(prof: Profile, p: int, topo: Topology, cores: int | None,
     if prof.max_devices and p > prof.max_devices:
         raise NotApplicable(f"{p} stages > {prof.limit}")
     chunks = 1 if prof.family == "layerwise" else prof.chunks
-    fwd, bwd = prof.fwd_s / p, prof.bwd_s / p
+    fwd, bwd = prof.fwd_s, prof.bwd_s  # per micro-batch, the whole model
     rest = max(prof.compute_s - chunks * (prof.fwd_s + prof.bwd_s) / prof.world, 0.0)
     if not fwd and not bwd:  # no fwd/bwd spans: all compute, backward twice the forward
         whole = prof.compute_s * prof.world / chunks
-        fwd, bwd, rest = whole / 3 / p, 2 * whole / 3 / p, 0.0
+        fwd, bwd, rest = whole / 3, 2 * whole / 3, 0.0
+    shares, cuts = stages_at(prof, p, chunks, cores is not None)
+    # a stage's messages cost it CPU where ranks share this machine's cores: the measured
+    # stage's (one neighbour) per message it sends
+    per_send = communication_cpu(prof, cores) / chunks
     g = Graph()
-    act = {(s, i): g.message(Msg(s, s + 1, prof.act_bytes)) for s in range(p - 1)
+    act = {(s, i): g.message(Msg(s, s + 1, cuts[s])) for s in range(p - 1)
            for i in range(chunks)}  # fmt: skip
-    grad = {(s, i): g.message(Msg(s + 1, s, prof.act_bytes)) for s in range(p - 1)
+    grad = {(s, i): g.message(Msg(s + 1, s, cuts[s])) for s in range(p - 1)
             for i in range(chunks)}  # fmt: skip
     for s in range(p):
         lane = g.lane(s)
@@ -150,20 +178,17 @@ def pipeline_graph(prof: Profile, p: int, topo: Topology, cores: int | None,
         sent = []
         for step in gpipe_steps(s, p, chunks):
             i = step.micro_batch
-            if step.op == "fwd":
-                if s > 0:
-                    lane.append(Wait(act[(s - 1, i)]))
-                lane.append(Compute(fwd, f"F{i}"))
-                if s < p - 1:
-                    lane.append(Post(act[(s, i)]))
-                    sent.append(act[(s, i)])
-            else:
-                if s < p - 1:
-                    lane.append(Wait(grad[(s, i)]))
-                lane.append(Compute(bwd, f"B{i}"))
-                if s > 0:
-                    lane.append(Post(grad[(s - 1, i)]))
-                    sent.append(grad[(s - 1, i)])
+            forward = step.op == "fwd"
+            waits = act.get((s - 1, i)) if forward else grad.get((s, i))
+            sends = act.get((s, i)) if forward else grad.get((s - 1, i))
+            if waits is not None:
+                lane.append(Wait(waits))
+            lane.append(Compute((fwd if forward else bwd) * shares[s], f"{step.op[0].upper()}{i}"))
+            if sends is not None:
+                lane.append(Post(sends))
+                sent.append(sends)
+                if per_send:
+                    lane.append(Comm(per_send, "communication CPU", on_cores=True))
         lane.extend(map(Wait, sent))
     return g
 
@@ -179,37 +204,28 @@ def tp_graph(prof: Profile, p: int, topo: Topology, cores: int | None,
         measure = prof.global_batch if cores is not None else 0
         ratio = (busiest_share(prof.model, p, measure)
                  / busiest_share(prof.model, prof.world, measure))  # fmt: skip
+        ratio *= prof.turn_cost.get(p, 1.0)
         work = prof.compute_s - prof.model_s + prof.model_s * ratio
+        # the ranks together: the busiest one's work less what an uneven cut spares the rest
+        spared = prof.model_s * ratio * (1 - mean_over_busiest(prof.model, p))
+        demand = p * (work - spared) / work if work else p
     else:  # a user's own run: every layer assumed split evenly
-        work = prof.compute_s * prof.world / p
-    each = _allreduce_s("ring", prof.collective_bytes, p, topo)
-    g = Graph(weight={0: p})
+        work, demand = prof.compute_s * prof.world / p, p
+    sizes = tp_allreduces(prof, p)
+    # the ranks' CPU for moving the bytes, as measured, scaled by the bytes each rank sends
+    # in the ring allreduces at p over at the measured size
+    sent = sum(2 * (p - 1) / p * b for b in sizes)
+    measured = sum(2 * (prof.world - 1) / prof.world * b for b in tp_allreduces(prof, prof.world))
+    cpu = communication_cpu(prof, cores) * (sent / measured if measured else 1.0)
+    g = Graph(weight={0: demand})  # the ranks' compute on shared cores
     lane = g.lane(0)
-    for _ in range(prof.collectives):
-        lane.extend([Compute(work / (prof.collectives + 1)), Comm(each, "allreduce")])
-    lane.append(Compute(work / (prof.collectives + 1)))
+    for nbytes in sizes:
+        lane.extend([Compute(work / (len(sizes) + 1)),
+                     Comm(_allreduce_s("ring", nbytes, p, topo), "allreduce")])  # fmt: skip
+        if cpu:
+            lane.append(Comm(cpu / len(sizes), "communication CPU", on_cores=True))
+    lane.append(Compute(work / (len(sizes) + 1)))
     return g
-
-
-@functools.cache
-def busiest_share(model_name: str, p: int, measure_batch: int = 0) -> float:
-    """The busiest rank's share of the compare model ``model_name`` under the automatic plan
-    at ``p`` ranks: by FLOPs (:func:`~lightning_par.tensorparallel.cost.busiest_rank_share`),
-    or, with ``measure_batch``, timed on this machine on a batch of that many images
-    (:func:`~.tp_share.measured_busiest_share`). :class:`NotApplicable` where that plan cuts
-    nothing: the strategy refuses such a run."""
-    model = make_model(model_name)
-    example = torch.zeros(2, *sample_shape(model))
-    try:
-        plan = resolve_plan(model, p, example_inputs=(example,))
-    except ValueError as err:
-        raise NotApplicable(f"{model_name} at {p} ranks: {err}") from err
-    if p > 1 and not any(cut.style != "norm" for cut in plan.cuts):
-        raise NotApplicable(f"{model_name} has no layer the automatic plan cuts {p} ways")
-    if measure_batch:
-        batch = torch.randn(measure_batch, *example.shape[1:], generator=torch.Generator())
-        return measured_busiest_share(model, plan, batch)
-    return busiest_rank_share(model, plan, example)
 
 
 def hybrid_graph(prof: Profile, p: int, topo: Topology, cores: int | None,
@@ -236,7 +252,7 @@ def zero_graph(prof: Profile, p: int, topo: Topology, cores: int | None,
                weak: bool = False) -> Graph:  # fmt: skip
     stage = int(prof.options.get("stage", 3))
     work = prof.compute_s * batch_share(prof, p, weak)
-    bwd = min(prof.backward_s, prof.batch_s) * (1.0 if weak else prof.world / p)
+    bwd = min(prof.backward_s, prof.batch_s) * (1.0 if weak else sample_scale(prof, p))
     units = max(prof.buckets, 1)
     phase = _ring_phase_s(prof.grad_bytes // units, p, topo)
     g = Graph(weight={0: p})

@@ -40,22 +40,33 @@ def lightning_threads(ranks: int, cores: int) -> int:
 
 def stretches(
     computes: dict[tuple, tuple[float, float, float]],
-    weight: dict[int, int],
+    weight: dict[int, float],
     cores: int,
     threads: int = 1,
+    other_load: float = 0.0,
 ) -> dict[tuple, float]:
     """Per compute span ``(lane, op) -> (start, end, own seconds)``: how many times its own
     work it takes when every span shares ``cores`` with those it overlaps (time-averaged
-    threads at once, its own included, over ``cores``; at least 1)."""
+    threads at once, its own included, over the cores left by ``other_load``: see
+    :func:`capacity`; at least 1)."""
     if cores < 1:
         raise ValueError(f"cores must be >= 1, got {cores}")
+    left = capacity(cores, other_load)
     items = [(key, a, b, weight.get(key[0][0], 1) * threads) for key, (a, b, _) in
              computes.items() if b > a]  # fmt: skip
     out: dict[tuple, float] = {}
     for key, a, b, _ in items:
         busy = sum(w * (min(b, d) - max(a, c)) for _, c, d, w in items if c < b and d > a)
-        out[key] = max(1.0, busy / (b - a) / cores)
+        out[key] = max(1.0, busy / (b - a) / left)
     return out
+
+
+def capacity(cores: int, other_load: float = 0.0) -> float:
+    """Cores' worth left to the ranks when other processes took ``other_load`` cores' worth
+    of CPU while they ran (:func:`lightning_par.measure.probe.other_load` measures it): a
+    scheduler sharing fairly gives the rest to the ranks. Never below a tenth of a core:
+    a rank that ran at all got some."""
+    return max(cores - max(other_load, 0.0), 0.1)
 
 
 def placement_wait(work_s: float, ranks: int, cores: int, threads: int = 1,

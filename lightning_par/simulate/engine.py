@@ -24,7 +24,10 @@ is *waiting* while the peer had not posted its end yet, *communication* after.
 With ``contention=True``, transfers that overlap on one rank's port of a ``shared`` link class
 divide its bandwidth: each one's ``beta`` term is multiplied by the most transfers at once on
 either end, iterated to a fixed point (a fair-share approximation). With ``cores=N``, compute
-spans that overlap share ``N`` cores the same way (:mod:`.cores`: processor sharing).
+spans (and :class:`~.ops.Comm` spans ``on_cores``: loopback messages are CPU work) that
+overlap share ``N`` cores the same way, less the ``other_load`` other processes take
+(:mod:`.cores`: processor sharing); the time a span waits for a core is reported apart
+(:attr:`Result.core_wait`).
 """
 
 from __future__ import annotations
@@ -59,6 +62,9 @@ class Result:
     steps: int = 1
     #: ``(lane, op) -> (start, end, own seconds)`` of every compute span (for core sharing).
     computes: dict[tuple[Lane, int], tuple[float, float, float]] = field(default_factory=dict)
+    #: per rank, ``compute`` / ``communication``: seconds its spans waited for a core (the
+    #: part of their time beyond their own work, all lanes of the rank)
+    core_wait: dict[int, dict[str, float]] = field(default_factory=dict)
 
     def step_s(self, rank: int) -> float:
         return (self.end[rank] - self.start[rank]) / self.steps
@@ -73,6 +79,10 @@ class Result:
 
     def per_step_split(self, rank: int) -> dict[str, float]:
         return {k: v / self.steps for k, v in self.split[rank].items()}
+
+    def per_step_core_wait(self, rank: int) -> dict[str, float]:
+        waited = self.core_wait.get(rank, {})
+        return {k: waited.get(k, 0.0) / self.steps for k in ("compute", "communication")}
 
 
 def _speed(speed: float | dict[int, float], rank: int) -> float:
@@ -103,6 +113,7 @@ class _Replay:
         self.computes: dict[tuple[Lane, int], tuple[float, float, float]] = {}
         self.split = {r: {"compute": 0.0, "communication": 0.0, "waiting": 0.0}
                       for r in graph.ranks}  # fmt: skip
+        self.core_wait = {r: {"compute": 0.0, "communication": 0.0} for r in graph.ranks}
 
     def complete(self, i: int) -> float | None:
         """When message ``i`` has arrived, or None while an end it needs is not posted."""
@@ -139,8 +150,13 @@ class _Replay:
             new = t + own * self.stretch.get((lane, self.pc[lane]), 1.0)
             self.computes[(lane, self.pc[lane])] = (t, new, own)
             self.record(lane, t, new, "compute", op.name)
+            self.core_wait[rank]["compute"] += new - t - own
         elif isinstance(op, Comm):
-            new = t + op.seconds
+            new = t + op.seconds * (self.stretch.get((lane, self.pc[lane]), 1.0)
+                                    if op.on_cores else 1.0)  # fmt: skip
+            if op.on_cores:
+                self.computes[(lane, self.pc[lane])] = (t, new, op.seconds)
+                self.core_wait[rank]["communication"] += new - t - op.seconds
             self.record(lane, t, new, "communication", op.name)
         elif isinstance(op, Post):
             self.posted[op.msg][rank] = t
@@ -199,6 +215,7 @@ class _Replay:
             transfers=self.transfers,
             steps=self.graph.steps,
             computes=self.computes,
+            core_wait={r: self.core_wait[r] for r, _ in main},
         )
 
 
@@ -232,11 +249,13 @@ def simulate(
     rounds: int = 20,
     cores: int | None = None,
     threads: int = 1,
+    other_load: float = 0.0,
 ) -> Result:
     """Replay ``graph`` on ``topo`` with compute ``speed`` (a factor, or one per rank: 2.0 runs
     that rank's compute twice as fast). ``cores``: compute spans that overlap share that many
-    cores, each rank computing on ``threads`` threads (:mod:`.cores`); ``None``: every rank has
-    its own processor. See the module docstring for the rules."""
+    cores, less ``other_load`` cores' worth that other processes take, each rank computing on
+    ``threads`` threads (:mod:`.cores`); ``None``: every rank has its own processor. See the
+    module docstring for the rules."""
 
     result = _Replay(graph, topo, speed, {}).run()
     if not contention and cores is None:
@@ -245,7 +264,8 @@ def simulate(
     stretch: dict = {}
     for _ in range(rounds):
         new = _shares(graph, topo, result.transfers) if contention else {}
-        more = stretches(result.computes, graph.weight, cores, threads) if cores else {}
+        more = (stretches(result.computes, graph.weight, cores, threads, other_load)
+                if cores else {})  # fmt: skip
         moved = max((abs(v - stretch.get(k, 1.0)) for k, v in more.items()), default=0.0)
         if new == share and moved < 1e-6:
             break

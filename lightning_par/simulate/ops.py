@@ -9,6 +9,10 @@ from dataclasses import dataclass, field
 Lane = tuple[int, str]
 
 
+class NotApplicable(ValueError):
+    """The strategy cannot run at that many devices (the reason is the message)."""
+
+
 @dataclass(frozen=True)
 class Msg:
     src: int
@@ -27,10 +31,14 @@ class Compute:
 @dataclass(frozen=True)
 class Comm:
     """``seconds`` of communication priced by a cost model (a whole collective), not scaled
-    by the compute speed: what the scale-out graphs use where one rank stands for all."""
+    by the compute speed: what the scale-out graphs use where one rank stands for all.
+    ``on_cores``: the link is this machine's loopback, so moving the bytes is the ranks' own
+    CPU work (copies, system calls, the reduction), which shares the cores as compute does
+    (:mod:`.cores`)."""
 
     seconds: float
     name: str = "collective"
+    on_cores: bool = False
 
 
 @dataclass(frozen=True)
@@ -71,8 +79,9 @@ class Graph:
     steps: int = 1
     #: Where each op ran in the measured run (graphs built from traces), for charts.
     measured: dict[Lane, list[tuple[float, float]]] = field(default_factory=dict)
-    #: How many identical ranks a rank's lanes stand for (default 1), for core sharing.
-    weight: dict[int, int] = field(default_factory=dict)
+    #: How many identical ranks a rank's lanes stand for (default 1), for core sharing (a
+    #: fraction where the ranks it stands for do less than it in all).
+    weight: dict[int, float] = field(default_factory=dict)
 
     def message(self, msg: Msg) -> int:
         self.messages.append(msg)

@@ -52,13 +52,27 @@ class Profile:
     max_devices: int | None = None
     limit: str = ""
     traced: bool = True
-    model: str = ""  # the compare's model name (``make_model``), "" for a user's own run
+    #: the compare's model name (``make_model``; tensor parallel and pipelines read its
+    #: layers at ``p``), "" for a user's own run
+    model: str = ""
     #: tensor parallel: the model's forward and backward per step without their collectives
     #: (the ``tp forward`` / ``tp backward`` spans less the messages inside them); the rest of
     #: ``compute_s`` is the step's overhead, which no rank splits.
     model_s: float = 0.0
     #: the optimizer state the fullest rank held at the end of the measured run (its probe)
     optimizer_bytes: int = 0
+    #: the compute figures are CPU time (:mod:`.base`), not wall time that may hold waits
+    #: for a core; ``comm_cpu_s``: CPU per step beyond the main thread's (communication)
+    cpu_based: bool = False
+    comm_cpu_s: float = 0.0
+    #: per size ``p``: a data-parallel rank's per-sample work at ``p`` over at ``world``,
+    #: where the model's step was timed on both batches on this machine
+    #: (:mod:`.sharing_cost`); ``world / p`` where absent
+    sample_scale: dict[int, float] = field(default_factory=dict)
+    #: per size ``p``: how many times its CPU the model's own work (a data-parallel rank's
+    #: per-sample work, a tensor-parallel rank's slice) takes where ``p`` ranks take turns on
+    #: this machine's cores (:mod:`.sharing_cost`)
+    turn_cost: dict[int, float] = field(default_factory=dict)
 
 
 FAMILIES = {
@@ -89,9 +103,16 @@ def _per_step(graph: Graph) -> float:
     return statistics.fmean(totals) / graph.steps
 
 
-def profile(run: Run, graph: Graph | None = None) -> Profile:
+def _took(event, cpu: bool) -> float:
+    """A span's seconds: its CPU time with ``cpu`` where the trace recorded it, else wall."""
+    return event.cpu if cpu and event.cpu is not None else event.end - event.start
+
+
+def profile(run: Run, graph: Graph | None = None, cpu: bool = False) -> Profile:
     """The :class:`Profile` of ``run`` (its ``row.json`` names the strategy, the options the
-    run added to it, and the model)."""
+    run added to it, and the model). ``cpu``: each traced span counts the CPU time its thread
+    ran in it (:attr:`~lightning_par.comm.trace.Event.cpu`) where the trace has it, not its
+    wall time (see :mod:`.base`)."""
     name = run.row.get("name") or run.row.get("strategy", run.name)
     options = {**spec(name).options, **run.row.get("options", {})} if name else {}
     family = FAMILIES.get(name, ALLREDUCE_KIND if name.endswith("_allreduce") else "")
@@ -110,7 +131,7 @@ def profile(run: Run, graph: Graph | None = None) -> Profile:
                    world + int(run.row.get("servers", 0) or 0),
                    int(run.row.get("global_batch", 0)), step_s, _per_step(graph), options,
                    options.get("algorithm", "ring"), params)  # fmt: skip
-    backward = [e.end - e.start for e in events if e.name == "backward"]
+    backward = [_took(e, cpu) for e in events if e.name == "backward"]
     prof.backward_s = sum(backward) / n_ranks / steps if backward else 0.0
     prof.batch_s = min(1.5 * prof.backward_s, prof.compute_s) if backward else prof.compute_s
     bucket_events = [e for e in events if e.name.startswith(("bucket", "reduce-scatter"))]
@@ -121,8 +142,9 @@ def profile(run: Run, graph: Graph | None = None) -> Profile:
         pulls = [g for g in graph.messages if g.one_sided and g.dst < len(run.traces)]
         prof.server_s = statistics.median(m.extra_s for m in pulls) if pulls else 0.0
     if family in ("pipeline", "layerwise", "hybrid"):
-        fwd = [e.end - e.start for e in events if e.name == "fwd"]
-        bwd = [e.end - e.start for e in events if e.name == "bwd"]
+        prof.model = run.row.get("model") or ""
+        fwd = [_took(e, cpu) for e in events if e.name == "fwd"]
+        bwd = [_took(e, cpu) for e in events if e.name == "bwd"]
         micro = {e.micro_batch for e in events if e.name == "fwd"}
         prof.chunks = max(1, len(micro))
         prof.fwd_s = sum(fwd) / steps / prof.chunks
@@ -132,7 +154,7 @@ def profile(run: Run, graph: Graph | None = None) -> Profile:
         prof.max_devices, prof.limit = layers or None, f"{layers} layers in module.net"
     if family == "tp":
         prof.model = run.row.get("model") or ""
-        prof.model_s = _model_compute(run, events, messages) / n_ranks / steps
+        prof.model_s = _model_compute(run, events, messages, cpu) / n_ranks / steps
         scatters = [m for m in messages if m.op == "send" and m.tag.endswith("reduce-scatter")]
         prof.collectives = round(len(scatters) / n_ranks / steps)
         # at p ranks a ring allreduce's reduce-scatter step carries 1/p of the tensor
@@ -150,10 +172,14 @@ def profile(run: Run, graph: Graph | None = None) -> Profile:
     return prof
 
 
-def _model_compute(run: Run, events, messages) -> float:
+def _model_compute(run: Run, events, messages, cpu: bool = False) -> float:
     """Seconds inside ``tp forward`` / ``tp backward`` spans, less the time a rank blocked on
-    a message inside them (all ranks together)."""
-    spans = [(e.rank, e.start, e.end) for e in events if e.name in ("tp forward", "tp backward")]
+    a message inside them (all ranks together); with ``cpu``, the CPU time the spans
+    recorded (a rank blocked on a message sleeps), where they did."""
+    model = [e for e in events if e.name in ("tp forward", "tp backward")]
+    if cpu and model and all(e.cpu is not None for e in model):
+        return sum(e.cpu for e in model)
+    spans = [(e.rank, e.start, e.end) for e in model]
     total = sum(b - a for _, a, b in spans)
     for m in messages:
         blocked = max(m.start, m.wait_start if m.wait_start is not None else m.start)

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from lightning_par.comm.trace import CommTrace, load_traces
-from lightning_par.measure.probe import load_probes, step_windows
+from lightning_par.measure.probe import load_probes, other_load, step_clock, step_windows
 from lightning_par.simulate.engine import Result, simulate
 from lightning_par.simulate.graph import build_graph, transfer_samples
 from lightning_par.simulate.links import Link, Topology, fit_link
@@ -31,6 +31,8 @@ class Run:
     row: dict = field(default_factory=dict)
     #: each rank's probe (:class:`~lightning_par.measure.probe.Probe`), where the run has them
     probes: dict[int, dict] = field(default_factory=dict)
+    #: warm-up steps left out before ``windows``
+    skipped: int = 0
 
     @property
     def measured_step_s(self) -> float | None:
@@ -38,6 +40,27 @@ class Run:
             return None
         per_rank = [sum(b - a for a, b in w) / len(w) for w in self.windows.values()]
         return sum(per_rank) / len(per_rank)
+
+    def clock_per_step(self, clock: str) -> dict[int, float] | None:
+        """Per rank, the probe's ``clock`` (``cpu``, ``process_cpu``: see
+        :data:`~lightning_par.measure.probe.CLOCKS`) in seconds per step of ``windows``;
+        ``None`` where a probe has no such readings (a run recorded before them)."""
+        if not self.windows or not self.probes:
+            return None
+        out = {}
+        for rank, probe in self.probes.items():
+            seconds = step_clock(probe, clock)
+            timed = len(self.windows.get(rank, []))
+            if seconds is None or len(seconds) < self.skipped + timed or not timed:
+                return None
+            out[rank] = sum(seconds[self.skipped : self.skipped + timed]) / timed
+        return out
+
+    @property
+    def other_load(self) -> float | None:
+        """Cores' worth of CPU other processes took while the timed steps ran
+        (:func:`~lightning_par.measure.probe.other_load`); ``None`` without readings."""
+        return other_load(self.probes, self.skipped) if self.windows else None
 
     @property
     def world(self) -> int:
@@ -67,7 +90,7 @@ def load_run(folder: str | Path, warmup: int | None = None) -> Run:
             "python -m lightning_par.compare keeps them in runs/<strategy>/trace/"
         )
     row = json.loads((folder / "row.json").read_text()) if (folder / "row.json").exists() else {}
-    windows = None
+    windows, skip = None, 0
     probes = load_probes(folder) if (folder / "probe").is_dir() else {}
     if probes:
         skip = warmup if warmup is not None else int(row.get("warmup", 0))
@@ -76,7 +99,7 @@ def load_run(folder: str | Path, warmup: int | None = None) -> Run:
         if timed < 1:
             raise ValueError(f"{folder}: no step left after {skip} warm-up steps")
         windows = {r: w[:timed] for r, w in windows.items()}
-    return Run(row.get("strategy", folder.name), traces, windows, row, probes)
+    return Run(row.get("strategy", folder.name), traces, windows, row, probes, skip)
 
 
 def replay(

@@ -135,22 +135,66 @@ def scaling_table(rows: list[dict]) -> str:
 
 
 def validation_table(rows: list[dict]) -> str:
-    """Measured against predicted; scale rows add compute / communication + waiting per
-    step, measured -> predicted (ms), to show which part of the step a miss comes from (the
-    predicted rest includes the 2-worker step's ``offset_s``, carried over)."""
-    lines = ["| strategy | kind | measured ms | predicted ms | error | compute ms | comm+wait ms |",
-             "|---|---|---|---|---|---|---|"]  # fmt: skip
+    """Measured against predicted, with how noisy each row's rounds were (``rounds``: how
+    many, and the slowest step over the fastest, less one) and the cores' worth other
+    processes took beside the fastest one (``other load``). Scale rows add, per step,
+    measured -> predicted (ms): ``compute`` (CPU and waits for a core), the part of it spent
+    ``waiting for a core``, and the rest (``comm+wait``: messages, their CPU and waiting for
+    peers; the predicted rest includes the 2-worker step's ``offset_s``, carried over), to
+    show which part of the step a miss comes from."""
+    lines = ["| strategy | kind | measured ms | rounds, spread | other load | predicted ms | error "
+             "| compute ms | waiting for a core ms | comm+wait ms |",
+             "|---|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
     for r in rows:
         err = "-" if r["error"] is None else f"{r['error']:+.1%}"
+        noise = str(len(r.get("steps_s") or []))
+        if r.get("spread") is not None:
+            noise += f", {r['spread']:.0%}"
+        load = _fmt(r.get("other_load"), 1.0, 2)
         got, guess = r.get("measured_split"), r.get("predicted_split")
-        parts = ["", ""]
+        parts = ["", "", ""]
         if got and guess:
             rest = [got["communication_and_waiting"],
                     guess["communication"] + guess["waiting"] + r.get("offset_s", 0.0)]  # fmt: skip
+            core = (_fmt(got["compute"] - got["cpu"], 1e3) if "cpu" in got else "-",
+                    _fmt(guess.get("core_compute"), 1e3))  # fmt: skip
             parts = [f"{got['compute'] * 1e3:.1f} -> {guess['compute'] * 1e3:.1f}",
+                     f"{core[0]} -> {core[1]}",
                      f"{rest[0] * 1e3:.1f} -> {rest[1] * 1e3:.1f}"]  # fmt: skip
-        head = f"| {r['strategy']} | {r['kind']} | {_fmt(r['measured_s'], 1e3)} | "
-        lines.append(head + f"{_fmt(r['predicted_s'], 1e3)} | {err} | {parts[0]} | {parts[1]} |")
+        head = f"| {r['strategy']} | {r['kind']} | {_fmt(r['measured_s'], 1e3)} | {noise} | "
+        lines.append(head + f"{load} | {_fmt(r['predicted_s'], 1e3)} | {err} | "
+                     + " | ".join(parts) + " |")  # fmt: skip
+    return "\n".join(lines)
+
+
+def _range(values: list, scale: float = 1.0, digits: int = 1) -> str:
+    values = [v for v in values if v is not None]
+    if not values:
+        return "-"
+    lo, hi = min(values) * scale, max(values) * scale
+    return f"{lo:.{digits}f}" if lo == hi else f"{lo:.{digits}f}-{hi:.{digits}f}"
+
+
+def base_table(rows: list[dict]) -> str:
+    """What each strategy's scale rows started from (:mod:`.base`): its 2-worker rounds'
+    measured steps, main-thread CPU per step (the compute the prediction used: the least)
+    and the other load beside them, and the link fitted to its fastest transfers."""
+    lines = ["| strategy | base rounds | step ms | spread | CPU ms per step (least used) "
+             "| other load | link alpha us, GB/s |", "|---|---|---|---|---|---|---|"]  # fmt: skip
+    seen = set()
+    for r in rows:
+        base = r.get("base")
+        if not base or r["strategy"] in seen:
+            continue
+        seen.add(r["strategy"])
+        link = r.get("link") or {}
+        beta = link.get("beta_s_per_byte") or 0.0
+        speed = f"{link.get('alpha_s', 0.0) * 1e6:.0f}, " + (
+            f"{1e-9 / beta:.2f}" if beta else "inf"
+        )
+        lines.append(f"| {r['strategy']} | {base['rounds']} | {_range(base['steps_s'], 1e3)} | "
+                     f"{_fmt(base.get('spread'), 100, 0)}% | {_range(base['cpu_s'], 1e3)} | "
+                     f"{_range(base['other_load'], 1.0, 2)} | {speed} |")  # fmt: skip
     return "\n".join(lines)
 
 

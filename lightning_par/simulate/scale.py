@@ -30,50 +30,62 @@ from lightning_par.simulate.profile import Profile
 
 def predict_step(prof: Profile, p: int, topo: Topology, speed: float = 1.0,
                  cores: int | None = None, weak: bool = False,
-                 threads: int | None = None, delay_s: float = 0.0) -> float:  # fmt: skip
+                 threads: int | None = None, delay_s: float = 0.0,
+                 other_load: float = 0.0) -> float:  # fmt: skip
     """Predicted step seconds of ``prof``'s strategy at ``p`` devices (workers)."""
-    return predict_split(prof, p, topo, speed, cores, weak, threads, delay_s)[0]
+    return predict_split(prof, p, topo, speed, cores, weak, threads, delay_s, other_load)[0]
 
 
 def predict_split(prof: Profile, p: int, topo: Topology, speed: float = 1.0,
                   cores: int | None = None, weak: bool = False, threads: int | None = None,
-                  delay_s: float = 0.0) -> tuple[float, dict[str, float]]:  # fmt: skip
-    """:func:`predict_step` and the per-step compute / communication / waiting split, mean
-    over the worker lanes (a lane that stands for ``p`` ranks counts once). ``threads``:
-    intra-op threads per rank, at every size (``OMP_NUM_THREADS``); default: what Lightning
-    picks for ``p`` ranks on ``cores``. ``delay_s``: the scheduler's, for
-    :func:`late_replicas` (:mod:`.scheduler` measures it)."""
+                  delay_s: float = 0.0,
+                  other_load: float = 0.0) -> tuple[float, dict[str, float]]:  # fmt: skip
+    """:func:`predict_step` and the per-step split, mean over the worker lanes (a lane that
+    stands for ``p`` ranks counts once): ``compute``, ``communication``, ``waiting`` (they
+    sum to the step) and, of compute and communication, the seconds spent waiting for a
+    core (``core_compute``, ``core_communication``). ``threads``: intra-op threads per
+    rank, at every size (``OMP_NUM_THREADS``); default: what Lightning picks for ``p``
+    ranks on ``cores``. ``delay_s``: the scheduler's, for :func:`late_replicas`
+    (:mod:`.scheduler` measures it). ``other_load``: cores' worth other processes take
+    (:func:`.cores.capacity`)."""
     graph = build(prof, p, topo, cores, weak)
     contention = prof.family in ("ps", "async_ps")
     if contention:
         topo = Topology(replace(topo.intra, shared=True), replace(topo.inter, shared=True),
                         topo.per_node)  # fmt: skip
-    if cores is not None:  # the measured spans already hold the sharing of world ranks
+    if cores is not None and not prof.cpu_based:  # wall spans hold the sharing of world ranks
         speed = speed * measured_sharing(prof, topo, cores, threads)
     threads = threads or (lightning_threads(p, cores) if cores else 1)
     if cores is not None and delay_s > 0:
-        late_replicas(graph, p, cores, threads, delay_s, speed)
-    result = simulate(graph, topo, speed, contention, cores=cores, threads=threads)
+        late_replicas(graph, p, cores, threads, delay_s, speed, other_load)
+    result = simulate(graph, topo, speed, contention, cores=cores, threads=threads,
+                      other_load=other_load)  # fmt: skip
     workers = [w for w in range(p) if w in result.end]
     step = (sum(result.step_s(w) for w in workers) / len(workers) if contention
             else result.max_step_s)  # fmt: skip
     split = {k: sum(result.per_step_split(w)[k] for w in workers) / len(workers)
              for k in ("compute", "communication", "waiting")}  # fmt: skip
+    for kind in ("compute", "communication"):
+        waited = (result.per_step_core_wait(w)[kind] for w in workers)
+        split[f"core_{kind}"] = sum(waited) / len(workers)
     return step, split
 
 
 def late_replicas(graph: Graph, p: int, cores: int, threads: int, delay_s: float,
-                  speed: float = 1.0) -> float:  # fmt: skip
+                  speed: float = 1.0, other_load: float = 0.0) -> float:  # fmt: skip
     """Make every bucket of a data-parallel graph (:func:`data_parallel_graph`: the lane of
     ``p`` replicas and its allreduce lane) start as late as the slowest replica reaches it
     when ``p`` ranks of ``threads`` threads are placed on ``cores`` (the wait of
-    :func:`.cores.placement_wait` for the step's own compute). Other graphs are left as they
-    are: their ranks are drawn one by one, or do unequal work. Returns the wait (s)."""
+    :func:`.cores.placement_wait` for the step's own compute). A core the lone replica
+    leaves idle is taken by other processes where there are any: ``other_load`` cores' worth
+    of them fill that much of it (and count as such in :func:`.cores.capacity`), so the
+    wait shrinks by that fraction. Other graphs are left as they are: their ranks are
+    drawn one by one, or do unequal work. Returns the wait (s)."""
     bg = graph.lanes.get((0, "bg"))
     if not bg:
         return 0.0
     own = sum(op.seconds for op in graph.lanes[(0, "main")] if isinstance(op, Compute)) / speed
-    wait = placement_wait(own, p, cores, threads, delay_s)
+    wait = placement_wait(own, p, cores, threads, delay_s) * max(0.0, 1.0 - other_load)
     graph.lanes[(0, "bg")] = [replace(op, delay_s=wait) if isinstance(op, After) else op
                               for op in bg]  # fmt: skip
     return wait
@@ -92,6 +104,35 @@ def measured_sharing(prof: Profile, topo: Topology, cores: int,
 
 
 DATA_PARALLEL = ("allreduce", "ddp", "local_sgd", "ps", "async_ps", "zero")
+
+
+def on_this_machine(prof: Profile, p: int, step_cpu: dict[int, float],
+                    sharing_cost: dict[int, float]) -> Profile:  # fmt: skip
+    """``prof`` for predicting ``p`` ranks on the machine that timed ``step_cpu`` and
+    ``sharing_cost`` (:func:`.sharing_cost.measure_step_cpu`): a data-parallel rank's
+    per-sample work scaled by the model's step on ``p``'s batch over on the base batch, not
+    by the batch alone (:func:`.builders.sample_scale`); and the model's own work costing
+    ``sharing_cost[p]`` times its CPU where every rank computes at once and the ranks take
+    turns on the cores (:func:`takes_turns`). ``prof`` itself where nothing was timed."""
+    found = {}
+    if (
+        prof.family in DATA_PARALLEL
+        and prof.cpu_based
+        and p in step_cpu
+        and step_cpu.get(prof.world)
+    ):
+        found["sample_scale"] = {**prof.sample_scale, p: step_cpu[p] / step_cpu[prof.world]}
+    if takes_turns(prof) and p in sharing_cost:
+        found["turn_cost"] = {**prof.turn_cost, p: sharing_cost[p]}
+    return replace(prof, **found) if found else prof
+
+
+def takes_turns(prof: Profile) -> bool:
+    """Whether every rank of ``prof``'s strategy computes at once, so that ranks outnumbering
+    the cores take turns on them through the whole step and pay the cost of
+    :mod:`.sharing_cost`: data-parallel replicas and tensor-parallel slices do; a
+    pipeline's stages compute in turn, most of them idle at any time."""
+    return prof.family in (*DATA_PARALLEL, "tp")
 
 
 def global_batch(prof: Profile, p: int, weak: bool) -> float:

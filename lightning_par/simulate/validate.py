@@ -3,27 +3,32 @@
 :func:`measure` trains each strategy at 2, 3 and 4 workers through the compare's own runner
 (:func:`lightning_par.measure.run.run_all`: one ``Trainer.fit`` per row, probes and traces
 kept), interleaved over ``rounds`` (every strategy and size once per round, so load that comes
-and goes on a shared machine hits all alike) and keeps each (strategy, size)'s fastest round.
+and goes on a shared machine hits all alike). Each (strategy, size)'s fastest round is the
+one measured; every round is kept, and each row reports their ``spread``
+(``(slowest - fastest) / fastest`` step) and ``steps_s`` beside its error: a noisy row still
+counts.
 
 :func:`rows` then reports, per strategy:
 
-* ``replay``: the p = 2 run replayed on its own fitted loopback link
+* ``replay``: the fastest p = 2 run replayed on its own fitted loopback link
   (:func:`~.replay.replay`) against its measured step;
-* ``scale 2->3`` / ``scale 2->4``: its :class:`~.profile.Profile` at p = 2 built at 3 and 4
-  workers (:func:`~.scale.predict_step`) against the measured 3- and 4-worker runs. This box
-  has few cores, so 3 or 4 workers oversubscribe it: the prediction replays the graph with
-  its ranks sharing this machine's cores (:mod:`~.cores`: only ranks computing at the same
-  time share, with the threads Lightning gives each rank; data-parallel replicas that the
-  cores cannot hold evenly, 3 on 2, also wait for the slowest, with the scheduler delay
-  :mod:`~.scheduler` measures before the runs and records with them). Each scale row also
-  carries the predicted per-step ``compute`` / ``communication`` / ``waiting`` (mean over
-  ranks) and the measured run's compute and the rest of its step (:func:`measured_split`),
-  which say which part of the step a miss comes from. Messages cost what the strategy's own 2-worker
-  transfers cost (its loopback fitted to them; every 2-worker run's where it traced none);
-  what the model leaves out of the measured 2-worker step (the ranks' drift between steps,
-  the framework's work outside the traced spans) is the row's ``offset_s``, added once per
-  step at 3 and 4 (not once per message: it is not latency, and a larger collective has
-  more messages).
+* ``scale 2->3`` / ``scale 2->4``: the strategy's :class:`~.profile.Profile` at p = 2 built
+  at 3 and 4 workers (:func:`~.scale.predict_step`) against the fastest measured 3- and
+  4-worker runs. The profile holds what load moves least (:mod:`.base`: each rank's CPU
+  time for compute, every traced span at its best round, messages priced by their fastest
+  repetitions) and the row says how noisy its base rounds were (``base``). This box has few
+  cores, so 3 or 4 workers oversubscribe it: the prediction replays the graph with its
+  ranks sharing this machine's cores (:mod:`~.cores`: only ranks computing or moving bytes
+  at the same time share, with the threads Lightning gives each rank, less the cores'
+  worth other processes took while the measured run ran, its ``other_load``; data-parallel
+  replicas that the cores cannot hold evenly, 3 on 2, also wait for the slowest, with the
+  scheduler delay :mod:`~.scheduler` measures before the runs and records with them). Each
+  scale row also carries the predicted per-step split (:func:`~.scale.predict_split`: the
+  CPU the ranks compute and communicate, the time they wait for a core, for messages and
+  for each other) and the measured one (:func:`measured_split`), which say where a miss
+  comes from. What the model leaves out of the measured 2-worker step (the ranks' drift
+  between steps) is the row's ``offset_s``, added once per step at 3 and 4 (not once per
+  message: it is not latency, and a larger collective has more messages).
 
 ``error = (predicted - measured) / measured``; every row is reported, misses included.
 """
@@ -31,18 +36,24 @@ and goes on a shared machine hits all alike) and keeps each (strategy, size)'s f
 from __future__ import annotations
 
 import json
-import os
+import statistics
 from pathlib import Path
 
 from lightning_par.measure.analyse import analyse
 from lightning_par.measure.run import run_all
-from lightning_par.simulate.cores import lightning_threads
+from lightning_par.simulate.base import (
+    Base,
+    base_profile,
+    compute_per_step,
+    fastest_link,
+    spread,
+)
 from lightning_par.simulate.graph import transfer_samples
 from lightning_par.simulate.links import Link, Topology, fit_link
-from lightning_par.simulate.profile import _per_step, profile
+from lightning_par.simulate.machine import Machine, measure_machine, recorded_machine
+from lightning_par.simulate.profile import Profile
 from lightning_par.simulate.replay import Run, load_run, replay
-from lightning_par.simulate.scale import predict_split, predict_step
-from lightning_par.simulate.scheduler import measure_delay
+from lightning_par.simulate.scale import on_this_machine, predict_split, predict_step
 
 #: The strategies the issue asks to validate: the allreduce family, servers, pipeline, tensor.
 VALIDATED = ("ring_allreduce", "tree_allreduce", "butterfly_allreduce", "round_robin_allreduce",
@@ -52,8 +63,9 @@ SIZES = (2, 3, 4)
 
 
 def measure(work: Path, strategies=VALIDATED, rounds: int = 2, steps: int = 10, warmup: int = 4,
-            batch: int = 48, timeout: float = 180) -> dict[tuple[str, int], Path]:  # fmt: skip
-    """Run every (strategy, size) ``rounds`` times, interleaved; the fastest round's folder."""
+            batch: int = 48, timeout: float = 180
+            ) -> dict[tuple[str, int], list[Path]]:  # fmt: skip
+    """Run every (strategy, size) ``rounds`` times, interleaved; :func:`kept_rounds`."""
 
     rows = []
     for round_ in range(rounds):
@@ -64,32 +76,30 @@ def measure(work: Path, strategies=VALIDATED, rounds: int = 2, steps: int = 10, 
                              "model": "CifarCNN", "accelerator": "cpu", "steps": steps,
                              "source": "cifar10-mini", "devices": p, "global_batch": batch,
                              "folder": str(folder)})  # fmt: skip
-    cores = os.cpu_count() or 1  # kept with each run: --reuse may read them elsewhere
-    threads = measured_threads(cores)
-    machine = {"cores": cores, "threads": threads, "delay_s": scheduler_delay(cores, threads)}
+    # kept with each run: --reuse may read them elsewhere
+    machine = measure_machine(SIZES, "CifarCNN", batch).as_row()
     results = run_all(rows, timeout)
     for row in rows:
         result, folder = results.get(row["index"], {}), Path(row["folder"])
         if "error" not in result and (folder / "probe").is_dir():
             (folder / "row.json").write_text(json.dumps({**row, **result, "warmup": warmup,
                                                          **machine}))  # fmt: skip
-    return fastest(work)
+    return kept_rounds(work)
 
 
-def fastest(work: Path) -> dict[tuple[str, int], Path]:
-    """The fastest round of each (strategy, workers) among the run folders :func:`measure`
-    kept in ``work`` (``--validate --reuse DIR`` reads them again without training)."""
+def kept_rounds(work: Path) -> dict[tuple[str, int], list[Path]]:
+    """Every round of each (strategy, workers) among the run folders :func:`measure` kept
+    in ``work``, the fastest first (``--validate --reuse DIR`` reads them again without
+    training)."""
 
-    best: dict[tuple[str, int], tuple[float, Path]] = {}
+    found: dict[tuple[str, int], list[tuple[float, Path]]] = {}
     for marker in sorted(work.glob("*/row.json")):
         row = json.loads(marker.read_text())
         step = analyse(marker.parent, row["warmup"], row["global_batch"])["step_s"]
-        key = (row["strategy"], row["devices"])
-        if key not in best or step < best[key][0]:
-            best[key] = (step, marker.parent)
+        found.setdefault((row["strategy"], row["devices"]), []).append((step, marker.parent))
     order = {name: i for i, name in enumerate(VALIDATED)}
-    keys = sorted(best, key=lambda k: (order.get(k[0], len(order)), k[1]))
-    return {key: best[key][1] for key in keys}
+    keys = sorted(found, key=lambda k: (order.get(k[0], len(order)), k[1]))
+    return {key: [folder for _, folder in sorted(found[key])] for key in keys}
 
 
 def pooled_loopback(runs: list[Run]) -> Link:
@@ -98,95 +108,82 @@ def pooled_loopback(runs: list[Run]) -> Link:
     return fit_link([s for run in runs for s in transfer_samples(run.traces)])
 
 
-def rows(found: dict[tuple[str, int], Path], cores: int | None = None,
-         threads: int | None = None, delay_s: float | None = None) -> list[dict]:  # fmt: skip
-    """The validation table from :func:`measure`'s folders (see the module docstring).
-    ``cores``, ``threads``, ``delay_s``: of the measuring machine (default:
-    :func:`recorded_machine`)."""
-    runs = {key: load_run(folder) for key, folder in found.items()}
-    cores, threads, delay_s = recorded_machine(list(runs.values()), cores, threads, delay_s)
+def rows(found: dict[tuple[str, int], list[Path]], machine: Machine | None = None
+         ) -> list[dict]:  # fmt: skip
+    """The validation table from :func:`measure`'s folders, every round of each (strategy,
+    size), the fastest first (see the module docstring). ``machine``: the measuring one
+    (default: :func:`.machine.recorded_machine`)."""
+    runs = {key: [load_run(folder) for folder in folders] for key, folders in found.items()}
+    machine = machine or recorded_machine([r[0] for r in runs.values()])
     # the link where a strategy traced no transfer of its own: every 2-worker run's
-    loop = pooled_loopback([run for (_, p), run in runs.items() if p == SIZES[0]])
+    loop = pooled_loopback([rounds[0] for (_, p), rounds in runs.items() if p == SIZES[0]])
     out = []
     for name in dict.fromkeys(n for n, _ in found):
-        if (name, 2) not in runs:
+        if (name, SIZES[0]) not in runs:
             continue
-        small = runs[(name, 2)]
+        base = runs[(name, SIZES[0])]
+        small = base[0]
         own = own_link(small, loop)
-        topo = Topology(own, own)
-        result = replay(small, topo, link=own)
-        out.append(_row(name, "replay", small.measured_step_s, result.mean_step_s))
-        prof = profile(small, small.graph(own))
-        machine = {"cores": cores, "threads": threads, "delay_s": delay_s}
+        result = replay(small, Topology(own, own), link=own)
+        out.append(_row(name, "replay", base, result.mean_step_s))
+        link = fastest_link(base, loop)
+        topo = Topology(link, link)
+        start = base_profile(base, link)
         for p in SIZES[1:]:
-            if (name, p) in runs:
-                big = runs[(name, p)]
-                guess, split, offset = scaled(prof, small.measured_step_s, p, topo, **machine)
-                row = _row(name, f"scale 2->{p}", big.measured_step_s, guess)
-                row.update(predicted_split=split, offset_s=offset,
-                           measured_split=measured_split(big, loop))  # fmt: skip
-                out.append(row)
+            if (name, p) not in runs:
+                continue
+            big = runs[(name, p)]
+            guess, split, offset = scaled(start, p, topo, big[0].other_load or 0.0, machine)
+            row = _row(name, f"scale 2->{p}", big, guess)
+            row.update(predicted_split=split, offset_s=offset, base=start.noise.as_dict(),
+                       link={"alpha_s": link.alpha, "beta_s_per_byte": link.beta},
+                       measured_split=measured_split(big[0], loop))  # fmt: skip
+            out.append(row)
     return out
 
 
-def scaled(prof, measured_s: float | None, p: int, topo: Topology,
-           **machine) -> tuple[float, dict[str, float], float]:  # fmt: skip
-    """The step at ``p`` predicted from ``prof`` measured at ``prof.world`` in
-    ``measured_s``: the model's step at ``p`` plus what the model leaves out of the measured
-    step (the offset, returned too), once per step. ``machine``: ``cores``, ``threads``,
-    ``delay_s`` for :func:`~.scale.predict_split`."""
-    offset = (measured_s or 0.0) - predict_step(prof, prof.world, topo, **machine)
-    guess, split = predict_split(prof, p, topo, **machine)
+def scaled(start: Base | Profile, p: int, topo: Topology, other_load: float = 0.0,
+           machine: Machine | None = None) -> tuple[float, dict[str, float], float]:  # fmt: skip
+    """The step at ``p`` predicted from a strategy's base runs: the model's step at ``p``
+    from ``start``'s profile (:class:`~.base.Base`: each figure at its best round) plus what
+    the model leaves out of the fastest base round's measured step (the offset, returned
+    too: that round's step less the model of it, from its own figures and beside the load
+    it had), once per step. A bare :class:`~.profile.Profile` is its own fastest round.
+    ``other_load``: the cores' worth other processes took beside the run at ``p``
+    (:func:`.cores.capacity`). ``machine``: the cores, threads, scheduler delay and the cost
+    of taking turns on the cores the prediction replays the graph with (``None``: every
+    rank a processor of its own)."""
+    if isinstance(start, Profile):
+        prof = fastest = start
+        measured_s, base_load = start.step_s, 0.0
+    else:
+        prof, fastest = start.profile, start.fastest
+        measured_s, base_load = start.fastest_run.measured_step_s, start.fastest_run.other_load
+    on = {} if machine is None else {"cores": machine.cores, "threads": machine.threads,
+                                     "delay_s": machine.delay_s}  # fmt: skip
+    model = predict_step(fastest, fastest.world, topo, other_load=base_load or 0.0, **on)
+    offset = (measured_s or 0.0) - model
+    if machine is not None:
+        prof = on_this_machine(prof, p, machine.step_cpu, machine.sharing_cost)
+    guess, split = predict_split(prof, p, topo, other_load=other_load, **on)
     return guess + offset, split, offset
-
-
-def kept_machine(found: dict[tuple[str, int], Path]) -> tuple[int, int, float]:
-    """:func:`recorded_machine` of :func:`measure`'s folders, from their ``row.json`` alone."""
-    kept = [Run(name, [], None, row=json.loads((f / "row.json").read_text()))
-            for (name, _), f in found.items() if (f / "row.json").exists()]  # fmt: skip
-    return recorded_machine(kept)
-
-
-def recorded_machine(runs: list[Run], cores: int | None = None, threads: int | None = None,
-                     delay_s: float | None = None) -> tuple[int, int, float]:  # fmt: skip
-    """Cores, threads per rank and scheduler delay of the machine that measured ``runs``: as
-    given, else as :func:`measure` recorded them in the runs' ``row.json``, else this
-    machine's now (the delay only where this machine has as many cores: else 0)."""
-    recorded = next((run.row for run in runs if "cores" in run.row), {})
-    cores = cores or recorded.get("cores") or os.cpu_count() or 1
-    threads = threads or recorded.get("threads") or measured_threads(cores)
-    if delay_s is None:
-        delay_s = recorded.get("delay_s")
-    if delay_s is None:
-        delay_s = scheduler_delay(cores, threads) if cores == os.cpu_count() else 0.0
-    return cores, threads, delay_s
-
-
-def scheduler_delay(cores: int, threads: int) -> float:
-    """The scheduler's delay (:func:`.scheduler.measure_delay`) where some size of
-    :data:`SIZES` cannot place its ranks evenly on ``cores`` (it matters there only), else 0."""
-    uneven = any(p * threads > cores and p * threads % cores for p in SIZES)
-    return measure_delay(cores) if uneven else 0.0
-
-
-def measured_threads(cores: int, env: dict | None = None) -> int:
-    """Intra-op threads each rank of :func:`measure`'s runs computed on: ``OMP_NUM_THREADS``
-    where the user set it, else what Lightning picked for the first row (``SIZES[0]`` ranks).
-    All rows run in one process and Lightning sets ``OMP_NUM_THREADS`` there on its first
-    launch, so the 3- and 4-worker rows keep that choice."""
-    env = os.environ if env is None else env
-    given = env.get("OMP_NUM_THREADS", "")
-    return int(given) if given.isdigit() and int(given) > 0 else lightning_threads(SIZES[0], cores)
 
 
 def measured_split(run: Run, pooled: Link) -> dict[str, float]:
     """The run's per-step ``compute`` (its graph's compute spans, mean over ranks, as
     :class:`~.profile.Profile` reads them) and the rest of its measured step,
-    ``communication_and_waiting``, to set beside the scale-out's predicted split."""
+    ``communication_and_waiting``, to set beside the scale-out's predicted split; where the
+    probes kept CPU clocks, also the main threads' ``cpu`` (compute less its wait for a
+    core) and the ``communication_cpu`` of the other threads (mean over ranks)."""
 
-    compute = _per_step(run.graph(own_link(run, pooled)))
+    compute = statistics.fmean(compute_per_step(run.graph(own_link(run, pooled))).values())
     step = run.measured_step_s or 0.0
-    return {"compute": compute, "communication_and_waiting": max(step - compute, 0.0)}
+    out = {"compute": compute, "communication_and_waiting": max(step - compute, 0.0)}
+    cpu, process = run.clock_per_step("cpu"), run.clock_per_step("process_cpu")
+    if cpu and process:
+        out["cpu"] = statistics.fmean(cpu.values())
+        out["communication_cpu"] = statistics.fmean(max(process[r] - cpu[r], 0.0) for r in cpu)
+    return out
 
 
 def own_link(run: Run, pooled: Link) -> Link:
@@ -197,7 +194,12 @@ def own_link(run: Run, pooled: Link) -> Link:
         return pooled
 
 
-def _row(name: str, kind: str, measured: float | None, predicted: float) -> dict:
+def _row(name: str, kind: str, rounds: list[Run], predicted: float) -> dict:
+    """One row: the fastest of ``rounds`` measured against ``predicted``, with every round's
+    step, their spread and the other load beside the fastest."""
+    measured = rounds[0].measured_step_s
     error = (predicted - measured) / measured if measured else None
+    steps = [run.measured_step_s for run in rounds if run.measured_step_s]
     return {"strategy": name, "kind": kind, "measured_s": measured, "predicted_s": predicted,
-            "error": error}  # fmt: skip
+            "error": error, "steps_s": steps, "spread": spread(steps),
+            "other_load": rounds[0].other_load}  # fmt: skip

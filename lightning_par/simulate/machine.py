@@ -1,0 +1,97 @@
+"""The machine a validation measured on: its cores, the threads each rank computed on, the
+scheduler's delay (:mod:`.scheduler`), the model's step at each size's batch and what
+taking turns on a core costs it (:mod:`.sharing_cost`).
+
+:func:`measure_machine` reads them before the validation trains; :mod:`.validate` records
+them in each run's ``row.json``, so ``--validate --reuse`` on another machine or shell reads
+the machine the runs had (:func:`recorded_machine`), not its own.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import NamedTuple
+
+from lightning_par.simulate.cores import lightning_threads
+from lightning_par.simulate.replay import Run
+from lightning_par.simulate.scheduler import measure_delay
+from lightning_par.simulate.sharing_cost import measure_step_cpu
+
+
+class Machine(NamedTuple):
+    cores: int
+    threads: int  # intra-op threads per rank
+    delay_s: float  # the scheduler's, where some size cannot place its ranks evenly
+    #: per size whose ranks outnumber the cores: CPU per step over a core each's
+    sharing_cost: dict[int, float] = {}  # a NamedTuple's default, never changed
+    #: per size: the model's training step on that size's batch, a core each (CPU seconds)
+    step_cpu: dict[int, float] = {}
+    #: what could not be measured: every trial of it ran beside other processes' load
+    unmeasured: tuple[str, ...] = ()
+
+    def as_row(self) -> dict:
+        """What :mod:`.validate` records in each ``row.json``."""
+        return {"cores": self.cores, "threads": self.threads, "delay_s": self.delay_s,
+                "sharing_cost": {str(p): c for p, c in self.sharing_cost.items()},
+                "step_cpu": {str(p): c for p, c in self.step_cpu.items()},
+                "unmeasured": list(self.unmeasured)}  # fmt: skip
+
+
+def measure_machine(sizes: tuple[int, ...], model: str, global_batch: int) -> Machine:
+    """This machine, for training ``model`` at ``global_batch`` on each of ``sizes`` ranks."""
+    cores = os.cpu_count() or 1
+    threads = measured_threads(cores, sizes[0])
+    alone, cost = measure_step_cpu(model, global_batch, sizes, cores, threads)
+    delay = scheduler_delay(cores, threads, sizes)
+    unmeasured = (("scheduler delay",) if delay is None else ()) + (
+        ("step CPU at each size",) if not alone else ())  # fmt: skip
+    return Machine(cores, threads, delay or 0.0, cost, alone, unmeasured)
+
+
+def kept_machine(found: dict[tuple[str, int], list[Path]]) -> Machine:
+    """:func:`recorded_machine` of a validation's run folders, from their ``row.json``."""
+    kept = [Run(name, [], None, row=json.loads((f / "row.json").read_text()))
+            for (name, _), folders in found.items() for f in folders[:1]
+            if (f / "row.json").exists()]  # fmt: skip
+    return recorded_machine(kept)
+
+
+def recorded_machine(runs: list[Run], cores: int | None = None, threads: int | None = None,
+                     delay_s: float | None = None, sizes: tuple[int, ...] = (2, 3, 4)
+                     ) -> Machine:  # fmt: skip
+    """The machine that measured ``runs``: as given, else as :func:`measure_machine`
+    recorded it in the runs' ``row.json``, else this machine's now (the delay only where
+    this machine has as many cores: else 0; no cost of sharing cores: runs from before it
+    or the model's step were measured)."""
+    recorded = next((run.row for run in runs if "cores" in run.row), {})
+    cores = cores or recorded.get("cores") or os.cpu_count() or 1
+    threads = threads or recorded.get("threads") or measured_threads(cores, sizes[0])
+    if delay_s is None:
+        delay_s = recorded.get("delay_s")
+    if delay_s is None:
+        delay_s = scheduler_delay(cores, threads, sizes) if cores == os.cpu_count() else 0.0
+    cost = {int(p): c for p, c in (recorded.get("sharing_cost") or {}).items()}
+    alone = {int(p): c for p, c in (recorded.get("step_cpu") or {}).items()}
+    return Machine(cores, threads, delay_s or 0.0, cost, alone,
+                   tuple(recorded.get("unmeasured") or ()))  # fmt: skip
+
+
+def scheduler_delay(cores: int, threads: int,
+                    sizes: tuple[int, ...] = (2, 3, 4)) -> float | None:  # fmt: skip
+    """The scheduler's delay (:func:`.scheduler.measure_delay`; ``None`` where every trial
+    ran beside other load) where some of ``sizes`` cannot place its ranks evenly on
+    ``cores`` (it matters there only), else 0."""
+    uneven = any(p * threads > cores and p * threads % cores for p in sizes)
+    return measure_delay(cores) if uneven else 0.0
+
+
+def measured_threads(cores: int, first: int = 2, env: dict | None = None) -> int:
+    """Intra-op threads each rank of a validation's runs computed on: ``OMP_NUM_THREADS``
+    where the user set it, else what Lightning picked for the first row (``first`` ranks).
+    All rows run in one process and Lightning sets ``OMP_NUM_THREADS`` there on its first
+    launch, so the 3- and 4-worker rows keep that choice."""
+    env = os.environ if env is None else env
+    given = env.get("OMP_NUM_THREADS", "")
+    return int(given) if given.isdigit() and int(given) > 0 else lightning_threads(first, cores)
