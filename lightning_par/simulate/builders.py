@@ -25,8 +25,8 @@ from the measured run:
   forward and backward is not split; the plan's allreduces at ``p``, each a ring allreduce.
   A user's own run (no compare model to plan) assumes every layer split evenly.
 
-Where the ranks share this machine's cores (``cores``), each pays its measured
-communication CPU (:func:`communication_cpu`) as work that shares them too.
+* Where the ranks share this machine's cores (``cores``), each pays its measured
+  communication CPU (:func:`communication_cpu`) as work that shares them too.
 * **hybrid**: its ``mp`` stays as measured, ``dp = p / mp`` replicas ring-allreduce ``1/mp``
   of the gradients.
 * **zero**: the measured units (buckets) on one communication lane, each ring phase

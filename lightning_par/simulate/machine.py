@@ -2,9 +2,10 @@
 scheduler's delay (:mod:`.scheduler`), the model's step at each size's batch and what
 taking turns on a core costs it (:mod:`.sharing_cost`).
 
-:func:`measure_machine` reads them before the validation trains; :mod:`.validate` records
-them in each run's ``row.json``, so ``--validate --reuse`` on another machine or shell reads
-the machine the runs had (:func:`recorded_machine`), not its own.
+:func:`measure_machine` reads them before the validation trains;
+:mod:`lightning_par.simulate.validate` records them in each run's ``row.json``, so
+``--validate --reuse`` on another machine or shell reads the machine the runs had
+(:func:`recorded_machine`), not its own.
 """
 
 from __future__ import annotations
@@ -32,7 +33,7 @@ class Machine(NamedTuple):
     unmeasured: tuple[str, ...] = ()
 
     def as_row(self) -> dict:
-        """What :mod:`.validate` records in each ``row.json``."""
+        """What :mod:`lightning_par.simulate.validate` records in each ``row.json``."""
         return {"cores": self.cores, "threads": self.threads, "delay_s": self.delay_s,
                 "sharing_cost": {str(p): c for p, c in self.sharing_cost.items()},
                 "step_cpu": {str(p): c for p, c in self.step_cpu.items()},
