@@ -84,6 +84,7 @@ class Heartbeat:
         self.seen: dict[int, tuple[int, float]] = {}  # peer -> (count, when it last moved)
         owner = os.environ.get(LAUNCHER_RANK_ENV, "")
         self._store_owner = int(owner) if owner.isdigit() else None  # popen: the store's rank
+        self._owner_killed = False  # this process killed the store's rank (see killing)
         self._stop = threading.Event()
         self._finished = False
         self.store_failed = False
@@ -158,8 +159,18 @@ class Heartbeat:
 
     def store_gone(self) -> bool:
         """Whether the process that holds the store (``popen``'s rank 0) ended."""
+        if self._owner_killed:
+            return True
         owner = self.peers.get(self._store_owner) if self._store_owner is not None else None
         return owner is not None and owner.local and owner.ended()
+
+    def killing(self, peer: int) -> None:
+        """This process is about to SIGKILL ``peer``. Its sockets close a moment before it is
+        seen to end, and a store call in that moment fails with torch's warning and stack
+        printed on standard error: once the store's rank is killed, the store counts as gone
+        at once."""
+        if peer == self._store_owner:
+            self._owner_killed = True
 
     def _learn_peers(self) -> bool:
         """Read the process of each watched peer that published it; whether some did not."""

@@ -71,6 +71,7 @@ def hand_over_silent(beat: Any, peer: int, report: str) -> bool:
     process = beat.peers.get(peer)
     if process is None or not process.local:
         return False
+    beat.killing(peer)
     process.kill()
     return True
 
