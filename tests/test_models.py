@@ -124,8 +124,8 @@ def test_train_acc_is_each_epochs_own_accuracy_when_its_epoch_ends():
     data = CIFAR10DataModule(source="synthetic", synthetic_size=96, val_size=0, batch_size=16,
                              augment=False)  # fmt: skip
     record = _EpochAccuracy()
-    pl.Trainer(max_epochs=3, limit_train_batches=2, logger=False, enable_checkpointing=False,
-               enable_progress_bar=False, enable_model_summary=False,
+    pl.Trainer(max_epochs=3, limit_train_batches=2, limit_val_batches=0, logger=False,
+               enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
                callbacks=[record]).fit(model, datamodule=data)  # fmt: skip
     model.eval()
     with torch.no_grad():
