@@ -148,8 +148,10 @@ def lightning_fit(run: dict[str, Any], model: pl.LightningModule, data: CIFAR10D
     callbacks: list[pl.Callback] = [WindowCallback(window)]
     if profiler is not None:
         callbacks.append(ProfiledPieces(profiler))
+    device = run["device"]
     pl.Trainer(
-        accelerator=run["device"].type, devices=1, strategy="auto", precision=run["precision"],
+        accelerator=device.type, devices=1 if device.index is None else [device.index],
+        strategy="auto", precision=run["precision"],
         max_steps=run["steps"], logger=False, enable_checkpointing=False, enable_progress_bar=False,
         enable_model_summary=False, limit_val_batches=0, num_sanity_val_steps=0,
         callbacks=callbacks, profiler=profiler,
