@@ -72,9 +72,12 @@ userflow: setup
 	$(PY) -m tests.userflow.grid $(USERFLOW_ARGS)
 
 # On a machine with GPUs: the CUDA tests, every strategy on CifarCNN (NCCL; gloo where a
-# plugin needs it) beside single-device Lightning, one table. Refused without CUDA.
+# plugin needs it) beside single-device Lightning, one table; then one training step through
+# Lightning against a plain loop, profiled (`bench data`, benchmarks/data.md). Refused
+# without CUDA; not part of `make test`.
 gpu-check: setup
 	$(PY) -m lightning_par.gpucheck --accelerator gpu
+	$(PY) -m lightning_par.bench data --device cuda
 
 clean:
 	rm -rf $(VENV) runs lightning_logs .pytest_cache docs/_build docs/_generated \

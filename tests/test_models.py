@@ -94,3 +94,44 @@ def test_models_learn_on_one_and_two_processes(kind, devices):
     metrics = trainer.callback_metrics
     assert metrics["train_loss"] < 2.0  # chance level is ln(10) = 2.30
     assert metrics["val_acc"] > 0.3  # chance level is 0.1
+
+
+class _EpochAccuracy(pl.Callback):
+    """The batches of each epoch, and the ``train_acc`` a callback sees at its end."""
+
+    def __init__(self) -> None:
+        self.batches: list[list] = []
+        self.seen: list[float] = []
+
+    def on_train_epoch_start(self, trainer, pl_module) -> None:
+        self.batches.append([])
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+        self.batches[-1].append([t.clone() for t in batch])
+
+    def on_train_epoch_end(self, trainer, pl_module) -> None:
+        self.seen.append(float(trainer.callback_metrics["train_acc"]))
+
+
+def test_train_acc_is_each_epochs_own_accuracy_when_its_epoch_ends():
+    # train_acc is logged once an epoch (each self.log costs host time): Lightning must still
+    # compute it over all that epoch's batches, reset it for the next, and show a callback
+    # at the epoch's end this epoch's value. A learning rate of ~0 keeps the predictions of
+    # the end equal to those made during the epoch; two of six batches an epoch, shuffled,
+    # give each epoch other images.
+    torch.manual_seed(1)  # (an initial CifarCNN that predicts several classes)
+    model = _tiny("cnn", lr=1e-12, scheduler=None)
+    data = CIFAR10DataModule(source="synthetic", synthetic_size=96, val_size=0, batch_size=16,
+                             augment=False)  # fmt: skip
+    record = _EpochAccuracy()
+    pl.Trainer(max_epochs=3, limit_train_batches=2, limit_val_batches=0, logger=False,
+               enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+               callbacks=[record]).fit(model, datamodule=data)  # fmt: skip
+    model.eval()
+    with torch.no_grad():
+        expected = [
+            torch.cat([model(x).argmax(1) == y for x, y in epoch]).float().mean().item()
+            for epoch in record.batches
+        ]
+    assert len(set(expected)) > 1, expected  # the epochs' images differ
+    assert record.seen == pytest.approx(expected, abs=1e-6)

@@ -9,6 +9,11 @@ Keller Jordan's airbench (``airbench94.py``): a ``randperm`` per epoch, shared b
 4-pixel zero-padded image and a random horizontal flip (torchvision's ``RandomCrop(32,
 padding=4)`` and ``RandomHorizontalFlip()``, drawn per image, not once per batch); then
 the same normalisation as :func:`~lightning_par.data.eval_transform`.
+
+Nothing here waits for the device: the channel statistics are copied there once per
+``DeviceBatches``, not once per batch (a blocking host-to-device copy is a whole-stream
+synchronisation on CUDA, which stops the host from queueing the next step's kernels while
+the device still runs this one's).
 """
 
 from __future__ import annotations
@@ -23,10 +28,19 @@ from lightning_par.data.sources import CIFAR_MEAN, CIFAR_STD
 PAD = 4
 
 
-def normalise(images: torch.Tensor) -> torch.Tensor:
-    """uint8 ``[B, 3, H, W]`` to float32 scaled to [0, 1] and standardised per channel."""
-    mean = torch.tensor(CIFAR_MEAN, device=images.device).view(1, 3, 1, 1)
-    std = torch.tensor(CIFAR_STD, device=images.device).view(1, 3, 1, 1)
+def channel_stats(device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """CIFAR-10's per-channel mean and standard deviation, ``[1, 3, 1, 1]`` on ``device``."""
+    mean = torch.tensor(CIFAR_MEAN).view(1, 3, 1, 1).to(device)
+    std = torch.tensor(CIFAR_STD).view(1, 3, 1, 1).to(device)
+    return mean, std
+
+
+def normalise(
+    images: torch.Tensor, stats: tuple[torch.Tensor, torch.Tensor] | None = None
+) -> torch.Tensor:
+    """uint8 ``[B, 3, H, W]`` to float32 scaled to [0, 1] and standardised per channel;
+    ``stats``: :func:`channel_stats` already on the images' device (else copied there)."""
+    mean, std = channel_stats(images.device) if stats is None else stats
     return (images.float().div_(255) - mean) / std
 
 
@@ -83,6 +97,7 @@ class DeviceBatches:
         self.batch_size, self.rank, self.world_size = batch_size, rank, world_size
         self.augment, self.seed = augment, seed
         self.epoch = 0
+        self.stats = channel_stats(images.device)
 
     def __len__(self) -> int:
         return (len(self.images) // self.world_size) // self.batch_size
@@ -94,17 +109,19 @@ class DeviceBatches:
         per_rank = len(self.images) // self.world_size
         return perm[self.rank :: self.world_size][:per_rank]
 
+    def augmentation_generator(self, epoch: int) -> torch.Generator:
+        """The generator of this rank's crops and flips in ``epoch`` (per rank and epoch,
+        so ranks do not draw the same crops)."""
+        g = torch.Generator(device=self.images.device)
+        return g.manual_seed((self.seed * 1_000_003 + epoch) * 4099 + self.rank)
+
     def __iter__(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
         epoch, self.epoch = self.epoch, self.epoch + 1
-        device = self.images.device
-        index = self.shard(epoch).to(device)
-        g = None
-        if self.augment:  # per rank and epoch, so ranks do not draw the same crops
-            g = torch.Generator(device=device)
-            g.manual_seed((self.seed * 1_000_003 + epoch) * 4099 + self.rank)
+        index = self.shard(epoch).to(self.images.device)  # (one copy an epoch)
+        g = self.augmentation_generator(epoch) if self.augment else None
         for i in range(len(self)):
             chosen = index[i * self.batch_size : (i + 1) * self.batch_size]
             batch = self.images[chosen]
-            if self.augment:
+            if g is not None:
                 batch = crop_and_flip(batch, g)
-            yield normalise(batch), self.labels[chosen]
+            yield normalise(batch, self.stats), self.labels[chosen]
