@@ -1,24 +1,30 @@
-"""A rank killed mid-run: what ``fault_tolerant=True`` costs against restarting from a checkpoint.
+"""A process lost mid-run: what ``fault_tolerant=True`` costs against restarting from a checkpoint.
 
-    python -m lightning_par.bench faults [--plugins ring_allreduce] [--worlds 3,4]
-        [--steps 40] [--fault-step 15] [--width 32] [--num-blocks 4] [--batch-size 32]
-        [--json]
+    python -m lightning_par.bench faults [--strategies ring_allreduce,local_sgd,parameter_server]
+        [--worlds 3,4] [--steps 40] [--fault-step 15] [--width 32] [--num-blocks 4]
+        [--batch-size 32] [--json]
 
-For each plugin and world size, the CIFAR CNN (``--width``, ``--num-blocks``) trains on
-cifar10-mini (``--batch-size`` images per rank, CPU, Lightning choosing the launch) as a
-user's script in a process of its own, and the last rank is killed
-(``LIGHTNING_PAR_FAULT=kill:rank=W-1:step=F``) as step ``F`` begins:
+For each case of :data:`~lightning_par.bench._faults_cases.CASES` (a strategy and what it
+loses: a rank, or a parameter server) and each world size, the CIFAR CNN (``--width``,
+``--num-blocks``) trains on cifar10-mini (``--batch-size`` images per rank, CPU, Lightning
+choosing the launch) as a user's script in a process of its own, and the last rank (or the
+last server) is killed (``LIGHTNING_PAR_FAULT=kill:rank=W-1:step=F``) as step ``F`` begins:
 
-* **fault_tolerant**: the plugin's ``fault_tolerant=True``: the survivors go on;
-* **restart** (the peer, what TorchElastic and a user do today): the plugin as it is, with
-  a checkpoint every 10 steps (``--checkpoint-every``); the run ends with the lost rank
-  named, and the script is run again from the newest checkpoint on as many ranks.
+* **fault_tolerant**: the strategy's ``fault_tolerant=True``: the survivors go on;
+* **restart** (the peer, what TorchElastic and a user do today): the strategy as it is,
+  with a checkpoint every 10 steps (``--checkpoint-every``); the run ends with the lost
+  process named, and the script is run again from the newest checkpoint on as many ranks.
 
+Before them the strategy runs once as it is, without a fault: the reference weights.
 Reported per run: seconds from the fault to its detection (the survivors' first failed
-message) and to the re-formed group, steps lost (done again), steps per second before and
-after the fault, and the time lost: wall time from the last step before the fault to step
-``F`` done again, less one step of the time before. ``restart / fault_tolerant`` is the
-ratio of the times lost. A plugin without ``fault_tolerant`` is a row saying so.
+message) and to the re-formed group (ranks lost only: a lost server's shard moves without
+one), steps lost (done again: by rank 0, or the lost replica's steps replayed by its
+neighbour under ``local_sgd``), steps per second before and after the fault, the time lost
+(wall time from the last step before the fault to step ``F`` done again, less one step of
+the time before), the largest difference of rank 0's final parameters from the reference's
+and, where the strategy claims the survivors end with the reference's weights, whether they
+do. ``restart / fault_tolerant`` is the ratio of the times lost. A run that fails is a row
+saying so.
 """
 
 from __future__ import annotations
@@ -26,30 +32,66 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import statistics
 import sys
 import tempfile
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import torch
+
 from lightning_par.bench._environment import RunEnvironment, print_result
+from lightning_par.bench._faults_cases import CASES, FaultCase, cases_for
+from lightning_par.bench._faults_report import report
 from lightning_par.launch.faults import FAULT_ENV
 from lightning_par.launch.processes import run_bounded
 
 RUN = "lightning_par.bench._faults_run"
-PLUGINS = ("ring_allreduce",)
+APPROACHES = ("fault_tolerant", "restart")
+#: The fits of the script's first run (the restart's resume is its second).
+FITS = ("reference", *APPROACHES)
 #: The CNN's width and residual blocks, and the batch per rank (the defaults).
 MODEL = (32, 4, 32)
 LIMIT_S = 600.0
+#: ``local_sgd``'s line for a lost replica rebuilt by its neighbour: the steps it replayed
+REPLAYED = re.compile(r"\((\d+) step\(s\) since replayed in")
 
 
-def _run(args: list[str], env: dict[str, str], folder: Path) -> str:
-    """Run one script (as a user would, a process of its own); its output."""
+@dataclass(frozen=True)
+class Plan:
+    """What every run of one benchmark does: ``steps`` in all, the fault as step ``fault``
+    begins, the restart approach's checkpoint every ``every`` steps, the CNN's width and
+    blocks and the batch per rank (``model``)."""
+
+    steps: int
+    fault: int
+    every: int
+    model: tuple[int, int, int] = MODEL
+
+    def args(self, case: FaultCase, world: int, folder: Path, approaches: str) -> list[str]:
+        """The script's command-line arguments (:mod:`._faults_run`)."""
+        sizes = ",".join(str(n) for n in self.model)
+        fault = case.fault(world, self.fault)
+        return [case.name, str(world), str(self.steps), str(self.every), sizes, str(folder),
+                fault, approaches]  # fmt: skip
+
+
+def _run(args: list[str], folder: Path) -> dict[str, str]:
+    """Run the script once (as a user would, a process of its own): each fit's output."""
+    env = {k: v for k, v in os.environ.items() if k != FAULT_ENV}  # (the script sets it)
     done = run_bounded([sys.executable, "-u", "-m", RUN, *args], LIMIT_S, env=env, cwd=folder)
-    output = done.stdout + done.stderr
     if done.timed_out:
-        raise RuntimeError(f"ran past {LIMIT_S:.0f} s: {output[-2000:]}")
-    return output
+        raise RuntimeError(f"ran past {LIMIT_S:.0f} s: {(done.stdout + done.stderr)[-2000:]}")
+    parts = re.split(r"^FIT (\w+)\n", done.stderr, flags=re.M)
+    fits = dict(zip(parts[1::2], parts[2::2]))
+    ended = f"the script ended before this fit: {_last_line(done.stderr)}"
+    return {approach: fits.get(approach, ended) for approach in args[-1].split(",")}
+
+
+def _last_line(text: str) -> str:
+    return next((line for line in reversed(text.splitlines()) if line.strip()), "(no output)")
 
 
 def _read(path: Path) -> tuple[list[tuple[int, float]], dict[str, float]]:
@@ -63,82 +105,120 @@ def _read(path: Path) -> tuple[list[tuple[int, float]], dict[str, float]]:
     return steps, events
 
 
+def _weights(folder: Path, output: str) -> dict[str, torch.Tensor]:
+    """Rank 0's parameters after the fit in ``folder``; a clear error if it saved none."""
+    raised = re.search(r"^RAISED (.*)$", output, flags=re.M)
+    if raised:
+        raise RuntimeError(raised.group(1))
+    path = folder / "weights.pt"
+    if not path.exists():
+        raise RuntimeError(f"no weights saved: {_last_line(output)}")
+    return torch.load(path, weights_only=True)
+
+
 def measure(
-    plugin: str, world: int, approach: str, steps: int, fault: int, every: int,
-    model: tuple[int, int, int] = MODEL,
+    case: FaultCase, world: int, approach: str, plan: Plan, folder: Path, output: str,
+    expected: dict[str, torch.Tensor] | None,
 ) -> dict[str, Any]:  # fmt: skip
-    """One plugin, one world size, one approach: the figures of the module docstring
-    (``every``: steps between the restart approach's checkpoints; ``model``: the CNN's
-    width and blocks, and the batch per rank)."""
-    row: dict[str, Any] = {"plugin": plugin, "world": world, "approach": approach}
-    with tempfile.TemporaryDirectory(prefix="lightning_par-bench-faults-") as tmp:
-        folder, out = Path(tmp), Path(tmp) / "steps.jsonl"
-        env = {**os.environ, FAULT_ENV: f"kill:rank={world - 1}:step={fault}"}
-        sizes = ",".join(str(n) for n in model)
-        args = [plugin, str(world), approach, str(steps), str(every), sizes, str(out)]
-        output = _run(args, env, folder)
-        if "RAISED" in output and approach == "fault_tolerant":
-            return {**row, "failed": output.split("RAISED ", 1)[1].splitlines()[0]}
-        if approach == "restart":
-            env.pop(FAULT_ENV)
-            more = _run([*args, "resume"], env, folder)
-            output += more
-        if not out.exists():
-            return {**row, "failed": output[-500:]}
-        done, events = _read(out)
-    first = next(i for i, (s, _) in enumerate(done) if s == fault)  # the run before it
-    last_before = done[first][1]  # step F-1 done (global_step == F): the fault comes next
-    gaps = [(s, b - a) for (_, a), (s, b) in zip(done, done[1:])]
-    step_s = statistics.median(g for s, g in gaps[:first] if s > 2)
-    redone = next(t for s, t in done if s == fault + 1)
-    after = [g for s, g in gaps if s > fault + 2]
-    row.update(
-        step_s=step_s,
-        before_steps_per_s=1 / step_s,
-        after_steps_per_s=1 / statistics.median(after) if after else None,
-        steps_lost=sum(1 for s, _ in done if s <= fault) - fault,
-        lost_s=redone - last_before - step_s,
-    )
+    """One case, one world size, one approach: the figures of the module docstring, read
+    from its fit's ``folder`` and ``output`` (``expected``: the reference weights, ``None``
+    if that fit failed)."""
+    weights = _weights(folder, output)
+    done, events = _read(folder / "steps.jsonl")
+    row: dict[str, Any] = {
+        "strategy": case.strategy, "lost": case.lost, "world": world, "approach": approach,
+        **_timings(done, plan.fault, max(events.values(), default=0.0)),
+    }  # fmt: skip
+    row["steps_lost"] += sum(int(n) for n in REPLAYED.findall(output))
     if "lost" in events:
-        row["detect_s"] = events["lost"] - last_before
+        row["detect_s"] = events["lost"] - done[_first(done, plan.fault)][1]
         row["regroup_s"] = events["regrouped"] - events["lost"]
+    if expected is not None:
+        diff = max((weights[k] - v).abs().max().item() for k, v in expected.items())
+        row["weights_max_diff"] = diff
+        if approach == "fault_tolerant" and case.tolerance is not None:
+            row["weights_equal"] = diff <= case.tolerance
     return row
 
 
-def _cell(value: Any, width: int, fmt: str) -> str:
-    return f"{value:>{width}{fmt}}" if value is not None else f"{'-':>{width}}"
+def _first(done: list[tuple[int, float]], fault: int) -> int:
+    """The index of the first ``step == fault`` line: step ``fault - 1`` done, the fault next."""
+    return next(i for i, (s, _) in enumerate(done) if s == fault)
 
 
-def report(result: dict[str, Any]) -> str:
-    model = result["model"]
-    lines = [
-        f"a rank killed as step {result['fault_step']} begins (CIFAR CNN of width "
-        f"{model['width']} with {model['num_blocks']} blocks, batch {model['batch_size']} per "
-        "rank, CPU); times in seconds",
-        f"{'plugin':<16}{'p':>3}  {'approach':<16}{'detect':>8}{'regroup':>9}{'steps lost':>11}"
-        f"{'steps/s before':>16}{'after':>8}{'time lost':>11}",
-    ]
-    for row in result["rows"]:
-        head = f"{row['plugin']:<16}{row['world']:>3}  {row['approach']:<16}"
-        if "failed" in row:
-            lines.append(f"{head}failed: {row['failed']}")
-            continue
+def _timings(done: list[tuple[int, float]], fault: int, recovered: float) -> dict[str, Any]:
+    """Steps per second before and after the fault, steps done again (a step rank 0 finished
+    twice) and the time lost: from step ``fault - 1`` done to the first step done (for the
+    last time) after the survivors ``recovered`` (their last event; under ``local_sgd`` the
+    averaging that finds the loss), less those steps at the pace before."""
+    first = _first(done, fault)
+    last_before = done[first][1]
+    gaps = [(s, b - a) for (_, a), (s, b) in zip(done, done[1:])]
+    step_s = statistics.median(g for s, g in gaps[:first] if s > 2)
+    finished = dict(done)  # each step's last time: a restart does them again
+    back = next(s for s in sorted(finished) if s > fault and finished[s] > recovered)
+    going = [t for s, t in done if s > back and t > finished[back]]  # the pace after it
+    after = [b - a for a, b in zip(going, going[1:])]
+    return {
+        "step_s": step_s,
+        "before_steps_per_s": 1 / step_s,
+        "after_steps_per_s": 1 / statistics.median(after) if after else None,
+        "steps_lost": len(done) - len(finished),
+        "lost_s": finished[back] - last_before - (back - fault) * step_s,
+    }
 
-        cells = [("detect_s", 8, ".2f"), ("regroup_s", 9, ".2f"), ("steps_lost", 11, "d"),
-                 ("before_steps_per_s", 16, ".2f"), ("after_steps_per_s", 8, ".2f"),
-                 ("lost_s", 11, ".2f")]  # fmt: skip
-        lines.append(head + "".join(_cell(row.get(k), w, f) for k, w, f in cells))
-    for ratio in result["ratios"]:
-        lines.append(
-            f"{ratio['plugin']} p={ratio['world']}: restart loses "
-            f"{ratio['restart_over_fault_tolerant']:.1f}x the time fault_tolerant does"
-        )
-    return "\n".join(lines)
+
+def _guarded(row: dict[str, Any], run: Any, *args: Any) -> Any:
+    """``run(*args)``; a run that fails is ``row`` saying so (not the end of the benchmark)."""
+    try:
+        return run(*args)
+    except Exception as err:
+        return {**row, "failed": str(err).splitlines()[0] if str(err) else type(err).__name__}
+
+
+def _case(case: FaultCase, world: int, plan: Plan) -> list[dict[str, Any]]:
+    """One case at one world size: the reference's row if it failed, then one per approach.
+    The script runs twice: the reference, fault-tolerant and restart fits, then the resume."""
+    head = {"strategy": case.strategy, "lost": case.lost, "world": world}
+    with tempfile.TemporaryDirectory(prefix="lightning_par-bench-faults-") as tmp:
+        folder = Path(tmp)
+        fits = _guarded({}, _run, plan.args(case, world, folder, ",".join(FITS)), folder)
+        if "failed" in fits:  # (the script, not one fit)
+            return [{**head, "approach": a, **fits} for a in ("reference", *APPROACHES)]
+        fits.update(_guarded({}, _run, plan.args(case, world, folder, "resume"), folder))
+        rows = []
+        expected = _guarded({**head, "approach": "reference"}, _weights,
+                            folder / "reference", fits["reference"])  # fmt: skip
+        if "failed" in expected:  # (a row, not weights)
+            rows.append(expected)
+            expected = None
+        fits["restart"] = fits.get("resume", fits.get("failed", ""))  # (its first fit raises)
+        for approach in APPROACHES:
+            rows.append(_guarded({**head, "approach": approach}, measure, case, world,
+                                 approach, plan, folder / approach, fits[approach],
+                                 expected))  # fmt: skip
+    return rows
+
+
+def bench(cases: list[FaultCase], worlds: list[int], plan: Plan) -> dict[str, Any]:
+    """Every case at every world size: its rows and the ratios of the times lost."""
+    rows, ratios = [], []
+    for case in cases:
+        for world in worlds:
+            done = _case(case, world, plan)
+            rows += done
+            pair = {row["approach"]: row for row in done}
+            if all("lost_s" in pair.get(a, {}) for a in APPROACHES):
+                ratio = pair["restart"]["lost_s"] / max(pair["fault_tolerant"]["lost_s"], 1e-3)
+                ratios.append({"strategy": case.strategy, "lost": case.lost, "world": world,
+                               "restart_over_fault_tolerant": ratio})  # fmt: skip
+    return {"rows": rows, "ratios": ratios}
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m lightning_par.bench faults")
-    parser.add_argument("--plugins", default=",".join(PLUGINS))
+    covered = ",".join(dict.fromkeys(case.strategy for case in CASES))
+    parser.add_argument("--strategies", default=covered, help=f"of {covered}")
     parser.add_argument("--worlds", default="3,4")
     parser.add_argument("--steps", type=int, default=40)
     parser.add_argument("--fault-step", type=int, default=15)
@@ -154,27 +234,16 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("--checkpoint-every must be at least 1 and come before --fault-step")
     if min(args.width, args.num_blocks, args.batch_size) < 1:
         parser.error("--width, --num-blocks and --batch-size must be at least 1")
+    try:
+        cases = cases_for(args.strategies.split(","))
+    except ValueError as err:
+        parser.error(str(err))
     model = (args.width, args.num_blocks, args.batch_size)
+    plan = Plan(args.steps, args.fault_step, args.checkpoint_every, model)
     started = RunEnvironment.now()
-    rows, ratios = [], []
-    for plugin in args.plugins.split(","):
-        for world in (int(w) for w in args.worlds.split(",")):
-            pair = {}
-            for approach in ("fault_tolerant", "restart"):
-                try:
-                    pair[approach] = measure(plugin, world, approach, args.steps,
-                                             args.fault_step, args.checkpoint_every,
-                                             model)  # fmt: skip
-                except Exception as err:  # a run that fails is a row saying so
-                    pair[approach] = {"plugin": plugin, "world": world, "approach": approach,
-                                      "failed": str(err).splitlines()[0]}  # fmt: skip
-                rows.append(pair[approach])
-            if all("lost_s" in r for r in pair.values()):
-                ratio = pair["restart"]["lost_s"] / max(pair["fault_tolerant"]["lost_s"], 1e-3)
-                ratios.append({"plugin": plugin, "world": world,
-                               "restart_over_fault_tolerant": ratio})  # fmt: skip
     result = {
-        "fault_step": args.fault_step, "steps": args.steps, "rows": rows, "ratios": ratios,
+        "fault_step": args.fault_step, "steps": args.steps,
+        **bench(cases, [int(w) for w in args.worlds.split(",")], plan),
         "model": dict(zip(("width", "num_blocks", "batch_size"), model)),
     }  # fmt: skip
     print_result(result, report, args.json, started, indent=1)
