@@ -42,6 +42,11 @@ class FaultCase:
         """``strategy:lost``, as the runs are told which case they are."""
         return f"{self.strategy}:{self.lost}"
 
+    @property
+    def folder(self) -> str:
+        """The folder of its runs' files."""
+        return f"{self.strategy}-{self.lost}"
+
     def fault(self, world: int, step: int) -> str:
         """The ``LIGHTNING_PAR_FAULT`` value striking the last rank (of ``world``), or the last
         server, as ``step`` begins."""

@@ -1,25 +1,27 @@
 """The script ``bench faults`` runs, as a user's: ``python -m lightning_par.bench._faults_run
-CASE WORLD STEPS EVERY MODEL FOLDER FAULT APPROACH[,APPROACH...]``.
+WORLD STEPS FAULT EVERY MODEL FOLDER CASE[,CASE...] APPROACH[,APPROACH...]``.
 
 ``CASE``: ``strategy:lost``, a row of :data:`~lightning_par.bench._faults_cases.CASES` (its
-options added to the strategy's). One ``fit`` per ``APPROACH``, one after the other in this
-process (as cells of a notebook), each in ``FOLDER/APPROACH``:
+options added to the strategy's). For each case, one ``fit`` per ``APPROACH``, one after the
+other in this process (as cells of a notebook), each in ``FOLDER/CASE/APPROACH``
+(:attr:`~lightning_par.bench._faults_cases.FaultCase.folder`):
 
 * ``reference``: the strategy as it is, no fault: the weights the others are compared with;
-* ``fault_tolerant``: its ``fault_tolerant=True``, ``LIGHTNING_PAR_FAULT=FAULT``;
+* ``fault_tolerant``: its ``fault_tolerant=True``, the case's fault
+  (``LIGHTNING_PAR_FAULT``) as step ``FAULT`` begins;
 * ``restart``: the strategy as it is, a checkpoint every ``EVERY`` steps, the same fault;
-* ``resume``: ``restart`` again from its newest checkpoint, no fault (in ``FOLDER/restart``:
-  the script run again, as TorchElastic would).
+* ``resume``: ``restart`` again from its newest checkpoint, no fault (in ``restart``'s
+  folder: the script run again, as TorchElastic would).
 
-Each fit begins with a line ``FIT APPROACH`` on stderr, and one that raises says ``RAISED``
-there. Rank 0 appends one JSON line per finished optimiser step to ``steps.jsonl``
-(``{"step", "t"}``, wall time) and, at the end, the fault-tolerance events (``{"event",
-"t"}``); a fit that ends normally saves rank 0's parameters to ``weights.pt``. The CIFAR CNN
-(``MODEL``: ``WIDTH,BLOCKS,BATCH``, its width and residual blocks and the batch per rank)
-trains on cifar10-mini (or synthetic images, with ``LIGHTNING_PAR_BENCH_SYNTHETIC=1``)
-without random augmentation (a lost rank's batches read again by another process would be
-cropped and flipped by that process's random numbers, and its weights compared with none),
-Lightning choosing the launch.
+Each fit begins with a line ``FIT CASE APPROACH`` on stderr, and one that raises says
+``RAISED`` there. Rank 0 appends one JSON line per finished optimiser step to
+``steps.jsonl`` (``{"step", "t"}``, wall time) and, at the end, the fault-tolerance events
+(``{"event", "t"}``); a fit that ends normally saves rank 0's parameters to ``weights.pt``.
+The CIFAR CNN (``MODEL``: ``WIDTH,BLOCKS,BATCH``, its width and residual blocks and the
+batch per rank) trains on cifar10-mini (or synthetic images, with
+``LIGHTNING_PAR_BENCH_SYNTHETIC=1``) without random augmentation (a lost rank's batches read
+again by another process would be cropped and flipped by that process's random numbers, and
+its weights compared with none), Lightning choosing the launch.
 """
 
 import json
@@ -98,19 +100,21 @@ def fit(case: FaultCase, world: int, approach: str, steps: int, every: int, mode
         torch.save(weights, os.path.join(folder, "weights.pt"))
 
 
-def main(case: FaultCase, world: int, steps: int, every: int, model: str, folder: str,
-         fault: str, approaches: list[str]) -> None:  # fmt: skip
-    for approach in approaches:
-        # (read by the strategies' constructors and by the parameter servers they start)
-        os.environ[FAULT_ENV] = fault if approach in ("fault_tolerant", "restart") else ""
-        own = os.path.join(folder, "restart" if approach == "resume" else approach)
-        os.makedirs(own, exist_ok=True)
-        if os.environ.get("LOCAL_RANK", "0") == "0":  # (popen: not again in the re-run script)
-            print(f"FIT {approach}", file=sys.stderr, flush=True)
-        fit(case, world, approach, steps, every, model, own)
+def main(world: int, steps: int, fault: int, every: int, model: str, folder: str,
+         cases: list[FaultCase], approaches: list[str]) -> None:  # fmt: skip
+    for case in cases:
+        for approach in approaches:
+            # (read by the strategies' constructors and by the parameter servers they start)
+            struck = approach in ("fault_tolerant", "restart")
+            os.environ[FAULT_ENV] = case.fault(world, fault) if struck else ""
+            own = os.path.join(folder, case.folder, "restart" if approach == "resume" else approach)
+            os.makedirs(own, exist_ok=True)
+            if os.environ.get("LOCAL_RANK", "0") == "0":  # (popen: not in the re-run script)
+                print(f"FIT {case.name} {approach}", file=sys.stderr, flush=True)
+            fit(case, world, approach, steps, every, model, own)
 
 
 if __name__ == "__main__":
-    case, world, steps, every, model, folder, fault, approaches = sys.argv[1:9]
-    main(case_named(case), int(world), int(steps), int(every), model, folder, fault,
-         approaches.split(","))  # fmt: skip
+    world, steps, fault, every, model, folder, cases, approaches = sys.argv[1:9]
+    main(int(world), int(steps), int(fault), int(every), model, folder,
+         [case_named(name) for name in cases.split(",")], approaches.split(","))  # fmt: skip

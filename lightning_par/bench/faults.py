@@ -7,8 +7,9 @@
 For each case of :data:`~lightning_par.bench._faults_cases.CASES` (a strategy and what it
 loses: a rank, or a parameter server) and each world size, the CIFAR CNN (``--width``,
 ``--num-blocks``) trains on cifar10-mini (``--batch-size`` images per rank, CPU, Lightning
-choosing the launch) as a user's script in a process of its own, and the last rank (or the
-last server) is killed (``LIGHTNING_PAR_FAULT=kill:rank=W-1:step=F``) as step ``F`` begins:
+choosing the launch) in a user's script (:mod:`._faults_run`, run by :mod:`._faults_fits`),
+and the last rank (or the last server) is killed (``LIGHTNING_PAR_FAULT=kill:rank=W-1:step=F``)
+as step ``F`` begins:
 
 * **fault_tolerant**: the strategy's ``fault_tolerant=True``: the survivors go on;
 * **restart** (the peer, what TorchElastic and a user do today): the strategy as it is,
@@ -20,23 +21,20 @@ Reported per run: seconds from the fault to its detection (the survivors' first 
 message) and to the re-formed group (ranks lost only: a lost server's shard moves without
 one), steps lost (done again: by rank 0, or the lost replica's steps replayed by its
 neighbour under ``local_sgd``), steps per second before and after the fault, the time lost
-(wall time from the last step before the fault to step ``F`` done again, less one step of
-the time before), the largest difference of rank 0's final parameters from the reference's
-and, where the strategy claims the survivors end with the reference's weights, whether they
-do. ``restart / fault_tolerant`` is the ratio of the times lost. A run that fails is a row
-saying so.
+(wall time from the last step before the fault to the first step done after the survivors
+recovered, or after the restart, less those steps at the pace before), the largest
+difference of rank 0's final parameters from the reference's and, where the strategy claims
+the survivors end with the reference's weights, whether they do. ``restart /
+fault_tolerant`` is the ratio of the times lost. A run that fails is a row saying so.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import os
 import re
 import statistics
-import sys
 import tempfile
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -44,54 +42,20 @@ import torch
 
 from lightning_par.bench._environment import RunEnvironment, print_result
 from lightning_par.bench._faults_cases import CASES, FaultCase, cases_for
+from lightning_par.bench._faults_fits import (
+    APPROACHES,
+    MODEL,
+    Fits,
+    Plan,
+    first_fits,
+    fit_output,
+    last_line,
+    resume,
+)
 from lightning_par.bench._faults_report import report
-from lightning_par.launch.faults import FAULT_ENV
-from lightning_par.launch.processes import run_bounded
 
-RUN = "lightning_par.bench._faults_run"
-APPROACHES = ("fault_tolerant", "restart")
-#: The fits of the script's first run (the restart's resume is its second).
-FITS = ("reference", *APPROACHES)
-#: The CNN's width and residual blocks, and the batch per rank (the defaults).
-MODEL = (32, 4, 32)
-LIMIT_S = 600.0
 #: ``local_sgd``'s line for a lost replica rebuilt by its neighbour: the steps it replayed
 REPLAYED = re.compile(r"\((\d+) step\(s\) since replayed in")
-
-
-@dataclass(frozen=True)
-class Plan:
-    """What every run of one benchmark does: ``steps`` in all, the fault as step ``fault``
-    begins, the restart approach's checkpoint every ``every`` steps, the CNN's width and
-    blocks and the batch per rank (``model``)."""
-
-    steps: int
-    fault: int
-    every: int
-    model: tuple[int, int, int] = MODEL
-
-    def args(self, case: FaultCase, world: int, folder: Path, approaches: str) -> list[str]:
-        """The script's command-line arguments (:mod:`._faults_run`)."""
-        sizes = ",".join(str(n) for n in self.model)
-        fault = case.fault(world, self.fault)
-        return [case.name, str(world), str(self.steps), str(self.every), sizes, str(folder),
-                fault, approaches]  # fmt: skip
-
-
-def _run(args: list[str], folder: Path) -> dict[str, str]:
-    """Run the script once (as a user would, a process of its own): each fit's output."""
-    env = {k: v for k, v in os.environ.items() if k != FAULT_ENV}  # (the script sets it)
-    done = run_bounded([sys.executable, "-u", "-m", RUN, *args], LIMIT_S, env=env, cwd=folder)
-    if done.timed_out:
-        raise RuntimeError(f"ran past {LIMIT_S:.0f} s: {(done.stdout + done.stderr)[-2000:]}")
-    parts = re.split(r"^FIT (\w+)\n", done.stderr, flags=re.M)
-    fits = dict(zip(parts[1::2], parts[2::2]))
-    ended = f"the script ended before this fit: {_last_line(done.stderr)}"
-    return {approach: fits.get(approach, ended) for approach in args[-1].split(",")}
-
-
-def _last_line(text: str) -> str:
-    return next((line for line in reversed(text.splitlines()) if line.strip()), "(no output)")
 
 
 def _read(path: Path) -> tuple[list[tuple[int, float]], dict[str, float]]:
@@ -112,7 +76,7 @@ def _weights(folder: Path, output: str) -> dict[str, torch.Tensor]:
         raise RuntimeError(raised.group(1))
     path = folder / "weights.pt"
     if not path.exists():
-        raise RuntimeError(f"no weights saved: {_last_line(output)}")
+        raise RuntimeError(f"no weights saved: {last_line(output)}")
     return torch.load(path, weights_only=True)
 
 
@@ -176,42 +140,47 @@ def _guarded(row: dict[str, Any], run: Any, *args: Any) -> Any:
         return {**row, "failed": str(err).splitlines()[0] if str(err) else type(err).__name__}
 
 
-def _case(case: FaultCase, world: int, plan: Plan) -> list[dict[str, Any]]:
-    """One case at one world size: the reference's row if it failed, then one per approach.
-    The script runs twice: the reference, fault-tolerant and restart fits, then the resume."""
+def _rows(case: FaultCase, world: int, plan: Plan, fits: Fits, folder: Path) -> list[dict]:
+    """One case at one world size: the reference's row if it failed, then one per approach."""
     head = {"strategy": case.strategy, "lost": case.lost, "world": world}
-    with tempfile.TemporaryDirectory(prefix="lightning_par-bench-faults-") as tmp:
-        folder = Path(tmp)
-        fits = _guarded({}, _run, plan.args(case, world, folder, ",".join(FITS)), folder)
-        if "failed" in fits:  # (the script, not one fit)
-            return [{**head, "approach": a, **fits} for a in ("reference", *APPROACHES)]
-        fits.update(_guarded({}, _run, plan.args(case, world, folder, "resume"), folder))
-        rows = []
-        expected = _guarded({**head, "approach": "reference"}, _weights,
-                            folder / "reference", fits["reference"])  # fmt: skip
-        if "failed" in expected:  # (a row, not weights)
-            rows.append(expected)
-            expected = None
-        fits["restart"] = fits.get("resume", fits.get("failed", ""))  # (its first fit raises)
-        for approach in APPROACHES:
-            rows.append(_guarded({**head, "approach": approach}, measure, case, world,
-                                 approach, plan, folder / approach, fits[approach],
-                                 expected))  # fmt: skip
+    rows = []
+    expected = _guarded({**head, "approach": "reference"}, _weights,
+                        folder / "reference", fit_output(fits, case, "reference"))  # fmt: skip
+    if "failed" in expected:  # (a row, not weights)
+        rows.append(expected)
+        expected = None
+    for approach in APPROACHES:
+        output = fit_output(fits, case, "resume" if approach == "restart" else approach)
+        rows.append(_guarded({**head, "approach": approach}, measure, case, world, approach,
+                             plan, folder / approach, output, expected))  # fmt: skip
     return rows
+
+
+def _resumed(case: FaultCase, world: int, plan: Plan, fits: Fits, folder: Path) -> str:
+    """The restart's second run, if its first ended as it should: with the lost process."""
+    first = fit_output(fits, case, "restart")
+    if "RAISED" not in first:
+        return "RAISED the fault did not end the restart's first run"
+    if "RAISED the script" in first:  # (it ran past its time, or never ran)
+        return first
+    return resume(case, world, plan, folder)
 
 
 def bench(cases: list[FaultCase], worlds: list[int], plan: Plan) -> dict[str, Any]:
     """Every case at every world size: its rows and the ratios of the times lost."""
     rows, ratios = [], []
-    for case in cases:
-        for world in worlds:
-            done = _case(case, world, plan)
-            rows += done
-            pair = {row["approach"]: row for row in done}
-            if all("lost_s" in pair.get(a, {}) for a in APPROACHES):
-                ratio = pair["restart"]["lost_s"] / max(pair["fault_tolerant"]["lost_s"], 1e-3)
-                ratios.append({"strategy": case.strategy, "lost": case.lost, "world": world,
-                               "restart_over_fault_tolerant": ratio})  # fmt: skip
+    for world in worlds:
+        with tempfile.TemporaryDirectory(prefix="lightning_par-bench-faults-") as tmp:
+            fits = first_fits(cases, world, plan, Path(tmp))
+            for case in cases:
+                fits[case.name, "resume"] = _resumed(case, world, plan, fits, Path(tmp))
+                done = _rows(case, world, plan, fits, Path(tmp) / case.folder)
+                rows += done
+                pair = {row["approach"]: row for row in done}
+                if all("lost_s" in pair.get(a, {}) for a in APPROACHES):
+                    lost = pair["restart"]["lost_s"] / max(pair["fault_tolerant"]["lost_s"], 1e-3)
+                    ratios.append({"strategy": case.strategy, "lost": case.lost, "world": world,
+                                   "restart_over_fault_tolerant": lost})  # fmt: skip
     return {"rows": rows, "ratios": ratios}
 
 
