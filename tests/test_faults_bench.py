@@ -12,8 +12,11 @@ from pathlib import Path
 
 import pytest
 
+from lightning_par.bench import _faults_fits
 from lightning_par.bench._faults_cases import CASES, cases_for
-from lightning_par.bench.faults import main
+from lightning_par.bench._faults_fits import LIMIT_S, Plan
+from lightning_par.bench.faults import bench, main
+from lightning_par.launch.processes import Completed
 
 ROOT = Path(__file__).parent.parent
 FAULT, EVERY = 5, 3  # the fault as step 5 begins; the restart's checkpoints at steps 3, 6...
@@ -74,3 +77,40 @@ def test_bench_faults_names_the_strategies_it_covers_for_one_it_does_not(capsys)
         main(["--strategies", "ring_allreduce,gpipe"])
     said = capsys.readouterr().err
     assert "covers ring_allreduce, local_sgd, parameter_server; no case for gpipe" in said
+
+
+def test_a_fit_that_fails_is_a_row_saying_so_and_the_cases_after_it_still_run(
+    tmp_path, monkeypatch
+):
+    """Without processes: the first script's reference fit raises and its fault-tolerant fit
+    runs past the time limit; the restart it never reached says so, and the next case runs
+    in a script of its own."""
+    scripts: list[list[str]] = []
+
+    def script(cmd: list[str], timeout: float, **kwargs: object) -> Completed:
+        cases, approaches = cmd[-2].split(","), cmd[-1].split(",")
+        scripts.append(cases)
+        if len(scripts) == 1:  # (the first case: its reference fails, its next fit hangs)
+            said = (f"FIT {cases[0]} reference\nRAISED ValueError: no such option\n"
+                    f"FIT {cases[0]} fault_tolerant\nstep 1\n")  # fmt: skip
+            return Completed(-9, "", said, timed_out=True)
+        said = "".join(f"FIT {cases[0]} {a}\nRAISED RuntimeError: lost\n" for a in approaches)
+        return Completed(0, "", said, timed_out=False)
+
+    monkeypatch.setattr(_faults_fits, "run_bounded", script)
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    cases = cases_for(["ring_allreduce", "local_sgd"])
+    rows = bench(cases, [2], Plan(steps=12, fault=5, every=3))["rows"]
+    # the first script for both, the second for the case it never reached, then its resume
+    both, second = ["ring_allreduce:rank", "local_sgd:rank"], ["local_sgd:rank"]
+    assert scripts == [both, second, second]
+    failed = [(r["strategy"], r["approach"], r["failed"]) for r in rows]
+    ran_past = f"the script ran past {LIMIT_S:.0f} s"
+    assert failed == [
+        ("ring_allreduce", "reference", "ValueError: no such option"),
+        ("ring_allreduce", "fault_tolerant", ran_past),
+        ("ring_allreduce", "restart", "the script ended before this fit"),
+        ("local_sgd", "reference", "RuntimeError: lost"),
+        ("local_sgd", "fault_tolerant", "RuntimeError: lost"),
+        ("local_sgd", "restart", "RuntimeError: lost"),  # (its resume: the script again)
+    ], failed

@@ -1,18 +1,22 @@
 """Running ``bench faults``'s script (:mod:`._faults_run`) and reading each fit's output.
 
-Each case's reference, fault-tolerant and restart fits are fits of one script, one after
-the other, as cells of a notebook (the fault-tolerant fit's figures start at its first step,
-so the processes' start is in none of them); a restart's resume is the script run again, a
-process of its own, since starting the processes and Lightning again is most of what a
-restart costs. A script that ends before its last fit (a timeout, a crash) says so in the
-fit it was running, and the cases it never reached run in a script of their own.
+Every case's reference, fault-tolerant and restart fits are fits of one script, one after
+the other, as cells of a notebook (the figures start at a fit's first step, so the
+processes' start is in none of them); a restart's resume is the script run again, a process
+of its own, since starting the processes and Lightning again is most of what a restart
+costs. The time between the restart's first fit ending (``ended``) and its script started
+again (``launched``), when the other cases' fits ran, is not in its time lost. A script that
+ends before its last fit (a timeout, a crash) says so in the fit it was running, and the
+cases it never reached run in a script of their own.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import sys
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -85,7 +89,13 @@ def first_fits(cases: list[FaultCase], world: int, plan: Plan, folder: Path) -> 
 
 
 def resume(case: FaultCase, world: int, plan: Plan, folder: Path) -> str:
-    """The output of the case's restart resumed from its newest checkpoint."""
+    """The output of the case's restart resumed from its newest checkpoint; the time the
+    script is started is the restart's ``launched`` event (other cases' fits may have run
+    since its first fit ended)."""
+    own = folder / case.folder / "restart"
+    own.mkdir(parents=True, exist_ok=True)
+    with open(own / "steps.jsonl", "a", encoding="utf-8") as f:
+        f.write(json.dumps({"event": "launched", "t": time.time()}) + "\n")
     fits, ended = run_script([case], ("resume",), world, plan, folder)
     return fits.get((case.name, "resume"), f"RAISED {ended}")
 

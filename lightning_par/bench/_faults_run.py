@@ -16,7 +16,8 @@ other in this process (as cells of a notebook), each in ``FOLDER/CASE/APPROACH``
 Each fit begins with a line ``FIT CASE APPROACH`` on stderr, and one that raises says
 ``RAISED`` there. Rank 0 appends one JSON line per finished optimiser step to
 ``steps.jsonl`` (``{"step", "t"}``, wall time) and, at the end, the fault-tolerance events
-(``{"event", "t"}``); a fit that ends normally saves rank 0's parameters to ``weights.pt``.
+(``{"event", "t"}``), or ``ended`` when it raises; a fit that ends normally saves rank 0's
+parameters to ``weights.pt``.
 The CIFAR CNN (``MODEL``: ``WIDTH,BLOCKS,BATCH``, its width and residual blocks and the
 batch per rank) trains on cifar10-mini (or synthetic images, with
 ``LIGHTNING_PAR_BENCH_SYNTHETIC=1``) without random augmentation (a lost rank's batches read
@@ -89,15 +90,18 @@ def fit(case: FaultCase, world: int, approach: str, steps: int, every: int, mode
     pl.seed_everything(0, verbose=False)
     ckpt = os.path.join(checkpoints, "last.ckpt") if approach == "resume" else None
     network = CifarCNN(width=width, num_blocks=blocks)
-    try:
-        trainer.fit(network, data, ckpt_path=ckpt)
-    except Exception as err:  # the restart approach's first run ends with the lost rank
-        print(f"RAISED {type(err).__name__}: {str(err).splitlines()[0]}", file=sys.stderr,
-              flush=True)  # fmt: skip
-        return
+    trainer.fit(network, data, ckpt_path=ckpt)
     if trainer.is_global_zero:  # (under popen every rank runs this script)
         weights = {name: p.detach().clone() for name, p in network.named_parameters()}
         torch.save(weights, os.path.join(folder, "weights.pt"))
+
+
+def ended(out: str) -> None:
+    """Note when a fit ended with an error (the restart's time lost stops there until the
+    script is run again)."""
+    if os.environ.get("LOCAL_RANK", "0") == "0":
+        with open(out, "a", encoding="utf-8") as f:
+            f.write(json.dumps({"event": "ended", "t": time.time()}) + "\n")
 
 
 def main(world: int, steps: int, fault: int, every: int, model: str, folder: str,
@@ -111,7 +115,12 @@ def main(world: int, steps: int, fault: int, every: int, model: str, folder: str
             os.makedirs(own, exist_ok=True)
             if os.environ.get("LOCAL_RANK", "0") == "0":  # (popen: not in the re-run script)
                 print(f"FIT {case.name} {approach}", file=sys.stderr, flush=True)
-            fit(case, world, approach, steps, every, model, own)
+            try:
+                fit(case, world, approach, steps, every, model, own)
+            except Exception as err:  # (the restart's first fit ends so, with the lost rank)
+                ended(os.path.join(own, "steps.jsonl"))
+                print(f"RAISED {type(err).__name__}: {[*str(err).splitlines(), ''][0]}",
+                      file=sys.stderr, flush=True)  # fmt: skip
 
 
 if __name__ == "__main__":

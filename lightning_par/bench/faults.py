@@ -22,10 +22,11 @@ message) and to the re-formed group (ranks lost only: a lost server's shard move
 one), steps lost (done again: by rank 0, or the lost replica's steps replayed by its
 neighbour under ``local_sgd``), steps per second before and after the fault, the time lost
 (wall time from the last step before the fault to the first step done after the survivors
-recovered, or after the restart, less those steps at the pace before), the largest
-difference of rank 0's final parameters from the reference's and, where the strategy claims
-the survivors end with the reference's weights, whether they do. ``restart /
-fault_tolerant`` is the ratio of the times lost. A run that fails is a row saying so.
+recovered, or after the restart, less those steps at the pace before and the restart's wait
+for its second script while other cases ran), the largest difference of rank 0's final
+parameters from the reference's and, where the strategy claims the survivors end with the
+reference's weights, whether they do. ``restart / fault_tolerant`` is the ratio of the
+times lost. A run that fails is a row saying so.
 """
 
 from __future__ import annotations
@@ -91,7 +92,7 @@ def measure(
     done, events = _read(folder / "steps.jsonl")
     row: dict[str, Any] = {
         "strategy": case.strategy, "lost": case.lost, "world": world, "approach": approach,
-        **_timings(done, plan.fault, max(events.values(), default=0.0)),
+        **_timings(done, plan.fault, events),
     }  # fmt: skip
     row["steps_lost"] += sum(int(n) for n in REPLAYED.findall(output))
     if "lost" in events:
@@ -110,11 +111,14 @@ def _first(done: list[tuple[int, float]], fault: int) -> int:
     return next(i for i, (s, _) in enumerate(done) if s == fault)
 
 
-def _timings(done: list[tuple[int, float]], fault: int, recovered: float) -> dict[str, Any]:
+def _timings(done: list[tuple[int, float]], fault: int, events: dict[str, float]) -> dict[str, Any]:
     """Steps per second before and after the fault, steps done again (a step rank 0 finished
     twice) and the time lost: from step ``fault - 1`` done to the first step done (for the
-    last time) after the survivors ``recovered`` (their last event; under ``local_sgd`` the
-    averaging that finds the loss), less those steps at the pace before."""
+    last time) after the last of the ``events`` (the survivors' regroup, under ``local_sgd``
+    at the averaging that finds the loss; the restart's script started again), less those
+    steps at the pace before and the restart's wait between its two scripts."""
+    recovered = max(events.values(), default=0.0)
+    idle_s = events["launched"] - events["ended"] if "launched" in events else 0.0
     first = _first(done, fault)
     last_before = done[first][1]
     gaps = [(s, b - a) for (_, a), (s, b) in zip(done, done[1:])]
@@ -128,7 +132,7 @@ def _timings(done: list[tuple[int, float]], fault: int, recovered: float) -> dic
         "before_steps_per_s": 1 / step_s,
         "after_steps_per_s": 1 / statistics.median(after) if after else None,
         "steps_lost": len(done) - len(finished),
-        "lost_s": finished[back] - last_before - (back - fault) * step_s,
+        "lost_s": finished[back] - last_before - (back - fault) * step_s - idle_s,
     }
 
 
