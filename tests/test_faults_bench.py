@@ -65,8 +65,9 @@ def test_bench_faults_reports_each_strategy_losing_a_process(tmp_path, monkeypat
         (case.strategy, case.lost, 2) for case in CASES
     ]  # fmt: skip
     for ratio, ours, restart in zip(ratios, rows[::2], rows[1::2]):
-        expected = restart["lost_s"] / max(ours["lost_s"], 1e-3)
+        expected = restart["lost_s"] / max(ours["lost_s"], ours["step_s"])  # (a floor: 1 step)
         assert ratio["restart_over_fault_tolerant"] == expected
+        assert ratio["at_least"] == (ours["lost_s"] < ours["step_s"])
     left = [p.name for p in tmp_path.iterdir() if not p.name.startswith("torchinductor")]
     assert left == [], "left behind"
 

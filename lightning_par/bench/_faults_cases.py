@@ -11,9 +11,18 @@ strategy claims they are the same:
   process's on the whole batch (:mod:`~lightning_par.components.fault_tolerance`), to float
   rounding (the gradients are summed over fewer ranks, in another order);
 * ``local_sgd``: the lost replica is rebuilt by its right neighbour and replayed from the
-  last averaging (:mod:`~lightning_par.components.replica_ring`);
+  last averaging (:mod:`~lightning_par.components.replica_ring`), to float rounding (its
+  steps run in another process's module, the replicas averaged in another order);
 * ``parameter_server``, a server lost: the next server holds its shard's copy, weights and
-  optimiser state after every step (:mod:`~lightning_par.paramserver.replication`).
+  optimiser state after every step (:mod:`~lightning_par.paramserver.replication`), and the
+  workers send it the same messages: the same weights (to 1e-6, as its tests).
+
+Float rounding grows as training goes on (each step's differences feed the next): with the
+CIFAR CNN of width 32 on 3 ranks, the largest difference was about 2e-7 with 7 steps after
+the fault and 3e-5 with 25 (``benchmarks/faults.md``), where the restart, which trains
+other batches after its checkpoint, ended about 8e-2 away. Hence 1e-4 for the two that sum
+in another order: wide enough for the benchmark's 40 steps, far below what other batches
+make.
 
 A new case is one more row of :data:`CASES` (a worker lost under ``parameter_server`` goes
 here, with ``lost="rank"``, once that strategy survives one).
@@ -56,8 +65,8 @@ class FaultCase:
 
 
 CASES = (
-    FaultCase("ring_allreduce", "rank", tolerance=1e-5),
-    FaultCase("local_sgd", "rank", {"period": 4}, tolerance=1e-6),
+    FaultCase("ring_allreduce", "rank", tolerance=1e-4),
+    FaultCase("local_sgd", "rank", {"period": 4}, tolerance=1e-4),
     FaultCase("parameter_server", "server", {"num_servers": 2}, tolerance=1e-6),
 )
 

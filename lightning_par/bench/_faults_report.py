@@ -43,6 +43,7 @@ def report(result: dict[str, Any]) -> str:
     for ratio in result["ratios"]:
         lines.append(
             f"{ratio['strategy']} ({ratio['lost']} lost) p={ratio['world']}: restart loses "
+            f"{'at least ' if ratio['at_least'] else ''}"
             f"{ratio['restart_over_fault_tolerant']:.1f}x the time fault_tolerant does"
         )
     return "\n".join(lines)
