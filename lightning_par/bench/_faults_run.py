@@ -1,17 +1,29 @@
-"""One run of ``bench faults``, as a user's script: ``python -m lightning_par.bench._faults_run
-PLUGIN WORLD APPROACH STEPS EVERY MODEL OUT [RESUME]``.
+"""The script ``bench faults`` runs, as a user's: ``python -m lightning_par.bench._faults_run
+WORLD STEPS FAULT EVERY MODEL FOLDER CASE[,CASE...] APPROACH[,APPROACH...]``.
 
-``APPROACH``: ``fault_tolerant`` (the plugin's ``fault_tolerant=True``) or ``restart`` (the
-plugin as it is, a checkpoint every ``EVERY`` steps, run again from the newest one
-with ``RESUME`` = ``resume``). The fault comes from ``LIGHTNING_PAR_FAULT`` in the
-environment. Rank 0 appends one JSON line per finished optimiser step to ``OUT``
-(``{"step", "t"}``, wall time) and, at the end, the fault-tolerance events
-(``{"event", "t"}``). The CIFAR CNN (``MODEL``: ``WIDTH,BLOCKS,BATCH``, its width and
-residual blocks and the batch per rank) trains on cifar10-mini (or synthetic images, with
-``LIGHTNING_PAR_BENCH_SYNTHETIC=1``), Lightning choosing the launch.
+``CASE``: ``strategy:lost``, a row of :data:`~lightning_par.bench._faults_cases.CASES` (its
+options added to the strategy's). For each case, one ``fit`` per ``APPROACH``, one after the
+other in this process (as cells of a notebook), each in ``FOLDER/CASE/APPROACH``
+(:attr:`~lightning_par.bench._faults_cases.FaultCase.folder`):
+
+* ``reference``: the strategy as it is, no fault: the weights the others are compared with;
+* ``fault_tolerant``: its ``fault_tolerant=True``, the case's fault
+  (``LIGHTNING_PAR_FAULT``) as step ``FAULT`` begins;
+* ``restart``: the strategy as it is, a checkpoint every ``EVERY`` steps, the same fault;
+* ``resume``: ``restart`` again from its newest checkpoint, no fault (in ``restart``'s
+  folder: the script run again, as TorchElastic would).
+
+Each fit begins with a line ``FIT CASE APPROACH`` on stderr, and one that raises says
+``RAISED`` there. Rank 0 appends one JSON line per finished optimiser step to
+``steps.jsonl`` (``{"step", "t"}``, wall time) and, at the end, the fault-tolerance events
+(``{"event", "t"}``), or ``ended`` when it raises; a fit that ends normally saves rank 0's
+parameters to ``weights.pt``.
+The CIFAR CNN (``MODEL``: ``WIDTH,BLOCKS,BATCH``, its width and residual blocks and the
+batch per rank) trains on cifar10-mini (or synthetic images, with
+``LIGHTNING_PAR_BENCH_SYNTHETIC=1``) without random augmentation (a lost rank's batches read
+again by another process would be cropped and flipped by that process's random numbers, and
+its weights compared with none), Lightning choosing the launch.
 """
-
-from __future__ import annotations
 
 import json
 import os
@@ -19,10 +31,13 @@ import sys
 import time
 
 import lightning.pytorch as pl
+import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
 from typing_extensions import override
 
+from lightning_par.bench._faults_cases import FaultCase, case_named
 from lightning_par.data import CIFAR10DataModule
+from lightning_par.launch.faults import FAULT_ENV
 from lightning_par.models import CifarCNN
 from lightning_par.strategies.registry import spec
 
@@ -49,37 +64,66 @@ class StepClock(pl.Callback):
             self._write(trainer, {"event": event, "t": t})
 
 
-def main(
-    plugin: str, world: int, approach: str, steps: int, every: int, model: str, out: str,
-    resume: bool,
-) -> None:  # fmt: skip
-    row = spec(plugin)
-    options = dict(row.options, dead_peer_timeout=5.0)
+def fit(case: FaultCase, world: int, approach: str, steps: int, every: int, model: str,
+        folder: str) -> None:  # fmt: skip
+    """One fit of ``approach`` (module docstring), its files in ``folder``."""
+    row = spec(case.strategy)
+    options = dict(row.options, **case.options, dead_peer_timeout=5.0)
     if approach == "fault_tolerant":
         options["fault_tolerant"] = True
-    callbacks: list[pl.Callback] = [StepClock(out)]
-    folder = os.path.join(os.path.dirname(os.path.abspath(out)), f"ckpt-{plugin}-{world}")
-    if approach == "restart":
-        callbacks.append(ModelCheckpoint(dirpath=folder, every_n_train_steps=every, save_last=True))
+    callbacks: list[pl.Callback] = [StepClock(os.path.join(folder, "steps.jsonl"))]
+    checkpoints = os.path.join(folder, "checkpoints")
+    if approach in ("restart", "resume"):
+        callbacks.append(
+            ModelCheckpoint(dirpath=checkpoints, every_n_train_steps=every, save_last=True)
+        )
     synthetic = os.environ.get("LIGHTNING_PAR_BENCH_SYNTHETIC") == "1"
     width, blocks, batch = (int(n) for n in model.split(","))
     source = "synthetic" if synthetic else "cifar10-mini"
-    data = CIFAR10DataModule(source=source, batch_size=batch)
+    data = CIFAR10DataModule(source=source, batch_size=batch, augment=False)
     trainer = pl.Trainer(
         strategy=row.cls(**options), accelerator="cpu", devices=world, max_steps=steps,
         logger=False, enable_progress_bar=False, enable_model_summary=False,
-        enable_checkpointing=approach == "restart", callbacks=callbacks,
+        enable_checkpointing=approach in ("restart", "resume"), callbacks=callbacks,
         limit_val_batches=0, num_sanity_val_steps=0,
     )  # fmt: skip
     pl.seed_everything(0, verbose=False)
-    ckpt = os.path.join(folder, "last.ckpt") if resume else None
-    try:
-        trainer.fit(CifarCNN(width=width, num_blocks=blocks), data, ckpt_path=ckpt)
-    except Exception as err:  # the restart approach's first run ends with the lost rank
-        print(f"RAISED {type(err).__name__}: {str(err).splitlines()[0]}", flush=True)
+    ckpt = os.path.join(checkpoints, "last.ckpt") if approach == "resume" else None
+    network = CifarCNN(width=width, num_blocks=blocks)
+    trainer.fit(network, data, ckpt_path=ckpt)
+    if trainer.is_global_zero:  # (under popen every rank runs this script)
+        weights = {name: p.detach().clone() for name, p in network.named_parameters()}
+        torch.save(weights, os.path.join(folder, "weights.pt"))
+
+
+def ended(out: str) -> None:
+    """Note when a fit ended with an error (the restart's time lost stops there until the
+    script is run again)."""
+    if os.environ.get("LOCAL_RANK", "0") == "0":
+        with open(out, "a", encoding="utf-8") as f:
+            f.write(json.dumps({"event": "ended", "t": time.time()}) + "\n")
+
+
+def main(world: int, steps: int, fault: int, every: int, model: str, folder: str,
+         cases: list[FaultCase], approaches: list[str]) -> None:  # fmt: skip
+    for case in cases:
+        for approach in approaches:
+            # (read by the strategies' constructors and by the parameter servers they start)
+            struck = approach in ("fault_tolerant", "restart")
+            os.environ[FAULT_ENV] = case.fault(world, fault) if struck else ""
+            own = os.path.join(folder, case.folder, "restart" if approach == "resume" else approach)
+            os.makedirs(own, exist_ok=True)
+            if os.environ.get("LOCAL_RANK", "0") == "0":  # (popen: not in the re-run script)
+                print(f"FIT {case.name} {approach}", file=sys.stderr, flush=True)
+            try:
+                fit(case, world, approach, steps, every, model, own)
+            except Exception as err:  # (the restart's first fit ends so, with the lost rank)
+                ended(os.path.join(own, "steps.jsonl"))
+                print(f"RAISED {type(err).__name__}: {[*str(err).splitlines(), ''][0]}",
+                      file=sys.stderr, flush=True)  # fmt: skip
 
 
 if __name__ == "__main__":
-    plugin, world, approach, steps, every, model, out = sys.argv[1:8]
-    resume = sys.argv[8:] == ["resume"]
-    main(plugin, int(world), approach, int(steps), int(every), model, out, resume)
+    world, steps, fault, every, model, folder, cases, approaches = sys.argv[1:9]
+    main(int(world), int(steps), int(fault), int(every), model, folder,
+         [case_named(name) for name in cases.split(",")], approaches.split(","))  # fmt: skip

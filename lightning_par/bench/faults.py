@@ -1,55 +1,63 @@
-"""A rank killed mid-run: what ``fault_tolerant=True`` costs against restarting from a checkpoint.
+"""A process lost mid-run: what ``fault_tolerant=True`` costs against restarting from a checkpoint.
 
-    python -m lightning_par.bench faults [--plugins ring_allreduce] [--worlds 3,4]
-        [--steps 40] [--fault-step 15] [--width 32] [--num-blocks 4] [--batch-size 32]
-        [--json]
+    python -m lightning_par.bench faults [--strategies ring_allreduce,local_sgd,parameter_server]
+        [--worlds 3,4] [--steps 40] [--fault-step 15] [--width 32] [--num-blocks 4]
+        [--batch-size 32] [--json]
 
-For each plugin and world size, the CIFAR CNN (``--width``, ``--num-blocks``) trains on
-cifar10-mini (``--batch-size`` images per rank, CPU, Lightning choosing the launch) as a
-user's script in a process of its own, and the last rank is killed
-(``LIGHTNING_PAR_FAULT=kill:rank=W-1:step=F``) as step ``F`` begins:
+For each case of :data:`~lightning_par.bench._faults_cases.CASES` (a strategy and what it
+loses: a rank, or a parameter server) and each world size, the CIFAR CNN (``--width``,
+``--num-blocks``) trains on cifar10-mini (``--batch-size`` images per rank, CPU, Lightning
+choosing the launch) in a user's script (:mod:`._faults_run`, run by :mod:`._faults_fits`),
+and the last rank (or the last server) is killed (``LIGHTNING_PAR_FAULT=kill:rank=W-1:step=F``)
+as step ``F`` begins:
 
-* **fault_tolerant**: the plugin's ``fault_tolerant=True``: the survivors go on;
-* **restart** (the peer, what TorchElastic and a user do today): the plugin as it is, with
-  a checkpoint every 10 steps (``--checkpoint-every``); the run ends with the lost rank
-  named, and the script is run again from the newest checkpoint on as many ranks.
+* **fault_tolerant**: the strategy's ``fault_tolerant=True``: the survivors go on;
+* **restart** (the peer, what TorchElastic and a user do today): the strategy as it is,
+  with a checkpoint every 10 steps (``--checkpoint-every``); the run ends with the lost
+  process named, and the script is run again from the newest checkpoint on as many ranks.
 
+Before them the strategy runs once as it is, without a fault: the reference weights.
 Reported per run: seconds from the fault to its detection (the survivors' first failed
-message) and to the re-formed group, steps lost (done again), steps per second before and
-after the fault, and the time lost: wall time from the last step before the fault to step
-``F`` done again, less one step of the time before. ``restart / fault_tolerant`` is the
-ratio of the times lost. A plugin without ``fault_tolerant`` is a row saying so.
+message) and to the re-formed group (ranks lost only: a lost server's shard moves without
+one), steps lost (done again: by rank 0, or the lost replica's steps replayed by its
+neighbour under ``local_sgd``), steps per second before and after the fault, the time lost
+(wall time from the last step before the fault to the first step done after the survivors
+recovered, or after the restart, less those steps at the pace before and the restart's wait
+for its second script while other cases ran), the largest difference of rank 0's final
+parameters from the reference's and, where the strategy claims the survivors end with the
+reference's weights, whether they do. ``restart / fault_tolerant`` is the ratio of the
+times lost (a floor where the survivors lost less than one step's time). A run that fails is
+a row saying so.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import os
+import re
 import statistics
-import sys
 import tempfile
 from pathlib import Path
 from typing import Any
 
+import torch
+
 from lightning_par.bench._environment import RunEnvironment, print_result
-from lightning_par.launch.faults import FAULT_ENV
-from lightning_par.launch.processes import run_bounded
+from lightning_par.bench._faults_cases import CASES, FaultCase, cases_for
+from lightning_par.bench._faults_fits import (
+    APPROACHES,
+    MODEL,
+    Fits,
+    Plan,
+    first_fits,
+    fit_output,
+    last_line,
+    resume,
+)
+from lightning_par.bench._faults_report import report
 
-RUN = "lightning_par.bench._faults_run"
-PLUGINS = ("ring_allreduce",)
-#: The CNN's width and residual blocks, and the batch per rank (the defaults).
-MODEL = (32, 4, 32)
-LIMIT_S = 600.0
-
-
-def _run(args: list[str], env: dict[str, str], folder: Path) -> str:
-    """Run one script (as a user would, a process of its own); its output."""
-    done = run_bounded([sys.executable, "-u", "-m", RUN, *args], LIMIT_S, env=env, cwd=folder)
-    output = done.stdout + done.stderr
-    if done.timed_out:
-        raise RuntimeError(f"ran past {LIMIT_S:.0f} s: {output[-2000:]}")
-    return output
+#: ``local_sgd``'s line for a lost replica rebuilt by its neighbour: the steps it replayed
+REPLAYED = re.compile(r"\((\d+) step\(s\) since replayed in")
 
 
 def _read(path: Path) -> tuple[list[tuple[int, float]], dict[str, float]]:
@@ -63,82 +71,135 @@ def _read(path: Path) -> tuple[list[tuple[int, float]], dict[str, float]]:
     return steps, events
 
 
+def _weights(folder: Path, output: str) -> dict[str, torch.Tensor]:
+    """Rank 0's parameters after the fit in ``folder``; a clear error if it saved none."""
+    raised = re.search(r"^RAISED (.*)$", output, flags=re.M)
+    if raised:
+        raise RuntimeError(raised.group(1))
+    path = folder / "weights.pt"
+    if not path.exists():
+        raise RuntimeError(f"no weights saved: {last_line(output)}")
+    return torch.load(path, weights_only=True)
+
+
 def measure(
-    plugin: str, world: int, approach: str, steps: int, fault: int, every: int,
-    model: tuple[int, int, int] = MODEL,
+    case: FaultCase, world: int, approach: str, plan: Plan, folder: Path, output: str,
+    expected: dict[str, torch.Tensor] | None,
 ) -> dict[str, Any]:  # fmt: skip
-    """One plugin, one world size, one approach: the figures of the module docstring
-    (``every``: steps between the restart approach's checkpoints; ``model``: the CNN's
-    width and blocks, and the batch per rank)."""
-    row: dict[str, Any] = {"plugin": plugin, "world": world, "approach": approach}
-    with tempfile.TemporaryDirectory(prefix="lightning_par-bench-faults-") as tmp:
-        folder, out = Path(tmp), Path(tmp) / "steps.jsonl"
-        env = {**os.environ, FAULT_ENV: f"kill:rank={world - 1}:step={fault}"}
-        sizes = ",".join(str(n) for n in model)
-        args = [plugin, str(world), approach, str(steps), str(every), sizes, str(out)]
-        output = _run(args, env, folder)
-        if "RAISED" in output and approach == "fault_tolerant":
-            return {**row, "failed": output.split("RAISED ", 1)[1].splitlines()[0]}
-        if approach == "restart":
-            env.pop(FAULT_ENV)
-            more = _run([*args, "resume"], env, folder)
-            output += more
-        if not out.exists():
-            return {**row, "failed": output[-500:]}
-        done, events = _read(out)
-    first = next(i for i, (s, _) in enumerate(done) if s == fault)  # the run before it
-    last_before = done[first][1]  # step F-1 done (global_step == F): the fault comes next
-    gaps = [(s, b - a) for (_, a), (s, b) in zip(done, done[1:])]
-    step_s = statistics.median(g for s, g in gaps[:first] if s > 2)
-    redone = next(t for s, t in done if s == fault + 1)
-    after = [g for s, g in gaps if s > fault + 2]
-    row.update(
-        step_s=step_s,
-        before_steps_per_s=1 / step_s,
-        after_steps_per_s=1 / statistics.median(after) if after else None,
-        steps_lost=sum(1 for s, _ in done if s <= fault) - fault,
-        lost_s=redone - last_before - step_s,
-    )
+    """One case, one world size, one approach: the figures of the module docstring, read
+    from its fit's ``folder`` and ``output`` (``expected``: the reference weights, ``None``
+    if that fit failed)."""
+    weights = _weights(folder, output)
+    done, events = _read(folder / "steps.jsonl")
+    row: dict[str, Any] = {
+        "strategy": case.strategy, "lost": case.lost, "world": world, "approach": approach,
+        **_timings(done, plan.fault, events),
+    }  # fmt: skip
+    row["steps_lost"] += sum(int(n) for n in REPLAYED.findall(output))
     if "lost" in events:
-        row["detect_s"] = events["lost"] - last_before
+        row["detect_s"] = events["lost"] - done[_first(done, plan.fault)][1]
         row["regroup_s"] = events["regrouped"] - events["lost"]
+    if expected is not None:
+        diff = max((weights[k] - v).abs().max().item() for k, v in expected.items())
+        row["weights_max_diff"] = diff
+        if approach == "fault_tolerant" and case.tolerance is not None:
+            row["weights_equal"] = diff <= case.tolerance
     return row
 
 
-def _cell(value: Any, width: int, fmt: str) -> str:
-    return f"{value:>{width}{fmt}}" if value is not None else f"{'-':>{width}}"
+def _first(done: list[tuple[int, float]], fault: int) -> int:
+    """The index of the first ``step == fault`` line: step ``fault - 1`` done, the fault next."""
+    return next(i for i, (s, _) in enumerate(done) if s == fault)
 
 
-def report(result: dict[str, Any]) -> str:
-    model = result["model"]
-    lines = [
-        f"a rank killed as step {result['fault_step']} begins (CIFAR CNN of width "
-        f"{model['width']} with {model['num_blocks']} blocks, batch {model['batch_size']} per "
-        "rank, CPU); times in seconds",
-        f"{'plugin':<16}{'p':>3}  {'approach':<16}{'detect':>8}{'regroup':>9}{'steps lost':>11}"
-        f"{'steps/s before':>16}{'after':>8}{'time lost':>11}",
-    ]
-    for row in result["rows"]:
-        head = f"{row['plugin']:<16}{row['world']:>3}  {row['approach']:<16}"
-        if "failed" in row:
-            lines.append(f"{head}failed: {row['failed']}")
-            continue
+def _timings(done: list[tuple[int, float]], fault: int, events: dict[str, float]) -> dict[str, Any]:
+    """Steps per second before and after the fault, steps done again (a step rank 0 finished
+    twice) and the time lost: from step ``fault - 1`` done to the first step done (for the
+    last time) after the last of the ``events`` (the survivors' regroup, under ``local_sgd``
+    at the averaging that finds the loss; the restart's script started again), less those
+    steps at the pace before and the restart's wait between its two scripts."""
+    recovered = max(events.values(), default=0.0)
+    idle_s = events["launched"] - events["ended"] if "launched" in events else 0.0
+    first = _first(done, fault)
+    last_before = done[first][1]
+    gaps = [(s, b - a) for (_, a), (s, b) in zip(done, done[1:])]
+    step_s = statistics.median(g for s, g in gaps[:first] if s > 2)
+    finished = dict(done)  # each step's last time: a restart does them again
+    back = next(s for s in sorted(finished) if s > fault and finished[s] > recovered)
+    going = [t for s, t in done if s > back and t > finished[back]]  # the pace after it
+    after = [b - a for a, b in zip(going, going[1:])]
+    return {
+        "step_s": step_s,
+        "before_steps_per_s": 1 / step_s,
+        "after_steps_per_s": 1 / statistics.median(after) if after else None,
+        "steps_lost": len(done) - len(finished),
+        "lost_s": finished[back] - last_before - (back - fault) * step_s - idle_s,
+    }
 
-        cells = [("detect_s", 8, ".2f"), ("regroup_s", 9, ".2f"), ("steps_lost", 11, "d"),
-                 ("before_steps_per_s", 16, ".2f"), ("after_steps_per_s", 8, ".2f"),
-                 ("lost_s", 11, ".2f")]  # fmt: skip
-        lines.append(head + "".join(_cell(row.get(k), w, f) for k, w, f in cells))
-    for ratio in result["ratios"]:
-        lines.append(
-            f"{ratio['plugin']} p={ratio['world']}: restart loses "
-            f"{ratio['restart_over_fault_tolerant']:.1f}x the time fault_tolerant does"
-        )
-    return "\n".join(lines)
+
+def _guarded(row: dict[str, Any], run: Any, *args: Any) -> Any:
+    """``run(*args)``; a run that fails is ``row`` saying so (not the end of the benchmark)."""
+    try:
+        return run(*args)
+    except Exception as err:
+        return {**row, "failed": str(err).splitlines()[0] if str(err) else type(err).__name__}
+
+
+def _rows(case: FaultCase, world: int, plan: Plan, fits: Fits, folder: Path) -> list[dict]:
+    """One case at one world size: the reference's row if it failed, then one per approach."""
+    head = {"strategy": case.strategy, "lost": case.lost, "world": world}
+    rows = []
+    expected = _guarded({**head, "approach": "reference"}, _weights,
+                        folder / "reference", fit_output(fits, case, "reference"))  # fmt: skip
+    if "failed" in expected:  # (a row, not weights)
+        rows.append(expected)
+        expected = None
+    for approach in APPROACHES:
+        output = fit_output(fits, case, "resume" if approach == "restart" else approach)
+        rows.append(_guarded({**head, "approach": approach}, measure, case, world, approach,
+                             plan, folder / approach, output, expected))  # fmt: skip
+    return rows
+
+
+def _resumed(case: FaultCase, world: int, plan: Plan, fits: Fits, folder: Path) -> str:
+    """The restart's second run, if its first ended as it should: with the lost process."""
+    first = fit_output(fits, case, "restart")
+    if "RAISED" not in first:
+        return "RAISED the fault did not end the restart's first run"
+    if "RAISED the script" in first:  # (it ran past its time, or never ran)
+        return first
+    return resume(case, world, plan, folder)
+
+
+def _ratio(ours: dict[str, Any], restart: dict[str, Any]) -> dict[str, Any]:
+    """The restart's time lost over the survivors'; a loss shorter than one step cannot be
+    told from the steps' own spread, so it counts as one step (the ratio is then a floor)."""
+    at_least = ours["lost_s"] < ours["step_s"]
+    ratio = restart["lost_s"] / max(ours["lost_s"], ours["step_s"])
+    return {"restart_over_fault_tolerant": ratio, "at_least": at_least}
+
+
+def bench(cases: list[FaultCase], worlds: list[int], plan: Plan) -> dict[str, Any]:
+    """Every case at every world size: its rows and the ratios of the times lost."""
+    rows, ratios = [], []
+    for world in worlds:
+        with tempfile.TemporaryDirectory(prefix="lightning_par-bench-faults-") as tmp:
+            fits = first_fits(cases, world, plan, Path(tmp))
+            for case in cases:
+                fits[case.name, "resume"] = _resumed(case, world, plan, fits, Path(tmp))
+                done = _rows(case, world, plan, fits, Path(tmp) / case.folder)
+                rows += done
+                pair = {row["approach"]: row for row in done}
+                if all("lost_s" in pair.get(a, {}) for a in APPROACHES):
+                    ratios.append({"strategy": case.strategy, "lost": case.lost, "world": world,
+                                   **_ratio(pair["fault_tolerant"], pair["restart"])})  # fmt: skip
+    return {"rows": rows, "ratios": ratios}
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m lightning_par.bench faults")
-    parser.add_argument("--plugins", default=",".join(PLUGINS))
+    covered = ",".join(dict.fromkeys(case.strategy for case in CASES))
+    parser.add_argument("--strategies", default=covered, help=f"of {covered}")
     parser.add_argument("--worlds", default="3,4")
     parser.add_argument("--steps", type=int, default=40)
     parser.add_argument("--fault-step", type=int, default=15)
@@ -154,27 +215,16 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("--checkpoint-every must be at least 1 and come before --fault-step")
     if min(args.width, args.num_blocks, args.batch_size) < 1:
         parser.error("--width, --num-blocks and --batch-size must be at least 1")
+    try:
+        cases = cases_for(args.strategies.split(","))
+    except ValueError as err:
+        parser.error(str(err))
     model = (args.width, args.num_blocks, args.batch_size)
+    plan = Plan(args.steps, args.fault_step, args.checkpoint_every, model)
     started = RunEnvironment.now()
-    rows, ratios = [], []
-    for plugin in args.plugins.split(","):
-        for world in (int(w) for w in args.worlds.split(",")):
-            pair = {}
-            for approach in ("fault_tolerant", "restart"):
-                try:
-                    pair[approach] = measure(plugin, world, approach, args.steps,
-                                             args.fault_step, args.checkpoint_every,
-                                             model)  # fmt: skip
-                except Exception as err:  # a run that fails is a row saying so
-                    pair[approach] = {"plugin": plugin, "world": world, "approach": approach,
-                                      "failed": str(err).splitlines()[0]}  # fmt: skip
-                rows.append(pair[approach])
-            if all("lost_s" in r for r in pair.values()):
-                ratio = pair["restart"]["lost_s"] / max(pair["fault_tolerant"]["lost_s"], 1e-3)
-                ratios.append({"plugin": plugin, "world": world,
-                               "restart_over_fault_tolerant": ratio})  # fmt: skip
     result = {
-        "fault_step": args.fault_step, "steps": args.steps, "rows": rows, "ratios": ratios,
+        "fault_step": args.fault_step, "steps": args.steps,
+        **bench(cases, [int(w) for w in args.worlds.split(",")], plan),
         "model": dict(zip(("width", "num_blocks", "batch_size"), model)),
     }  # fmt: skip
     print_result(result, report, args.json, started, indent=1)
