@@ -37,3 +37,32 @@ def checking(name: str) -> Iterator[None]:
               "then run this cell again.")  # fmt: skip
         return
     print(f"Exercise ({name}): correct.")
+
+
+@contextmanager
+def own_work(*modules, what: str = "the library's answer") -> Iterator[None]:
+    """Fail the check if the block calls a function defined in one of ``modules`` (modules or
+    packages): the exercise is to compute the answer, not to borrow the helper that the
+    notebook imports (``balance_by_cost``, ``device_schedule``, the simulator...)."""
+    import sys
+    from pathlib import Path
+
+    roots = []
+    for module in modules:
+        path = Path(module.__file__)
+        roots.append(str(path.parent) if path.name == "__init__.py" else str(path))
+    borrowed: list[str] = []
+
+    def note(frame, event, arg):  # a Python function starting: is it one of theirs?
+        if event == "call" and frame.f_code.co_filename.startswith(tuple(roots)):
+            borrowed.append(f"{frame.f_globals.get('__name__')}.{frame.f_code.co_name}")
+
+    previous = sys.getprofile()
+    sys.setprofile(note)
+    try:
+        yield
+    finally:
+        sys.setprofile(previous)
+    assert not borrowed, (
+        f"your function called {borrowed[0]} ({what}): compute the answer yourself"
+    )
