@@ -128,9 +128,24 @@ class ServerGroup:
         #: the servers' optimiser state at the end of the last fit, for a checkpoint saved
         #: after it in ranks that outlive the call (popen, torchrun)
         self.final_state: dict[str, Any] | None = None
+        #: (``fault_tolerant``) the workers lost so far, by their ranks at the first call,
+        #: and the first ranks of this call's workers (a later call goes on without the lost)
+        self.lost: list[int] = []
+        self.call_members: list[int] = []
         self._backward_start = (0.0, 0.0)  # CommTrace.mark()
 
     # ---- processes -----------------------------------------------------------------------------
+    def members(self, world_size: int) -> list[int]:
+        """The first ranks of the workers still in the job, of the ``world_size`` at the
+        start (all of them, unless a fault-tolerant run lost some)."""
+        return [w for w in range(world_size) if w not in self.lost]
+
+    def lose(self, workers: list[int]) -> None:
+        """This call's workers ``workers`` (their ranks in it) were lost."""
+        self.lost += [
+            self.call_members[w] for w in workers if self.call_members[w] not in self.lost
+        ]
+
     def start(
         self,
         context: WorkerContext,
@@ -269,9 +284,11 @@ class ServerGroup:
         end them and the group."""
         ctx = self.context
         clean = not (interrupted or self.failed) and dist.is_initialized() and ctx is not None
+        alive = list(range(ctx.workers)) if ctx is not None else []
         if self.client is not None:
             if clean:
                 self.client.close()
+            alive = [w for w in alive if w not in getattr(self.client, "lost_workers", ())]
             self.client = None
         elif clean and ctx.rank == 0 and comm is not None:
             self.client_cls.close_untrained(comm, ctx.workers, self.num_processes)
@@ -285,19 +302,22 @@ class ServerGroup:
         if clean:  # the servers are gone: a later fit/test/validate builds a new group
             dist.destroy_process_group()
             if ctx.outlives_the_call:
-                self._join_workers_between_calls(ctx, beat)
+                self._join_workers_between_calls(ctx, beat, alive)
 
-    def _join_workers_between_calls(self, ctx: WorkerContext, beat: Any) -> None:
+    def _join_workers_between_calls(self, ctx: WorkerContext, beat: Any, alive: list[int]
+                                    ) -> None:  # fmt: skip
         """The script goes on in every worker: Lightning's barrier in ``save_checkpoint``
         and the collectives of the next call's set-up need a group, as under Lightning's
         DDP, whose group lives on after ``fit``. The servers are gone: the workers alone,
         once all are back (:func:`~.worker_group.wait_for_workers`: one lost during the
-        call never comes)."""
+        call never comes), but the ``alive`` ones only (the call went on without the others:
+        ``fault_tolerant``), renumbered in their order."""
         store, _ = ctx.group_store()
-        wait_for_workers(store, ctx.rank, ctx.workers, ctx.timeout, beat, ctx.rank_name)
+        wait_for_workers(store, ctx.rank, alive, ctx.timeout, beat, ctx.rank_name)
         dist.init_process_group(
-            "gloo", store=store, rank=ctx.rank, world_size=ctx.workers, timeout=ctx.timeout
-        )
+            "gloo", store=store, rank=alive.index(ctx.rank), world_size=len(alive),
+            timeout=ctx.timeout,
+        )  # fmt: skip
         self.workers.group = None  # the default group holds the workers alone
         _between_calls.group = dist.group.WORLD
         atexit.register(destroy_process_group)  # (a gloo group alive at exit can abort it)

@@ -58,6 +58,7 @@ class LostWorkerStandIn:
 
     @property
     def lost(self) -> list[int]:
+        """This call's workers lost so far (their ranks in it)."""
         client = self._client
         return list(client.lost_workers) if client is not None else list(self._grouped_for)
 
@@ -71,13 +72,13 @@ class LostWorkerStandIn:
     def before_batch(self, trainer: Any) -> None:
         """Before each batch (the SIGTERM flag's place): the last step's weights are in (a
         lost worker's push sent in its place), and the workers' group holds the survivors."""
-        self._strategy.servers.settle()
+        servers = self._strategy.servers
+        servers.settle()
         lost = self.lost
         if lost != self._grouped_for:
-            survivors = [w for w in range(self._strategy.world_size) if w not in lost]
-            self._strategy.servers.workers.group = dist.new_group(
-                survivors, use_local_synchronization=True
-            )
+            survivors = [w for w in range(len(servers.call_members)) if w not in lost]
+            servers.workers.group = dist.new_group(survivors, use_local_synchronization=True)
+            servers.lose(lost)
             self._grouped_for = lost
             _compat.reset_combined_loader(trainer.fit_loop.epoch_loop.val_loop)
 
@@ -118,10 +119,11 @@ class LostWorkerStandIn:
         return with_stand_ins(output, extra, 1.0)  # (the servers divide by every worker)
 
     def sampler_kwargs(self, first: dict[str, Any]) -> dict[str, Any]:
-        """A loader built after a loss shards its data over the survivors."""
-        lost = self._grouped_for
-        if not lost:
+        """A loader built after a loss (in this call or an earlier one) shards its data
+        over the survivors."""
+        strategy = self._strategy
+        survivors = strategy.servers.members(strategy.world_size)
+        if len(survivors) == strategy.world_size:
             return first
-        survivors = [w for w in range(self._strategy.world_size) if w not in lost]
-        rank = survivors.index(self._strategy.global_rank)
+        rank = survivors.index(strategy.global_rank)
         return {**first, "num_replicas": len(survivors), "rank": rank}

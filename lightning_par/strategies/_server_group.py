@@ -79,10 +79,12 @@ class ServerGroupStrategy(ParStrategy):
     def start_servers(self, server_options: dict[str, Any]) -> None:
         """``setup_distributed``, once the ranks are set: this node's servers, started with
         ``server_options``, and the process group of workers and servers."""
+        # (fault_tolerant: a call after one that lost workers goes on without them)
+        members = self.servers.call_members = self.servers.members(self.world_size)
         context = WorkerContext(
             strategy_name=self.strategy_name,
-            workers=self.world_size,
-            rank=self.global_rank,
+            workers=len(members),
+            rank=members.index(self.global_rank),
             local_rank=self.local_rank,
             node_rank=self.node_rank,
             num_nodes=self.num_nodes,

@@ -116,7 +116,8 @@ class ParameterServerStrategy(ServerGroupStrategy):
     @override
     def watched_ranks(self) -> list[int]:
         """Every worker and server (and a lone server's standby): the step waits for all."""
-        return list(range(self.world_size + self.servers.num_processes))
+        workers = len(self.servers.members(self.world_size))
+        return list(range(workers + self.servers.num_processes))
 
     @override
     def setup(self, trainer: pl.Trainer) -> None:
