@@ -226,9 +226,17 @@ class ServerGroup:
 
     # ---- the step ------------------------------------------------------------------------------
     def settle(self) -> None:
-        """Wait for every pulled layer (any the forward did not wait for)."""
-        if self.client is not None:
-            self.client.settle()
+        """Wait for every pulled layer (any the forward did not wait for); if that found
+        workers lost (``fault_tolerant``), the workers' group holds the survivors from now."""
+        if self.client is None:
+            return
+        self.client.settle()
+        lost = [w for w in getattr(self.client, "lost_workers", ()) if self.call_members[w]
+                not in self.lost]  # fmt: skip
+        if lost:  # (every survivor learns it at the same request: they meet here together)
+            self.lose(lost)
+            survivors = [i for i, r in enumerate(self.call_members) if r not in self.lost]
+            self.workers.group = dist.new_group(survivors, use_local_synchronization=True)
 
     def pre_backward(self) -> None:
         self.settle()  # any layer the forward did not wait for (unused, reused)
@@ -284,14 +292,14 @@ class ServerGroup:
         end them and the group."""
         ctx = self.context
         clean = not (interrupted or self.failed) and dist.is_initialized() and ctx is not None
-        alive = list(range(ctx.workers)) if ctx is not None else []
         if self.client is not None:
             if clean:
                 self.client.close()
-            alive = [w for w in alive if w not in getattr(self.client, "lost_workers", ())]
+            self.lose(getattr(self.client, "lost_workers", []))
             self.client = None
         elif clean and ctx.rank == 0 and comm is not None:
             self.client_cls.close_untrained(comm, ctx.workers, self.num_processes)
+        alive = [i for i, r in enumerate(self.call_members) if r not in self.lost]
         if self._watch is not None:
             self._watch.set()  # the servers end now: no longer news
         if self.processes:

@@ -22,11 +22,11 @@ fails only the lost worker's connections), so only the workers' group is made ag
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Callable
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
 from lightning_par import _compat
 from lightning_par.paramserver.replicated_client import ReplicatedClient
@@ -72,13 +72,9 @@ class LostWorkerStandIn:
     def before_batch(self, trainer: Any) -> None:
         """Before each batch (the SIGTERM flag's place): the last step's weights are in (a
         lost worker's push sent in its place), and the workers' group holds the survivors."""
-        servers = self._strategy.servers
-        servers.settle()
+        self._strategy.servers.settle()  # (which meets the survivors in a workers' group)
         lost = self.lost
-        if lost != self._grouped_for:
-            survivors = [w for w in range(len(servers.call_members)) if w not in lost]
-            servers.workers.group = dist.new_group(survivors, use_local_synchronization=True)
-            servers.lose(lost)
+        if lost != self._grouped_for:  # the next validation reads its data over the survivors
             self._grouped_for = lost
             _compat.reset_combined_loader(trainer.fit_loop.epoch_loop.val_loop)
 
@@ -104,6 +100,12 @@ class LostWorkerStandIn:
                 )  # fmt: skip
                 loss = loss_of(output, f"worker {worker}'s batch")
                 grads[worker] = list(torch.autograd.grad(loss, params, allow_unused=True))
+        names = ", ".join(f"worker {w} (rank {w})" for w in workers)
+        print(
+            f"lightning_par: {names} lost; worker 0 pushed its gradient of step {step} in its "
+            "place and trains its batches from now on (the weights stay one process's)",
+            file=sys.stderr, flush=True,
+        )  # fmt: skip
         return grads
 
     def with_lost_batches(self, output: Any, batch_idx: int) -> Any:
