@@ -157,6 +157,7 @@ class ReplicatedClient(ParameterClient):
         #: the workers lost so far, in the order this worker learned of them
         self.lost_workers: list[int] = []
         self._missing_due: set[int] = set()  # shards whose MISSING of the step is unread
+        self._missing_read: dict[int, list[int]] = {}  # read as a moved shard answered again
         self._missing_step = 0
         self._filling = False
         super().__init__(*args, **kwargs)
@@ -198,6 +199,7 @@ class ReplicatedClient(ParameterClient):
     def _open_step(self) -> list:
         self._new_request(Command.STEP)
         self._missing_due, self._missing_step = set(range(len(self.servers))), self.step
+        self._missing_read = {}
         message = self.header(Command.STEP).encode()
         return [(s, self.links.send(message, s, Kind.HEADER, self.step))
                 for s in range(len(self.servers))]  # fmt: skip
@@ -269,21 +271,32 @@ class ReplicatedClient(ParameterClient):
         """Every shard's ``MISSING`` of the step, before any pulled weight is written; worker
         0 pushes each missing worker's gradient in its place (module docstring)."""
         missing: dict[int, list[int]] = {}
-        while self._missing_due:  # (a shard that moves is answered again: read again)
-            s = min(self._missing_due)
-            holder = self.links.servers[s]
-            buffer = protocol.missing_buffer(self.num_workers)
-            try:
-                self.comm.recv(buffer, holder, tag=ShardTag(Kind.MISSING, s))
-            except CommError as err:
-                self._recover(s, err, holder)
-                continue
-            self._missing_due.discard(s)
-            missing[s] = protocol.decode_missing(buffer, self.num_workers)
+        self.links.waiting = True  # (clipping by norm: the watch may move a shard meanwhile)
+        try:
+            while self._missing_due:  # (a shard that moves is answered again: read again)
+                s = min(self._missing_due)
+                holder = self.links.servers[s]
+                try:
+                    found = self._recv_missing(s, holder)
+                except CommError as err:
+                    self._recover(s, err, holder)  # (its new holder's is read there)
+                    continue
+                with self.links.lock:
+                    if self.links.servers[s] == holder:  # (else read from its new holder)
+                        self._missing_due.discard(s)
+                        missing[s] = found
+        finally:
+            self.links.waiting = False
+        missing.update(self._missing_read)
         lost = sorted({w for ws in missing.values() for w in ws})
         if lost and self.rank == 0:
             self._push_in_place(self._missing_step, lost, missing)
         self.lost_workers += [w for w in lost if w not in self.lost_workers]
+
+    def _recv_missing(self, s: int, holder: int) -> list[int]:
+        buffer = protocol.missing_buffer(self.num_workers)
+        self.comm.recv(buffer, holder, tag=ShardTag(Kind.MISSING, s))
+        return protocol.decode_missing(buffer, self.num_workers)
 
     def _push_in_place(self, step: int, lost: list[int], missing: dict[int, list[int]]) -> None:
         if self.fill is None:
@@ -356,10 +369,11 @@ class ReplicatedClient(ParameterClient):
             done = ask_to_resume(self.comm, holder, s, self.request)
             if self.command in (None, Command.STEP):
                 self.links.repost(s)
-            if self.command == Command.STEP:  # (its answer ends with a MISSING again)
-                self._missing_due.add(s)
             if done == self.request - 1:
                 self.links.resend(s)
+            if self.command == Command.STEP:  # its answer holds a MISSING again: read now
+                self._missing_due.discard(s)  # (its holder waits until it is read)
+                self._missing_read[s] = self._recv_missing(s, holder)
             log.debug("worker %d: parameter server %d lost; shard %d answered by rank %d from "
                       "request %d (%s)", self.rank, lost, s, holder, self.request,
                       "sent again" if done < self.request else "answered again")  # fmt: skip
