@@ -18,8 +18,8 @@ A lost **worker** other than 0 is survived too (:mod:`.lost_workers`): after eac
 pushes every shard says which lost workers' pushes it lacks (``MISSING``); the worker reads
 every shard's answer before it writes any pulled weight, so worker 0 still holds the
 weights the step began with and pushes each missing worker's gradient in its place
-(:attr:`ReplicatedClient.fill` computes it), then trains those workers' batches beside
-its own (:attr:`ReplicatedClient.lost_workers`).
+(:mod:`.missing_pushes`), then trains those workers' batches beside its own
+(:attr:`ReplicatedClient.lost_workers`).
 
 Clipping by norm ties the servers together: none answers a step before it has every
 shard's squared norm, so a worker waiting for a live server's answer would wait forever
@@ -38,9 +38,10 @@ import torch
 
 from lightning_par.comm import CommError, Handle
 from lightning_par.paramserver import protocol
-from lightning_par.paramserver.faults import lost_server, record_covered
+from lightning_par.paramserver.faults import lost_server
 from lightning_par.paramserver.links import ServerLinks
 from lightning_par.paramserver.messages import recv_object, send_object
+from lightning_par.paramserver.missing_pushes import MissingPushes
 from lightning_par.paramserver.protocol import Command, Kind, ShardTag, server_rank
 from lightning_par.paramserver.replication import backup_of, server_processes
 from lightning_par.paramserver.spec import ServerSpec
@@ -146,20 +147,9 @@ class ReplicatedClient(ParameterClient):
 
     links: ReplicatedLinks
 
-    #: ``fill(step, workers)``: each lost worker's gradient of ``step`` on its own batch,
-    #: one entry per trainable parameter (None: unused), computed with the weights the
-    #: step began with (worker 0; set by the strategy)
-    fill: Callable[[int, list[int]], dict[int, list[torch.Tensor | None]]] | None = None
-
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         self.request, self.command = 0, None  # request 0: the initial weights
         self.moved: set[int] = set()  # shards whose copy serves them now
-        #: the workers lost so far, in the order this worker learned of them
-        self.lost_workers: list[int] = []
-        self._missing_due: set[int] = set()  # shards whose MISSING of the step is unread
-        self._missing_read: dict[int, list[int]] = {}  # read as a moved shard answered again
-        self._missing_step = 0
-        self._filling = False
         super().__init__(*args, **kwargs)
         self.closed = threading.Event()
         clip = kwargs.get("clip")
@@ -171,8 +161,12 @@ class ReplicatedClient(ParameterClient):
         return server_processes(len(self.servers), True)
 
     def make_links(self) -> ReplicatedLinks:
-        return ReplicatedLinks(self.comm, self.layout, self.params, list(self.servers),
-                               num_workers=self.num_workers, recover=self._recover)  # fmt: skip
+        links = ReplicatedLinks(self.comm, self.layout, self.params, list(self.servers),
+                                num_workers=self.num_workers, recover=self._recover)  # fmt: skip
+        #: the lost workers' pushes (worker 0 sends them; the strategy sets ``missing.fill``)
+        self.missing = MissingPushes(self.comm, links, self.num_workers, self.rank,
+                                     self._recover, self.name)  # fmt: skip
+        return links
 
     def begin(self, spec: ServerSpec | None) -> None:
         held = {s for b in range(len(self.layout.buckets)) for s in self.layout.servers_of(b)}
@@ -198,8 +192,7 @@ class ReplicatedClient(ParameterClient):
 
     def _open_step(self) -> list:
         self._new_request(Command.STEP)
-        self._missing_due, self._missing_step = set(range(len(self.servers))), self.step
-        self._missing_read = {}
+        self.missing.expect(len(self.servers), self.step)
         message = self.header(Command.STEP).encode()
         return [(s, self.links.send(message, s, Kind.HEADER, self.step))
                 for s in range(len(self.servers))]  # fmt: skip
@@ -252,81 +245,24 @@ class ReplicatedClient(ParameterClient):
         self.closed.set()
         super().remove_hooks()
 
-    # ---- a lost worker --------------------------------------------------------------------
+    # ---- a lost worker (:mod:`.missing_pushes`) -----------------------------------------
+    @property
+    def lost_workers(self) -> list[int]:
+        """The workers lost so far (worker 0 trains their batches)."""
+        return self.missing.lost
+
     def _waiter(self, needed: list[int]):
         wait = super()._waiter(needed)
 
         def hook(module: Any, args: Any) -> None:
-            if not self._filling:  # (the lost workers' forward runs on the weights as they are)
+            if not self.missing.filling:  # (the lost workers' forward: the weights as they are)
                 wait(module, args)
 
         return hook
 
     def wait_bucket(self, b: int) -> None:
-        if self._missing_due:
-            self._read_missing()
+        self.missing.read(self.step)  # (once a step: before any pulled weight is written)
         super().wait_bucket(b)
-
-    def _read_missing(self) -> None:
-        """Every shard's ``MISSING`` of the step, before any pulled weight is written; worker
-        0 pushes each missing worker's gradient in its place (module docstring)."""
-        missing: dict[int, list[int]] = {}
-        self.links.waiting = True  # (clipping by norm: the watch may move a shard meanwhile)
-        try:
-            while self._missing_due:  # (a shard that moves is answered again: read again)
-                s = min(self._missing_due)
-                holder = self.links.servers[s]
-                try:
-                    found = self._recv_missing(s, holder)
-                except CommError as err:
-                    self._recover(s, err, holder)  # (its new holder's is read there)
-                    continue
-                with self.links.lock:
-                    if self.links.servers[s] == holder:  # (else read from its new holder)
-                        self._missing_due.discard(s)
-                        missing[s] = found
-        finally:
-            self.links.waiting = False
-        missing.update(self._missing_read)
-        lost = sorted({w for ws in missing.values() for w in ws})
-        if lost and self.rank == 0:
-            self._push_in_place(self._missing_step, lost, missing)
-        self.lost_workers += [w for w in lost if w not in self.lost_workers]
-
-    def _recv_missing(self, s: int, holder: int) -> list[int]:
-        buffer = protocol.missing_buffer(self.num_workers)
-        self.comm.recv(buffer, holder, tag=ShardTag(Kind.MISSING, s))
-        return protocol.decode_missing(buffer, self.num_workers)
-
-    def _push_in_place(self, step: int, lost: list[int], missing: dict[int, list[int]]) -> None:
-        if self.fill is None:
-            raise RuntimeError(f"{self.name}: worker(s) {lost} lost, and nothing computes "
-                               "their gradients (ReplicatedClient.fill is not set)")  # fmt: skip
-        self._filling = True
-        try:
-            grads = self.fill(step, lost)
-        finally:
-            self._filling = False
-        plan = self.links.plan
-        for s, workers in missing.items():
-            sends = [
-                (s, self.links.send(self._push_of(grads[w], b, s), s, Kind.PUSH, step, b))
-                for w in workers for b in range(len(plan.buckets)) if s in plan.servers_of(b)
-            ]  # fmt: skip
-            self.links.wait_sends(sends)
-        for w in lost:  # before the next step's header: from then on worker 0's push holds it
-            record_covered(w, self.step)
-
-    def _push_of(self, grads: list[torch.Tensor | None], b: int, s: int) -> torch.Tensor:
-        """A ``PUSH`` of bucket ``b`` to shard ``s`` holding the gradients ``grads``."""
-        parts, flags = [], []
-        for _, piece in self.links.plan.slices[b][s]:
-            grad = grads[piece.param]
-            used = grad is not None
-            flat = (grad if used else torch.zeros_like(self.params[piece.param])).detach()
-            parts.append(flat.flatten()[piece.start : piece.stop])
-            flags.append(torch.tensor(float(used), dtype=flat.dtype))
-        return protocol.encode_push(parts, flags)
 
     # ---- a lost server --------------------------------------------------------------------
     def watch(self) -> None:
@@ -371,9 +307,8 @@ class ReplicatedClient(ParameterClient):
                 self.links.repost(s)
             if done == self.request - 1:
                 self.links.resend(s)
-            if self.command == Command.STEP:  # its answer holds a MISSING again: read now
-                self._missing_due.discard(s)  # (its holder waits until it is read)
-                self._missing_read[s] = self._recv_missing(s, holder)
+            if self.command == Command.STEP:  # its answer ends with a MISSING: read now
+                self.missing.read_again(s, holder)
             log.debug("worker %d: parameter server %d lost; shard %d answered by rank %d from "
                       "request %d (%s)", self.rank, lost, s, holder, self.request,
                       "sent again" if done < self.request else "answered again")  # fmt: skip

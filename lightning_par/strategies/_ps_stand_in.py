@@ -66,7 +66,7 @@ class LostWorkerStandIn:
         """A ``fit``'s client is connected: worker 0 computes the lost workers' gradients."""
         self._shards, self._batches, self._grouped_for = LostShards(), {}, []
         if self._client is not None:
-            self._client.fill = self.gradients
+            self._client.missing.fill = self.gradients
 
     # ---- the step ------------------------------------------------------------------------
     def before_batch(self, trainer: Any) -> None:
