@@ -237,6 +237,7 @@ def test_a_lost_parameter_server_worker_is_survived_with_one_process_weights(
     assert text.count(said) == 1, text[-4000:]
     assert text.count(f"worker {lost} (rank {lost}) lost; worker 0 pushed its gradient") == 1, text
     frozen = fault.startswith("freeze")
+    assert text.count("it is ended and the others go on without it") == frozen, text[-4000:]
     detect_s = _at(run, "the other workers go on") - _at(run, "LIGHTNING_PAR_FAULT: ")
     assert detect_s < (DEAD_PEER_S + 8 if frozen else 8), detect_s
     _assert_one_process(run, world)

@@ -164,16 +164,26 @@ def _let_go(beat: Heartbeat, num_workers: int, peer: int, report: str) -> bool:
     worker other than 0, which is killed first where it runs on this machine, so that its
     connections close and the others' messages to it fail at once)."""
     if 0 < peer < num_workers:
-        end_silent_worker(beat, peer)
+        end_silent_worker(beat, peer, report)
     return peer != 0
 
 
-def end_silent_worker(beat: Heartbeat, peer: int) -> None:
-    """SIGKILL silent ``peer`` of ``beat``'s group if it runs on this machine."""
+#: Who found a silent worker first (``fault_tolerant``): the one process that says so.
+SILENT_KEY = "lightning_par/paramserver/silent/{}"
+
+
+def end_silent_worker(beat: Heartbeat, peer: int, report: str) -> None:
+    """SIGKILL silent worker ``peer`` of ``beat``'s group if it runs on this machine; the
+    first process to find it silent says so (``report``: who, for how long)."""
     process = beat.peers.get(peer)
     if process is not None and process.local and not process.ended():
         beat.killing(peer)
         process.kill()
+    me = str(beat.rank)
+    first = beat.safely(lambda: beat.store.compare_set(SILENT_KEY.format(peer), "", me))
+    if first is not None and first.decode() == me:
+        print(f"lightning_par: {report}; it is ended and the others go on without it",
+              file=sys.stderr, flush=True)  # fmt: skip
 
 
 def _peer_silent(beat: Heartbeat, unwatched_below: int, peer: int, report: str) -> None:
@@ -289,7 +299,7 @@ def fence(procs: list[mp.process.BaseProcess], num_workers: int):
     def survive(peer: int, report: str) -> bool:
         beat = current()
         if 0 < peer < num_workers and beat is not None:  # a silent worker: ended, let go
-            end_silent_worker(beat, peer)
+            end_silent_worker(beat, peer, report)
             return True
         for proc in procs:
             if num_workers + proc.server_index == peer and proc.is_alive():  # type: ignore[attr-defined]
