@@ -166,8 +166,8 @@ def _train(comm: Communicator, rank: int, servers: int, clip: GradClip | None, l
         loss.backward()
         client.finish_backward()
         opt.zero_grad()
+    state = client.gather_state()  # (which reads the last step's answers)
     assert client.lost_workers == ([1] if lose is not None else []), client.lost_workers
-    state = client.gather_state()
     client.close()
     weights = torch.cat([p.detach().flatten() for p in model.parameters()]).numpy()
     return weights, {k: {n: v.numpy() if torch.is_tensor(v) else v for n, v in s.items()}
