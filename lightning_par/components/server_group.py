@@ -157,6 +157,8 @@ class ServerGroup:
         workers and servers, watch the ranks ``watched``; ``module``'s ``prepare_data`` waits
         for the workers only."""
         self.context = ctx = context
+        if len(self.call_members) != ctx.workers:  # (no strategy said who they are: all)
+            self.call_members = list(range(ctx.workers))
         if _between_calls.group is not None:  # the workers' group kept since the last call
             _end_group_between_calls()  # (of this strategy or another's) ends here
         if dist.is_initialized():

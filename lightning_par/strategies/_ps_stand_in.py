@@ -49,7 +49,7 @@ class LostWorkerStandIn:
         self._strategy, self._step = strategy, step
         self._shards = LostShards()
         self._batches: dict[int, tuple[int, int]] = {}  # client step -> (epoch, batch_idx)
-        self._grouped_for: list[int] = []  # the lost workers the workers' group leaves out
+        self._grouped_for: list[int] = []  # the lost workers the validation loader knows
 
     @property
     def _client(self) -> ReplicatedClient | None:
