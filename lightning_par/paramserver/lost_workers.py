@@ -15,6 +15,8 @@ update still averages the gradients of all ``W`` shards of the batch, each exact
   ``DistributedSampler`` read again with the lost rank's number) and pushes it in its place,
   bucket by bucket; the shard completes the buckets that lacked it, applies them and sends
   them back;
+* a frozen worker is found silent by a peer's heartbeat and ended where it runs on the
+  same machine (:func:`let_go_silent`), so that its connections close as a killed one's;
 * from the next step on, worker 0 trains the lost worker's batch beside its own (one push,
   the sum of both gradients); it says so in the job's store before it sends that step's
   header (:func:`~.faults.record_covered`), so a server that finds the worker lost only then
@@ -28,11 +30,13 @@ and no process group is re-formed (gloo fails only the lost worker's connections
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Callable
 
 import torch
 
 from lightning_par.comm import CommError, Communicator, Handle
+from lightning_par.launch.liveness import Heartbeat
 from lightning_par.paramserver import protocol
 from lightning_par.paramserver.faults import covered_since
 from lightning_par.paramserver.protocol import Header, Kind
@@ -173,4 +177,32 @@ class LostWorkers:
         return [(w, h) for b in grads for w, h in zip(live, shard.send_slices(comm, b, live, step))]
 
 
-__all__ = ["LostWorkers"]
+# ---- a silent worker (frozen): ended, so that its connections close --------------------------
+def let_go_silent(beat: Heartbeat, num_workers: int, peer: int, report: str) -> bool:
+    """``fault_tolerant``: whether the job goes on without silent ``peer`` (a server, or a
+    worker other than 0, which is killed first where it runs on this machine, so that its
+    connections close and the others' messages to it fail at once)."""
+    if 0 < peer < num_workers:
+        end_silent_worker(beat, peer, report)
+    return peer != 0
+
+
+#: Who found a silent worker first (``fault_tolerant``): the one process that says so.
+SILENT_KEY = "lightning_par/paramserver/silent/{}"
+
+
+def end_silent_worker(beat: Heartbeat, peer: int, report: str) -> None:
+    """SIGKILL silent worker ``peer`` of ``beat``'s group if it runs on this machine; the
+    first process to find it silent says so (``report``: who, for how long)."""
+    process = beat.peers.get(peer)
+    if process is not None and process.local and not process.ended():
+        beat.killing(peer)
+        process.kill()
+    me = str(beat.rank)
+    first = beat.safely(lambda: beat.store.compare_set(SILENT_KEY.format(peer), "", me))
+    if first is not None and first.decode() == me:
+        print(f"lightning_par: {report}; it is ended and the others go on without it",
+              file=sys.stderr, flush=True)  # fmt: skip
+
+
+__all__ = ["LostWorkers", "end_silent_worker", "let_go_silent"]

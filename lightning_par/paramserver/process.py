@@ -58,6 +58,7 @@ from lightning_par.paramserver.faults import (
     reported_fault,
     with_fault,
 )
+from lightning_par.paramserver.lost_workers import end_silent_worker, let_go_silent
 from lightning_par.paramserver.server import serve, synchronous_step
 from lightning_par.paramserver.shard_server import serve_replicated
 
@@ -132,7 +133,7 @@ def server_main(launch: ServerLaunch, parent: ParentState | None = None) -> None
         # fault_tolerant: a silent server is killed by its starter and its copy takes over; a
         # silent worker other than 0 is ended (here, if it runs on this machine) and let go
         if launch.fault_tolerant:
-            beat.survive = partial(_let_go, beat, num_workers)
+            beat.survive = partial(let_go_silent, beat, num_workers)
         # (asynchronous: no worker watches the workers other than 0, which it may lose)
         beat.on_dead = partial(_peer_silent, beat, num_workers if launch.asynchronous else 0)
         beat.start()
@@ -157,33 +158,6 @@ def server_main(launch: ServerLaunch, parent: ParentState | None = None) -> None
         os._exit(1)  # do not wait for peers that may be gone
     beat.stop()
     dist.destroy_process_group()
-
-
-def _let_go(beat: Heartbeat, num_workers: int, peer: int, report: str) -> bool:
-    """``fault_tolerant``: whether the job goes on without silent ``peer`` (a server, or a
-    worker other than 0, which is killed first where it runs on this machine, so that its
-    connections close and the others' messages to it fail at once)."""
-    if 0 < peer < num_workers:
-        end_silent_worker(beat, peer, report)
-    return peer != 0
-
-
-#: Who found a silent worker first (``fault_tolerant``): the one process that says so.
-SILENT_KEY = "lightning_par/paramserver/silent/{}"
-
-
-def end_silent_worker(beat: Heartbeat, peer: int, report: str) -> None:
-    """SIGKILL silent worker ``peer`` of ``beat``'s group if it runs on this machine; the
-    first process to find it silent says so (``report``: who, for how long)."""
-    process = beat.peers.get(peer)
-    if process is not None and process.local and not process.ended():
-        beat.killing(peer)
-        process.kill()
-    me = str(beat.rank)
-    first = beat.safely(lambda: beat.store.compare_set(SILENT_KEY.format(peer), "", me))
-    if first is not None and first.decode() == me:
-        print(f"lightning_par: {report}; it is ended and the others go on without it",
-              file=sys.stderr, flush=True)  # fmt: skip
 
 
 def _peer_silent(beat: Heartbeat, unwatched_below: int, peer: int, report: str) -> None:
