@@ -182,9 +182,6 @@ def test_a_lost_rank_is_survived_with_one_process_weights(tmp_path, name, world,
     env = {"LIGHTNING_PAR_START_METHOD": launch} if launch != "fork" else {}
     run = run_script(tmp_path, name, world, fault, **env)
     text = "".join(line for _, line in run.lines)
-    assert run.code == 0, text[-4000:]
-    assert "Traceback" not in text and "Error" not in text.replace("UserWarning", ""), text[-4000:]
-    assert run.session == [] and run.left == [], (run.session, run.left)
     lost = fault.split(":")[1].split("=")[1]
     survivors = [r for r in range(world) if str(r) != lost]
     assert text.count(f"rank(s) {lost} lost; {world - 1} of {world} ranks go on") == 1, text
@@ -193,6 +190,17 @@ def test_a_lost_rank_is_survived_with_one_process_weights(tmp_path, name, world,
     assert ("it is ended and the others go on without it" in text) == frozen, text
     detect_s = _at(run, "ranks go on") - _at(run, "LIGHTNING_PAR_FAULT: ")
     assert detect_s < (DEAD_PEER_S + 8 if frozen else 8), detect_s
+    _assert_one_process(run, world)
+    print(f"{name} p={world} {fault} {launch}: the survivors went on {detect_s:.2f} s after it")
+
+
+def _assert_one_process(run, world: int) -> None:
+    """The script ended normally with one process's weights, and its ``validate`` after
+    the loss saw every sample (over the survivors)."""
+    text = "".join(line for _, line in run.lines)
+    assert run.code == 0, text[-4000:]
+    assert "Traceback" not in text and "Error" not in text.replace("UserWarning", ""), text[-4000:]
+    assert run.session == [] and run.left == [], (run.session, run.left)
     result = json.loads(next(line for _, line in run.lines if line.startswith("RESULT "))[7:])
     assert result["raised"] is None, result
     expected, got = one_process(world), torch.load(run.out, weights_only=True)
@@ -203,7 +211,37 @@ def test_a_lost_rank_is_survived_with_one_process_weights(tmp_path, name, world,
         model.load_state_dict(expected)
         whole = torch.nn.functional.cross_entropy(model.net(x), y).item()
     assert result["val_loss"] == pytest.approx(whole, abs=1e-5)
-    print(f"{name} p={world} {fault} {launch}: the survivors went on {detect_s:.2f} s after it")
+
+
+PS_SURVIVED = [  # (workers, fault, launch): one server (and its standby)
+    (2, "kill:rank=1:step=3", "fork"),
+    (2, "freeze:rank=1:step=5", "fork"),
+    (2, "kill:rank=1:step=11", "popen"),  # the last step
+]
+
+
+@pytest.mark.parametrize("world, fault, launch", PS_SURVIVED, ids=["-".join(
+    (str(w), f.split(":")[0], f.split(":")[2], la)) for w, f, la in PS_SURVIVED])  # fmt: skip
+def test_a_lost_parameter_server_worker_is_survived_with_one_process_weights(
+    tmp_path, world, fault, launch
+):
+    """ParameterServerStrategy(fault_tolerant=True): the servers keep the lost worker's
+    pushes, worker 0 pushes what is missing of its step and trains its batches from then
+    on; then save_checkpoint and validate (popen: in the same processes, over the
+    survivors) as users call them."""
+    env = {"LIGHTNING_PAR_START_METHOD": launch} if launch != "fork" else {}
+    run = run_script(tmp_path, "parameter_server", world, fault, **env)
+    text = "".join(line for _, line in run.lines)
+    lost = fault.split(":")[1].split("=")[1]
+    said = f"worker {lost} (rank {lost}) was killed by SIGKILL; the other workers go on without it"
+    assert text.count(said) == 1, text[-4000:]
+    assert text.count(f"worker {lost} (rank {lost}) lost; worker 0 pushed its gradient") == 1, text
+    frozen = fault.startswith("freeze")
+    assert text.count("it is ended and the others go on without it") == frozen, text[-4000:]
+    detect_s = _at(run, "the other workers go on") - _at(run, "LIGHTNING_PAR_FAULT: ")
+    assert detect_s < (DEAD_PEER_S + 8 if frozen else 8), detect_s
+    _assert_one_process(run, world)
+    print(f"parameter_server W={world} {fault} {launch}: went on {detect_s:.2f} s after it")
 
 
 def test_rank_0_lost_ends_a_fault_tolerant_run_naming_it(tmp_path):

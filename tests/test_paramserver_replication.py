@@ -2,7 +2,8 @@
 paramserver.replication`, ``takeover``, ``shard_server``, ``replicated_client``): two workers
 and the server processes in one gloo group, one server killed at a chosen point of the
 protocol; every worker's weights and the optimiser state gathered from the servers equal a
-run in which no server was lost."""
+run in which no server was lost. A lost worker too (``lost_workers``, ``missing_pushes``):
+worker 0 pushes in its place and trains its batches, and its weights stay the same."""
 
 from __future__ import annotations
 
@@ -121,28 +122,59 @@ def _model() -> nn.Module:
     return nn.Sequential(nn.Linear(6, 12), nn.Tanh(), nn.Linear(12, 3))
 
 
-def _train(comm: Communicator, rank: int, servers: int, clip: GradClip | None):
+def _loss(model: nn.Module, data: tuple, step: int, worker: int) -> torch.Tensor:
+    (x, y), lo = data, (step * WORKERS + worker) * BATCH
+    return F.cross_entropy(model(x[lo : lo + BATCH]), y[lo : lo + BATCH])
+
+
+def _lose_worker_1(point: str, at: int) -> None:
+    """In worker 1: die at step ``at``, once its second bucket's push went (``mid-push``)
+    or once every push went (``pushed``)."""
+    push = ReplicatedClient._push
+
+    def pushed(self, bucket):
+        push(self, bucket)
+        if self.step == at and bucket.index == (
+            1 if point == "mid-push" else len(self.buckets.buckets) - 1
+        ):
+            _die()
+
+    ReplicatedClient._push = pushed
+
+
+def _train(comm: Communicator, rank: int, servers: int, clip: GradClip | None, lose: tuple | None):
     model = _model()
     opt = torch.optim.Adam(model.parameters(), lr=0.05)
+    if lose is not None and rank == 1:
+        _lose_worker_1(*lose)
     client = ReplicatedClient(model, opt, comm, WORKERS, servers, bucket_cap_mb=1e-4,
                               split_mb=2e-4, clip=clip)  # fmt: skip
     g, n = torch.Generator().manual_seed(1), STEPS * WORKERS * BATCH
-    x, y = torch.randn(n, 6, generator=g), torch.randint(0, 3, (n,), generator=g)
+    data = torch.randn(n, 6, generator=g), torch.randint(0, 3, (n,), generator=g)
+    params = list(model.parameters())
+    client.missing.fill = lambda step, lost: {  # worker 0 pushes a lost worker's gradient
+        w: list(torch.autograd.grad(_loss(model, data, step, w), params, allow_unused=True))
+        for w in lost
+    }  # fmt: skip
     for step in range(STEPS):
         if step == READ_AT_STEP:  # a checkpoint's read, and loading it (as a resume would)
             client.load_state(client.gather_state())  # (complete on worker 0, which sends it)
-        lo = (step * WORKERS + rank) * BATCH
-        F.cross_entropy(model(x[lo : lo + BATCH]), y[lo : lo + BATCH]).backward()
+        client.settle()  # (a lost worker is known from here; the strategy settles there too)
+        loss = _loss(model, data, step, rank)
+        for w in client.lost_workers:  # and trains its batches beside its own
+            loss = loss + _loss(model, data, step, w)
+        loss.backward()
         client.finish_backward()
         opt.zero_grad()
-    state = client.gather_state()
+    state = client.gather_state()  # (which reads the last step's answers)
+    assert client.lost_workers == ([1] if lose is not None else []), client.lost_workers
     client.close()
     weights = torch.cat([p.detach().flatten() for p in model.parameters()]).numpy()
     return weights, {k: {n: v.numpy() if torch.is_tensor(v) else v for n, v in s.items()}
                      for k, s in state["state"].items()} if rank == 0 else None  # fmt: skip
 
 
-def _rank(rank, world, port, servers, kills, clip, queue, threads) -> None:
+def _rank(rank, world, port, servers, kills, clip, lose, queue, threads) -> None:
     limit_threads_after_fork(threads)
     try:
         store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=TIMEOUT)
@@ -154,22 +186,24 @@ def _rank(rank, world, port, servers, kills, clip, queue, threads) -> None:
                     _arm(point, request)
             serve_replicated(Communicator(), rank - WORKERS, world - WORKERS, store, TIMEOUT)
         else:
-            queue.put((rank, pickle.dumps(_train(Communicator(), rank, servers, clip))))
+            queue.put((rank, pickle.dumps(_train(Communicator(), rank, servers, clip, lose))))
         dist.destroy_process_group()
     except BaseException:
         queue.put((rank, traceback.format_exc()))
     os._exit(0)
 
 
-def _run(servers: int, *kills: tuple, clip: GradClip | None = None):
-    """Train on two workers and ``servers`` shards; each kill: ``(server, point, request)``.
-    The parent plays the worker that started the servers: it says which one died."""
+def _run(servers: int, *kills: tuple, clip: GradClip | None = None, lose: tuple | None = None):
+    """Train on two workers and ``servers`` shards; each kill: ``(server, point, request)``;
+    ``lose``: worker 1 dies (:func:`_lose_worker_1`). The parent plays the worker that
+    started the servers: it says which one died."""
+    workers = WORKERS - (lose is not None)
     world = WORKERS + server_processes(servers, True)
     port = find_free_port()
     plan = plan_launch("cpu", world, can_exec=False)
     ctx = mp.get_context(plan.method)
     queue = ctx.SimpleQueue()
-    args = (world, port, servers, kills, clip, queue, plan.threads_per_rank or 1)
+    args = (world, port, servers, kills, clip, lose, queue, plan.threads_per_rank or 1)
     procs = [ctx.Process(target=_rank, args=(r, *args), daemon=True) for r in range(world)]
     for proc in procs:
         proc.start()
@@ -178,7 +212,7 @@ def _run(servers: int, *kills: tuple, clip: GradClip | None = None):
                           timeout=TIMEOUT)  # fmt: skip
     results, said, deadline = {}, set(), time.monotonic() + 90
     try:
-        while len(results) < WORKERS and time.monotonic() < deadline:
+        while len(results) < workers and time.monotonic() < deadline:
             while not queue.empty():
                 rank, result = queue.get()  # (an error: its traceback)
                 assert rank < WORKERS, f"server {rank - WORKERS} failed:\n{result}"
@@ -194,7 +228,7 @@ def _run(servers: int, *kills: tuple, clip: GradClip | None = None):
             if proc.is_alive():
                 proc.kill()
         del store
-    assert len(results) == WORKERS, "the workers did not finish"
+    assert len(results) == workers, "the workers did not finish"
     assert not [p for p in procs if p.is_alive()]
     return results, said
 
@@ -202,7 +236,7 @@ def _run(servers: int, *kills: tuple, clip: GradClip | None = None):
 def _same(run, reference) -> None:
     (results, _), (expected, _) = run, reference
     assert all(isinstance(r, tuple) for r in results.values()), results
-    for w in range(WORKERS):
+    for w in results:  # (every worker, or the one left: _run counts them)
         torch.testing.assert_close(torch.from_numpy(results[w][0]),
                                    torch.from_numpy(expected[w][0]), atol=1e-6, rtol=0)  # fmt: skip
     for key, state in expected[0][1].items():
@@ -263,3 +297,15 @@ def test_a_server_without_parameters_is_refused_naming_the_option_and_the_fix():
     (message,) = run_on_ranks(_more_servers_than_tensors, 1, timeout=30)
     assert message.startswith("parameter_server: fault_tolerant=True needs every server"), message
     assert "server(s) [2] hold none" in message and "lower num_servers or split_mb" in message
+
+
+@pytest.mark.parametrize("point", ["mid-push", "pushed"])
+def test_a_lost_workers_pushes_come_from_worker_0_and_the_weights_stay_the_same(point):
+    """Worker 1 dies at step 3 after pushing part of its gradient (the shards complete the
+    rest from worker 0, which computes it on worker 1's batch) or all of it (the servers
+    find it lost only at the next step, which worker 0 already trains for it): worker 0's
+    weights and the optimiser state equal a run in which no worker was lost."""
+    reference = _run(2)
+    run = _run(2, lose=(point, 3))
+    assert list(run[0]) == [0]
+    _same(run, reference)

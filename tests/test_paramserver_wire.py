@@ -153,6 +153,7 @@ def _decoders() -> dict[str, Callable[[torch.Tensor], object]]:
         "decode_update": lambda m: protocol.decode_update(m, m.numel() - 1, 1),
         "decode_ack": protocol.decode_ack,
         "decode_count": lambda m: protocol.decode_count(m, Kind.RECOVER),
+        "decode_missing": lambda m: protocol.decode_missing(m, 3),
     }
 
 

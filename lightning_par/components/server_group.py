@@ -128,9 +128,24 @@ class ServerGroup:
         #: the servers' optimiser state at the end of the last fit, for a checkpoint saved
         #: after it in ranks that outlive the call (popen, torchrun)
         self.final_state: dict[str, Any] | None = None
+        #: (``fault_tolerant``) the workers lost so far, by their ranks at the first call,
+        #: and the first ranks of this call's workers (a later call goes on without the lost)
+        self.lost: list[int] = []
+        self.call_members: list[int] = []
         self._backward_start = (0.0, 0.0)  # CommTrace.mark()
 
     # ---- processes -----------------------------------------------------------------------------
+    def members(self, world_size: int) -> list[int]:
+        """The first ranks of the workers still in the job, of the ``world_size`` at the
+        start (all of them, unless a fault-tolerant run lost some)."""
+        return [w for w in range(world_size) if w not in self.lost]
+
+    def lose(self, workers: list[int]) -> None:
+        """This call's workers ``workers`` (their ranks in it) were lost."""
+        self.lost += [
+            self.call_members[w] for w in workers if self.call_members[w] not in self.lost
+        ]
+
     def start(
         self,
         context: WorkerContext,
@@ -142,6 +157,8 @@ class ServerGroup:
         workers and servers, watch the ranks ``watched``; ``module``'s ``prepare_data`` waits
         for the workers only."""
         self.context = ctx = context
+        if len(self.call_members) != ctx.workers:  # (no strategy said who they are: all)
+            self.call_members = list(range(ctx.workers))
         if _between_calls.group is not None:  # the workers' group kept since the last call
             _end_group_between_calls()  # (of this strategy or another's) ends here
         if dist.is_initialized():
@@ -211,9 +228,17 @@ class ServerGroup:
 
     # ---- the step ------------------------------------------------------------------------------
     def settle(self) -> None:
-        """Wait for every pulled layer (any the forward did not wait for)."""
-        if self.client is not None:
-            self.client.settle()
+        """Wait for every pulled layer (any the forward did not wait for); if that found
+        workers lost (``fault_tolerant``), the workers' group holds the survivors from now."""
+        if self.client is None:
+            return
+        self.client.settle()
+        lost = [w for w in getattr(self.client, "lost_workers", ()) if self.call_members[w]
+                not in self.lost]  # fmt: skip
+        if lost:  # (every survivor learns it at the same request: they meet here together)
+            self.lose(lost)
+            survivors = [i for i, r in enumerate(self.call_members) if r not in self.lost]
+            self.workers.group = dist.new_group(survivors, use_local_synchronization=True)
 
     def pre_backward(self) -> None:
         self.settle()  # any layer the forward did not wait for (unused, reused)
@@ -272,9 +297,11 @@ class ServerGroup:
         if self.client is not None:
             if clean:
                 self.client.close()
+            self.lose(getattr(self.client, "lost_workers", []))
             self.client = None
         elif clean and ctx.rank == 0 and comm is not None:
             self.client_cls.close_untrained(comm, ctx.workers, self.num_processes)
+        alive = [i for i, r in enumerate(self.call_members) if r not in self.lost]
         if self._watch is not None:
             self._watch.set()  # the servers end now: no longer news
         if self.processes:
@@ -285,19 +312,22 @@ class ServerGroup:
         if clean:  # the servers are gone: a later fit/test/validate builds a new group
             dist.destroy_process_group()
             if ctx.outlives_the_call:
-                self._join_workers_between_calls(ctx, beat)
+                self._join_workers_between_calls(ctx, beat, alive)
 
-    def _join_workers_between_calls(self, ctx: WorkerContext, beat: Any) -> None:
+    def _join_workers_between_calls(self, ctx: WorkerContext, beat: Any, alive: list[int]
+                                    ) -> None:  # fmt: skip
         """The script goes on in every worker: Lightning's barrier in ``save_checkpoint``
         and the collectives of the next call's set-up need a group, as under Lightning's
         DDP, whose group lives on after ``fit``. The servers are gone: the workers alone,
         once all are back (:func:`~.worker_group.wait_for_workers`: one lost during the
-        call never comes)."""
+        call never comes), but the ``alive`` ones only (the call went on without the others:
+        ``fault_tolerant``), renumbered in their order."""
         store, _ = ctx.group_store()
-        wait_for_workers(store, ctx.rank, ctx.workers, ctx.timeout, beat, ctx.rank_name)
+        wait_for_workers(store, ctx.rank, alive, ctx.timeout, beat, ctx.rank_name)
         dist.init_process_group(
-            "gloo", store=store, rank=ctx.rank, world_size=ctx.workers, timeout=ctx.timeout
-        )
+            "gloo", store=store, rank=alive.index(ctx.rank), world_size=len(alive),
+            timeout=ctx.timeout,
+        )  # fmt: skip
         self.workers.group = None  # the default group holds the workers alone
         _between_calls.group = dist.group.WORLD
         atexit.register(destroy_process_group)  # (a gloo group alive at exit can abort it)

@@ -52,25 +52,26 @@ def gloo_only(kwargs: dict[str, Any]) -> None:
 
 
 def wait_for_workers(
-    store: Any, rank: int, workers: int, timeout: timedelta, beat: Any,
+    store: Any, rank: int, workers: list[int], timeout: timedelta, beat: Any,
     name: Callable[[int], str],
 ) -> None:  # fmt: skip
-    """Wait in ``store`` until the ``workers`` are all back from a call, before they form a
-    group of their own. A worker lost during the call (``async_sgd`` goes on without it)
+    """Wait in ``store`` until the ``workers`` (ranks; those a fault-tolerant call went on
+    without are not among them) are all back from a call, before they form a group of
+    their own. A worker lost during the call (``async_sgd`` goes on without it)
     never comes: gloo's rendezvous would wait for it for the whole ``timeout``, deaf to
     signals (torchrun's agent stopping the job). Here a silent one that a server handed
     over in ``beat``'s group (:func:`~lightning_par.launch.peer_loss.handed_over`)
     ends the wait at once with :class:`RankLost` naming it, and ``timeout`` with one naming
     those that did not come."""
     store.set(f"lightning_par/back/{rank}", "1")
-    keys = [f"lightning_par/back/{w}" for w in range(workers)]
+    keys = {w: f"lightning_par/back/{w}" for w in workers}
     deadline = time.monotonic() + timeout.total_seconds()
-    while not store.check(keys):
+    while not store.check(list(keys.values())):
         handed = peer_loss.handed_over(beat) if beat is not None else None
         if handed is not None:
             raise RankLost(handed[1], handed[0])
         if time.monotonic() > deadline:
-            missing = [w for w, key in enumerate(keys) if not store.check([key])]
+            missing = [w for w, key in keys.items() if not store.check([key])]
             raise RankLost(
                 f"{', '.join(map(name, missing))} did not come back from the call within the "
                 f"timeout ({timeout.total_seconds():g} s): lost during it", missing[0],

@@ -44,7 +44,7 @@ import torch.distributed as dist
 
 from lightning_par.comm import CommError, Communicator
 from lightning_par.launch import peer_loss
-from lightning_par.launch.liveness import Heartbeat, report_and_exit
+from lightning_par.launch.liveness import Heartbeat, current, report_and_exit
 from lightning_par.launch.lost import REPORTS_ENV, how_it_ended, leave_report
 from lightning_par.launch.parent_state import ParentState
 from lightning_par.launch.policy import FORKSERVER_PRELOAD, limit_threads_after_fork, plan_launch
@@ -58,6 +58,7 @@ from lightning_par.paramserver.faults import (
     reported_fault,
     with_fault,
 )
+from lightning_par.paramserver.lost_workers import end_silent_worker, let_go_silent
 from lightning_par.paramserver.server import serve, synchronous_step
 from lightning_par.paramserver.shard_server import serve_replicated
 
@@ -128,10 +129,11 @@ def server_main(launch: ServerLaunch, parent: ParentState | None = None) -> None
         # every rank (asynchronous: the workers it loses are forgotten as it drops them)
         watched = range(num_workers + launch.num_servers)
         limit = dead_peer_timeout(timeout, launch.dead_peer_s)
-        # fault_tolerant: a silent server is killed by its starter and its copy takes over
-        survive = (lambda peer, report: peer >= num_workers) if launch.fault_tolerant else None
-        beat = Heartbeat(store, rank, watched, limit, partial(role_name, num_workers),
-                         survive=survive)  # fmt: skip
+        beat = Heartbeat(store, rank, watched, limit, partial(role_name, num_workers))
+        # fault_tolerant: a silent server is killed by its starter and its copy takes over; a
+        # silent worker other than 0 is ended (here, if it runs on this machine) and let go
+        if launch.fault_tolerant:
+            beat.survive = partial(let_go_silent, beat, num_workers)
         # (asynchronous: no worker watches the workers other than 0, which it may lose)
         beat.on_dead = partial(_peer_silent, beat, num_workers if launch.asynchronous else 0)
         beat.start()
@@ -263,11 +265,16 @@ def watch_servers(
 
 
 def fence(procs: list[mp.process.BaseProcess], num_workers: int):
-    """A worker's answer to a silent peer (``fault_tolerant``): a server goes on without it
-    (``survive`` of :class:`~lightning_par.launch.liveness.Heartbeat`), killed first if this
-    worker started it, so that its connections close and its copy takes over."""
+    """A worker's answer to a silent peer (``fault_tolerant``): the job goes on without a
+    server (``survive`` of :class:`~lightning_par.launch.liveness.Heartbeat`), killed first
+    if this worker started it, so that its connections close and its copy takes over, and
+    without a worker other than 0, killed first where it runs on this machine."""
 
     def survive(peer: int, report: str) -> bool:
+        beat = current()
+        if 0 < peer < num_workers and beat is not None:  # a silent worker: ended, let go
+            end_silent_worker(beat, peer, report)
+            return True
         for proc in procs:
             if num_workers + proc.server_index == peer and proc.is_alive():  # type: ignore[attr-defined]
                 how = report.removeprefix(role_name(num_workers, peer)).strip()

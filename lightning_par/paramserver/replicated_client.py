@@ -14,6 +14,13 @@ Three things change for a worker (the servers' side: :mod:`.shard_server`):
   and the two agree where the request stands (:mod:`.takeover`): the answer comes again, or
   the kept request goes again.
 
+A lost **worker** other than 0 is survived too (:mod:`.lost_workers`): after each step's
+pushes every shard says which lost workers' pushes it lacks (``MISSING``); the worker reads
+every shard's answer before it writes any pulled weight, so worker 0 still holds the
+weights the step began with and pushes each missing worker's gradient in its place
+(:mod:`.missing_pushes`), then trains those workers' batches beside its own
+(:attr:`ReplicatedClient.lost_workers`).
+
 Clipping by norm ties the servers together: none answers a step before it has every
 shard's squared norm, so a worker waiting for a live server's answer would wait forever
 for a lost server's shard to move. There a thread moves it: while the worker waits for
@@ -34,6 +41,7 @@ from lightning_par.paramserver import protocol
 from lightning_par.paramserver.faults import lost_server
 from lightning_par.paramserver.links import ServerLinks
 from lightning_par.paramserver.messages import recv_object, send_object
+from lightning_par.paramserver.missing_pushes import MissingPushes
 from lightning_par.paramserver.protocol import Command, Kind, ShardTag, server_rank
 from lightning_par.paramserver.replication import backup_of, server_processes
 from lightning_par.paramserver.spec import ServerSpec
@@ -153,8 +161,12 @@ class ReplicatedClient(ParameterClient):
         return server_processes(len(self.servers), True)
 
     def make_links(self) -> ReplicatedLinks:
-        return ReplicatedLinks(self.comm, self.layout, self.params, list(self.servers),
-                               num_workers=self.num_workers, recover=self._recover)  # fmt: skip
+        links = ReplicatedLinks(self.comm, self.layout, self.params, list(self.servers),
+                                num_workers=self.num_workers, recover=self._recover)  # fmt: skip
+        #: the lost workers' pushes (worker 0 sends them; the strategy sets ``missing.fill``)
+        self.missing = MissingPushes(self.comm, links, self.num_workers, self.rank,
+                                     self._recover, self.name)  # fmt: skip
+        return links
 
     def begin(self, spec: ServerSpec | None) -> None:
         held = {s for b in range(len(self.layout.buckets)) for s in self.layout.servers_of(b)}
@@ -180,6 +192,7 @@ class ReplicatedClient(ParameterClient):
 
     def _open_step(self) -> list:
         self._new_request(Command.STEP)
+        self.missing.expect(len(self.servers), self.step)
         message = self.header(Command.STEP).encode()
         return [(s, self.links.send(message, s, Kind.HEADER, self.step))
                 for s in range(len(self.servers))]  # fmt: skip
@@ -232,6 +245,25 @@ class ReplicatedClient(ParameterClient):
         self.closed.set()
         super().remove_hooks()
 
+    # ---- a lost worker (:mod:`.missing_pushes`) -----------------------------------------
+    @property
+    def lost_workers(self) -> list[int]:
+        """The workers lost so far (worker 0 trains their batches)."""
+        return self.missing.lost
+
+    def _waiter(self, needed: list[int]):
+        wait = super()._waiter(needed)
+
+        def hook(module: Any, args: Any) -> None:
+            if not self.missing.filling:  # (the lost workers' forward: the weights as they are)
+                wait(module, args)
+
+        return hook
+
+    def wait_bucket(self, b: int) -> None:
+        self.missing.read(self.step)  # (once a step: before any pulled weight is written)
+        super().wait_bucket(b)
+
     # ---- a lost server --------------------------------------------------------------------
     def watch(self) -> None:
         """Clipping by norm: while the worker waits for pulls, move the shards of a server
@@ -275,6 +307,8 @@ class ReplicatedClient(ParameterClient):
                 self.links.repost(s)
             if done == self.request - 1:
                 self.links.resend(s)
+            if self.command == Command.STEP:  # its answer ends with a MISSING: read now
+                self.missing.read_again(s, holder)
             log.debug("worker %d: parameter server %d lost; shard %d answered by rank %d from "
                       "request %d (%s)", self.rank, lost, s, holder, self.request,
                       "sent again" if done < self.request else "answered again")  # fmt: skip

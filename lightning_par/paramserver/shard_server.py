@@ -11,7 +11,9 @@ three differences:
   every worker notices a lost server at the request it waits on, and that request's number
   tells the new holder what the worker misses (:mod:`.takeover`);
 * each record goes to the shard's backup, and is acknowledged, before any worker hears
-  anything (:mod:`.replication`).
+  anything (:mod:`.replication`);
+* a lost worker other than 0 is let go: its pushes come from worker 0 instead
+  (:mod:`.lost_workers`).
 
 :func:`serve_replicated` is what a server process runs: a thread answering for its shard,
 a thread keeping the copy of its predecessor's shard, which becomes that shard's server when
@@ -31,9 +33,9 @@ from typing import Any
 from lightning_par.comm import Communicator
 from lightning_par.paramserver import protocol
 from lightning_par.paramserver.faults import fault_of
+from lightning_par.paramserver.lost_workers import LostWorkers
 from lightning_par.paramserver.messages import (
     exchange_norms_in_store,
-    recv_headers,
     recv_object,
     recv_object_bytes,
     send_object,
@@ -46,7 +48,7 @@ from lightning_par.paramserver.replication import (
     backup_of,
     copy_held_by,
 )
-from lightning_par.paramserver.server import ShardOptimizer, synchronous_step
+from lightning_par.paramserver.server import ShardOptimizer
 from lightning_par.paramserver.spec import ServerSpec
 from lightning_par.paramserver.takeover import resume_workers
 
@@ -62,7 +64,7 @@ class ShardServer:
         strike: Strike = None,
     ) -> None:  # fmt: skip
         self.comm, self.shard, self.backup, self.strike = comm, shard, backup, strike
-        self.workers = range(shard.spec.num_workers)
+        self.workers = LostWorkers(shard.spec.num_workers)
 
     def serve(self, progress: Progress | None = None) -> None:
         """Answer every request until ``STOP``; after a takeover, from the request after
@@ -77,8 +79,7 @@ class ShardServer:
         tag = self.shard.tag(Kind.HEADER)
         spec = self.shard.spec
         while True:
-            header = recv_headers(self.comm, spec.num_workers, spec.num_hyper, IDLE_TIMEOUT,
-                                  tag)[0]  # fmt: skip
+            header = self.workers.headers(self.comm, spec.num_hyper, IDLE_TIMEOUT, tag)
             if not self.serve_request(header, count, applied):
                 return
             count, applied = count + 1, frozenset()
@@ -92,7 +93,7 @@ class ShardServer:
             shard.set_hyper(list(header.hyper))
             self._record(header)
             update = self.backup.update if self.backup is not None else None
-            synchronous_step(self.comm, shard, header.step, update, applied)
+            self.workers.step(self.comm, shard, header.step, update, applied)
             return True
         if command == Command.SET_STATE:
             size, data = recv_object_bytes(self.comm, 0, tag=shard.tag(Kind.OBJECT))
@@ -105,7 +106,7 @@ class ShardServer:
                 f"parameter server {shard.server}: command {command.name} is for the "
                 "asynchronous server"
             )
-        for w in self.workers:
+        for w in self.workers.live:
             self.answer(w, count, command)
         return command != Command.STOP
 
@@ -115,17 +116,21 @@ class ShardServer:
 
     def answer(self, worker: int, count: int, command: Command | None) -> None:
         """Send ``worker`` the answer to request ``count`` of ``command`` (``None``: the
-        initial weights) as this shard stands: every bucket's slices, the state (worker 0's
-        read), or ``DONE``."""
-        shard, comm = self.shard, self.comm
+        initial weights) as this shard stands: every bucket's slices (a step's: then that
+        nothing is missing), the state (worker 0's read), or ``DONE``; a worker lost
+        meanwhile is let go."""
+        shard, comm, workers = self.shard, self.comm, self.workers
         if command in (None, Command.STEP):
             kind = Kind.INIT if command is None else Kind.PULL
             for b in shard.active:
-                comm.send(shard.slices(b), worker, chunk=b, tag=shard.tag(kind))
+                workers.send(comm, shard.slices(b), worker, shard.tag(kind), chunk=b)
+            if command == Command.STEP:
+                missing = protocol.encode_missing([], shard.spec.num_workers)
+                workers.send(comm, missing, worker, shard.tag(Kind.MISSING))
         elif command == Command.GET_STATE and worker == 0:
             send_object(comm, shard.state_slices(), 0, tag=shard.tag(Kind.OBJECT))
         else:
-            comm.send(protocol.encode_count(count), worker, tag=shard.tag(Kind.DONE))
+            workers.send(comm, protocol.encode_count(count), worker, shard.tag(Kind.DONE))
 
 
 class Threads:

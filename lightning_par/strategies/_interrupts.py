@@ -81,8 +81,5 @@ def checkpoint_clause(trainer: pl.Trainer | None, started: float) -> str:
 
 
 def lost_rank_message(lost: RankLost, trainer: pl.Trainer | None, started: float) -> str:
-    """The one line that names a lost rank: who, how, the newest checkpoint, and what the
-    strategy says of a lost worker (its ``lost_worker_advice``, if it has one)."""
-    advice = getattr(trainer.strategy, "lost_worker_advice", None) if trainer is not None else None
-    tail = f"; {advice}" if advice else ""
-    return f"{lost}; every rank was stopped{checkpoint_clause(trainer, started)}{tail}"
+    """The one line that names a lost rank: who, how, and the newest checkpoint."""
+    return f"{lost}; every rank was stopped{checkpoint_clause(trainer, started)}"

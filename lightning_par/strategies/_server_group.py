@@ -48,6 +48,7 @@ from lightning_par.strategies._base import ParStrategy
 from lightning_par.strategies._late_params import refuse_frozen_in_optimizer
 from lightning_par.strategies._launchers import log_startup
 from lightning_par.strategies._ps_features import check_features
+from lightning_par.strategies._resilience import Resilience
 
 
 class ServerGroupStrategy(ParStrategy):
@@ -71,15 +72,19 @@ class ServerGroupStrategy(ParStrategy):
     #: the server processes and this worker's client (built by the strategy's ``__init__``)
     servers: ServerGroup
     num_servers: int
+    #: ``fault_tolerant``'s refusals (what a lost worker would leave inexact), if it has one
+    resilience: Resilience | None = None
 
     # ---- called by the strategies' own hooks ----------------------------------------------------
     def start_servers(self, server_options: dict[str, Any]) -> None:
         """``setup_distributed``, once the ranks are set: this node's servers, started with
         ``server_options``, and the process group of workers and servers."""
+        # (fault_tolerant: a call after one that lost workers goes on without them)
+        members = self.servers.call_members = self.servers.members(self.world_size)
         context = WorkerContext(
             strategy_name=self.strategy_name,
-            workers=self.world_size,
-            rank=self.global_rank,
+            workers=len(members),
+            rank=members.index(self.global_rank),
             local_rank=self.local_rank,
             node_rank=self.node_rank,
             num_nodes=self.num_nodes,
@@ -116,6 +121,8 @@ class ServerGroupStrategy(ParStrategy):
         strategy refuses (a checkpoint that cannot be read)."""
         super().check_before_launch(trainer)
         check_features(self.strategy_name, self.lightning_module, trainer, _compat.layer_sync(self))
+        if self.resilience is not None:
+            self.resilience.check_before_launch(trainer)
 
     @override
     def rank_name(self, rank: int) -> str:

@@ -30,8 +30,9 @@ optimiser state) is copied in the next server process after every update (a stan
 for a lone server), and a server that dies is taken over by that copy: the job goes on and
 its weights equal those of a run without the loss
 (:mod:`lightning_par.paramserver.replication`, :mod:`~lightning_par.paramserver.takeover`).
-A lost worker still ends the job; the line naming it says what survives one
-(:attr:`ParameterServerStrategy.lost_worker_advice`).
+A lost worker other than 0 is survived too: worker 0 pushes its gradient of the step it was
+lost in, then trains its batches beside its own, so the weights stay those of one process on
+the whole batch (:mod:`lightning_par.paramserver.lost_workers`, :mod:`._ps_stand_in`).
 
 Gradient clipping (by norm: the servers exchange their shards' squared norms) and
 ``bf16-mixed`` are exact against one process (:mod:`~lightning_par.strategies._ps_features`).
@@ -42,18 +43,23 @@ that are not element-wise.
 
 from __future__ import annotations
 
+from functools import partial
 from typing import Any
 
 import lightning.pytorch as pl
 from lightning.pytorch.trainer.states import TrainerFn
 from typing_extensions import override
 
+from lightning_par import _compat
 from lightning_par.components.server_group import ServerGroup
 from lightning_par.components.worker_group import gloo_only
 from lightning_par.paramserver.replicated_client import ReplicatedClient
 from lightning_par.paramserver.worker import ParameterClient
+from lightning_par.strategies._base import ParStrategy
 from lightning_par.strategies._late_params import refuse_late_parameters
 from lightning_par.strategies._ps_features import trainer_clip
+from lightning_par.strategies._ps_stand_in import LostWorkerStandIn
+from lightning_par.strategies._resilience import Resilience
 from lightning_par.strategies._server_group import ServerGroupStrategy
 
 
@@ -65,7 +71,8 @@ class ParameterServerStrategy(ServerGroupStrategy):
         bucket_cap_mb: gradient bucket (push) size in MiB; small buckets push layer by layer.
         split_mb: tensors larger than this (MiB) are split over all servers.
         fault_tolerant: copy each server's shard in the next server process (one server: in
-            a standby process), so that the job goes on, exactly, when a server dies.
+            a standby process), so that the job goes on, exactly, when a server dies; and go
+            on without a lost worker other than 0, whose batches worker 0 then trains.
         **kwargs: ``trace``, ``trace_dir``, ``start_method``, ``timeout`` (see
             :class:`~lightning_par.strategies._base.ParStrategy`). The process group is
             always gloo (servers run on CPU; CUDA tensors are staged through pinned memory).
@@ -82,8 +89,8 @@ class ParameterServerStrategy(ServerGroupStrategy):
         **kwargs: Any,
     ) -> None:
         gloo_only(kwargs)
-        if not isinstance(fault_tolerant, bool):
-            raise TypeError(f"fault_tolerant must be True or False, got {fault_tolerant!r}")
+        self.resilience = Resilience(self, fault_tolerant)  # (refusals: check_before_launch)
+        self.stand_in = LostWorkerStandIn(self, partial(ParStrategy.training_step, self))
         client = ReplicatedClient if fault_tolerant else ParameterClient
         self.servers = ServerGroup(num_servers, bucket_cap_mb, split_mb, client, fault_tolerant)
         super().__init__(process_group_backend="gloo", **kwargs)
@@ -102,23 +109,15 @@ class ParameterServerStrategy(ServerGroupStrategy):
         self.start_servers({})  # the synchronous servers: no options
 
     @property
-    def lost_worker_advice(self) -> str | None:
-        """Said after the line naming a lost worker (the job ends): ``fault_tolerant`` covers
-        lost servers only, and what does survive a lost worker."""
-        if not self.fault_tolerant:
-            return None
-        return (
-            "ParameterServerStrategy(fault_tolerant=True) survives a lost parameter server, "
-            "not a lost worker (the servers wait for every worker's push each step): to go "
-            "on without a lost worker use async_sgd (its servers drop lost workers) or an "
-            "allreduce strategy with fault_tolerant=True, or save checkpoints "
-            "(ModelCheckpoint) and resume with trainer.fit(ckpt_path=...)"
-        )
+    def survives_lost_workers(self) -> bool:
+        """The launcher goes on when a worker other than 0 is lost (``fault_tolerant``)."""
+        return self.fault_tolerant
 
     @override
     def watched_ranks(self) -> list[int]:
         """Every worker and server (and a lone server's standby): the step waits for all."""
-        return list(range(self.world_size + self.servers.num_processes))
+        workers = len(self.servers.members(self.world_size))
+        return list(range(workers + self.servers.num_processes))
 
     @override
     def setup(self, trainer: pl.Trainer) -> None:
@@ -128,6 +127,13 @@ class ParameterServerStrategy(ServerGroupStrategy):
             return
         self.servers.watch_sigterm(trainer)
         self.connect_servers({"clip": trainer_clip(trainer)})  # the servers clip the mean
+        if self.fault_tolerant:  # before each batch: a lost worker's push, the survivors' group
+            self.stand_in.connect()
+            _compat.replace_sigterm_broadcast(trainer, partial(self._before_batch, trainer))
+
+    def _before_batch(self, trainer: pl.Trainer) -> None:
+        self.stand_in.before_batch(trainer)
+        self.servers.workers.broadcast_sigterm(trainer, self.global_rank)
 
     # ---- Lightning's collectives: among the workers (broadcast, all_gather: the base) --------
     @override
@@ -141,9 +147,20 @@ class ParameterServerStrategy(ServerGroupStrategy):
     # ---- the step (backward and optimizer_step: the base) ------------------------------------
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
-        if self.client is not None:  # before this step pushes or pulls anything
-            refuse_late_parameters(self.lightning_module, self.client.params, self.strategy_name)
-        return super().training_step(*args, **kwargs)
+        client = self.client
+        if client is not None:  # before this step pushes or pulls anything
+            refuse_late_parameters(self.lightning_module, client.params, self.strategy_name)
+        if not self.fault_tolerant or client is None:
+            return super().training_step(*args, **kwargs)
+        batch_idx = args[1] if len(args) > 1 else kwargs.get("batch_idx", 0)
+        self.stand_in.record(client.step, self.lightning_module.trainer.current_epoch, batch_idx)
+        output = super().training_step(*args, **kwargs)
+        return self.stand_in.with_lost_batches(output, batch_idx)
+
+    @property
+    @override
+    def distributed_sampler_kwargs(self) -> dict[str, Any]:
+        return self.stand_in.sampler_kwargs(super().distributed_sampler_kwargs)
 
     # ---- checkpoints (the optimiser state: the base) -----------------------------------------
     @override

@@ -34,7 +34,8 @@ With ``fault_tolerant`` every message of a shard travels on that shard's tag
 (:class:`ShardTag`), every request gets an answer from every shard (``DONE`` where it
 returns no data), and a primary sends its backup each update it applied (``UPDATE``,
 answered by ``ACK``); a worker that lost a server agrees with its shard's new holder with
-``RECOVER`` (:mod:`.recovery`).
+``RECOVER`` (:mod:`.recovery`); after a step's pushes each shard tells every live worker
+which lost workers' pushes it lacks (``MISSING``), which worker 0 then sends in their place.
 
 Before the first header, worker 0 sends each server its
 :class:`~lightning_par.paramserver.spec.ServerSpec` (``OBJECT``, :func:`decode_spec`;
@@ -93,10 +94,13 @@ from lightning_par.paramserver.protocol.recovery import (
     count_buffer,
     decode_ack,
     decode_count,
+    decode_missing,
     decode_update,
     encode_ack,
     encode_count,
+    encode_missing,
     encode_update,
+    missing_buffer,
 )
 
 __all__ = [
@@ -116,10 +120,13 @@ __all__ = [
     "count_buffer",
     "decode_ack",
     "decode_count",
+    "decode_missing",
     "decode_update",
     "encode_ack",
     "encode_count",
+    "encode_missing",
     "encode_update",
+    "missing_buffer",
     "decode_info",
     "decode_norm",
     "decode_object",

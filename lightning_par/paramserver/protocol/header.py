@@ -40,6 +40,7 @@ class Kind(IntEnum):
     ACK = 10  # (fault_tolerant) the backup holds what the primary sent it
     RECOVER = 11  # (fault_tolerant) worker and new holder of a lost server's shard agree
     DONE = 12  # (fault_tolerant) a holder's answer to a request that returns no data
+    MISSING = 13  # (fault_tolerant) after a step's pushes: the lost workers a shard lacks
 
 
 #: Tags per shard (``fault_tolerant``): one process may hold two shards (its own and a

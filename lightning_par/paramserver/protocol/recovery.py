@@ -11,7 +11,10 @@ as a whole: :mod:`lightning_par.paramserver.protocol`, the algorithm:
 * ``RECOVER``: int64 ``[n]``: from a worker to the new holder of a lost server's shard, the
   request the worker waits for an answer to; back, the last request the holder's copy
   holds whole;
-* ``DONE``: int64 ``[n]``, the answer to request ``n`` when it returns no data.
+* ``DONE``: int64 ``[n]``, the answer to request ``n`` when it returns no data;
+* ``MISSING`` (holder to each live worker, once a step's pushes are in): int64 ``[W]``, 1
+  for each lost worker whose push of the step the shard lacks (worker 0 then sends that
+  worker's gradient in its place: :mod:`lightning_par.paramserver.lost_workers`).
 
 Requests are numbered per worker from 0 (the initial weights), one per header after it.
 """
@@ -67,3 +70,20 @@ def decode_count(message: torch.Tensor, kind: Kind) -> int:
     """The request number of a received ``RECOVER`` or ``DONE`` (``kind``)."""
     expect(message, kind, (torch.int64,), 1)
     return int(message)
+
+
+def encode_missing(missing: list[int], num_workers: int) -> torch.Tensor:
+    """A ``MISSING``: one flag per worker, 1 for the lost workers whose push is missing."""
+    flags = torch.zeros(num_workers, dtype=torch.int64)
+    flags[list(missing)] = 1
+    return flags
+
+
+def missing_buffer(num_workers: int) -> torch.Tensor:
+    return torch.zeros(num_workers, dtype=torch.int64)
+
+
+def decode_missing(message: torch.Tensor, num_workers: int) -> list[int]:
+    """The workers a received ``MISSING`` names (ascending)."""
+    expect(message, Kind.MISSING, (torch.int64,), num_workers)
+    return [w for w, flag in enumerate(message.tolist()) if flag]

@@ -1,0 +1,208 @@
+"""Workers lost during a fault-tolerant synchronous run: the servers' side.
+
+With ``fault_tolerant=True`` a worker other than 0 may be lost (killed, or frozen and then
+killed by the heartbeat of a peer): every receive from it fails at once, as its connections
+close. The weights must still be those of one process on the whole batch, so every step's
+update still averages the gradients of all ``W`` shards of the batch, each exactly once:
+
+* a server keeps the pushes it received: a bucket every worker pushed is applied and sent
+  back as usual (a worker lost after pushing it cost nothing there);
+* once the step's pushes are in, each shard tells every live worker which lost workers'
+  pushes it lacks (``MISSING``, empty when nothing is missing); no worker writes any pulled
+  weight before it has every shard's ``MISSING``, so the weights it holds are still those
+  the step began with, the lost worker's own;
+* worker 0 then computes each missing worker's gradient on that worker's batch (Lightning's
+  ``DistributedSampler`` read again with the lost rank's number) and pushes it in its place,
+  bucket by bucket; the shard completes the buckets that lacked it, applies them and sends
+  them back;
+* a frozen worker is found silent by a peer's heartbeat and ended where it runs on the
+  same machine (:func:`let_go_silent`), so that its connections close as a killed one's;
+* from the next step on, worker 0 trains the lost worker's batch beside its own (one push,
+  the sum of both gradients); it says so in the job's store before it sends that step's
+  header (:func:`~.faults.record_covered`), so a server that finds the worker lost only then
+  expects nothing in its place. The servers still divide by ``W``: no loss is rescaled.
+
+This is the redo of torchft's and our allreduce strategies'
+(:mod:`lightning_par.components.fault_tolerance`) reduced to what a parameter server needs:
+the servers hold every push of the step, so only the lost worker's part is computed again,
+and no process group is re-formed (gloo fails only the lost worker's connections).
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Callable
+
+import torch
+
+from lightning_par.comm import CommError, Communicator, Handle
+from lightning_par.launch.liveness import Heartbeat
+from lightning_par.paramserver import protocol
+from lightning_par.paramserver.faults import covered_since
+from lightning_par.paramserver.protocol import Header, Kind
+from lightning_par.paramserver.server import ShardOptimizer, apply_averaged
+
+Replicate = Callable[[int, torch.Tensor, torch.Tensor], None]
+
+
+class LostWorkers:
+    """The workers one shard's server found lost, and the step from which worker 0 trains
+    each one's batch (see the module docstring)."""
+
+    def __init__(self, num_workers: int) -> None:
+        self.num_workers = num_workers
+        self.lost: set[int] = set()
+        self._covered_from: dict[int, int] = {}
+
+    @property
+    def live(self) -> list[int]:
+        return [w for w in range(self.num_workers) if w not in self.lost]
+
+    def lose(self, worker: int, error: CommError) -> None:
+        """A message from or to ``worker`` failed: it is lost (worker 0: the job ends)."""
+        if worker == 0:
+            raise error
+        self.lost.add(worker)
+
+    def covered(self, worker: int, step: int) -> bool:
+        """Whether worker 0's push of ``step`` holds lost ``worker``'s batch."""
+        first = self._covered_from.get(worker)
+        if first is None:
+            first = covered_since(worker)
+            if first is not None:
+                self._covered_from[worker] = first
+        return first is not None and first <= step
+
+    def headers(self, comm: Communicator, num_hyper: int, idle, tag) -> Header:
+        """The next header of every live worker (worker 0's waited for up to ``idle``, as
+        :func:`~.messages.recv_headers` does); a worker whose header fails is lost.
+        Returns worker 0's."""
+        live = self.live
+        buffers = {w: Header.buffer(num_hyper) for w in live}
+        handles = {w: comm.irecv(buffers[w], w, tag=tag) for w in live}
+        handles[0].wait(idle)
+        first = Header.decode(buffers[0], num_hyper, "worker 0 (rank 0)")
+        for w in live[1:]:
+            try:
+                handles[w].wait()
+            except CommError as err:
+                self.lose(w, err)
+                continue
+            header = Header.decode(buffers[w], num_hyper, f"worker {w} (rank {w})")
+            if header.command != first.command:
+                raise RuntimeError(
+                    f"parameter server rank {comm.rank}: workers disagree on the command "
+                    f"({first.command.name}, {header.command.name}); they must call the same "
+                    "hooks in step"
+                )
+        return first
+
+    def wait_sends(self, sends: list[tuple[int, Handle]]) -> None:
+        """Wait for messages to workers; one to a worker lost meanwhile is let go."""
+        for worker, handle in sends:
+            try:
+                handle.wait()
+            except CommError as err:
+                self.lose(worker, err)
+
+    def send(self, comm: Communicator, message: torch.Tensor, worker: int, tag, **kw) -> None:
+        """Send ``message`` to ``worker``, which may be lost meanwhile."""
+        self.wait_sends([(worker, comm.isend(message, worker, tag=tag, **kw))])
+
+    def step(
+        self, comm: Communicator, shard: ShardOptimizer, step: int,
+        replicate: Replicate | None = None, applied: frozenset[int] = frozenset(),
+    ) -> None:  # fmt: skip
+        """:func:`~.server.synchronous_step` over the live workers, the pushes of the lost
+        ones taken from worker 0 (see the module docstring)."""
+        workers, tag = shard.spec.num_workers, shard.tag(Kind.PUSH)
+        expected = self.live
+        # from which bucket (its position in shard.active) each lost worker's push is missing
+        missing = {w: 0 for w in sorted(self.lost) if not self.covered(w, step)}
+        recvs = {
+            b: {w: comm.irecv(shard.push_buffer(b), w, step=step, chunk=b, tag=tag)
+                for w in expected}
+            for b in shard.active
+        }  # fmt: skip
+        whole = shard.spec.clip is not None and shard.spec.clip.algorithm == "norm"
+        totals: dict[int, torch.Tensor] = {}
+        sends: list[tuple[int, Handle]] = []
+        for i, b in enumerate(shard.active):
+            for w in expected:
+                if w in missing:
+                    continue
+                try:
+                    part = recvs[b][w].wait()
+                except CommError as err:
+                    self.lose(w, err)
+                    missing[w] = i
+                    continue
+                totals[b] = part.clone() if b not in totals else totals[b].add_(part)
+            if not missing and not whole:
+                sends += self._apply(comm, shard, step, {b: totals[b]}, replicate, applied)
+        status = protocol.encode_missing(list(missing), workers)
+        for w in self.live:
+            self.send(comm, status, w, shard.tag(Kind.MISSING), step=step)
+        for w in sorted(missing):  # worker 0 sends each one's gradient, every bucket
+            for i, b in enumerate(shard.active):
+                part = shard.push_buffer(b)
+                comm.recv(part, 0, step=step, chunk=b, tag=tag)
+                if i >= missing[w]:
+                    totals[b].add_(part)
+            self._covered_from[w] = step + 1
+        # (by norm nothing was applied yet; else the buckets from the first one missing)
+        first = 0 if whole else min(missing.values(), default=len(shard.active))
+        rest = {b: totals[b] for b in shard.active[first:]}
+        sends += self._apply(comm, shard, step, rest, replicate, applied)
+        self.wait_sends(sends)
+
+    def _apply(
+        self, comm: Communicator, shard: ShardOptimizer, step: int,
+        totals: dict[int, torch.Tensor], replicate: Replicate | None, applied: frozenset[int],
+    ) -> list[tuple[int, Handle]]:  # fmt: skip
+        """Average, clip and apply the summed pushes ``totals``, hand each update to the
+        backup, post the new slices to every live worker."""
+        if not totals:
+            return []
+        workers = shard.spec.num_workers
+        grads = {}
+        for b, total in totals.items():
+            grad, used = shard.decode_push(b, total)
+            grads[b] = (grad.div_(workers), used)
+        apply_averaged(comm, shard, grads, step, applied)
+        for b, (grad, used) in grads.items():
+            if replicate is not None and b not in applied:
+                replicate(b, grad, used)
+        live = self.live
+        return [(w, h) for b in grads for w, h in zip(live, shard.send_slices(comm, b, live, step))]
+
+
+# ---- a silent worker (frozen): ended, so that its connections close --------------------------
+def let_go_silent(beat: Heartbeat, num_workers: int, peer: int, report: str) -> bool:
+    """``fault_tolerant``: whether the job goes on without silent ``peer`` (a server, or a
+    worker other than 0, which is killed first where it runs on this machine, so that its
+    connections close and the others' messages to it fail at once)."""
+    if 0 < peer < num_workers:
+        end_silent_worker(beat, peer, report)
+    return peer != 0
+
+
+#: Who found a silent worker first (``fault_tolerant``): the one process that says so.
+SILENT_KEY = "lightning_par/paramserver/silent/{}"
+
+
+def end_silent_worker(beat: Heartbeat, peer: int, report: str) -> None:
+    """SIGKILL silent worker ``peer`` of ``beat``'s group if it runs on this machine; the
+    first process to find it silent says so (``report``: who, for how long)."""
+    process = beat.peers.get(peer)
+    if process is not None and process.local and not process.ended():
+        beat.killing(peer)
+        process.kill()
+    me = str(beat.rank)
+    first = beat.safely(lambda: beat.store.compare_set(SILENT_KEY.format(peer), "", me))
+    if first is not None and first.decode() == me:
+        print(f"lightning_par: {report}; it is ended and the others go on without it",
+              file=sys.stderr, flush=True)  # fmt: skip
+
+
+__all__ = ["LostWorkers", "end_silent_worker", "let_go_silent"]

@@ -1,0 +1,131 @@
+"""``ParameterServerStrategy(fault_tolerant=True)``: the batches of a lost worker, trained by
+worker 0 so that the weights stay those of one process on the whole batch.
+
+The servers' side and the protocol are :mod:`lightning_par.paramserver.lost_workers`; what
+the strategy adds, through :class:`LostWorkerStandIn`:
+
+* the gradient of the step a worker was lost in, computed on that worker's batch (its shard
+  of Lightning's ``DistributedSampler`` read again, :class:`~._stand_ins.LostShards`) with
+  the weights the step began with, which worker 0 pushes in its place
+  (:meth:`LostWorkerStandIn.gradients`, the client's ``fill``);
+* from the next step on, worker 0 trains the lost workers' batches beside its own: the
+  losses are summed (:func:`~._stand_ins.with_stand_ins`), the servers still divide by
+  the first number of workers, so nothing is rescaled;
+* Lightning's collectives among the workers (the per-step SIGTERM flag, ``sync_dist``,
+  barriers) run over a group of the survivors, met once the loss is known, and a loader
+  built after it (a validation) shards its data over them.
+
+The allreduce strategies do the same with :mod:`lightning_par.components.fault_tolerance`,
+which re-forms their one process group; here the group of workers and servers stays (gloo
+fails only the lost worker's connections), so only the workers' group is made again.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from lightning_par import _compat
+from lightning_par.paramserver.replicated_client import ReplicatedClient
+from lightning_par.strategies._stand_ins import (
+    LostShards,
+    loss_of,
+    stand_in_outputs,
+    with_stand_ins,
+)
+
+Step = Callable[..., Any]
+
+
+class LostWorkerStandIn:
+    """Worker 0 in the place of lost workers (see the module docstring); ``strategy``: a
+    ``ParameterServerStrategy``, ``step``: its ``training_step`` below the one recording
+    the batches (the user's step in Lightning's precision context)."""
+
+    def __init__(self, strategy: Any, step: Step) -> None:
+        self._strategy, self._step = strategy, step
+        self._shards = LostShards()
+        self._batches: dict[int, tuple[int, int]] = {}  # client step -> (epoch, batch_idx)
+        self._grouped_for: list[int] = []  # the lost workers the validation loader knows
+
+    @property
+    def _client(self) -> ReplicatedClient | None:
+        client = self._strategy.client
+        return client if isinstance(client, ReplicatedClient) else None
+
+    @property
+    def lost(self) -> list[int]:
+        """This call's workers lost so far (their ranks in it)."""
+        client = self._client
+        return list(client.lost_workers) if client is not None else list(self._grouped_for)
+
+    def connect(self) -> None:
+        """A ``fit``'s client is connected: worker 0 computes the lost workers' gradients."""
+        self._shards, self._batches, self._grouped_for = LostShards(), {}, []
+        if self._client is not None:
+            self._client.missing.fill = self.gradients
+
+    # ---- the step ------------------------------------------------------------------------
+    def before_batch(self, trainer: Any) -> None:
+        """Before each batch (the SIGTERM flag's place): the last step's weights are in (a
+        lost worker's push sent in its place), and the workers' group holds the survivors."""
+        self._strategy.servers.settle()  # (which meets the survivors in a workers' group)
+        lost = self.lost
+        if lost != self._grouped_for:  # the next validation reads its data over the survivors
+            self._grouped_for = lost
+            _compat.reset_combined_loader(trainer.fit_loop.epoch_loop.val_loop)
+
+    def record(self, step: int, epoch: int, batch_idx: int) -> None:
+        """The batch client step ``step`` trains (a lost worker's is read again from it)."""
+        self._batches[step] = (epoch, batch_idx)
+        self._batches.pop(step - 2, None)
+
+    def gradients(self, step: int, workers: list[int]) -> dict[int, list[torch.Tensor | None]]:
+        """Each of ``workers``' gradient of client step ``step`` on its own batch, with the
+        weights as they are (the step's: none of its pulls is written yet)."""
+        strategy = self._strategy
+        epoch, batch_idx = self._batches[step]
+        loader = strategy.lightning_module.trainer.train_dataloader
+        batches = self._shards.batches(loader, workers, batch_idx, epoch)
+        params = self._client.params if self._client is not None else []
+        grads = {}
+        with torch.inference_mode(False), torch.enable_grad():  # (also inside a validation)
+            for worker, batch in zip(workers, batches):
+                (output,) = stand_in_outputs(
+                    self._step, [strategy.batch_to_device(batch)], batch_idx,
+                    strategy.lightning_module,
+                )  # fmt: skip
+                loss = loss_of(output, f"worker {worker}'s batch")
+                grads[worker] = list(torch.autograd.grad(loss, params, allow_unused=True))
+        names = ", ".join(f"worker {w} (rank {w})" for w in workers)
+        print(
+            f"lightning_par: {names} lost; worker 0 pushed its gradient of step {step} in its "
+            "place and trains its batches from now on (the weights stay one process's)",
+            file=sys.stderr, flush=True,
+        )  # fmt: skip
+        return grads
+
+    def with_lost_batches(self, output: Any, batch_idx: int) -> Any:
+        """Worker 0's ``output`` whose gradient is also that of the lost workers' batches."""
+        lost = self.lost
+        if not lost or self._strategy.global_rank != 0:
+            return output
+        strategy = self._strategy
+        loader = strategy.lightning_module.trainer.train_dataloader
+        read = self._shards.batches(loader, lost, batch_idx)
+        batches = [strategy.batch_to_device(b) for b in read]
+        extra = stand_in_outputs(self._step, batches, batch_idx, strategy.lightning_module)
+        return with_stand_ins(output, extra, 1.0)  # (the servers divide by every worker)
+
+    def sampler_kwargs(self, first: dict[str, Any]) -> dict[str, Any]:
+        """A loader built after a loss (in this call or an earlier one) shards its data
+        over the survivors."""
+        strategy = self._strategy
+        survivors = strategy.servers.members(strategy.world_size)
+        if len(survivors) == strategy.world_size:
+            return first
+        rank = survivors.index(strategy.global_rank)
+        return {**first, "num_replicas": len(survivors), "rank": rank}
