@@ -17,6 +17,7 @@ import lightning.pytorch as pl
 import torch
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
+from torchmetrics.classification import MulticlassAccuracy
 
 import lightning_par  # noqa: F401  (registers the strategies)
 from lightning_par.launch.faults import FAULT_ENV
@@ -28,14 +29,21 @@ SAMPLES, BATCH, STEPS = 240, 4, 12
 
 
 class Tiny(pl.LightningModule):
+    """A small network with what users log: the loss each step and a torchmetrics accuracy
+    per epoch, which syncs over the ranks as ``fit`` ends (after the loss)."""
+
     def __init__(self) -> None:
         super().__init__()
         self.net = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 4))
+        self.train_acc = MulticlassAccuracy(4, average="micro")
 
     def training_step(self, batch, batch_idx):
         x, y = batch
-        loss = nn.functional.cross_entropy(self.net(x), y)
+        logits = self.net(x)
+        loss = nn.functional.cross_entropy(logits, y)
+        self.train_acc.update(logits, y)
         self.log("train_loss", loss)
+        self.log("train_acc", self.train_acc, on_step=False, on_epoch=True)
         return loss
 
     def validation_step(self, batch, batch_idx):

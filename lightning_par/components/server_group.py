@@ -238,7 +238,7 @@ class ServerGroup:
         if lost:  # (every survivor learns it at the same request: they meet here together)
             self.lose(lost)
             survivors = [i for i, r in enumerate(self.call_members) if r not in self.lost]
-            self.workers.group = dist.new_group(survivors, use_local_synchronization=True)
+            self.workers.regroup(survivors)
 
     def pre_backward(self) -> None:
         self.settle()  # any layer the forward did not wait for (unused, reused)

@@ -99,10 +99,19 @@ class WorkerGroup:
 
     def __init__(self) -> None:
         self.group: Any = None
+        self._metrics: list[Metric] = []  # the model's, syncing over ``group``
 
     def create(self, workers: int) -> None:
         """Make the workers' group (every rank of the default group must call this)."""
         self.group = dist.new_group(list(range(workers)))
+
+    def regroup(self, survivors: list[int]) -> None:
+        """The workers' group holds ``survivors`` from now (``fault_tolerant``, a worker
+        lost; only they call this), torchmetrics' syncs at the epoch's end included: on the
+        old group they would wait for the lost worker."""
+        self.group = dist.new_group(survivors, use_local_synchronization=True)
+        for metric in self._metrics:
+            metric.process_group = self.group
 
     def prepare_data(self, module: Any) -> None:
         """Lightning brackets ``prepare_data`` with a barrier in a new group of every rank,
@@ -126,9 +135,10 @@ class WorkerGroup:
 
     def sync_model_states(self, model: torch.nn.Module) -> None:
         """Worker 0's weights to every worker; torchmetrics sync among the workers."""
-        for sub in model.modules():  # torchmetrics sync on the default group otherwise
-            if isinstance(sub, Metric):
-                sub.process_group = self.group
+        # torchmetrics sync on the default group otherwise
+        self._metrics = [sub for sub in model.modules() if isinstance(sub, Metric)]
+        for metric in self._metrics:
+            metric.process_group = self.group
         with torch.no_grad():
             for tensor in [*model.parameters(), *model.buffers()]:
                 dist.broadcast(tensor.data, 0, group=self.group)

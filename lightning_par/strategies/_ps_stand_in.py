@@ -12,8 +12,10 @@ the strategy adds, through :class:`LostWorkerStandIn`:
   losses are summed (:func:`~._stand_ins.with_stand_ins`), the servers still divide by
   the first number of workers, so nothing is rescaled;
 * Lightning's collectives among the workers (the per-step SIGTERM flag, ``sync_dist``,
-  barriers) run over a group of the survivors, met once the loss is known, and a loader
-  built after it (a validation) shards its data over them.
+  barriers) run over a group of the survivors, met once the loss is known (before the next
+  batch, or before the epoch's metrics are synced, :class:`SettleBeforeEpochMetrics`: a
+  worker lost in the last step of ``fit``), and a loader built after it (a validation)
+  shards its data over them.
 
 The allreduce strategies do the same with :mod:`lightning_par.components.fault_tolerance`,
 which re-forms their one process group; here the group of workers and servers stays (gloo
@@ -23,10 +25,13 @@ fails only the lost worker's connections), so only the workers' group is made ag
 from __future__ import annotations
 
 import sys
+import time
 from collections.abc import Callable
 from typing import Any
 
+import lightning.pytorch as pl
 import torch
+from typing_extensions import override
 
 from lightning_par import _compat
 from lightning_par.paramserver.replicated_client import ReplicatedClient
@@ -50,6 +55,9 @@ class LostWorkerStandIn:
         self._shards = LostShards()
         self._batches: dict[int, tuple[int, int]] = {}  # client step -> (epoch, batch_idx)
         self._grouped_for: list[int] = []  # the lost workers the validation loader knows
+        #: when (wall time) this fit's first loss was found (``lost``, on worker 0: its push
+        #: sent in the lost worker's place) and the survivors met in their group (``regrouped``)
+        self.events: list[tuple[str, float]] = []
 
     @property
     def _client(self) -> ReplicatedClient | None:
@@ -65,6 +73,7 @@ class LostWorkerStandIn:
     def connect(self) -> None:
         """A ``fit``'s client is connected: worker 0 computes the lost workers' gradients."""
         self._shards, self._batches, self._grouped_for = LostShards(), {}, []
+        self.events = []
         if self._client is not None:
             self._client.missing.fill = self.gradients
 
@@ -76,6 +85,7 @@ class LostWorkerStandIn:
         lost = self.lost
         if lost != self._grouped_for:  # the next validation reads its data over the survivors
             self._grouped_for = lost
+            self.events.append(("regrouped", time.time()))
             _compat.reset_combined_loader(trainer.fit_loop.epoch_loop.val_loop)
 
     def record(self, step: int, epoch: int, batch_idx: int) -> None:
@@ -86,6 +96,8 @@ class LostWorkerStandIn:
     def gradients(self, step: int, workers: list[int]) -> dict[int, list[torch.Tensor | None]]:
         """Each of ``workers``' gradient of client step ``step`` on its own batch, with the
         weights as they are (the step's: none of its pulls is written yet)."""
+        if not self.events:
+            self.events.append(("lost", time.time()))
         strategy = self._strategy
         epoch, batch_idx = self._batches[step]
         loader = strategy.lightning_module.trainer.train_dataloader
@@ -129,3 +141,17 @@ class LostWorkerStandIn:
             return first
         rank = survivors.index(strategy.global_rank)
         return {**first, "num_replicas": len(survivors), "rank": rank}
+
+
+class SettleBeforeEpochMetrics(pl.Callback):
+    """At the end of a training epoch, before Lightning computes (and syncs) its metrics:
+    the last step's lost workers are known and the survivors meet in their own group.
+    Otherwise a worker lost in the last step of ``fit`` (no next batch to settle before)
+    would leave torchmetrics' gather waiting for it on the old group."""
+
+    def __init__(self, stand_in: LostWorkerStandIn) -> None:
+        self.stand_in = stand_in
+
+    @override
+    def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self.stand_in.before_batch(trainer)

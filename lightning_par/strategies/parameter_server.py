@@ -58,7 +58,7 @@ from lightning_par.paramserver.worker import ParameterClient
 from lightning_par.strategies._base import ParStrategy
 from lightning_par.strategies._late_params import refuse_late_parameters
 from lightning_par.strategies._ps_features import trainer_clip
-from lightning_par.strategies._ps_stand_in import LostWorkerStandIn
+from lightning_par.strategies._ps_stand_in import LostWorkerStandIn, SettleBeforeEpochMetrics
 from lightning_par.strategies._resilience import Resilience
 from lightning_par.strategies._server_group import ServerGroupStrategy
 
@@ -130,6 +130,11 @@ class ParameterServerStrategy(ServerGroupStrategy):
         if self.fault_tolerant:  # before each batch: a lost worker's push, the survivors' group
             self.stand_in.connect()
             _compat.replace_sigterm_broadcast(trainer, partial(self._before_batch, trainer))
+            # (first: the user's epoch-end hooks may sync too; once, however many fits)
+            trainer.callbacks[:] = [
+                SettleBeforeEpochMetrics(self.stand_in),
+                *(c for c in trainer.callbacks if not isinstance(c, SettleBeforeEpochMetrics)),
+            ]
 
     def _before_batch(self, trainer: pl.Trainer) -> None:
         self.stand_in.before_batch(trainer)
