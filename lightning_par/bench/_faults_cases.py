@@ -15,7 +15,11 @@ strategy claims they are the same:
   steps run in another process's module, the replicas averaged in another order);
 * ``parameter_server``, a server lost: the next server holds its shard's copy, weights and
   optimiser state after every step (:mod:`~lightning_par.paramserver.replication`), and the
-  workers send it the same messages: the same weights (to 1e-6, as its tests).
+  workers send it the same messages: the same weights (to 1e-6, as its tests);
+* ``parameter_server``, a worker lost: worker 0 pushes the lost worker's share of the
+  interrupted step in its slot and trains its batches beside its own from then on
+  (:mod:`~lightning_par.paramserver.lost_workers`): the servers still average every
+  worker's gradient, summed in the same order, so the same weights (to 1e-6).
 
 Float rounding grows as training goes on (each step's differences feed the next): with the
 CIFAR CNN of width 32 on 3 ranks, the largest difference was about 2e-7 with 7 steps after
@@ -24,8 +28,7 @@ other batches after its checkpoint, ended about 8e-2 away. Hence 1e-4 for the tw
 in another order: wide enough for the benchmark's 40 steps, far below what other batches
 make.
 
-A new case is one more row of :data:`CASES` (a worker lost under ``parameter_server`` goes
-here, with ``lost="rank"``, once that strategy survives one).
+A new case is one more row of :data:`CASES`.
 """
 
 from __future__ import annotations
@@ -68,6 +71,7 @@ CASES = (
     FaultCase("ring_allreduce", "rank", tolerance=1e-4),
     FaultCase("local_sgd", "rank", {"period": 4}, tolerance=1e-4),
     FaultCase("parameter_server", "server", {"num_servers": 2}, tolerance=1e-6),
+    FaultCase("parameter_server", "rank", {"num_servers": 1}, tolerance=1e-6),
 )
 
 

@@ -59,8 +59,11 @@ class StepClock(pl.Callback):
 
     @override
     def on_train_end(self, trainer, pl_module) -> None:
-        resilience = getattr(trainer.strategy, "resilience", None)
-        for event, t in getattr(getattr(resilience, "tolerance", None), "events", []):
+        strategy = trainer.strategy
+        tolerance = getattr(getattr(strategy, "resilience", None), "tolerance", None)
+        stand_in = getattr(strategy, "stand_in", None)  # (the parameter server's lost workers)
+        events = [*getattr(tolerance, "events", []), *getattr(stand_in, "events", [])]
+        for event, t in events:
             self._write(trainer, {"event": event, "t": t})
 
 
