@@ -3,10 +3,11 @@ each other (no per-batch collective), staleness logged and traced, refusals."""
 
 from __future__ import annotations
 
+import lightning.pytorch as pl
 import pytest
 import torch
 from lightning.pytorch.strategies import StrategyRegistry
-from test_parameter_server import CNN, fit, make, weights
+from test_parameter_server import CNN, PER_WORKER, fit, make, weights
 
 import lightning_par  # noqa: F401  (registers the strategy names)
 from lightning_par.callbacks import Straggler
@@ -105,3 +106,42 @@ def test_the_automatic_momentum_cap_is_announced(tmp_path, capfd):
         handler.close()
     text = (tmp_path / "log.txt").read_text() + capfd.readouterr().err
     assert "servers step with momentum 0.5 instead of the optimiser's 0.9" in text, text
+
+
+class UpdatedOnly(CNN):
+    """Its training accuracy only ``update``-d, the usual torchmetrics pattern (its
+    ``forward``, which refreshes what ``compute`` syncs, is never called)."""
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        logits = self(x)
+        self.train_acc.update(logits, y)
+        self.log("train_acc", self.train_acc, on_step=False, on_epoch=True)
+        return torch.nn.functional.cross_entropy(logits, y)
+
+
+class CollectivesAtCompute(pl.Callback):
+    """Counts the barriers the training accuracy's ``compute`` calls at the epoch's end (each
+    worker's epoch ends on its own: a gather there waits for a worker still training, which
+    under bounded staleness may wait for the servers on it, a deadlock a notebook hit)."""
+
+    def __init__(self, out) -> None:
+        self.out = out
+
+    def on_train_epoch_end(self, trainer, pl_module) -> None:
+        calls = []
+        barrier = torch.distributed.barrier
+        torch.distributed.barrier = lambda *args, **kwargs: calls.append(1)
+        try:
+            pl_module.train_acc.compute()
+        finally:
+            torch.distributed.barrier = barrier
+        (self.out / f"rank{trainer.global_rank}").write_text(str(len(calls)))
+
+
+def test_a_metric_only_updated_gathers_nothing_while_fitting(tmp_path):
+    model = UpdatedOnly(width=8, num_blocks=2, scheduler=None, lr=0.05)
+    model.global_batch = 2 * PER_WORKER
+    fit(model, AsyncSGDStrategy(), 2, steps=3, callbacks=[CollectivesAtCompute(tmp_path)],
+        limit_train_batches=3)  # fmt: skip
+    assert [(tmp_path / f"rank{r}").read_text() for r in range(2)] == ["0", "0"]

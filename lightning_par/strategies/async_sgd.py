@@ -40,6 +40,7 @@ clipped on the servers).
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Callable
 from typing import Any
 
 import lightning.pytorch as pl
@@ -129,6 +130,8 @@ class AsyncSGDStrategy(ServerGroupStrategy):
         self.share_work = share_work if share_work is not None else self.staleness != 0
         self.sampler: SharedBatchSampler | None = None
         self._taken: deque[tuple[int, int]] = deque()
+        #: each metric's own ``distributed_available_fn``, while fitting keeps it local
+        self._metrics_available: dict[int, Callable[[], bool]] = {}
         if "bucket_cap_mb" in kwargs:
             raise TypeError(
                 "async_sgd pushes the whole gradient in one message after backward; "
@@ -255,11 +258,21 @@ class AsyncSGDStrategy(ServerGroupStrategy):
         return decision if self._apart() else super().reduce_boolean_decision(decision, all)
 
     def _local_metrics(self, local: bool) -> None:
-        """torchmetrics gather their states at ``compute`` (epoch end): not while fitting."""
+        """torchmetrics gather their states at ``compute`` (epoch end): not while fitting,
+        where each worker's epoch ends on its own (a gather would wait for a worker still
+        training, which may wait for the servers on it). ``sync_on_compute`` alone is not
+        enough: ``compute`` reads what the metric's last ``forward`` took from it, and a
+        metric only ``update``-d keeps syncing; whether the run is distributed is asked at
+        every ``compute``."""
         assert self.model is not None
         for sub in self.model.modules():
             if isinstance(sub, Metric):
                 sub.sync_on_compute = not local
+                if local:
+                    self._metrics_available.setdefault(id(sub), sub.distributed_available_fn)
+                    sub.distributed_available_fn = _not_distributed
+                elif id(sub) in self._metrics_available:
+                    sub.distributed_available_fn = self._metrics_available.pop(id(sub))
 
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
@@ -283,6 +296,11 @@ class AsyncSGDStrategy(ServerGroupStrategy):
         if self.client is not None:
             self.client.refresh()  # the servers' newest weights, not this worker's last pull
         return super().lightning_module_state_dict()
+
+
+def _not_distributed() -> bool:
+    """A metric's ``distributed_available_fn`` while ``async_sgd`` fits: gather nothing."""
+    return False
 
 
 __all__ = ["AUTO_MOMENTUM", "AsyncSGDStrategy", "check_staleness", "staleness_histogram"]
