@@ -55,8 +55,6 @@ class ImageClassifier(pl.LightningModule):
         self.train_acc = MulticlassAccuracy(num_classes, average="micro", validate_args=False)
         self.val_acc = MulticlassAccuracy(num_classes, average="micro")
         self.test_acc = MulticlassAccuracy(num_classes, average="micro")
-        #: (trainer, epoch) in which ``train_acc`` was last logged
-        self._train_acc_logged: tuple[int, int] | None = None
 
     @override
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -71,14 +69,10 @@ class ImageClassifier(pl.LightningModule):
         # value, which forward would compute as well, is never read
         self.train_acc.update(logits, y)
         self.log("train_loss", loss, prog_bar=True)
-        epoch = (id(self.trainer), self.current_epoch)
-        if self._train_acc_logged != epoch:
-            # Once an epoch is enough: Lightning computes a logged metric object at the
-            # epoch's end, over all its updates, and every self.log walks the attributes
-            # of Lightning's record of the value (tenths of a millisecond of host time, a
-            # small CNN's GPU step is ~6 ms).
-            self._train_acc_logged = epoch
-            self.log("train_acc", self.train_acc, prog_bar=True, on_step=False, on_epoch=True)
+        # every step, on every rank: whether a rank logs the metric decides whether it joins
+        # the metric's sync at the epoch's end (a rank that skipped it would leave the others
+        # waiting there)
+        self.log("train_acc", self.train_acc, prog_bar=True, on_step=False, on_epoch=True)
         return loss
 
     def _evaluate(self, batch, metric: MulticlassAccuracy, stage: str) -> torch.Tensor:
