@@ -37,3 +37,29 @@ def checking(name: str) -> Iterator[None]:
               "then run this cell again.")  # fmt: skip
         return
     print(f"Exercise ({name}): correct.")
+
+
+@contextmanager
+def borrowing_none(*modules: str) -> Iterator[None]:
+    """Fail the check if code of ``modules`` (dotted prefixes such as
+    ``"lightning_par.paramserver"``) ran inside the block: the exercise asks for the rule
+    written out, not the library's helper called. Only this thread's Python calls are seen."""
+    import sys
+
+    called: list[str] = []
+
+    def profile(frame, event, arg):
+        if event == "call":
+            name = frame.f_globals.get("__name__", "")
+            if any(name == m or name.startswith(m + ".") for m in modules):
+                called.append(f"{name}.{frame.f_code.co_name}")
+
+    previous = sys.getprofile()
+    sys.setprofile(profile)
+    try:
+        yield
+    finally:
+        sys.setprofile(previous)
+    assert not called, (
+        f"your answer called the library's {called[0]}: the exercise is to write it yourself"
+    )
