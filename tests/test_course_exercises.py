@@ -74,8 +74,8 @@ def _run(stem: str, wanted: set[str], then: str, timeout: int = 600) -> dict:
         "PYTHONPATH": f"{ROOT}{os.pathsep}{COURSE}",
         "MPLBACKEND": "Agg",
         "LIGHTNING_PAR_COURSE_SOLUTIONS": "1",
-        "LIGHTNING_PAR_START_METHOD": "fork",
-    }  # fmt: skip (as in a notebook: no script to re-run)
+        "LIGHTNING_PAR_START_METHOD": "fork",  # as in a notebook: no script to re-run
+    }
     run = subprocess.run([sys.executable, "-c", _program(stem, wanted, then)], cwd=COURSE,
                          env=env, capture_output=True, text=True, timeout=timeout)  # fmt: skip
     assert run.returncode == 0, run.stderr[-3000:]
