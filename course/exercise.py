@@ -1,8 +1,10 @@
 """Checked exercises for the course notebooks.
 
 Each notebook has one exercise: a code cell (tagged ``exercise``) with a function for you to
-fill in, followed by a cell that checks it against the library or against one process (02 and
-03 add a second such pair that builds on the earlier notebooks' answers)::
+fill in, followed by a cell that checks it against an answer computed another way (one
+process, a brute force, a count of the messages in a trace, the simulator run by the check)
+and fails an answer that only calls the library's own helper (:func:`own_work`); 02, 03 and
+06 add further parts that build on the earlier answers::
 
     with checking("the ring's reduce-scatter"):
         assert torch.equal(my_reduce_scatter(...), expected)
@@ -18,6 +20,7 @@ from __future__ import annotations
 import os
 from collections.abc import Iterator
 from contextlib import contextmanager
+from typing import Any
 
 #: Set by the course's test run (``course/conftest.py``): the solutions are filled in, so
 #: an exercise that is still open is an error there.
@@ -40,22 +43,22 @@ def checking(name: str) -> Iterator[None]:
 
 
 @contextmanager
-def own_work(*modules, what: str = "the library's answer") -> Iterator[None]:
-    """Fail the check if the block calls a function defined in one of ``modules`` (modules or
-    packages): the exercise is to compute the answer, not to borrow the helper that the
-    notebook imports (``balance_by_cost``, ``device_schedule``, the simulator...)."""
+def own_work(*modules: Any, what: str = "the library's answer") -> Iterator[None]:
+    """Fail the check if code of ``modules`` ran inside the block (module objects, or dotted
+    names such as ``"lightning_par.paramserver"``; each with its submodules): the exercise
+    is to compute the answer, not to borrow the helper the notebook imports
+    (``plan_shards``, ``balance_by_cost``, ``device_schedule``, the simulator...). Only
+    this thread's Python calls are seen."""
     import sys
-    from pathlib import Path
 
-    roots = []
-    for module in modules:
-        path = Path(module.__file__)
-        roots.append(str(path.parent) if path.name == "__init__.py" else str(path))
+    names = [m if isinstance(m, str) else m.__name__ for m in modules]
     borrowed: list[str] = []
 
     def note(frame, event, arg):  # a Python function starting: is it one of theirs?
-        if event == "call" and frame.f_code.co_filename.startswith(tuple(roots)):
-            borrowed.append(f"{frame.f_globals.get('__name__')}.{frame.f_code.co_name}")
+        if event == "call":
+            name = frame.f_globals.get("__name__", "")
+            if any(name == m or name.startswith(m + ".") for m in names):
+                borrowed.append(f"{name}.{frame.f_code.co_name}")
 
     previous = sys.getprofile()
     sys.setprofile(note)
@@ -64,5 +67,5 @@ def own_work(*modules, what: str = "the library's answer") -> Iterator[None]:
     finally:
         sys.setprofile(previous)
     assert not borrowed, (
-        f"your function called {borrowed[0]} ({what}): compute the answer yourself"
+        f"your answer called {borrowed[0]} ({what}): the exercise is to compute it yourself"
     )
