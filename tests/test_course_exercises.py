@@ -149,10 +149,7 @@ print(_json.dumps({name: refused(check_link_bytes, fn, link_runs) for name, fn i
 """,
     )
     assert found.pop("model answer") is None
-    assert (
-        "called lightning_par.paramserver.plan.plan_shards"
-        in found["borrowed plan_shards"]
-    )
+    assert "called lightning_par.paramserver.plan.plan_shards" in found["borrowed plan_shards"]
     assert all(found.values()), found
 
 

@@ -116,9 +116,9 @@ class _EpochAccuracy(pl.Callback):
 def test_train_acc_is_each_epochs_own_accuracy_when_its_epoch_ends():
     # train_acc is only update()-d each step (its forward's batch value is never read):
     # Lightning must still compute it over all that epoch's batches, reset it for the next,
-    # and show a callback at the epoch's end this epoch's value. A learning rate of ~0 keeps the predictions of
-    # the end equal to those made during the epoch; two of six batches an epoch, shuffled,
-    # give each epoch other images.
+    # and show a callback at the epoch's end this epoch's value. A learning rate of ~0 keeps
+    # the predictions of the end equal to those made during the epoch; two of six batches an
+    # epoch, shuffled, give each epoch other images.
     torch.manual_seed(1)  # (an initial CifarCNN that predicts several classes)
     model = _tiny("cnn", lr=1e-12, scheduler=None)
     data = CIFAR10DataModule(source="synthetic", synthetic_size=96, val_size=0, batch_size=16,
