@@ -23,7 +23,7 @@ from test_lost_ranks import CHECKPOINT, DEAD_PEER_S, HERE, SCRIPT, _session
 
 from lightning_par.launch.faults import FAULT_ENV
 from lightning_par.launch.liveness import Heartbeat
-from lightning_par.launch.lost import RankLost, _one_line
+from lightning_par.launch.lost import LAUNCHER_RANK_ENV, RankLost, _one_line
 from lightning_par.launch.peer_loss import lost_peer
 from lightning_par.launch.process_id import ProcessId, this_process
 
@@ -86,6 +86,33 @@ def test_a_collective_that_failed_names_the_peer_whose_process_ended():
     rank, text = lost_peer(zero)
     assert rank == 1 and text.startswith("rank 1 stopped beating as its connection closed"), text
     zero.stop()
+
+
+class _StoreOfKilledHost:
+    """A store whose host is killed with rank 0: a call after that fails (torch prints its
+    C++ stack first), so none may be made."""
+
+    def __init__(self) -> None:
+        self.store, self.host_killed = dist.HashStore(), False
+
+    def add(self, key: str, amount: int) -> int:
+        assert not self.host_killed, f"store.add({key!r}) after its host was killed"
+        return self.store.add(key, amount)
+
+
+def test_a_heartbeat_that_kills_the_stores_rank_makes_no_further_store_call(monkeypatch):
+    monkeypatch.setenv(LAUNCHER_RANK_ENV, "0")  # popen: rank 0 holds the job's store
+    store = _StoreOfKilledHost()
+
+    def kill(peer: int, report: str) -> None:  # as LostPeers.peer_silent does
+        beat.killing(peer)
+        store.host_killed = True
+
+    beat = Heartbeat(store, 1, [0, 2], 0.5, on_dead=kill)
+    beat._watch()
+    beat.seen[0] = (beat.seen[0][0], time.monotonic() - 1.0)  # rank 0 frozen; rank 2 next
+    beat._watch()
+    assert beat._reported == {0} and beat.store_gone()
 
 
 def test_an_uncaught_rank_lost_prints_its_line_alone_once(capsys):

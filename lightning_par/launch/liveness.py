@@ -208,6 +208,8 @@ class Heartbeat:
             return
         now = time.monotonic()
         for peer in list(self.watched):
+            if self.store_gone():  # (on_dead may have killed the store's rank just now)
+                return
             count = self.store.add(self.key(peer), 0)
             last = self.seen.get(peer)
             if count >= _DONE // 2 or last is None or last[0] != count:
