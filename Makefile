@@ -17,6 +17,11 @@ DEVICES ?= 2
 EPOCHS ?= 20
 DATA ?= cifar10-mini
 NB_TIMEOUT ?= 180
+# Test files run two at a time (pytest-xdist, a file's tests on one worker, a notebook's cells
+# in one kernel): run one at a time, the suite keeps about 0.4 of two cores busy, waiting on
+# processes starting, heartbeats and sockets. More workers than cores slow the timing-bound
+# tests (a frozen rank found within its limit), so raise it only with the cores.
+TEST_WORKERS ?= 2
 
 .PHONY: setup demo test lint check gpu-check bench clean docs browser userflow
 
@@ -57,7 +62,8 @@ browser:
 
 test: lint browser
 	$(VENV)/bin/pytest tests course --nbval-lax --nbval-current-env \
-		--nbval-cell-timeout=$(NB_TIMEOUT) --durations=15 --junitxml=runs/test-times.xml
+		--nbval-cell-timeout=$(NB_TIMEOUT) --durations=15 --junitxml=runs/test-times.xml \
+		--numprocesses=$(TEST_WORKERS) --dist=loadfile
 
 check: setup
 	$(PY) -m lightning_par.check

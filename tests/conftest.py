@@ -1,6 +1,8 @@
 import logging
 import os
+import shutil
 import signal
+import tempfile
 import warnings
 from pathlib import Path
 
@@ -11,6 +13,19 @@ os.environ.setdefault("LIGHTNING_PAR_TIMEOUT", "20")
 logging.getLogger("lightning.pytorch").setLevel(logging.ERROR)
 logging.getLogger("lightning.fabric").setLevel(logging.ERROR)
 warnings.filterwarnings("ignore", ".*does not have many workers.*")
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_configure(config: pytest.Config) -> None:
+    """Under pytest-xdist (``make test`` runs two workers), a short base for every test's
+    temporary folder. Tests give the scripts they start a private ``TMPDIR`` inside their
+    ``tmp_path``, where multiprocessing's forkserver makes its socket; with xdist's longer
+    default (``/tmp/pytest-of-USER/pytest-N/popen-gw0/...``) that socket's path passes the
+    108 bytes a Unix socket's path may have ("AF_UNIX path too long"). Removed at the end."""
+    distributed = config.getoption("numprocesses", None) and not hasattr(config, "workerinput")
+    if distributed and config.option.basetemp is None:
+        config.option.basetemp = tempfile.mkdtemp(prefix="lpt-")
+        config.add_cleanup(lambda: shutil.rmtree(config.option.basetemp, ignore_errors=True))
 
 
 @pytest.fixture(scope="session")

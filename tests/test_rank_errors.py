@@ -56,8 +56,12 @@ def error_folders() -> set[str]:
     return set(glob.glob(os.path.join(tempfile.gettempdir(), FOLDER_PREFIX + "*")))
 
 
-def test_a_ranks_exception_is_raised_in_the_main_process_with_its_type():
+def test_a_ranks_exception_is_raised_in_the_main_process_with_its_type(tmp_path, monkeypatch):
+    # a temporary folder of this test's own: a launch in another test running at the same
+    # time (pytest-xdist) makes and removes its folder of errors in the shared one
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
     before = error_folders()
+    assert before == set()
     with pytest.raises(WrongLabels, match=r"labels must be in \[0, 10\), got 12") as caught:
         fit("user")
     # torch's report, with the rank's traceback, is the cause
