@@ -64,5 +64,7 @@ def show(measured: str, predictions: list[Prediction]) -> None:
     """Print the measured run beside the predictions."""
     print(f"measured here: {measured}")
     for pred in predictions:
-        print(f"predicted, {pred.hardware}: 1 device {pred.one_s * 1e3:.2f} ms a step, "
-              f"{pred.devices} devices {pred.step_s * 1e3:.2f} ms: {pred.speedup:.2f}x faster")
+        print(
+            f"predicted, {pred.hardware}: 1 device {pred.one_s * 1e3:.2f} ms a step, "
+            f"{pred.devices} devices {pred.step_s * 1e3:.2f} ms: {pred.speedup:.2f}x faster"
+        )
