@@ -1,6 +1,7 @@
-"""The exercise checks of notebooks 04-07 reject the wrong answers a student can give (the
+"""The exercise checks of notebooks 04-09 reject the wrong answers a student can give (the
 helper the notebook imports, borrowed; the weights gathered instead of the outputs; a number
-looked up in the notebook's own table) and accept the model answer in ``course/solutions/``.
+looked up in the notebook's own table; the optimizer state left whole; the loss divided by the
+new world size) and accept the model answer in ``course/solutions/``.
 
 Each notebook's check is taken from the stored notebook itself (its imports, the definitions
 the check needs, the check cell without its ``with checking(...)`` blocks) and run in a fresh
@@ -144,6 +145,146 @@ AllReduceGrad.backward = staticmethod(lambda ctx, grad: (grad, None))
             "    return prof.compute_s / speed + ring\n",
         },
     ),
+    "08_zero": (
+        dict(check_cell="from exercise import checking", names=set()),
+        "check_zero_one(MyZeroOne)",
+        {
+            "optimizer state not sharded": """
+class MyZeroOne:  # the two phases make an allreduce; every rank steps every parameter
+    def __init__(self, model, make_optimizer, reduce_scatter, all_gather):
+        self.params = list(model.parameters())
+        self.optimizer = make_optimizer(self.params)
+        self.reduce_scatter, self.all_gather = reduce_scatter, all_gather
+
+    def step(self):
+        p, n = dist.get_world_size(), sum(q.numel() for q in self.params)
+        flat = torch.zeros(p * -(-n // p))
+        flat[:n] = torch.cat([q.grad.flatten() for q in self.params])
+        self.reduce_scatter(flat)
+        self.all_gather(flat)
+        start = 0
+        for q in self.params:
+            q.grad.copy_(flat[start : start + q.numel()].view_as(q) / p)
+            start += q.numel()
+        self.optimizer.step()
+""",
+            "optimizer over the whole flat vector": """
+exec(open("course/solutions/08_zero.py").read())
+_Sliced = MyZeroOne
+
+
+class MyZeroOne(_Sliced):  # state for p * S elements, the gradient zero outside the slice
+    def __init__(self, model, make_optimizer, reduce_scatter, all_gather):
+        super().__init__(model, lambda params: None, reduce_scatter, all_gather)
+        self.whole = nn.Parameter(self._flat([q.detach() for q in self.params]))
+        self.optimizer = make_optimizer([self.whole])
+
+    def step(self):
+        mine = self.reduce_scatter(self._flat([q.grad for q in self.params]))
+        self.whole.grad = torch.zeros_like(self.whole)
+        self.whole.grad[self.lo : self.lo + self.size] = mine / self.world_size
+        self.optimizer.step()
+        self.slice.data = self.whole.detach()[self.lo : self.lo + self.size].clone()
+        weights = torch.zeros(self.world_size * self.size)
+        weights[self.lo : self.lo + self.size] = self.slice.detach()
+        self.all_gather(weights)
+        start = 0
+        with torch.no_grad():
+            for q in self.params:
+                q.copy_(weights[start : start + q.numel()].view_as(q))
+                start += q.numel()
+""",
+            "all-gather forgotten": """
+exec(open("course/solutions/08_zero.py").read())
+_Answer = MyZeroOne
+MyZeroOne = lambda model, make, rs, ag: _Answer(model, make, rs, lambda flat: flat)
+""",
+            "the sum taken as the mean (no 1/p)": """
+exec(open("course/solutions/08_zero.py").read())
+_Answer = MyZeroOne
+MyZeroOne = lambda model, make, rs, ag: _Answer(
+    model, make, lambda flat: rs(flat).mul_(dist.get_world_size()), ag)
+""",
+            "borrowed FlatUnit": """
+from torch import nn
+
+from lightning_par.zero.units import FlatUnit
+
+
+class MyZeroOne:  # the library's flat unit lays out and shards the parameters
+    def __init__(self, model, make_optimizer, reduce_scatter, all_gather):
+        self.params = list(model.parameters())
+        self.p = dist.get_world_size()
+        self.unit = FlatUnit(0, self.params, self.p, dist.get_rank())
+        self.reduce_scatter, self.all_gather = reduce_scatter, all_gather
+        self.slice = nn.Parameter(self.unit.shard.detach().clone())
+        self.optimizer = make_optimizer([self.slice])
+
+    def step(self):
+        grads = torch.zeros(self.unit.padded_numel)
+        for q, start in zip(self.params, self.unit.offsets):
+            grads[start : start + q.numel()] = q.grad.reshape(-1)
+        self.slice.grad = self.reduce_scatter(grads) / self.p
+        self.optimizer.step()
+        lo = self.unit.rank * self.unit.shard_numel
+        with torch.no_grad():
+            self.unit.full[lo : lo + self.unit.shard_numel] = self.slice
+        self.all_gather(self.unit.full)  # the parameters are views of it
+""",
+        },
+    ),
+    "09_fault_tolerance": (
+        dict(
+            check_cell="from exercise import checking",
+            names={
+                "g",
+                "ROWS",
+                "X_ALL",
+                "W_TRUE",
+                "Y_ALL",
+                "W0",
+                "shard_loss",
+                "one_process_gradient",
+                "survivors_gradient",
+                "library_answer",
+            },
+        ),
+        "check_stand_ins(my_stands_in_for, my_loss_scale)",
+        {
+            "lost shards skipped": "def my_stands_in_for(first_world, survivors, me):\n"
+            "    return []\n"
+            "def my_loss_scale(first_world, survivors):\n"
+            "    return 1.0\n",
+            "loss divided by the new world size": "def my_stands_in_for(first_world, survivors, "
+            "me):\n"
+            "    lost = [r for r in range(first_world) if r not in survivors]\n"
+            "    return [r for i, r in enumerate(lost) if survivors[i % len(survivors)] == me]\n"
+            "def my_loss_scale(first_world, survivors):\n"
+            "    return 1 / len(survivors)\n",
+            "no loss scale": "def my_stands_in_for(first_world, survivors, me):\n"
+            "    lost = [r for r in range(first_world) if r not in survivors]\n"
+            "    return [r for i, r in enumerate(lost) if survivors[i % len(survivors)] == me]\n"
+            "def my_loss_scale(first_world, survivors):\n"
+            "    return 1.0\n",
+            "every lost shard on the first survivor": "def my_stands_in_for(first_world, "
+            "survivors, me):\n"
+            "    lost = [r for r in range(first_world) if r not in survivors]\n"
+            "    return lost if me == survivors[0] else []\n"
+            "def my_loss_scale(first_world, survivors):\n"
+            "    return len(survivors) / first_world\n",
+            "round robin from the last survivor": "def my_stands_in_for(first_world, survivors, "
+            "me):\n"
+            "    lost = [r for r in range(first_world) if r not in survivors]\n"
+            "    order = survivors[::-1]\n"
+            "    return [r for i, r in enumerate(lost) if order[i % len(order)] == me]\n"
+            "def my_loss_scale(first_world, survivors):\n"
+            "    return len(survivors) / first_world\n",
+            "borrowed FaultTolerance": "def my_stands_in_for(first_world, survivors, me):\n"
+            "    return library_answer(first_world, survivors)[0][me]\n"
+            "def my_loss_scale(first_world, survivors):\n"
+            "    return library_answer(first_world, survivors)[1]\n",
+        },
+    ),
 }
 
 #: (notebook, answer) -> what the check's message must say (None: the answer passes).
@@ -164,6 +305,19 @@ VERDICTS = {
     ("07_which_strategy", "borrowed simulator"): "called lightning_par.simulate",
     ("07_which_strategy", "section 5's table looked up"): "your function raised KeyError",
     ("07_which_strategy", "the ring every step"): "simulator",
+    ("08_zero", "solution"): None,
+    ("08_zero", "optimizer state not sharded"): "one optimizer over at most S",
+    ("08_zero", "optimizer over the whole flat vector"): "one optimizer over at most S",
+    ("08_zero", "all-gather forgotten"): "differ from one process's",
+    ("08_zero", "the sum taken as the mean (no 1/p)"): "differ from one process's",
+    ("08_zero", "borrowed FlatUnit"): "called lightning_par.zero.units",
+    ("09_fault_tolerance", "solution"): None,
+    ("09_fault_tolerance", "lost shards skipped"): "differs from one process's gradient",
+    ("09_fault_tolerance", "loss divided by the new world size"): "differs from one process's",
+    ("09_fault_tolerance", "no loss scale"): "differs from one process's gradient",
+    ("09_fault_tolerance", "every lost shard on the first survivor"): "round robin gives at most",
+    ("09_fault_tolerance", "round robin from the last survivor"): "round robin deals",
+    ("09_fault_tolerance", "borrowed FaultTolerance"): "called lightning_par.components",
 }
 
 RUNNER = """
