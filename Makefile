@@ -18,8 +18,6 @@ TORCH_PINS ?= torch==2.14.1 torchvision==0.29.1
 OLD_TORCH_PINS ?= torch==2.13.0+cpu
 OLD_TORCH_LEAVE_OUT ?= torchvision jupyter
 OLD_VENV ?= .venv-torch213
-# `make test` leaves out bench simulate (75 s: it trains ring_allreduce at 2, 3 and 4
-# processes, which the strategies' own smoke rows already do); `make smoke-old-torch` runs it.
 SMOKE_ARGS ?=
 
 MODEL ?= CifarCNN
@@ -34,7 +32,8 @@ NB_TIMEOUT ?= 180
 # tests (a frozen rank found within its limit), so raise it only with the cores.
 TEST_WORKERS ?= 2
 
-.PHONY: setup demo test lint check gpu-check bench clean docs browser userflow smoke-old-torch
+.PHONY: setup demo test lint check gpu-check bench clean docs browser userflow smoke-old-torch \
+	old-torch-venv
 
 setup: $(VENV)/.installed
 
@@ -81,11 +80,13 @@ $(OLD_VENV)/.installed: pyproject.toml tests/smoke/requirements.py
 	$(OLD_VENV)/bin/pip install -qq --no-deps -e . --config-settings editable_mode=compat
 	touch $@
 
+old-torch-venv: $(OLD_VENV)/.installed
+
 smoke-old-torch: $(OLD_VENV)/.installed
 	$(OLD_VENV)/bin/python -m tests.smoke.run $(SMOKE_ARGS)
 
-test: SMOKE_ARGS = --skip simulate
-test: lint browser smoke-old-torch
+# (tests/test_old_torch_smoke.py runs the smoke, making the old venv if missing)
+test: lint browser
 	$(VENV)/bin/pytest tests course --nbval-lax --nbval-current-env \
 		--nbval-cell-timeout=$(NB_TIMEOUT) --durations=15 --junitxml=runs/test-times.xml \
 		--numprocesses=$(TEST_WORKERS) --dist=loadfile
