@@ -1,6 +1,7 @@
 # Two commands do all set-up on a fresh machine (python3, pip and make only):
 #   make demo   train the CIFAR CNN with a lightning_par strategy on 2 CPU processes, test it
-#   make test   lint, unit and multi-process tests, every course notebook (nbval), the docs
+#   make test   lint, every benchmark and strategy on the oldest torch we claim (a second
+#               venv), unit and multi-process tests, every course notebook (nbval), the docs
 #   make docs   the documentation site, into docs/_build/html (offline, warnings are errors)
 # Each creates and fills the virtual environment .venv first.
 
@@ -10,6 +11,14 @@ PY := $(VENV)/bin/python
 # torch/torchvision come from this machine's local wheels; override on other machines,
 # e.g. `make TORCH_PINS= test` to let pip pick any torch >= 2.4.
 TORCH_PINS ?= torch==2.14.1 torchvision==0.29.1
+# The oldest torch this machine's package index serves, in a second venv for the smoke run
+# (`make smoke-old-torch`): torch 2.13.0's CPU file. Without torchvision: the index's 0.28.0
+# is a CUDA build whose operators do not load beside a CPU torch (and a torchvision that
+# fails to load stops even `import lightning`, through torchmetrics); without jupyter.
+OLD_TORCH_PINS ?= torch==2.13.0+cpu
+OLD_TORCH_LEAVE_OUT ?= torchvision jupyter
+OLD_VENV ?= .venv-torch213
+SMOKE_ARGS ?=
 
 MODEL ?= CifarCNN
 STRATEGY ?= ring_allreduce
@@ -23,7 +32,8 @@ NB_TIMEOUT ?= 180
 # tests (a frozen rank found within its limit), so raise it only with the cores.
 TEST_WORKERS ?= 2
 
-.PHONY: setup demo test lint check gpu-check bench clean docs browser userflow
+.PHONY: setup demo test lint check gpu-check bench clean docs browser userflow smoke-old-torch \
+	old-torch-venv
 
 setup: $(VENV)/.installed
 
@@ -60,6 +70,22 @@ browser:
 		apt-get update -qq && DEBIAN_FRONTEND=noninteractive \
 			apt-get install -y -qq --no-install-recommends chromium chromium-driver >/dev/null; }
 
+# Every benchmark at its smallest and every strategy for two steps on OLD_TORCH_PINS
+# (tests/smoke/run.py; the venv: about 100 s the first time, the run about 3 min on 2 cores).
+$(OLD_VENV)/.installed: pyproject.toml tests/smoke/requirements.py
+	$(PYTHON) -m venv $(OLD_VENV)
+	$(PYTHON) -m tests.smoke.requirements --pin $(OLD_TORCH_PINS) \
+		--leave-out $(OLD_TORCH_LEAVE_OUT) > $(OLD_VENV)/requirements.txt
+	$(OLD_VENV)/bin/pip install -qq -r $(OLD_VENV)/requirements.txt
+	$(OLD_VENV)/bin/pip install -qq --no-deps -e . --config-settings editable_mode=compat
+	touch $@
+
+old-torch-venv: $(OLD_VENV)/.installed
+
+smoke-old-torch: $(OLD_VENV)/.installed
+	$(OLD_VENV)/bin/python -m tests.smoke.run $(SMOKE_ARGS)
+
+# (tests/test_old_torch_smoke.py runs the smoke, making the old venv if missing)
 test: lint browser
 	$(VENV)/bin/pytest tests course --nbval-lax --nbval-current-env \
 		--nbval-cell-timeout=$(NB_TIMEOUT) --durations=15 --junitxml=runs/test-times.xml \
@@ -86,5 +112,5 @@ gpu-check: setup
 	$(PY) -m lightning_par.bench data --device cuda
 
 clean:
-	rm -rf $(VENV) runs lightning_logs .pytest_cache docs/_build docs/_generated \
+	rm -rf $(VENV) $(OLD_VENV) runs lightning_logs .pytest_cache docs/_build docs/_generated \
 		docs/reference/_autosummary docs/course docs/benchmarks docs/CONTRIBUTING.md

@@ -12,7 +12,9 @@ from lightning_par.data import (
     CIFAR10DataModule,
     DataNotFoundError,
     SyntheticCIFAR10,
+    eval_transform,
     find_cifar10_mini,
+    train_transform,
 )
 from lightning_par.data.sources import synthesize
 
@@ -176,3 +178,24 @@ def test_training_batches_are_full_by_default(mini_dir):
     keep = CIFAR10DataModule(source="cifar10-mini", data_dir=str(mini_dir), drop_last=False)
     keep.setup("fit")
     assert len(keep.train_dataloader()) == 144
+
+
+def test_the_transforms_are_torchvisions_exactly():
+    # ours compute what torchvision's v2 transforms compute, drawing the same random numbers
+    # in the same order: the same images for the same seed, and the same generator after
+    v2 = pytest.importorskip("torchvision.transforms.v2")
+    theirs_train = v2.Compose([v2.RandomCrop(32, padding=4), v2.RandomHorizontalFlip(),
+                               v2.ToDtype(torch.float32, scale=True),
+                               v2.Normalize(CIFAR_MEAN, CIFAR_STD)])  # fmt: skip
+    images = torch.randint(0, 256, (64, 3, 32, 32), dtype=torch.uint8)
+    for ours, theirs in [(train_transform(), theirs_train),
+                         (eval_transform(), v2.Compose(theirs_train.transforms[2:]))]:  # fmt: skip
+        torch.manual_seed(5)
+        mine = torch.stack([ours(image) for image in images])
+        after = torch.rand(1)
+        torch.manual_seed(5)
+        assert torch.equal(mine, torch.stack([theirs(image) for image in images]))
+        assert torch.equal(after, torch.rand(1))
+    # the crops and flips moved the pixels (the comparison is not of untouched images)
+    torch.manual_seed(5)
+    assert not torch.equal(train_transform()(images[0]), eval_transform()(images[0]))

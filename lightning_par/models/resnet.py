@@ -11,7 +11,6 @@ torchvision's own BatchNorm).
 from __future__ import annotations
 
 from torch import nn
-from torchvision.models import resnet18
 
 from lightning_par.models.classifier import ImageClassifier
 
@@ -40,6 +39,8 @@ class ResNet18(ImageClassifier):
         if norm not in NORMS:
             raise ValueError(f"norm={norm!r}: choose one of {NORMS}")
         self.save_hyperparameters()
+        from torchvision.models import resnet18  # (only this model needs torchvision)
+
         layer = group_norm if norm == "group" else None
         self.net = resnet18(num_classes=num_classes, norm_layer=layer)
 

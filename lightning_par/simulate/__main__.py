@@ -228,9 +228,10 @@ def replay_main(args) -> int:
 
 
 def validation(work: str | None, reuse: str | None, rounds: int,
-               strategies: tuple[str, ...] = VALIDATED) -> dict:  # fmt: skip
-    """Every validation row (``strategies`` trained here into ``work``, or read from a kept
-    ``reuse`` folder), with the machine it was measured on and the load."""
+               strategies: tuple[str, ...] = VALIDATED, steps: int = 10) -> dict:  # fmt: skip
+    """Every validation row (``strategies`` trained here into ``work`` for ``steps`` steps
+    each, or read from a kept ``reuse`` folder), with the machine it was measured on and the
+    load."""
     import tempfile
 
     quiet_lightning()
@@ -239,7 +240,7 @@ def validation(work: str | None, reuse: str | None, rounds: int,
         if reuse:
             found = kept_rounds(Path(reuse))
         else:
-            found = measure(Path(work or tmp), tuple(strategies), rounds=rounds)
+            found = measure(Path(work or tmp), tuple(strategies), rounds=rounds, steps=steps)
         machine = kept_machine(found)
         table = rows(found, machine)
     return {"rows": table, "load_1m_start": round(load, 2),
