@@ -53,8 +53,8 @@ class RankFailed(RuntimeError):
 
 
 class _MeshFailed(RankFailed):
-    """gloo could not connect the ranks' mesh: nothing of ``fn`` ran yet, so the start can be
-    tried again with a fresh store (a rare loopback race, also seen in torch's own CI:
+    """gloo could not connect the ranks' mesh: ``fn`` did not run on every rank, so the start
+    can be tried again with a fresh store (a rare loopback race, also seen in torch's own CI:
     pytorch/pytorch#53270)."""
 
 
@@ -196,8 +196,10 @@ def _wait_for_results(procs: list, queue: Any, results: dict[int, Any], deadline
             failures += _collect(queue, results)
             dead = _dead_ranks(procs, results, failures)
             report = _failure_report(procs, dead, failures, world_size)
-            # only a mesh that failed to connect, no rank dead or done: start again
-            retry = not exited and not results and all(k == "mesh" for _, k, _ in failures)
+            # only a mesh that failed to connect, no rank dead: start again (a rank whose mesh
+            # failed never ran ``fn``, so what the others returned is dropped; seen under load:
+            # rank 1 "Connection closed by peer" while rank 0 ran a function that sent nothing)
+            retry = not exited and all(k == "mesh" for _, k, _ in failures)
             raised = tuple(r for r, kind, _ in failures if kind == "error")
             raise (_MeshFailed if retry else RankFailed)(report, dead=dead, raised=raised)
         if time.monotonic() > deadline:
