@@ -193,9 +193,13 @@ SILENT_KEY = "lightning_par/paramserver/silent/{}"
 
 def end_silent_worker(beat: Heartbeat, peer: int, report: str) -> None:
     """SIGKILL silent worker ``peer`` of ``beat``'s group if it runs on this machine; the
-    first process to find it silent says so (``report``: who, for how long)."""
+    first process to find it silent says so (``report``: who, for how long). One whose
+    process ended already is not silent but lost, and its launcher says so: a worker
+    killed is found silent too once the run outlasts ``dead_peer_timeout`` after it."""
     process = beat.peers.get(peer)
-    if process is not None and process.local and not process.ended():
+    if process is not None and process.local:
+        if process.ended():
+            return
         beat.killing(peer)
         process.kill()
     me = str(beat.rank)
