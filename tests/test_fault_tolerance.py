@@ -381,3 +381,22 @@ def test_a_strategy_with_or_without_fault_tolerance_travels_to_spawned_ranks():
     for enabled in (False, True):
         copy = pickle.loads(pickle.dumps(AllReduceStrategy("ring", fault_tolerant=enabled)))
         assert copy.resilience.enabled is enabled and copy.resilience.tolerance.membership is None
+
+
+def test_a_killed_parameter_server_worker_found_silent_later_is_not_called_frozen(capsys):
+    """A run that outlasts ``dead_peer_timeout`` after a worker was killed finds it silent
+    too: its launcher named it killed, so no second line calls it frozen (a frozen one,
+    alive, is ended and named once)."""
+    from lightning_par.paramserver.lost_workers import end_silent_worker
+
+    killed: list[int] = []
+    store = SimpleNamespace(compare_set=lambda key, expected, value: value.encode())
+    for ended in (True, False):
+        process = SimpleNamespace(
+            local=True, ended=lambda e=ended: e, kill=lambda: killed.append(1)
+        )
+        beat = SimpleNamespace(peers={1: process}, rank=0, store=store, killing=lambda peer: None,
+                               safely=lambda action: action())  # fmt: skip
+        end_silent_worker(beat, 1, "worker 1 (rank 1) stopped responding for 2 s")
+    said = capsys.readouterr().err
+    assert said.count("it is ended and the others go on without it") == 1 and killed == [1], said
