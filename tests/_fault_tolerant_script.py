@@ -1,10 +1,12 @@
 """A user's script, run by ``tests/test_fault_tolerance.py`` as ``python
-_fault_tolerant_script.py STRATEGY DEVICES FAULT OUT``: ``LIGHTNING_PAR_FAULT=FAULT`` (or
-none for ``-``), one ``fit`` of a small network on ``DEVICES`` CPU ranks with
-``fault_tolerant=True`` (Lightning chooses the launch; ``LIGHTNING_PAR_START_METHOD`` may
-ask for another), then what users call after training: ``save_checkpoint`` and
-``validate``; the final weights are saved to ``OUT`` and one ``RESULT {json}`` line says
-how it went."""
+_fault_tolerant_script.py STRATEGY DEVICES FAULT OUT [VARIANT]``:
+``LIGHTNING_PAR_FAULT=FAULT`` (or none for ``-``), one ``fit`` of a small network on
+``DEVICES`` CPU ranks with ``fault_tolerant=True`` (Lightning chooses the launch;
+``LIGHTNING_PAR_START_METHOD`` may ask for another), then what users call after training:
+``save_checkpoint`` and ``validate``; the final weights are saved to ``OUT`` and one
+``RESULT {json}`` line says how it went. ``VARIANT`` (a key of :data:`VARIANTS`, default
+``tiny``) switches on Lightning's features beside it: BatchNorm; ``bf16-mixed`` with
+learning-rate schedulers stepped per step and per epoch; a torchvision network."""
 
 from __future__ import annotations
 
@@ -12,6 +14,8 @@ import json
 import os
 import sys
 import time
+from collections.abc import Callable
+from dataclasses import dataclass
 
 import lightning.pytorch as pl
 import torch
@@ -28,18 +32,67 @@ DEAD_PEER_S = 2.0
 SAMPLES, BATCH, STEPS = 240, 4, 12
 
 
+def tiny_net() -> nn.Module:
+    return nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 4))
+
+
+def batchnorm_net() -> nn.Module:
+    return nn.Sequential(nn.Linear(8, 16), nn.BatchNorm1d(16), nn.Tanh(), nn.Linear(16, 4))
+
+
+def torchvision_net() -> nn.Module:
+    import torchvision  # (slow to import: only this variant needs it)
+
+    return torchvision.models.shufflenet_v2_x0_5(num_classes=4)
+
+
+@dataclass(frozen=True)
+class Variant:
+    """What a run switches on beside ``fault_tolerant`` (the test computes one process's
+    weights from the same)."""
+
+    net: Callable[[], nn.Module] = tiny_net
+    inputs: tuple[int, ...] = (8,)
+    samples: int = SAMPLES
+    batch: int = BATCH
+    steps: int = STEPS
+    precision: str = "32-true"
+    lr: float = 0.1
+    #: an ExponentialLR stepped every step and a StepLR every epoch
+    schedulers: bool = False
+    #: the network held as ``self.model`` (as users hold a torchvision one), not ``self.net``
+    attribute: str = "net"
+
+
+VARIANTS = {
+    "tiny": Variant(),
+    # 6 steps an epoch over 2 workers: an epoch's end (a validation, the per-epoch
+    # scheduler's step) right after a loss at step 5
+    "batchnorm": Variant(batchnorm_net, samples=48),
+    "bf16_schedulers": Variant(samples=48, precision="bf16-mixed", schedulers=True),
+    # (a gentle rate: at 0.1 a torchvision net on random data amplifies float rounding)
+    "torchvision": Variant(
+        torchvision_net, (3, 32, 32), samples=64, batch=16, steps=3, lr=1e-3, attribute="model"
+    ),
+}
+
+
 class Tiny(pl.LightningModule):
     """A small network with what users log: the loss each step and a torchmetrics accuracy
     per epoch, which syncs over the ranks as ``fit`` ends (after the loss)."""
 
-    def __init__(self) -> None:
+    def __init__(self, variant: str = "tiny") -> None:
         super().__init__()
-        self.net = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 4))
+        self.variant = VARIANTS[variant]
+        setattr(self, self.variant.attribute, self.variant.net())
         self.train_acc = MulticlassAccuracy(4, average="micro")
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return getattr(self, self.variant.attribute)(x)
 
     def training_step(self, batch, batch_idx):
         x, y = batch
-        logits = self.net(x)
+        logits = self(x)
         loss = nn.functional.cross_entropy(logits, y)
         self.train_acc.update(logits, y)
         self.log("train_loss", loss)
@@ -48,33 +101,40 @@ class Tiny(pl.LightningModule):
 
     def validation_step(self, batch, batch_idx):
         x, y = batch
-        self.log("val_loss", nn.functional.cross_entropy(self.net(x), y), sync_dist=True)
+        self.log("val_loss", nn.functional.cross_entropy(self(x), y), sync_dist=True)
 
     def configure_optimizers(self):
-        return torch.optim.SGD(self.parameters(), lr=0.1, momentum=0.9)
+        optimizer = torch.optim.SGD(self.parameters(), lr=self.variant.lr, momentum=0.9)
+        if not self.variant.schedulers:
+            return optimizer
+        per_step = torch.optim.lr_scheduler.ExponentialLR(optimizer, gamma=0.8)
+        per_epoch = torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=0.1)
+        return [optimizer], [{"scheduler": per_step, "interval": "step"}, per_epoch]
 
 
-def data() -> TensorDataset:
-    g = torch.Generator().manual_seed(0)
+def data(variant: str = "tiny") -> TensorDataset:
+    v, g = VARIANTS[variant], torch.Generator().manual_seed(0)
     return TensorDataset(
-        torch.randn(SAMPLES, 8, generator=g), torch.randint(0, 4, (SAMPLES,), generator=g)
+        torch.randn(v.samples, *v.inputs, generator=g),
+        torch.randint(0, 4, (v.samples,), generator=g),
     )
 
 
-def main(name: str, devices: int, fault: str, out: str) -> None:
+def main(name: str, devices: int, fault: str, out: str, variant: str = "tiny") -> None:
     if fault != "-":
         os.environ[FAULT_ENV] = fault  # read by the strategy's constructor
-    row = spec(name)
+    row, setting = spec(name), VARIANTS[variant]
     strategy = row.cls(**row.options, fault_tolerant=True, dead_peer_timeout=DEAD_PEER_S)
     trainer = pl.Trainer(
-        strategy=strategy, accelerator="cpu", devices=devices, max_steps=STEPS, logger=False,
-        enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False,
+        strategy=strategy, accelerator="cpu", devices=devices, max_steps=setting.steps,
+        precision=setting.precision, logger=False, enable_progress_bar=False,
+        enable_model_summary=False, enable_checkpointing=False,
     )  # fmt: skip
     torch.manual_seed(0)
-    model = Tiny()
+    model = Tiny(variant)
     started = time.monotonic()
     try:
-        train, val = (DataLoader(data(), batch_size=BATCH) for _ in range(2))
+        train, val = (DataLoader(data(variant), batch_size=setting.batch) for _ in range(2))
         trainer.fit(model, train, val)
     except Exception as err:
         raised = {"type": type(err).__name__, "message": str(err)}
@@ -82,7 +142,8 @@ def main(name: str, devices: int, fault: str, out: str) -> None:
         return
     fit_s = time.monotonic() - started
     trainer.save_checkpoint(os.path.join(os.path.dirname(out), "final.ckpt"))
-    metrics = trainer.validate(model, DataLoader(data(), batch_size=BATCH), verbose=False)
+    val = DataLoader(data(variant), batch_size=setting.batch)
+    metrics = trainer.validate(model, val, verbose=False)
     if trainer.is_global_zero:  # (under popen every rank runs this script)
         torch.save({k: v.detach().clone() for k, v in model.state_dict().items()}, out)
         result = {"raised": None, "fit_s": fit_s, "val_loss": metrics[0]["val_loss"]}
@@ -90,4 +151,4 @@ def main(name: str, devices: int, fault: str, out: str) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], int(sys.argv[2]), sys.argv[3], sys.argv[4])
+    main(sys.argv[1], int(sys.argv[2]), *sys.argv[3:])

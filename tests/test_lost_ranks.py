@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from lightning_par.launch.faults import FAULT_ENV, Fault, parse_fault
+from lightning_par.launch.faults import FAULT_ENV, Fault, parse_fault, planned_faults
 from lightning_par.launch.lost import (
     LAUNCHER_RANK_ENV,
     REPORTS_ENV,
@@ -63,6 +63,13 @@ def test_a_fault_is_read_from_its_text_and_strikes_its_rank_at_its_step():
                   "kill:rank=1:server=0:step=3", "kill:rank=1:step=3:code=2"):  # fmt: skip
         with pytest.raises(ValueError, match=f"{FAULT_ENV}=.*write KIND:rank=R:step=S"):
             parse_fault(wrong)
+
+
+def test_several_faults_are_planned_separated_by_commas(monkeypatch):
+    monkeypatch.setenv(FAULT_ENV, "kill:rank=1:step=3, kill:server=0:step=3")
+    assert planned_faults() == [Fault("kill", 3, rank=1), Fault("kill", 3, server=0)]
+    monkeypatch.setenv(FAULT_ENV, "")
+    assert planned_faults() == []
 
 
 def test_a_strategy_refuses_a_wrong_fault_or_dead_peer_timeout(monkeypatch):

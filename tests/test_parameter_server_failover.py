@@ -123,10 +123,14 @@ IN_ITS_PLACE = (r"lightning_par: worker 1 \(rank 1\) lost; worker 0 pushed its g
 
 def test_a_lost_worker_is_survived_exactly_beside_lost_servers_and_clipping(tmp_path):
     """fault_tolerant=True also survives a lost worker (killed, or frozen at the first step),
-    with clipping by norm over two servers: the weights equal the plain parameter server's,
-    each loss is said in two lines, and no process or temporary file is left."""
-    scenarios = ["2:none", "2:kill:rank=1:step=3", "1:freeze:rank=1:step=0"]
-    code, lines, session, left = _run(tmp_path, ["--clip", *scenarios], limit_s=180)
+    with clipping by norm over two servers, and a worker and a server killed in the same
+    step (the server's copy takes over, answering worker 0 alone; a lone server's standby,
+    or the other of two): the weights equal the plain parameter server's, each loss is said
+    in two lines, and no process or temporary file is left."""
+    scenarios = ["2:none", "2:kill:rank=1:step=3", "1:freeze:rank=1:step=0",
+                 "2:kill:rank=1:step=3,kill:server=1:step=3",
+                 "1:kill:rank=1:step=5,kill:server=0:step=5"]  # fmt: skip
+    code, lines, session, left = _run(tmp_path, ["--clip", *scenarios], limit_s=240)
     text = "".join(line for _, line in lines)
     assert code == 0, text[-4000:]
     assert "Traceback" not in text and "Error" not in text, text[-4000:]
@@ -136,11 +140,15 @@ def test_a_lost_worker_is_survived_exactly_beside_lost_servers_and_clipping(tmp_
         weights = torch.load(tmp_path / f"{i}.pt")
         for name, value in reference.items():
             torch.testing.assert_close(weights[name], value, atol=1e-6, rtol=0, msg=scenario)
+    # (searched, not matched whole: a line of another process may be written inside one)
     for pattern in (LOST_WORKER, IN_ITS_PLACE):
-        said = [t for t, line in lines if re.fullmatch(pattern, line.strip())]
+        said = [t for t, line in lines if re.search(pattern, line)]
         assert len(said) == len(scenarios) - 1, (pattern, text[-4000:])
+    took_over = [(s, by) for s, by in ((1, 0), (0, 1)) if re.search(
+        TOOK_OVER.format(lost=s, rank=WORKERS + s, by=by), text)]  # fmt: skip
+    assert took_over == [(1, 0), (0, 1)], text[-4000:]
     struck = [t for t, line in lines if f"{FAULT_ENV}: rank 1 " in line]
-    said = [t for t, line in lines if re.fullmatch(LOST_WORKER, line.strip())]
+    said = [t for t, line in lines if re.search(LOST_WORKER, line)]
     waited = [b - a for a, b in zip(struck, said)]
     assert waited[0] < 8 and DEAD_PEER_S < waited[1] < DEAD_PEER_S + 8, waited
     print("seconds from the fault to the launcher's line:", dict(zip(scenarios[1:], waited)))

@@ -158,8 +158,10 @@ def test_bf16_mixed_equals_one_process_under_bf16_mixed(tmp_path):
 def test_16_mixed_is_refused_before_launch_naming_strategy_and_plugin(strategy):
     # on CPU Lightning turns precision="16-mixed" into bf16-mixed: the plugin itself
     name, fp16 = strategy.strategy_name, MixedPrecision("16-mixed", "cpu")
-    with pytest.raises(ValueError, match=rf"^{name} refuses precision='16-mixed' \(MixedPrecision"):
-        fit(Tiny(), strategy(), 2, plugins=[fp16])
+    options = [{}, {"fault_tolerant": True}] if strategy is ParameterServerStrategy else [{}]
+    for option in options:  # (fault_tolerant: the same refusal, before any rank starts)
+        with pytest.raises(ValueError, match=rf"^{name} refuses precision='16-mixed' \(Mixed"):
+            fit(Tiny(), strategy(**option), 2, plugins=[fp16])
     with pytest.raises(ValueError, match=rf"^{name} runs precision '32-true' or 'bf16-mixed'"):
         fit(Tiny(), strategy(), 2, precision="bf16-true")
 

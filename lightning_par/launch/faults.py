@@ -5,7 +5,8 @@ training step 12 begins (``trainer.global_step == 12``: twelve optimiser steps d
 OOM killer or a preempted node would; ``freeze`` sends ``SIGSTOP`` instead (alive, its
 connections open, silent: a hung machine), and ``exit`` ends the process with
 ``os._exit(code)`` (``code=N``, default 1), skipping every ``finally``. ``server=S`` in
-place of ``rank=R`` strikes parameter server ``S`` as its step ``step`` begins. The process
+place of ``rank=R`` strikes parameter server ``S`` as its step ``step`` begins; several
+faults, separated by commas, strike several processes. The process
 says what it does on standard error just before, so a log shows that the fault was made on
 purpose.
 
@@ -85,7 +86,9 @@ def parse_fault(text: str) -> Fault:
     return Fault(kind, **numbers)
 
 
-def planned_fault() -> Fault | None:
-    """The fault :data:`FAULT_ENV` plans in this process's environment, if any."""
+def planned_faults() -> list[Fault]:
+    """The faults :data:`FAULT_ENV` plans in this process's environment: none, one, or
+    several separated by commas (``kill:rank=1:step=3,kill:server=0:step=3``: a worker and a
+    parameter server lost in the same step)."""
     text = os.environ.get(FAULT_ENV, "")
-    return parse_fault(text) if text.strip() else None
+    return [parse_fault(part) for part in text.split(",") if part.strip()]

@@ -19,7 +19,7 @@ from typing import Any
 
 from lightning_par import _compat
 from lightning_par.launch import liveness
-from lightning_par.launch.faults import planned_fault
+from lightning_par.launch.faults import planned_faults
 
 FAULT_KEY = "lightning_par/paramserver/fault"
 
@@ -116,8 +116,8 @@ def with_fault(server: int, rule: Any) -> Any:
 def fault_of(server: int) -> Callable[[int], None] | None:
     """The check to make as each step of server ``server`` begins, if a planned fault
     strikes it (once: a frozen server that is let go again goes on)."""
-    fault = planned_fault()
-    if fault is None or fault.server != server:
+    fault = next((f for f in planned_faults() if f.server == server), None)
+    if fault is None:
         return None
     struck: list[int] = []
 

@@ -45,6 +45,16 @@ from lightning_par.paramserver.server import ShardOptimizer, apply_averaged
 Replicate = Callable[[int, torch.Tensor, torch.Tensor], None]
 
 
+class _Failed:
+    """A receive that failed as it was posted (a lost worker's): fails when waited for."""
+
+    def __init__(self, error: CommError) -> None:
+        self.error = error
+
+    def wait(self, timeout: object = None) -> torch.Tensor:
+        raise self.error
+
+
 class LostWorkers:
     """The workers one shard's server found lost, and the step from which worker 0 trains
     each one's batch (see the module docstring)."""
@@ -79,7 +89,7 @@ class LostWorkers:
         Returns worker 0's."""
         live = self.live
         buffers = {w: Header.buffer(num_hyper) for w in live}
-        handles = {w: comm.irecv(buffers[w], w, tag=tag) for w in live}
+        handles = {w: self._post(comm, buffers[w], w, tag=tag) for w in live}
         handles[0].wait(idle)
         first = Header.decode(buffers[0], num_hyper, "worker 0 (rank 0)")
         for w in live[1:]:
@@ -96,6 +106,17 @@ class LostWorkers:
                     "hooks in step"
                 )
         return first
+
+    def _post(self, comm: Communicator, buffer: torch.Tensor, worker: int, **kw) -> Handle:
+        """A receive from ``worker``; one from a worker whose connection closed already
+        fails as it is posted: it fails again when waited for, as a receive that found the
+        closed connection later does."""
+        try:
+            return comm.irecv(buffer, worker, **kw)
+        except CommError as err:
+            if worker == 0:
+                raise
+            return _Failed(err)
 
     def wait_sends(self, sends: list[tuple[int, Handle]]) -> None:
         """Wait for messages to workers; one to a worker lost meanwhile is let go."""
@@ -120,7 +141,7 @@ class LostWorkers:
         # from which bucket (its position in shard.active) each lost worker's push is missing
         missing = {w: 0 for w in sorted(self.lost) if not self.covered(w, step)}
         recvs = {
-            b: {w: comm.irecv(shard.push_buffer(b), w, step=step, chunk=b, tag=tag)
+            b: {w: self._post(comm, shard.push_buffer(b), w, step=step, chunk=b, tag=tag)
                 for w in expected}
             for b in shard.active
         }  # fmt: skip
@@ -193,9 +214,13 @@ SILENT_KEY = "lightning_par/paramserver/silent/{}"
 
 def end_silent_worker(beat: Heartbeat, peer: int, report: str) -> None:
     """SIGKILL silent worker ``peer`` of ``beat``'s group if it runs on this machine; the
-    first process to find it silent says so (``report``: who, for how long)."""
+    first process to find it silent says so (``report``: who, for how long). One whose
+    process ended already is not silent but lost, and its launcher says so: a worker
+    killed is found silent too once the run outlasts ``dead_peer_timeout`` after it."""
     process = beat.peers.get(peer)
-    if process is not None and process.local and not process.ended():
+    if process is not None and process.local:
+        if process.ended():
+            return
         beat.killing(peer)
         process.kill()
     me = str(beat.rank)

@@ -200,8 +200,8 @@ def keep_copy(
         return
     holder = ShardServer(comm, copy)
     threads.spawn(partial(resume_workers, comm, copy, progress, holder.answer,
-                          partial(_took_over, copy.server, server, workers, progress)),
-                  f"ps-resume-{copy.server}")  # fmt: skip
+                          partial(_took_over, copy.server, server, workers, progress),
+                          holder.workers), f"ps-resume-{copy.server}")  # fmt: skip
     holder.serve(progress)
 
 

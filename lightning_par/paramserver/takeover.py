@@ -28,6 +28,7 @@ from collections.abc import Callable
 
 from lightning_par.comm import CommError, Communicator
 from lightning_par.paramserver import protocol
+from lightning_par.paramserver.lost_workers import LostWorkers
 from lightning_par.paramserver.protocol import IDLE_TIMEOUT, Command, Kind, ProtocolError
 from lightning_par.paramserver.replication import Progress
 from lightning_par.paramserver.server import ShardOptimizer
@@ -37,16 +38,25 @@ Answer = Callable[[int, int, Command | None], None]
 
 def resume_workers(
     comm: Communicator, shard: ShardOptimizer, progress: Progress, answer_again: Answer,
-    announce: Callable[[], None],
+    announce: Callable[[], None], lost: LostWorkers,
 ) -> None:  # fmt: skip
     """The new holder of ``shard``: agree with every worker where it resumes
     (``answer_again(worker, n, command)`` sends the answer to request ``n`` again), then
-    ``announce`` the takeover."""
+    ``announce`` the takeover. A worker other than 0 lost too (in the same step, say) is
+    let go into ``lost``: the holder's requests then go on without it, as any shard's do
+    (:mod:`.lost_workers`)."""
     errors: list[BaseException] = []
 
     def one(worker: int) -> None:
         try:
             _resume(comm, shard, progress, answer_again, worker)
+        except CommError as err:
+            if progress.last == Command.STOP:
+                return  # the lost primary answered its stop: that worker has ended
+            try:
+                lost.lose(worker, err)  # (worker 0: raised again, the job ends)
+            except BaseException as again:
+                errors.append(again)
         except BaseException as err:
             errors.append(err)
 
@@ -68,12 +78,7 @@ def _resume(
     worker: int,
 ) -> None:  # fmt: skip
     tag, buffer = shard.tag(Kind.RECOVER), protocol.count_buffer()
-    try:
-        comm.irecv(buffer, worker, tag=tag).wait(IDLE_TIMEOUT)
-    except CommError:
-        if progress.last == Command.STOP:
-            return  # the lost primary answered its stop: that worker has ended
-        raise
+    comm.irecv(buffer, worker, tag=tag).wait(IDLE_TIMEOUT)
     n = protocol.decode_count(buffer, Kind.RECOVER)
     comm.send(protocol.encode_count(progress.done), worker, tag=tag)
     if n == progress.done:

@@ -52,7 +52,7 @@ from lightning_par.components.strategy_options import (
     plumbing_arguments,
 )
 from lightning_par.launch import default_timeout, liveness
-from lightning_par.launch.faults import Fault, planned_fault
+from lightning_par.launch.faults import Fault, planned_faults
 from lightning_par.launch.policy import LaunchPlan
 from lightning_par.launch.rendezvous import StoreAddress
 from lightning_par.strategies._carry_back import dump_rank_checkpoint, with_training_state
@@ -107,8 +107,8 @@ class ParStrategy(DDPStrategy):
         )
         self._requested_start_method = start_method
         self.dead_peer_timeout = dead_peer_timeout
-        #: the fault ``LIGHTNING_PAR_FAULT`` plans (:mod:`lightning_par.launch.faults`)
-        self.fault: Fault | None = planned_fault()
+        #: the faults ``LIGHTNING_PAR_FAULT`` plans (:mod:`lightning_par.launch.faults`)
+        self.faults: list[Fault] = planned_faults()
         self._trace_enabled = trace or trace_dir is not None
         self.trace_dir = Path(trace_dir) if trace_dir is not None else None
         self.trace: CommTrace | None = None
@@ -287,10 +287,9 @@ class ParStrategy(DDPStrategy):
 
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
-        if self.fault is not None:  # an injected fault strikes as its step begins
-            step = self.lightning_module.trainer.global_step
-            if self.fault.due(step, rank=self.global_rank):
-                self.fault.strike()
+        for fault in self.faults:  # an injected fault strikes as its step begins
+            if fault.due(self.lightning_module.trainer.global_step, rank=self.global_rank):
+                fault.strike()
         self.splitter.before_training_step(args[0] if args else kwargs.get("batch"))
         with self.splitter.running():
             return super().training_step(*args, **kwargs)

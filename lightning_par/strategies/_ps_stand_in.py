@@ -37,6 +37,7 @@ from lightning_par import _compat
 from lightning_par.paramserver.replicated_client import ReplicatedClient
 from lightning_par.strategies._stand_ins import (
     LostShards,
+    in_modes,
     loss_of,
     stand_in_outputs,
     with_stand_ins,
@@ -53,7 +54,8 @@ class LostWorkerStandIn:
     def __init__(self, strategy: Any, step: Step) -> None:
         self._strategy, self._step = strategy, step
         self._shards = LostShards()
-        self._batches: dict[int, tuple[int, int]] = {}  # client step -> (epoch, batch_idx)
+        # client step -> (epoch, batch_idx, each module's training flag)
+        self._batches: dict[int, tuple[int, int, list[bool]]] = {}
         self._grouped_for: list[int] = []  # the lost workers the validation loader knows
         #: when (wall time) this fit's first loss was found (``lost``, on worker 0: its push
         #: sent in the lost worker's place) and the survivors met in their group (``regrouped``)
@@ -89,27 +91,31 @@ class LostWorkerStandIn:
             _compat.reset_combined_loader(trainer.fit_loop.epoch_loop.val_loop)
 
     def record(self, step: int, epoch: int, batch_idx: int) -> None:
-        """The batch client step ``step`` trains (a lost worker's is read again from it)."""
-        self._batches[step] = (epoch, batch_idx)
+        """The batch client step ``step`` trains (a lost worker's is read again from it),
+        and the modules' modes it trains in (its gradient may be computed in a validation)."""
+        modes = [m.training for m in self._strategy.lightning_module.modules()]
+        self._batches[step] = (epoch, batch_idx, modes)
         self._batches.pop(step - 2, None)
 
     def gradients(self, step: int, workers: list[int]) -> dict[int, list[torch.Tensor | None]]:
         """Each of ``workers``' gradient of client step ``step`` on its own batch, with the
-        weights as they are (the step's: none of its pulls is written yet)."""
+        weights as they are (the step's: none of its pulls is written yet) and the modules
+        in the step's modes (a validation may run now: BatchNorm, dropout in eval mode)."""
         if not self.events:
             self.events.append(("lost", time.time()))
         strategy = self._strategy
-        epoch, batch_idx = self._batches[step]
+        epoch, batch_idx, modes = self._batches[step]
         loader = strategy.lightning_module.trainer.train_dataloader
         batches = self._shards.batches(loader, workers, batch_idx, epoch)
         params = self._client.params if self._client is not None else []
         grads = {}
-        with torch.inference_mode(False), torch.enable_grad():  # (also inside a validation)
+        module = strategy.lightning_module
+        # (also inside a validation: out of its inference mode and its eval mode)
+        with torch.inference_mode(False), torch.enable_grad(), in_modes(module, modes):
             for worker, batch in zip(workers, batches):
                 (output,) = stand_in_outputs(
-                    self._step, [strategy.batch_to_device(batch)], batch_idx,
-                    strategy.lightning_module,
-                )  # fmt: skip
+                    self._step, [strategy.batch_to_device(batch)], batch_idx, module
+                )
                 loss = loss_of(output, f"worker {worker}'s batch")
                 grads[worker] = list(torch.autograd.grad(loss, params, allow_unused=True))
         names = ", ".join(f"worker {w} (rank {w})" for w in workers)

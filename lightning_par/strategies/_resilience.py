@@ -17,6 +17,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import torch
 from lightning.fabric.plugins.environments import TorchElasticEnvironment
 from lightning.pytorch.trainer.states import TrainerFn
 
@@ -121,9 +122,24 @@ class Resilience:
         if self.enabled:
             self.tolerance.settle(self._strategy.lightning_module.trainer.global_step)
 
-    def retrying(self, closure: Any, regrouped: Any) -> Any:
-        """Lightning's closure, run again after a loss (``regrouped()`` rebuilds)."""
-        return self.tolerance.retrying(closure, regrouped) if self.enabled else closure
+    def retrying(self, closure: Any, regrouped: Any, module: Any = None) -> Any:
+        """Lightning's closure, run again after a loss (``regrouped()`` rebuilds); the
+        buffers of ``module`` (BatchNorm's running statistics) are put back as the step
+        found them before it runs again, so its batch updates them once."""
+        if not self.enabled:
+            return closure
+        if module is None:
+            return self.tolerance.retrying(closure, regrouped)
+        with torch.no_grad():
+            kept = [(b, b.clone()) for b in module.buffers()]
+
+        def again() -> None:
+            with torch.no_grad():
+                for buffer, value in kept:
+                    buffer.copy_(value)
+            regrouped()
+
+        return self.tolerance.retrying(closure, again)
 
     def with_lost_shards(
         self, output: Any, step: Any, batch: Any, batch_idx: int = 0, *rest: Any

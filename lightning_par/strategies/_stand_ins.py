@@ -6,7 +6,9 @@ the global batch of every step whole after a loss: each lost rank's shard of Lig
 the lost rank's number, from the step's batch on, every other loader argument kept) and
 its loss trained beside the survivor's own (:func:`with_stand_ins`). The survivors' sum of
 gradients, times ``survivors / first world``, averages to what every shard of the first
-world gives: what one process computes on the whole batch.
+world gives: what one process computes on the whole batch. The survivor's buffers (BatchNorm's
+running statistics) stay those of its own batches, as without the loss
+(:func:`own_buffers_kept`).
 """
 
 from __future__ import annotations
@@ -158,9 +160,40 @@ def muted_logging(module: Any) -> Iterator[None]:
                 delattr(module, name)
 
 
+@contextmanager
+def own_buffers_kept(module: torch.nn.Module) -> Iterator[None]:
+    """A lost rank's step updates copies of this rank's buffers, dropped after it: every
+    rank keeps its own buffers, updated by its own batches (BatchNorm's running statistics:
+    the weights saved are rank 0's, as under Lightning's DDP), with or without a loss."""
+    owners = [(m, n, b) for m in module.modules() for n, b in m.named_buffers(recurse=False)]
+    for owner, name, buffer in owners:  # (not restored in place: autograd saved the copies)
+        setattr(owner, name, buffer.clone())
+    try:
+        yield
+    finally:
+        for owner, name, buffer in owners:
+            setattr(owner, name, buffer)
+
+
+@contextmanager
+def in_modes(module: torch.nn.Module, modes: list[bool]) -> Iterator[None]:
+    """``module``'s submodules in training or eval mode as ``modes`` says (one flag each, in
+    the order of ``modules()``), their own modes back after."""
+    subs = list(module.modules())
+    before = [m.training for m in subs]
+    for sub, mode in zip(subs, modes):
+        sub.training = mode
+    try:
+        yield
+    finally:
+        for sub, mode in zip(subs, before):
+            sub.training = mode
+
+
 def stand_in_outputs(
     step: Callable[[Any, int], Any], batches: list[Any], batch_idx: int, module: Any
 ) -> list[Any]:
-    """Run the user's ``step`` on each lost rank's batch, logging nothing."""
-    with muted_logging(module):
+    """Run the user's ``step`` on each lost rank's batch, logging nothing and leaving this
+    rank's buffers as they were."""
+    with muted_logging(module), own_buffers_kept(module):
         return [step(batch, batch_idx) for batch in batches]

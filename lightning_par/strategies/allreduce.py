@@ -150,7 +150,7 @@ class AllReduceStrategy(ParStrategy):
 
     @override
     def optimizer_step(self, optimizer: Any, closure: Any, model: Any = None, **kw: Any) -> Any:
-        closure = self.resilience.retrying(closure, self.regrouped)
+        closure = self.resilience.retrying(closure, self.regrouped, self.lightning_module)
         return super().optimizer_step(optimizer, closure, model, **kw)
 
     def regrouped(self) -> None:
