@@ -12,12 +12,10 @@ computed here by hand.
 from __future__ import annotations
 
 import json
-import os
 import re
 import subprocess
 import sys
 import threading
-import time
 from functools import partial
 from pathlib import Path
 from types import SimpleNamespace
@@ -35,6 +33,7 @@ HERE = Path(__file__).parent
 SCRIPT = HERE / "_fault_tolerant_script.py"
 sys.path.insert(0, str(HERE))
 from _fault_tolerant_script import DEAD_PEER_S, VARIANTS, Tiny, data  # noqa: E402
+from _script_runs import run_script as run_user_script  # noqa: E402
 
 
 # ---- the agreements, in one process --------------------------------------------------------
@@ -167,49 +166,18 @@ def _rank_loss(model, setting, x, y, world: int, own_buffers: bool) -> torch.Ten
     return loss
 
 
-def _session(sid: int) -> list[int]:
-    found = []
-    for entry in filter(str.isdigit, os.listdir("/proc")):
-        try:
-            fields = Path(f"/proc/{entry}/stat").read_text().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        if int(fields[3]) == sid and fields[0] != "Z":
-            found.append(int(entry))
-    return found
-
-
 def run_script(
     tmp_path: Path, name: str, world: int, fault: str, variant: str = "tiny", **env: str
-):
+) -> SimpleNamespace:
     """The script's output lines with their arrival times, its exit code, what it left."""
-    private_tmp = tmp_path / "tmp"
-    private_tmp.mkdir()
-    # (popen's scripts import torch again: on a loaded 2-core machine that can take 20 s)
-    environ = {**os.environ, "TMPDIR": str(private_tmp), "LIGHTNING_PAR_TIMEOUT": "90", **env}
-    environ["PYTHONPATH"] = os.pathsep.join([str(HERE.parent), *sys.path])
-    environ.pop("LIGHTNING_PAR_FAULT", None)
     out = tmp_path / "weights.pt"
-    proc = subprocess.Popen(
+    # (popen's scripts import torch again: on a loaded 2-core machine that can take 20 s)
+    run = run_user_script(
         [sys.executable, "-u", str(SCRIPT), name, str(world), fault, str(out), variant],
-        cwd=tmp_path, env=environ, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-        start_new_session=True,
+        tmp_path, 240, {"LIGHTNING_PAR_TIMEOUT": "90", **env},
     )  # fmt: skip
-    lines: list[tuple[float, str]] = []
-    reader = threading.Thread(
-        target=lambda: lines.extend((time.monotonic(), line) for line in proc.stdout)
-    )
-    reader.start()
-    try:
-        proc.wait(timeout=240)
-    finally:
-        if proc.poll() is None:
-            kill_tree(proc.pid)
-            proc.wait()
-        reader.join()
-    left = [p.name for p in private_tmp.iterdir() if not p.name.startswith("torchinductor")]
-    session = [p for p in _session(proc.pid) if p != proc.pid]
-    return SimpleNamespace(code=proc.returncode, lines=lines, left=left, session=session, out=out)
+    return SimpleNamespace(code=run.code, lines=run.lines, left=run.left, session=run.session,
+                           out=out)  # fmt: skip
 
 
 def _at(run, text: str) -> float:

@@ -14,19 +14,16 @@ from __future__ import annotations
 
 import copy
 import json
-import os
 import pickle
 import re
-import subprocess
 import sys
-import threading
-import time
 from pathlib import Path
 from types import SimpleNamespace
 
 import lightning.pytorch as pl
 import pytest
 import torch
+from _script_runs import run_script as run_user_script
 from torch import nn
 
 from lightning_par.collectives import ring_allreduce
@@ -44,7 +41,6 @@ from lightning_par.components.replica_ring import (
     random_state,
 )
 from lightning_par.launch.faults import FAULT_ENV
-from lightning_par.launch.processes import kill_tree
 from lightning_par.strategies.local_sgd import LocalSGDStrategy
 
 HERE = Path(__file__).parent
@@ -204,54 +200,20 @@ def test_what_a_stand_in_cannot_train_exactly_is_refused_before_launch():
 
 
 # ---- the product: a script, a fault, the weights of the run without it -------------------------
-def _session(sid: int) -> list[int]:
-    found = []
-    for entry in filter(str.isdigit, os.listdir("/proc")):
-        try:
-            fields = Path(f"/proc/{entry}/stat").read_text().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        if int(fields[3]) == sid and fields[0] != "Z":
-            found.append(int(entry))
-    return found
-
-
 def run_script(folder: Path, period: int, fault: str, *extra: str, **env: str) -> SimpleNamespace:
     """The script's output lines with their arrival times, its exit code, what it left."""
     folder.mkdir()
-    private_tmp = folder / "tmp"
-    private_tmp.mkdir()
+    out = folder / "weights.pt"
     # (a popen rank imports torch and Lightning before it joins: on a loaded 2-core machine
     # that may take longer than the suite's 20 s group timeout)
-    environ = {**os.environ, "TMPDIR": str(private_tmp), "LIGHTNING_PAR_TIMEOUT": "60", **env}
-    environ["PYTHONPATH"] = os.pathsep.join([str(HERE.parent), *sys.path])
-    environ.pop(FAULT_ENV, None)
-    out = folder / "weights.pt"
-    proc = subprocess.Popen(
+    run = run_user_script(
         [sys.executable, "-u", str(SCRIPT), "3", str(period), fault, str(out), *extra],
-        cwd=folder,
-        env=environ, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-        start_new_session=True,
+        folder, 150, {"LIGHTNING_PAR_TIMEOUT": "60", **env},
     )  # fmt: skip
-    lines: list[tuple[float, str]] = []
-    reader = threading.Thread(
-        target=lambda: lines.extend((time.monotonic(), line) for line in proc.stdout)
-    )
-    reader.start()
-    try:
-        proc.wait(timeout=150)
-    finally:
-        if proc.poll() is None:
-            kill_tree(proc.pid)
-            proc.wait()
-        reader.join()
-    left = [p.name for p in private_tmp.iterdir() if not p.name.startswith("torchinductor")]
-    session = [p for p in _session(proc.pid) if p != proc.pid]
-    text = "".join(line for _, line in lines)
-    result = [json.loads(line[7:]) for _, line in lines if line.startswith("RESULT ")]
+    result = [json.loads(line[7:]) for _, line in run.lines if line.startswith("RESULT ")]
     return SimpleNamespace(
-        code=proc.returncode, lines=lines, text=text, left=left, session=session, out=out,
-        result=result[0] if result else None,
+        code=run.code, lines=run.lines, text=run.text, left=run.left, session=run.session,
+        out=out, result=result[0] if result else None,
     )  # fmt: skip
 
 

@@ -19,7 +19,8 @@ from pathlib import Path
 
 import pytest
 import torch.distributed as dist
-from test_lost_ranks import CHECKPOINT, DEAD_PEER_S, HERE, SCRIPT, _session
+from _script_runs import session_members
+from test_lost_ranks import CHECKPOINT, DEAD_PEER_S, HERE, SCRIPT
 
 from lightning_par.launch.faults import FAULT_ENV
 from lightning_par.launch.liveness import Heartbeat
@@ -154,10 +155,10 @@ def _run_until_all_ended(tmp_path: Path, launch: str, scenario: str, limit_s: fl
     )
     reader.start()
     deadline = time.monotonic() + limit_s
-    while (proc.poll() is None or _session(proc.pid)) and time.monotonic() < deadline:
+    while (proc.poll() is None or session_members(proc.pid)) and time.monotonic() < deadline:
         time.sleep(0.1)
     ended = time.monotonic()
-    left = _session(proc.pid)
+    left = session_members(proc.pid)
     if proc.poll() is None or left:
         os.killpg(proc.pid, signal.SIGKILL)  # (the session's group: rank 0 may be gone)
     proc.wait()

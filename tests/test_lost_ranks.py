@@ -12,11 +12,11 @@ import os
 import subprocess
 import sys
 import textwrap
-import threading
 import time
 from pathlib import Path
 
 import pytest
+from _script_runs import run_script
 
 from lightning_par.launch.faults import FAULT_ENV, Fault, parse_fault, planned_faults
 from lightning_par.launch.lost import (
@@ -106,43 +106,10 @@ def test_reports_reach_the_launchers_folder_made_by_their_first_writer(tmp_path,
 
 # ---- a user's script -------------------------------------------------------------------------
 def _run(tmp_path: Path, scenarios: list[str], limit_s: float, **env: str):
-    """Run the script on ``scenarios``; each output line with the time it arrived."""
-    private_tmp = tmp_path / "tmp"
-    private_tmp.mkdir()
-    environ = {**os.environ, "TMPDIR": str(private_tmp), **env}
-    environ["PYTHONPATH"] = os.pathsep.join([str(HERE.parent), *sys.path])
-    environ.pop(FAULT_ENV, None)
-    proc = subprocess.Popen(
-        [sys.executable, "-u", str(SCRIPT), *scenarios], cwd=tmp_path, env=environ,
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True,
-    )  # fmt: skip
-    lines: list[tuple[float, str]] = []
-    reader = threading.Thread(
-        target=lambda: lines.extend((time.monotonic(), line) for line in proc.stdout)
-    )
-    reader.start()
-    try:
-        proc.wait(timeout=limit_s)
-    finally:
-        if proc.poll() is None:
-            kill_tree(proc.pid)
-            proc.wait()
-        reader.join()
-    session = [p for p in _session(proc.pid) if p != proc.pid]
-    left = sorted(p.name for p in private_tmp.iterdir() if not p.name.startswith("torchinductor"))
-    return proc.returncode, lines, session, left
-
-
-def _session(sid: int) -> list[int]:
-    found = []
-    for entry in filter(str.isdigit, os.listdir("/proc")):
-        try:
-            fields = Path(f"/proc/{entry}/stat").read_text().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        if int(fields[3]) == sid and fields[0] != "Z":
-            found.append(int(entry))
-    return found
+    """Run the script on ``scenarios``: its exit code, each output line with the time it
+    arrived, the processes and the temporary files it left."""
+    run = run_script([sys.executable, "-u", str(SCRIPT), *scenarios], tmp_path, limit_s, env)
+    return run.code, run.lines, run.session, run.left
 
 
 def _check(tmp_path: Path, expected: list[tuple[str, str]], run) -> list[float]:

@@ -8,27 +8,13 @@ import sys
 from pathlib import Path
 
 import pytest
+from _script_runs import session_members
 
 from lightning_par.launch.processes import run_bounded
 
 HERE = Path(__file__).parent
 SCRIPT = HERE / "_one_worker_failure_script.py"
 LIMIT_S = 90  # a fork launch fails in ~8 s here; only a hang comes near this
-
-
-def _session_members(sid: int) -> list[int]:
-    members = []
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry}/stat") as f:
-                fields = f.read().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        if int(fields[3]) == sid and fields[0] != "Z":
-            members.append(int(entry))
-    return members
 
 
 @pytest.mark.parametrize(
@@ -48,4 +34,4 @@ def test_one_failing_worker_ends_the_job_and_its_servers(kind, where, expected):
     assert done.returncode == 7, done.stdout + done.stderr
     assert "raised after" in done.stdout and expected in done.stdout + done.stderr
     pid = int(done.stdout.split("pid ", 1)[1].split()[0])  # its session: run_bounded's own
-    assert not _session_members(pid), "processes left behind"
+    assert not session_members(pid), "processes left behind"

@@ -7,19 +7,14 @@ fault grid of ``tests/test_fault_tolerance.py`` runs one against one process's w
 
 from __future__ import annotations
 
-import os
 import re
-import subprocess
 import sys
-import threading
-import time
 from pathlib import Path
 
 import torch
-from test_lost_ranks import _session
+from _script_runs import run_script
 
 from lightning_par.launch.faults import FAULT_ENV
-from lightning_par.launch.processes import kill_tree
 
 HERE = Path(__file__).parent
 SCRIPT = HERE / "_ps_failover_script.py"
@@ -33,38 +28,13 @@ TOOK_OVER = (r"lightning_par: parameter server {lost} \(rank {rank}\) (was kille
 
 def _run(tmp_path: Path, args: list[str], limit_s: float, **env: str):
     """Run the script; its exit code, stderr's lines with the time each arrived, what is
-    left in its session and its temporary folder."""
-    private_tmp = tmp_path / "tmp"
-    private_tmp.mkdir()
-    environ = {**os.environ, "TMPDIR": str(private_tmp), **env}
-    environ["PYTHONPATH"] = os.pathsep.join([str(HERE.parent), *sys.path])
-    environ.pop(FAULT_ENV, None)
-    proc = subprocess.Popen(
-        [sys.executable, "-u", str(SCRIPT), str(tmp_path), *args], cwd=tmp_path, env=environ,
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
+    left in its session (a server's last exit is asynchronous: 5 s for it) and its temporary
+    folder."""
+    run = run_script(
+        [sys.executable, "-u", str(SCRIPT), str(tmp_path), *args], tmp_path, limit_s, env,
+        stderr_only=True, settle_s=5,
     )  # fmt: skip
-    lines: list[tuple[float, str]] = []
-    readers = [
-        threading.Thread(target=lambda: lines.extend((time.monotonic(), x) for x in proc.stderr)),
-        threading.Thread(target=lambda: proc.stdout.read()),
-    ]
-    for reader in readers:
-        reader.start()
-    try:
-        proc.wait(timeout=limit_s)
-    finally:
-        if proc.poll() is None:
-            kill_tree(proc.pid)
-            proc.wait()
-        for reader in readers:
-            reader.join()
-    deadline = time.monotonic() + 5  # a server's last exit is asynchronous
-    while (session := [p for p in _session(proc.pid) if p != proc.pid]) and (
-        time.monotonic() < deadline
-    ):
-        time.sleep(0.2)
-    left = sorted(p.name for p in private_tmp.iterdir() if not p.name.startswith("torchinductor"))
-    return proc.returncode, lines, session, left
+    return run.code, run.lines, run.session, run.left
 
 
 def _check(tmp_path: Path, scenarios: list[str], run) -> list[float]:
