@@ -244,44 +244,6 @@ def _assert_one_process(run, world: int, variant: str = "tiny") -> float:
     return worst
 
 
-PS_SURVIVED = [  # (workers, fault, launch, what the script switches on): one server + standby
-    # worker 0's BatchNorm statistics stay its own batches' (the lost worker's batches it
-    # trains update none of them), as without the loss; the lost worker's gradient of step 5
-    # is computed during the validation that ends the epoch, in the step's train mode
-    (2, "kill:rank=1:step=5", "fork", "batchnorm"),
-    # bf16-mixed's gradients summed per batch in fp32; the learning-rate schedulers (per
-    # step, and per epoch: the epoch ends right after the loss) stay one process's
-    (2, "freeze:rank=1:step=5", "fork", "bf16_schedulers"),
-    (2, "kill:rank=1:step=11", "popen", "tiny"),  # the last step
-    (2, "kill:rank=1:step=1", "fork", "torchvision"),  # shufflenet (BatchNorm) as self.model
-]
-
-
-@pytest.mark.parametrize("world, fault, launch, variant", PS_SURVIVED, ids=["-".join(
-    (str(w), f.split(":")[0], f.split(":")[2], la, v)) for w, f, la, v in PS_SURVIVED])  # fmt: skip
-def test_a_lost_parameter_server_worker_is_survived_with_one_process_weights(
-    tmp_path, world, fault, launch, variant
-):
-    """ParameterServerStrategy(fault_tolerant=True): the servers keep the lost worker's
-    pushes, worker 0 pushes what is missing of its step and trains its batches from then
-    on; then save_checkpoint and validate (popen: in the same processes, over the
-    survivors) as users call them."""
-    env = {"LIGHTNING_PAR_START_METHOD": launch} if launch != "fork" else {}
-    run = run_script(tmp_path, "parameter_server", world, fault, variant, **env)
-    text = "".join(line for _, line in run.lines)
-    lost = fault.split(":")[1].split("=")[1]
-    said = f"worker {lost} (rank {lost}) was killed by SIGKILL; the other workers go on without it"
-    assert text.count(said) == 1, text[-4000:]
-    assert text.count(f"worker {lost} (rank {lost}) lost; worker 0 pushed its gradient") == 1, text
-    frozen = fault.startswith("freeze")
-    assert text.count("it is ended and the others go on without it") == frozen, text[-4000:]
-    detect_s = _at(run, "the other workers go on") - _at(run, "LIGHTNING_PAR_FAULT: ")
-    assert detect_s < (DEAD_PEER_S + 8 if frozen else 8), detect_s
-    worst = _assert_one_process(run, world, variant)
-    print(f"parameter_server W={world} {fault} {launch} {variant}: went on {detect_s:.2f} s "
-          f"after it; weights within {worst:.1e} of one process")  # fmt: skip
-
-
 def test_rank_0_lost_ends_a_fault_tolerant_run_naming_it(tmp_path):
     run = run_script(tmp_path, "ring_allreduce", 3, "kill:rank=0:step=4")
     text = "".join(line for _, line in run.lines)
@@ -355,58 +317,3 @@ def test_a_strategy_with_or_without_fault_tolerance_travels_to_spawned_ranks():
     for enabled in (False, True):
         copy = pickle.loads(pickle.dumps(AllReduceStrategy("ring", fault_tolerant=enabled)))
         assert copy.resilience.enabled is enabled and copy.resilience.tolerance.membership is None
-
-
-def test_a_killed_parameter_server_worker_found_silent_later_is_not_called_frozen(capsys):
-    """A run that outlasts ``dead_peer_timeout`` after a worker was killed finds it silent
-    too: its launcher named it killed, so no second line calls it frozen (a frozen one,
-    alive, is ended and named once)."""
-    from lightning_par.paramserver.lost_workers import end_silent_worker
-
-    killed: list[int] = []
-    store = SimpleNamespace(compare_set=lambda key, expected, value: value.encode())
-    for ended in (True, False):
-        process = SimpleNamespace(
-            local=True, ended=lambda e=ended: e, kill=lambda: killed.append(1)
-        )
-        beat = SimpleNamespace(peers={1: process}, rank=0, store=store, killing=lambda peer: None,
-                               safely=lambda action: action())  # fmt: skip
-        end_silent_worker(beat, 1, "worker 1 (rank 1) stopped responding for 2 s")
-    said = capsys.readouterr().err
-    assert said.count("it is ended and the others go on without it") == 1 and killed == [1], said
-
-
-class _Manual(Tiny):
-    def __init__(self) -> None:
-        super().__init__()
-        self.automatic_optimization = False
-
-
-FT = r"^parameter_server\(fault_tolerant=True\) cannot"
-REFUSED = [  # (the model, what the Trainer switches on, the message)
-    (Tiny, {"accumulate_grad_batches": 2}, FT + r" accumulate gradients .* use a larger batch"),
-    (Tiny, {"reload_dataloaders_every_n_epochs": 1}, FT + r" reload the data loaders every epoch"),
-    (_Manual, {}, r"^parameter_server supports automatic optimisation only"),
-    (Tiny, {"precision": "16-true"}, r"^parameter_server runs precision '32-true' or 'bf16-mixed'"),
-]
-
-
-@pytest.mark.parametrize("model, option, refused", REFUSED, ids=[
-    "accumulate", "reload_dataloaders", "manual", "16-true"])  # fmt: skip
-def test_what_a_lost_parameter_server_worker_would_leave_inexact_is_refused_before_launch(
-    model, option, refused
-):
-    """Refused in the script's process, naming the plugin, the feature and the fix, before
-    any rank or server starts."""
-    import lightning.pytorch as pl
-    from torch.utils.data import DataLoader
-
-    from lightning_par.strategies import ParameterServerStrategy
-
-    trainer = pl.Trainer(
-        strategy=ParameterServerStrategy(fault_tolerant=True), accelerator="cpu", devices=2,
-        max_steps=1, logger=False, enable_progress_bar=False, enable_checkpointing=False,
-        **option,
-    )  # fmt: skip
-    with pytest.raises(ValueError, match=refused):
-        trainer.fit(model(), DataLoader(data(), batch_size=4))

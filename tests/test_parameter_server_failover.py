@@ -3,7 +3,7 @@ or freezes it as a step begins): a user's plain script in a fresh interpreter, L
 choosing the launch (fork here, popen when asked), ends normally; its weights equal those of
 a run in which no server was lost; one line on stderr names the lost server and says the job
 went on; no process and no temporary file is left. A lost worker is survived too (the
-fault grid of ``tests/test_fault_tolerance.py`` runs one against one process's weights)."""
+fault grid of ``tests/test_fault_tolerance_ps.py`` runs one against one process's weights)."""
 
 from __future__ import annotations
 
