@@ -22,6 +22,10 @@ def pytest_configure(config: pytest.Config) -> None:
     ``tmp_path``, where multiprocessing's forkserver makes its socket; with xdist's longer
     default (``/tmp/pytest-of-USER/pytest-N/popen-gw0/...``) that socket's path passes the
     108 bytes a Unix socket's path may have ("AF_UNIX path too long"). Removed at the end."""
+    if "LIGHTNING_PAR_CACHE" not in os.environ:  # the ring's calibrations: none of the user's
+        cache = tempfile.mkdtemp(prefix="lpt-cache-")
+        os.environ["LIGHTNING_PAR_CACHE"] = cache
+        config.add_cleanup(lambda: shutil.rmtree(cache, ignore_errors=True))
     distributed = config.getoption("numprocesses", None) and not hasattr(config, "workerinput")
     if distributed and config.option.basetemp is None:
         config.option.basetemp = tempfile.mkdtemp(prefix="lpt-")

@@ -22,7 +22,7 @@ import torch.distributed as dist
 
 from lightning_par.bench._environment import RunEnvironment, print_result
 from lightning_par.bench._peers import PeerGuard, run_with_peers
-from lightning_par.collectives import ALGORITHMS
+from lightning_par.collectives import ALGORITHMS, ring_tuning
 from lightning_par.collectives.cost_model import predict
 from lightning_par.comm import CommTrace
 
@@ -69,13 +69,16 @@ def default_repeats(numel: int) -> int:
     return 60 if numel <= 1 << 22 else 20
 
 
-def _measure(rank: int, world_size: int, sizes, algorithms, repeats, warmup, segment_bytes, *,
-             guard: PeerGuard) -> list[dict]:  # fmt: skip
-    options = {"ring": {"segment_bytes": segment_bytes}} if segment_bytes else {}
+def _measure(rank: int, world_size: int, sizes, algorithms, repeats, warmup, segment_bytes,
+             calibrate: bool, *, guard: PeerGuard) -> dict:  # fmt: skip
     # As Lightning's launchers do: share the cores between the ranks (oversubscribed
     # intra-op threads made a 4M-float add 2.6x slower on the 2-core machine).
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))
     group = guard.group(TORCH)
+    # the ring as the strategies run it: tuned for this machine (all ranks on this host)
+    choice = ring_tuning.choose(None, world_size, calibrate_now=calibrate)
+    ring = choice.tuning.options() | ({"segment_bytes": segment_bytes} if segment_bytes else {})
+    options = {"ring": ring}
     rows = []
     for numel in sizes:
         tensor = torch.ones(numel)
@@ -97,11 +100,17 @@ def _measure(rank: int, world_size: int, sizes, algorithms, repeats, warmup, seg
                 trace = CommTrace(rank)
                 ALGORITHMS[name](torch.ones(numel), trace=trace, **options.get(name, {}))
                 row["bytes_sent_measured"] = trace.bytes_sent
-                model = predict(name, numel, world_size, **options.get(name, {}))
+                shape = dict(options.get(name, {}))
+                shape.pop("receives_in_flight", None)  # the bytes and messages do not depend on it
+                model = predict(name, numel, world_size, **shape)
                 row["bytes_sent_model"] = model.bytes_sent[rank]
                 row["messages_measured"] = trace.messages_sent
             rows.append(row)
-    return rows
+    described = choice.tuning.describe()
+    if segment_bytes:
+        described += f"; --segment-bytes {segment_bytes}"
+    return {"rows": rows, "ring_tuning": f"{described}: {choice.source}",
+            "ring_calibration_ms": choice.medians_ms}  # fmt: skip
 
 
 def main(argv: list[str]) -> int:
@@ -120,6 +129,12 @@ def main(argv: list[str]) -> int:
     parser.add_argument(
         "--segment-bytes", type=int, default=None, help="ring segment size (default: the ring's)"
     )
+    parser.add_argument(
+        "--calibrate",
+        action="store_true",
+        help="time the ring's candidate message sizes on these ranks first and keep the "
+        "fastest in the cache folder (default: a kept calibration, else the rule by cores)",
+    )
     parser.add_argument("--json", action="store_true", help="print JSON rows instead of a table")
     args = parser.parse_args(argv)
     if args.world_size < 2:
@@ -128,17 +143,23 @@ def main(argv: list[str]) -> int:
         parser.error("--sizes and --repeats must be positive")
     started = RunEnvironment.now()
     ranks, _ = run_with_peers(_measure, args.world_size, args.sizes, args.algorithms,
-                              args.repeats, args.warmup, args.segment_bytes,
+                              args.repeats, args.warmup, args.segment_bytes, args.calibrate,
                               timeout=600)  # fmt: skip
     result = {"world_size": args.world_size, "backend": "gloo", "repeats": args.repeats,
-              "rows": ranks[0]}  # fmt: skip
+              **ranks[0]}  # fmt: skip
     print_result(result, report, args.json, started)
     return 0
 
 
 def report(result: dict) -> str:
     repeats = result["repeats"] or "200 (<= 64K floats) / 60 (<= 4M) / 20"
-    lines = [f"allreduce, gloo, {result['world_size']} ranks, median of {repeats} repetitions"]
+    lines = [f"allreduce, gloo, {result['world_size']} ranks, median of {repeats} repetitions",
+             f"ring tuning: {result['ring_tuning']}"]  # fmt: skip
+    if result.get("ring_calibration_ms"):
+        sizes = " / ".join(f"{n} floats" for n in ring_tuning.CALIBRATION_SIZES)
+        lines.append(f"  calibration, median ms at {sizes}:")
+        for name, ms in result["ring_calibration_ms"].items():
+            lines.append(f"    {name:>16}: " + " / ".join(f"{t:.3f}" for t in ms))
     header = f"{'numel':>10} {'algorithm':>14} {'median ms':>10} {'busbw GB/s':>10}"
     lines.append(header + f" {'torch/ours':>10} {'bytes/rank measured':>20} {'model':>12}")
     for r in result["rows"]:

@@ -47,6 +47,7 @@ from lightning_par.collectives.butterfly import butterfly_shape
 from lightning_par.collectives.ring import (
     ALL_GATHER,
     DEFAULT_SEGMENT_BYTES,
+    MIN_SPLIT_BYTES,
     REDUCE_SCATTER,
     ring_steps,
     segments_per_chunk,
@@ -84,9 +85,10 @@ def zero_cost(algorithm: str, numel: int, p: int, element_size: int) -> Cost:
 
 
 def ring_cost(numel: int, world_size: int, element_size: int = 4,
-              segment_bytes: int | None = DEFAULT_SEGMENT_BYTES) -> Cost:  # fmt: skip
+              segment_bytes: int | None = DEFAULT_SEGMENT_BYTES,
+              min_split_bytes: int = MIN_SPLIT_BYTES) -> Cost:  # fmt: skip
     return _pipelined_ring_cost("ring", (REDUCE_SCATTER, ALL_GATHER), numel, world_size,
-                                element_size, segment_bytes)  # fmt: skip
+                                element_size, segment_bytes, min_split_bytes)  # fmt: skip
 
 
 def reduce_scatter_cost(numel: int, world_size: int, element_size: int = 4,
@@ -106,13 +108,14 @@ def all_gather_cost(numel: int, world_size: int, element_size: int = 4,
 
 
 def _pipelined_ring_cost(name: str, phases: tuple[str, ...], numel: int, p: int,
-                         element_size: int, segment_bytes: int | None) -> Cost:  # fmt: skip
+                         element_size: int, segment_bytes: int | None,
+                         min_split_bytes: int = MIN_SPLIT_BYTES) -> Cost:  # fmt: skip
     """The ring engine's traffic for ``phases``, step by step from :func:`ring_steps`."""
     if p == 1 or numel == 0:
         return zero_cost(name, numel, p, element_size)
     sizes = chunk_sizes(numel, p)
     # each chunk goes in k segments of near-equal size; a chunk of c < k elements in c
-    k = segments_per_chunk(max(sizes), element_size, segment_bytes)
+    k = segments_per_chunk(max(sizes), element_size, segment_bytes, min_split_bytes)
     elems, messages = [], []
     for rank in range(p):
         sent = [sizes[chunk] for _, chunk, _ in ring_steps(rank, p, phases)]

@@ -78,18 +78,19 @@ __all__ = [
 ]
 
 
-def segments_per_chunk(chunk_elems: int, element_size: int, segment_bytes: int | None) -> int:
+def segments_per_chunk(chunk_elems: int, element_size: int, segment_bytes: int | None,
+                       min_split_bytes: int = MIN_SPLIT_BYTES) -> int:  # fmt: skip
     """How many segments ``k`` a ring chunk of ``chunk_elems`` elements is cut into.
 
     ``segment_bytes=None``: one per chunk (the textbook ring's messages, not overlapped).
     Otherwise enough that none exceeds ``segment_bytes``, and at least two when the chunk
-    holds ``2 * MIN_SPLIT_BYTES`` (so one segment is added while the next is in flight).
+    holds ``2 * min_split_bytes`` (so one segment is added while the next is in flight).
     """
     seg = segment_elems_for(segment_bytes, element_size)
     if seg is None or chunk_elems <= 1:
         return 1
     k = -(-chunk_elems // seg)
-    if chunk_elems * element_size >= 2 * MIN_SPLIT_BYTES:
+    if chunk_elems * element_size >= 2 * min_split_bytes:
         k = max(k, 2)
     return min(k, chunk_elems)
 
@@ -120,6 +121,7 @@ def ring_allreduce(
     trace: CommTrace | None = None,
     segment_bytes: int | None = DEFAULT_SEGMENT_BYTES,
     receives_in_flight: int = RECEIVES_IN_FLIGHT,
+    min_split_bytes: int = MIN_SPLIT_BYTES,
 ) -> torch.Tensor:
     """Sum ``tensor`` in place over the ranks of ``group`` with the pipelined ring: its
     reduce-scatter and all-gather (:func:`ring_steps`) run as one stream of segments.
@@ -132,9 +134,14 @@ def ring_allreduce(
         segment_bytes: largest message (see :func:`segments_per_chunk`); ``None`` sends
             each chunk as one message.
         receives_in_flight: receives posted ahead (each with its own buffer); at least 2.
+        min_split_bytes: a chunk of fewer than twice this many bytes goes in one message.
+
+    The three last are the machine's to choose: :mod:`.ring_tuning` picks them (by the
+    cores each rank has, or timed at start-up) for the strategies and ``bench allreduce``.
     """
     both = (REDUCE_SCATTER, ALL_GATHER)
-    run_ring(tensor, both, group, comm, trace, segment_bytes, receives_in_flight, "allreduce")
+    run_ring(tensor, both, group, comm, trace, segment_bytes, receives_in_flight, "allreduce",
+             min_split_bytes=min_split_bytes)  # fmt: skip
     return tensor
 
 
@@ -147,6 +154,7 @@ def run_ring(
     segment_bytes: int | None,
     receives_in_flight: int,
     collective: str,
+    min_split_bytes: int = MIN_SPLIT_BYTES,
 ) -> tuple[Communicator, torch.Tensor | None]:
     """Run ``phases`` of the pipelined ring on ``tensor`` in place (``collective`` names the
     caller in errors). Returns the communicator and the flat view the ring worked on: a
@@ -158,7 +166,7 @@ def run_ring(
     if flat is None:
         return comm, None
     steps = ring_steps(comm.rank, comm.world_size, phases)
-    SegmentRing(comm, flat, steps, segment_bytes, receives_in_flight).run()
+    SegmentRing(comm, flat, steps, segment_bytes, receives_in_flight, min_split_bytes).run()
     finish(tensor, flat)
     return comm, flat
 
@@ -169,12 +177,14 @@ class SegmentRing:
     docstring)."""
 
     def __init__(self, comm: Communicator, flat: torch.Tensor, steps: list[RingStep],
-                 segment_bytes: int | None, receives_in_flight: int) -> None:  # fmt: skip
+                 segment_bytes: int | None, receives_in_flight: int,
+                 min_split_bytes: int = MIN_SPLIT_BYTES) -> None:  # fmt: skip
         p = comm.world_size
         self.comm, self.flat = comm, flat
         sizes = chunk_sizes(flat.numel(), p)
         starts = split_offsets(sizes)
-        self.k = k = segments_per_chunk(max(sizes), flat.element_size(), segment_bytes)
+        self.k = k = segments_per_chunk(max(sizes), flat.element_size(), segment_bytes,
+                                        min_split_bytes)  # fmt: skip
         # pieces[c][j]: (start, stop) in ``flat`` of segment j of chunk c (empty when c is small)
         self.pieces = [[(starts[c] + a, starts[c] + b) for a, b in bounds(even_sizes(sizes[c], k))]
                        for c in range(p)]  # fmt: skip

@@ -19,12 +19,19 @@ CUDA with NCCL or gloo. The registered names (``ring_allreduce``, ...) are one p
 
 from __future__ import annotations
 
+from functools import partial
 from typing import Any
 
 import torch
 from typing_extensions import override
 
-from lightning_par.collectives import ALGORITHMS, get_allreduce, tree_broadcast
+from lightning_par.collectives import (
+    ALGORITHMS,
+    get_allreduce,
+    ring_allreduce,
+    ring_tuning,
+    tree_broadcast,
+)
 from lightning_par.comm import Communicator
 from lightning_par.comm.buckets import GradientBuckets
 from lightning_par.components.grad_sync import GradientSync
@@ -41,6 +48,11 @@ class AllReduceStrategy(ParStrategy):
         bucket_cap_mb: gradient bucket size in MiB (as DDP's ``bucket_cap_mb``).
         overlap: start each bucket's allreduce as soon as its gradients are ready
             (``False``: all buckets after backward).
+        calibrate_ring: ``ring`` only: time the ring's message sizes on the ranks at start-up
+            and keep the fastest in the cache folder
+            (:mod:`~lightning_par.collectives.ring_tuning`). Without it the ring runs with a
+            calibration kept for this machine, else with the sizes measured best for as many
+            ranks as the host has cores, or for more ranks than cores.
         fault_tolerant: go on without a rank that is lost (killed, frozen past
             ``dead_peer_timeout``): the survivors re-form the group, run the interrupted
             step again and train the lost ranks' shards themselves, so the weights stay
@@ -57,6 +69,7 @@ class AllReduceStrategy(ParStrategy):
         algorithm: str | None = None,
         bucket_cap_mb: float = 4.0,
         overlap: bool = True,
+        calibrate_ring: bool = False,
         fault_tolerant: bool = False,
         **kwargs: Any,
     ) -> None:
@@ -77,6 +90,9 @@ class AllReduceStrategy(ParStrategy):
         self._algorithm_name = algorithm
         self.strategy_name = f"{algorithm}_allreduce"
         self.grad_sync = GradientSync(get_allreduce(algorithm), bucket_cap_mb, overlap)
+        self.calibrate_ring = bool(calibrate_ring)
+        #: the ring's message sizes and why (``ring`` on more than one rank, once set up)
+        self.ring_choice: ring_tuning.Choice | None = None
         self.resilience = Resilience(self, fault_tolerant)
 
     @property
@@ -100,6 +116,10 @@ class AllReduceStrategy(ParStrategy):
     @override
     def configure_sync(self) -> None:
         assert self.model is not None and self.comm is not None
+        if self._algorithm_name == "ring" and self.world_size > 1 and self.ring_choice is None:
+            self.ring_choice = ring_tuning.choose(self.comm.group, self.num_processes,
+                                                  calibrate_now=self.calibrate_ring)  # fmt: skip
+            self.grad_sync.allreduce = partial(ring_allreduce, **self.ring_choice.tuning.options())
         self.grad_sync.attach(self.model, self.comm, self.trace)
 
     @override
