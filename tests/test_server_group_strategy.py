@@ -9,7 +9,8 @@ from datetime import timedelta
 import pytest
 import torch
 
-from lightning_par.components.server_group import ServerGroup, WorkerContext
+from lightning_par.components.server_group import ServerGroup
+from lightning_par.components.worker_context import WorkerContext
 from lightning_par.strategies._base import ParStrategy
 from lightning_par.strategies._server_group import ServerGroupStrategy
 from lightning_par.strategies.async_sgd import AsyncSGDStrategy

@@ -12,17 +12,17 @@ each strategy is *this update rule = a server group + these Lightning hooks* ins
 subclass of the other. What differs between the two strategies comes in as arguments: the
 client class, the servers' options and the client's options.
 
-The group takes what it uses, not its strategy: a :class:`WorkerContext` (names, ranks,
-store, timeout) when the servers start, the model, optimiser, communicator and trace when
-the client connects, and the precision plugin at each step.
+The group takes what it uses, not its strategy: a
+:class:`~lightning_par.components.worker_context.WorkerContext` (names, ranks, store,
+timeout) when the servers start, the model, optimiser, communicator and trace when the
+client connects, and the precision plugin at each step. After a clean call in a script that
+goes on, the workers keep a group of their own
+(:mod:`~lightning_par.components.workers_between_calls`).
 """
 
 from __future__ import annotations
 
-import atexit
 from collections.abc import Callable
-from dataclasses import dataclass
-from datetime import timedelta
 from typing import Any
 
 import lightning.pytorch as pl
@@ -30,62 +30,15 @@ import torch.distributed as dist
 
 from lightning_par import _compat
 from lightning_par.comm import CommTrace, Communicator
-from lightning_par.components.process_group import destroy_process_group
-from lightning_par.components.worker_group import WorkerGroup, check_positive, wait_for_workers
+from lightning_par.components.worker_context import WorkerContext
+from lightning_par.components.worker_group import WorkerGroup, check_positive
+from lightning_par.components.workers_between_calls import end_kept_group, keep_workers_group
 from lightning_par.launch import liveness
 from lightning_par.launch.lost import RankLost
-from lightning_par.launch.rendezvous import StoreAddress
 from lightning_par.paramserver import process as servers
 from lightning_par.paramserver.faults import explain
 from lightning_par.paramserver.replication import server_processes
 from lightning_par.paramserver.worker import ParameterClient
-
-
-@dataclass(frozen=True)
-class WorkerContext:
-    """What a :class:`ServerGroup` needs of the worker it runs in, given by the strategy
-    once the ranks are known (``setup_distributed``).
-
-    Args:
-        strategy_name: the strategy, as error messages name it.
-        workers: ``W``, the training processes (the servers are ranks ``W .. W+S-1``).
-        rank, local_rank, node_rank, num_nodes: where this worker stands.
-        timeout: how long a collective or a receive may wait.
-        group_store: a new ``(store, address)`` for each process group the workers join.
-        outlives_the_call: the user's script goes on in this rank after ``fit`` (popen,
-            torchrun, SLURM), rather than in a process that forked it.
-        dead_peer_s: how long a rank may stop responding (None: the default).
-    """
-
-    strategy_name: str
-    workers: int
-    rank: int
-    local_rank: int
-    node_rank: int
-    num_nodes: int
-    timeout: timedelta
-    group_store: Callable[[], tuple[Any, StoreAddress]]
-    outlives_the_call: bool
-    dead_peer_s: float | None = None
-
-    def rank_name(self, rank: int) -> str:
-        """How reports name group rank ``rank`` (a worker or a server)."""
-        return servers.role_name(self.workers, rank)
-
-
-class _BetweenCalls:
-    """The workers-only group a server group left for the script's next call, if any."""
-
-    group: Any = None
-
-
-_between_calls = _BetweenCalls()
-
-
-def _end_group_between_calls() -> None:
-    if dist.is_initialized() and dist.group.WORLD is _between_calls.group:
-        dist.destroy_process_group()
-    _between_calls.group = None
 
 
 class ServerGroup:
@@ -159,8 +112,7 @@ class ServerGroup:
         self.context = ctx = context
         if len(self.call_members) != ctx.workers:  # (no strategy said who they are: all)
             self.call_members = list(range(ctx.workers))
-        if _between_calls.group is not None:  # the workers' group kept since the last call
-            _end_group_between_calls()  # (of this strategy or another's) ends here
+        end_kept_group()  # the workers' group kept since the last call ends here
         if dist.is_initialized():
             raise RuntimeError(
                 f"{ctx.strategy_name} builds its own process group of workers and servers; it "
@@ -311,23 +263,6 @@ class ServerGroup:
         liveness.stop_watching()
         if clean:  # the servers are gone: a later fit/test/validate builds a new group
             dist.destroy_process_group()
-            if ctx.outlives_the_call:
-                self._join_workers_between_calls(ctx, beat, alive)
-
-    def _join_workers_between_calls(self, ctx: WorkerContext, beat: Any, alive: list[int]
-                                    ) -> None:  # fmt: skip
-        """The script goes on in every worker: Lightning's barrier in ``save_checkpoint``
-        and the collectives of the next call's set-up need a group, as under Lightning's
-        DDP, whose group lives on after ``fit``. The servers are gone: the workers alone,
-        once all are back (:func:`~.worker_group.wait_for_workers`: one lost during the
-        call never comes), but the ``alive`` ones only (the call went on without the others:
-        ``fault_tolerant``), renumbered in their order."""
-        store, _ = ctx.group_store()
-        wait_for_workers(store, ctx.rank, alive, ctx.timeout, beat, ctx.rank_name)
-        dist.init_process_group(
-            "gloo", store=store, rank=alive.index(ctx.rank), world_size=len(alive),
-            timeout=ctx.timeout,
-        )  # fmt: skip
-        self.workers.group = None  # the default group holds the workers alone
-        _between_calls.group = dist.group.WORLD
-        atexit.register(destroy_process_group)  # (a gloo group alive at exit can abort it)
+            if ctx.outlives_the_call:  # the script's next call needs a group: the workers'
+                keep_workers_group(ctx, beat, alive)
+                self.workers.group = None  # the default group holds the workers alone

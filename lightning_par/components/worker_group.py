@@ -8,14 +8,11 @@ start-up weight broadcast, torchmetrics' syncs, the barrier around ``prepare_dat
 per-step SIGTERM flag over the workers' group (ranks ``0 .. W-1``) instead; the strategy
 passes :attr:`WorkerGroup.group` to Lightning's ``reduce`` and ``all_gather``. Between two
 calls of a script that goes on in every worker (torchrun, ``popen``), the workers meet again
-without the servers (:func:`wait_for_workers`).
+without the servers (:mod:`~lightning_par.components.workers_between_calls`).
 """
 
 from __future__ import annotations
 
-import time
-from collections.abc import Callable
-from datetime import timedelta
 from typing import Any
 
 import torch
@@ -25,8 +22,6 @@ from torchmetrics import Metric
 
 from lightning_par import _compat
 from lightning_par.comm import CommError
-from lightning_par.launch import peer_loss
-from lightning_par.launch.lost import RankLost
 from lightning_par.paramserver.faults import explain
 from lightning_par.paramserver.protocol import IDLE_TIMEOUT
 
@@ -49,34 +44,6 @@ def gloo_only(kwargs: dict[str, Any]) -> None:
             f"process_group_backend={backend!r}: the parameter server talks to CPU servers "
             "over gloo (CUDA workers stage through pinned memory); leave it unset"
         )
-
-
-def wait_for_workers(
-    store: Any, rank: int, workers: list[int], timeout: timedelta, beat: Any,
-    name: Callable[[int], str],
-) -> None:  # fmt: skip
-    """Wait in ``store`` until the ``workers`` (ranks; those a fault-tolerant call went on
-    without are not among them) are all back from a call, before they form a group of
-    their own. A worker lost during the call (``async_sgd`` goes on without it)
-    never comes: gloo's rendezvous would wait for it for the whole ``timeout``, deaf to
-    signals (torchrun's agent stopping the job). Here a silent one that a server handed
-    over in ``beat``'s group (:func:`~lightning_par.launch.peer_loss.handed_over`)
-    ends the wait at once with :class:`RankLost` naming it, and ``timeout`` with one naming
-    those that did not come."""
-    store.set(f"lightning_par/back/{rank}", "1")
-    keys = {w: f"lightning_par/back/{w}" for w in workers}
-    deadline = time.monotonic() + timeout.total_seconds()
-    while not store.check(list(keys.values())):
-        handed = peer_loss.handed_over(beat) if beat is not None else None
-        if handed is not None:
-            raise RankLost(handed[1], handed[0])
-        if time.monotonic() > deadline:
-            missing = [w for w, key in keys.items() if not store.check([key])]
-            raise RankLost(
-                f"{', '.join(map(name, missing))} did not come back from the call within the "
-                f"timeout ({timeout.total_seconds():g} s): lost during it", missing[0],
-            )  # fmt: skip
-        time.sleep(0.05)
 
 
 class WorkersBarrier:

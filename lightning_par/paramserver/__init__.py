@@ -20,7 +20,8 @@
   next server process, after every update), :mod:`~lightning_par.paramserver.takeover` (a
   lost server's shard answered from its copy, the interrupted request exactly once),
   :mod:`~lightning_par.paramserver.shard_server` (the servers' side) and
-  :mod:`~lightning_par.paramserver.replicated_client` (the workers').
+  :mod:`~lightning_par.paramserver.replicated_client` (the workers', its messages moved by
+  :mod:`~lightning_par.paramserver.replicated_links`).
 """
 
 from lightning_par.paramserver.async_client import AsyncParameterClient

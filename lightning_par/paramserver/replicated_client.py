@@ -2,17 +2,15 @@
 
 Three things change for a worker (the servers' side: :mod:`.shard_server`):
 
-* each shard is talked to on its own tags (:class:`~.protocol.ShardTag`), at whichever
-  process holds it now (:attr:`ServerLinks.servers` is indexed by shard);
-* the messages of the current request to each shard (a step's header and pushes, a
-  command, worker 0's initial slices or optimiser state) are kept until the next request,
-  and every request is answered by every shard (``DONE`` where nothing comes back), so the
+* each shard is talked to on its own tags, at whichever process holds it now, and the
+  messages of the current request to each shard are kept until the next request
+  (:mod:`.replicated_links`);
+* every request (a step's header and pushes, a command, worker 0's initial slices or
+  optimiser state) is answered by every shard (``DONE`` where nothing comes back), so the
   worker waits on every server at every request;
-* a message to a server that fails is let go if that server is lost (the worker that
-  started it says so in the group's store: :func:`~.faults.lost_server`); an answer from
-  it that fails moves its shard to the next server on the ring, which kept a copy of it,
-  and the two agree where the request stands (:mod:`.takeover`): the answer comes again, or
-  the kept request goes again.
+* an answer from a lost server that fails moves its shard to the next server on the ring,
+  which kept a copy of it, and the two agree where the request stands (:mod:`.takeover`):
+  the answer comes again, or the kept request goes again.
 
 A lost **worker** other than 0 is survived too (:mod:`.lost_workers`): after each step's
 pushes every shard says which lost workers' pushes it lacks (``MISSING``); the worker reads
@@ -31,113 +29,21 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Callable
 from typing import Any
 
-import torch
-
-from lightning_par.comm import CommError, Handle
+from lightning_par.comm import CommError
 from lightning_par.paramserver import protocol
 from lightning_par.paramserver.faults import lost_server
-from lightning_par.paramserver.links import ServerLinks
 from lightning_par.paramserver.messages import recv_object, send_object
 from lightning_par.paramserver.missing_pushes import MissingPushes
 from lightning_par.paramserver.protocol import Command, Kind, ShardTag, server_rank
+from lightning_par.paramserver.replicated_links import ReplicatedLinks
 from lightning_par.paramserver.replication import backup_of, server_processes
 from lightning_par.paramserver.spec import ServerSpec
 from lightning_par.paramserver.takeover import ask_to_resume
 from lightning_par.paramserver.worker import ParameterClient
 
 log = logging.getLogger("lightning_par")
-
-
-class _Failed:
-    """A message whose posting failed (its peer's connection closed): waiting raises."""
-
-    def __init__(self, error: CommError, peer: int) -> None:
-        self.error, self.peer = error, peer
-
-    def wait(self, timeout: Any = None) -> torch.Tensor:
-        raise self.error
-
-
-class ReplicatedLinks(ServerLinks):
-    """:class:`ServerLinks` to shards that may move: ``recover(shard, error)`` is called when
-    an answer from a shard's holder fails (and re-posts that shard's pulls)."""
-
-    def __init__(
-        self, *args: Any, num_workers: int, recover: Callable[[int, CommError, int], None]
-    ) -> None:
-        super().__init__(*args)
-        self.num_workers, self.recover = num_workers, recover
-        self.lock = threading.Lock()  # pending and servers, against the watch (clip by norm)
-        self.waiting = False  # inside wait_bucket
-        #: the messages of the current request, per shard, in the order they went
-        self.kept: dict[int, list[tuple[Kind, torch.Tensor]]] = {
-            s: [] for s in range(self.plan.num_servers)
-        }
-        self.kind = Kind.INIT  # what the pulls of the current request are
-
-    def tag(self, kind: Kind, server: int) -> ShardTag:
-        return ShardTag(kind, server)
-
-    def send(self, message: torch.Tensor, s: int, kind: Kind, step: int | None = None,
-             chunk: int | None = None) -> Handle | _Failed:  # fmt: skip
-        self.kept[s].append((kind, message))
-        try:
-            return super().send(message, s, kind, step, chunk)
-        except CommError as err:
-            return _Failed(err, self.servers[s])
-
-    def expect(self, b: int, s: int, kind: Kind, step: int | None = None) -> Handle | _Failed:
-        self.kind = kind
-        try:
-            return super().expect(b, s, kind, step)
-        except CommError as err:
-            return _Failed(err, self.servers[s])
-
-    def wait_sends(self, sends: list[tuple[int, Handle | _Failed]]) -> None:
-        """Wait for messages to the shards' holders; one that failed because its server is
-        lost is let go (its answer will fail too, and the shard move then)."""
-        for s, handle in sends:
-            try:
-                handle.wait()
-            except CommError:
-                if lost_server(self.servers[s] - self.num_workers) is None:
-                    raise
-
-    def wait_bucket(self, b: int) -> None:
-        self.waiting = True
-        try:
-            while True:
-                with self.lock:
-                    if not self.pending.get(b):
-                        self.pending.pop(b, None)
-                        return
-                    s, handle = self.pending[b][0]
-                try:
-                    flat = handle.wait()
-                except CommError as err:
-                    self.recover(s, err, handle.peer)  # shard s moved: its pulls posted again
-                    continue
-                with self.lock:
-                    self.pending[b].remove((s, handle))
-                self.write(b, s, flat)
-        finally:
-            self.waiting = False
-
-    def repost(self, s: int) -> None:
-        """Shard ``s`` moved: post the receive of its slices of every bucket from its new
-        holder, which sends them all (the same numbers again where one came already)."""
-        for b in range(len(self.plan.buckets)):
-            if s in self.plan.servers_of(b):
-                others = [(q, h) for q, h in self.pending.get(b, []) if q != s]
-                self.pending[b] = [*others, (s, self.expect(b, s, self.kind))]
-
-    def resend(self, s: int) -> None:
-        """Send shard ``s``'s new holder this worker's kept messages of the current request."""
-        kept, self.kept[s] = self.kept[s], []
-        self.wait_sends([(s, self.send(message, s, kind)) for kind, message in kept])
 
 
 class ReplicatedClient(ParameterClient):

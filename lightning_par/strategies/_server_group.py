@@ -42,7 +42,8 @@ from typing_extensions import override
 
 from lightning_par import _compat
 from lightning_par.comm.buckets import GradientBuckets
-from lightning_par.components.server_group import ServerGroup, WorkerContext
+from lightning_par.components.server_group import ServerGroup
+from lightning_par.components.worker_context import WorkerContext
 from lightning_par.paramserver.process import role_name
 from lightning_par.strategies._base import ParStrategy
 from lightning_par.strategies._late_params import refuse_frozen_in_optimizer
