@@ -291,6 +291,16 @@ def test_the_two_rank_ring_posts_in_nccl_order():
             self.posted.append("recv")
             return Handle()
 
+        def needs_staging(self, tensor):
+            return False
+
+        def post(self, op, tensor, peer, what):  # the untraced path (Communicator.post)
+            self.posted.append(op)
+            return Handle()
+
+        def complete(self, work, op, peer, what):
+            work.wait()
+
     ranks = [Recorder(0), Recorder(1)]
     for comm in ranks:
         ring_allreduce(torch.ones(3 << 20), comm=comm, segment_bytes=1 << 20)

@@ -62,11 +62,13 @@ def _time_interleaved(candidates: dict, tensor: torch.Tensor, repeats: int,
 
 
 def default_repeats(numel: int) -> int:
-    """Repetitions per candidate: many where latency noise dominates; at 1M-4M floats 60,
-    since with 10 the ratio of the same command moved by 0.3 between consecutive runs."""
-    if numel <= 65536:
+    """Repetitions per candidate: many where latency noise dominates. Up to 4M floats 200:
+    with 60 the ratio of one command at 1M floats on 2 ranks moved between 0.61 and 1.04
+    over six runs on the quiet 2-core machine (2026-11-29), and with 300 between 0.87 and
+    0.98; a repetition there takes 4-15 ms. Above, 40."""
+    if numel <= 1 << 22:
         return 200
-    return 60 if numel <= 1 << 22 else 20
+    return 40
 
 
 def _measure(rank: int, world_size: int, sizes, algorithms, repeats, warmup, segment_bytes,
@@ -122,8 +124,8 @@ def main(argv: list[str]) -> int:
         "--repeats",
         type=int,
         default=None,
-        help="repetitions per size (default: 200 up to 64K floats, where latency noise "
-        "dominates, 60 up to 4M, else 20)",
+        help="repetitions per size (default: 200 up to 4M floats, where latency noise "
+        "dominates, else 40)",
     )
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument(
@@ -152,7 +154,7 @@ def main(argv: list[str]) -> int:
 
 
 def report(result: dict) -> str:
-    repeats = result["repeats"] or "200 (<= 64K floats) / 60 (<= 4M) / 20"
+    repeats = result["repeats"] or "200 (<= 4M floats) / 40"
     lines = [f"allreduce, gloo, {result['world_size']} ranks, median of {repeats} repetitions",
              f"ring tuning: {result['ring_tuning']}"]  # fmt: skip
     if result.get("ring_calibration_ms"):

@@ -25,43 +25,27 @@ the two run as one stream.
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 import torch.distributed as dist
 
-from lightning_par.collectives._common import (
-    chunk_sizes,
-    finish,
-    prepare,
-    scratch,
-    segment_elems_for,
+from lightning_par.collectives._common import finish, prepare, scratch_rows
+from lightning_par.collectives.ring_plan import (
+    ALL_GATHER,
+    DEFAULT_SEGMENT_BYTES,
+    MIN_SPLIT_BYTES,
+    RECEIVES_IN_FLIGHT,
+    REDUCE_SCATTER,
+    Message,
+    RingPlan,
+    RingStep,
+    plan,
+    ring_steps,
+    segments_per_chunk,
 )
 from lightning_par.collectives.ring_textbook import ring_schedule
-from lightning_par.comm import CommTrace, Communicator, Handle
-from lightning_par.split import bounds, even_sizes
-from lightning_par.split import offsets as split_offsets
-
-#: Largest segment. Every message also costs a wake-up of sender and receiver (on the
-#: 2-core test machine a message pair costs 80-300 us of CPU beyond its bytes), so a chunk
-#: is cut into as few segments as keep it under this size; gloo caps its own at 1 MiB,
-#: which measured 0.57-0.87x gloo's speed here against 0.63-1.16x for 4 MiB
-#: (``benchmarks/allreduce.md``). Tune with ``bench allreduce --segment-bytes``.
-DEFAULT_SEGMENT_BYTES = 4 << 20
-
-#: A chunk smaller than two of these goes in one message. Splitting a 1 MiB chunk in two
-#: (1M floats on 4 ranks) measured 0.69x gloo against 0.84x unsplit: the second message's
-#: fixed cost outweighs the addition it overlaps (about 30 us per 256K floats).
-MIN_SPLIT_BYTES = 1 << 20
-
-#: Receives posted ahead. Two (as gloo) suffice when the receiving thread always runs;
-#: with more processes than cores it often waits for a core, and a sender whose next
-#: receive has not been posted yet waits with it.
-RECEIVES_IN_FLIGHT = 8
-
-#: The two phases, also the trace tags of their messages.
-REDUCE_SCATTER, ALL_GATHER = "reduce-scatter", "all-gather"
-
-#: One step of one rank: (phase, chunk sent to the right, chunk received from the left).
-RingStep = tuple[str, int, int]
+from lightning_par.comm import CommTrace, Communicator
 
 __all__ = [
     "ALL_GATHER",
@@ -69,48 +53,16 @@ __all__ = [
     "MIN_SPLIT_BYTES",
     "RECEIVES_IN_FLIGHT",
     "REDUCE_SCATTER",
+    "RingPlan",
+    "RingStep",
     "SegmentRing",
     "ring_allreduce",
     "ring_schedule",
     "ring_steps",
+    "plan",
     "run_ring",
     "segments_per_chunk",
 ]
-
-
-def segments_per_chunk(chunk_elems: int, element_size: int, segment_bytes: int | None,
-                       min_split_bytes: int = MIN_SPLIT_BYTES) -> int:  # fmt: skip
-    """How many segments ``k`` a ring chunk of ``chunk_elems`` elements is cut into.
-
-    ``segment_bytes=None``: one per chunk (the textbook ring's messages, not overlapped).
-    Otherwise enough that none exceeds ``segment_bytes``, and at least two when the chunk
-    holds ``2 * min_split_bytes`` (so one segment is added while the next is in flight).
-    """
-    seg = segment_elems_for(segment_bytes, element_size)
-    if seg is None or chunk_elems <= 1:
-        return 1
-    k = -(-chunk_elems // seg)
-    if chunk_elems * element_size >= 2 * min_split_bytes:
-        k = max(k, 2)
-    return min(k, chunk_elems)
-
-
-def ring_steps(rank: int, world_size: int, phases: tuple[str, ...]) -> list[RingStep]:
-    """The steps of ``rank`` in ``phases``: both (the allreduce) or one alone.
-
-    Fused, the reduce-scatter leaves rank ``r`` with the sum of chunk ``(r + 1) % p``, from
-    which the all-gather starts: :func:`ring_schedule` of ``r``. Alone, a phase takes the
-    schedule of ``r - 1``: the same neighbours, each chunk's sum ending one rank further
-    round the ring, so that rank ``r`` owns chunk ``r``, as torch's ``reduce_scatter_tensor`` and
-    ``all_gather_into_tensor`` have it. (The fused ring keeps its own: which rank starts a
-    chunk's sum decides the bits of the result.)
-    """
-    if phases not in ((REDUCE_SCATTER, ALL_GATHER), (REDUCE_SCATTER,), (ALL_GATHER,)):
-        raise ValueError(f"ring phases must be reduce-scatter, all-gather or both, got {phases}")
-    p = world_size
-    schedule = ring_schedule(rank if len(phases) == 2 else rank - 1, p)
-    halves = {REDUCE_SCATTER: schedule[: p - 1], ALL_GATHER: schedule[p - 1 :]}
-    return [(phase, sent, received) for phase in phases for sent, received in halves[phase]]
 
 
 def ring_allreduce(
@@ -165,31 +117,21 @@ def run_ring(
     comm, flat = prepare(tensor, group, comm, trace, collective)
     if flat is None:
         return comm, None
-    steps = ring_steps(comm.rank, comm.world_size, phases)
-    SegmentRing(comm, flat, steps, segment_bytes, receives_in_flight, min_split_bytes).run()
+    shape = (flat.numel(), flat.element_size(), segment_bytes, min_split_bytes, phases)
+    SegmentRing(comm, flat, plan(comm.rank, comm.world_size, *shape), receives_in_flight).run()
     finish(tensor, flat)
     return comm, flat
 
 
 class SegmentRing:
-    """One pipelined run of the ring ``steps`` over ``flat`` on ``comm``: each chunk's
-    segments, the receive slots and the stream of ``len(steps) k`` iterations (the module
-    docstring)."""
+    """One pipelined run of a :class:`~.ring_plan.RingPlan` over ``flat`` on ``comm``: the
+    receive slots and the stream of ``len(steps) k`` iterations (the module docstring)."""
 
-    def __init__(self, comm: Communicator, flat: torch.Tensor, steps: list[RingStep],
-                 segment_bytes: int | None, receives_in_flight: int,
-                 min_split_bytes: int = MIN_SPLIT_BYTES) -> None:  # fmt: skip
+    def __init__(self, comm: Communicator, flat: torch.Tensor, plan: RingPlan,
+                 receives_in_flight: int) -> None:  # fmt: skip
         p = comm.world_size
-        self.comm, self.flat = comm, flat
-        sizes = chunk_sizes(flat.numel(), p)
-        starts = split_offsets(sizes)
-        self.k = k = segments_per_chunk(max(sizes), flat.element_size(), segment_bytes,
-                                        min_split_bytes)  # fmt: skip
-        # pieces[c][j]: (start, stop) in ``flat`` of segment j of chunk c (empty when c is small)
-        self.pieces = [[(starts[c] + a, starts[c] + b) for a, b in bounds(even_sizes(sizes[c], k))]
-                       for c in range(p)]  # fmt: skip
-        self.steps, self.total = steps, len(steps) * k
-        self.reduces = [phase == REDUCE_SCATTER for phase, _, _ in steps]
+        self.comm, self.flat, self.plan = comm, flat, plan
+        self.k, self.total = plan.k, len(plan.sends)
         self.right, self.left = (comm.rank + 1) % p, (comm.rank - 1) % p
         # p = 2 on NCCL: one peer on both sides, whose messages NCCL runs on one stream in
         # posting order, so both ranks post (send i, receive i) pairs, the lower rank's send
@@ -197,42 +139,49 @@ class SegmentRing:
         # allow, so a sender is never held up by a receiver that has not asked yet.
         self.paired = p == 2 and comm.backend == "nccl"
         self.depth = 2 if self.paired else min(receives_in_flight, self.total)
-        # one 1-D view per slot, made once: indexing a 2-D tensor per message costs ~30 us;
-        # only the reduce-scatter needs them (the all-gather receives into place)
-        slot_len = max(b - a for a, b in self.pieces[0]) if any(self.reduces) else 0
-        self.slots = scratch((self.depth, slot_len), flat.dtype, flat.device).unbind(0)
-        self.recvs: list[tuple[Handle, torch.Tensor, torch.Tensor] | None] = [None] * self.total
-        self.sends: list[Handle] = []
+        self.slots = scratch_rows(self.depth, plan.slot_len, flat.dtype, flat.device)
+        # untraced messages that need no staging skip the Handle (Communicator.post)
+        self.lean = comm.trace is None and not comm.needs_staging(flat)
+        # receive i: (its work or Handle, this rank's range, where it lands, what it is)
+        self.recvs: list[tuple[Any, torch.Tensor, torch.Tensor, Message] | None]
+        self.recvs = [None] * self.total
+        self.sends: list[tuple[Any, Message]] = []
 
     def post_recv(self, i: int) -> None:
-        step, j = divmod(i, self.k)
-        phase, _, chunk = self.steps[step]
-        a, b = self.pieces[chunk][j]
-        if b > a:
+        m = self.plan.recvs[i]
+        if m.stop > m.start:
             # reduce-scatter: into a slot, added later; all-gather: straight into place (no
             # send reads it before: a rank forwards what it received, and its fused
             # reduce-scatter send from there was received before the finished chunk can be)
-            own = self.flat[a:b]
-            target = self.slots[i % self.depth][: b - a] if self.reduces[step] else own
-            handle = self.comm.irecv(target, self.left, step=step, chunk=chunk, tag=phase)
-            self.recvs[i] = (handle, own, target)
+            own = self.flat[m.start : m.stop]
+            target = self.slots[i % self.depth][: m.stop - m.start] if self.plan.reduces[i] else own
+            if self.lean:
+                work = self.comm.post("recv", target, self.left, m)
+            else:
+                work = self.comm.irecv(target, self.left, step=m.step, chunk=m.chunk, tag=m.phase)
+            self.recvs[i] = (work, own, target, m)
 
     def complete(self, i: int) -> None:
         """Wait for receive ``i``; in the reduce-scatter add it to this rank's chunk."""
         received = self.recvs[i]
         if received is not None:
-            handle, own, incoming = received
-            handle.wait()
-            if self.reduces[i // self.k]:
+            work, own, incoming, m = received
+            if self.lean:
+                self.comm.complete(work, "recv", self.left, m)
+            else:
+                work.wait()
+            if self.plan.reduces[i]:
                 own.add_(incoming)
 
     def send(self, i: int) -> None:
-        step, j = divmod(i, self.k)
-        phase, chunk, _ = self.steps[step]
-        a, b = self.pieces[chunk][j]
-        if b > a:
-            self.sends.append(self.comm.isend(self.flat[a:b], self.right, step=step, chunk=chunk,
-                                              tag=phase))  # fmt: skip
+        m = self.plan.sends[i]
+        if m.stop > m.start:
+            segment = self.flat[m.start : m.stop]
+            if self.lean:
+                work = self.comm.post("send", segment, self.right, m)
+            else:
+                work = self.comm.isend(segment, self.right, step=m.step, chunk=m.chunk, tag=m.phase)
+            self.sends.append((work, m))
 
     def run(self) -> None:
         # Send i carries receive i - k, added. Waiting one receive later than that (lag 2)
@@ -256,5 +205,8 @@ class SegmentRing:
             self.send(i)
         for i in range(completed, total):
             self.complete(i)
-        for handle in self.sends:
-            handle.wait()
+        for work, m in self.sends:
+            if self.lean:
+                self.comm.complete(work, "send", self.right, m)
+            else:
+                work.wait()

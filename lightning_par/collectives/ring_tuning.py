@@ -2,7 +2,7 @@
 
 A ring message costs its bytes and a fixed part: posting it, a wake-up of the receiving
 thread, the bookkeeping on both sides. How many messages a chunk is worth cutting into
-(:func:`~.ring.segments_per_chunk`) depends on that fixed part, and it differs from one
+(:func:`~.ring_plan.segments_per_chunk`) depends on that fixed part, and it differs from one
 machine to the next:
 
 * **more ranks than cores** (4 ranks on the 2-core test machine): a rank often waits for a
@@ -70,7 +70,7 @@ MIB = 1 << 20
 SHARED_CORES = RingTuning(
     "shared cores", DEFAULT_SEGMENT_BYTES, MIN_SPLIT_BYTES, RECEIVES_IN_FLIGHT
 )
-CORE_PER_RANK = RingTuning("a core per rank", 16 * MIB, 8 * MIB, 2)
+CORE_PER_RANK = RingTuning("a core per rank", 16 * MIB, 4 * MIB, 2)
 #: What a calibration times: the two above, gloo's own sizes, and one in between.
 CANDIDATES = (
     SHARED_CORES,
@@ -78,8 +78,10 @@ CANDIDATES = (
     RingTuning("gloo's sizes", MIB, MIB // 2, 2),
     RingTuning("medium", 4 * MIB, 4 * MIB, 2),
 )
-#: Floats per calibration size: a small bucket, the strategies' 4 MiB bucket, and 4x that.
-CALIBRATION_SIZES = (1 << 18, 1 << 20, 1 << 22)
+#: Floats per calibration size: the strategies' 4 MiB bucket, 4x and 16x that. Not smaller:
+#: at 256K floats one calibration's medians differed 3x between candidates that were equal
+#: at 1M, and the sum of ratios then picked 1 MiB segments, 0.85x gloo at 4M-16M floats.
+CALIBRATION_SIZES = (1 << 20, 1 << 22, 1 << 24)
 
 _ENV_CACHE = "LIGHTNING_PAR_CACHE"
 
@@ -139,7 +141,7 @@ def keep(key: str, tuning: RingTuning, medians_ms: dict[str, list[float]]) -> No
     os.replace(partial, path)  # whole or not at all, should two jobs write at once
 
 
-def calibrate(group: dist.ProcessGroup | None = None, rounds: int = 7,
+def calibrate(group: dist.ProcessGroup | None = None, rounds: int = 5,
               sizes: tuple[int, ...] = CALIBRATION_SIZES) -> dict[str, list[float]]:  # fmt: skip
     """Median milliseconds of each of :data:`CANDIDATES` (name -> one per size in ``sizes``),
     the same on every rank: each round runs every candidate once per size after a barrier

@@ -89,13 +89,7 @@ class Handle:
                 else:
                     self._work.wait(timeout)
             except RuntimeError as err:  # gloo/NCCL say "connection closed", "timed out", ...
-                peer = self._comm.global_rank_of(self.peer)
-                raise CommError(
-                    f"rank {self._comm.global_rank}: {self.op} "
-                    f"{'to' if self.op == 'send' else 'from'} rank {peer} failed"
-                    f" ({self._what()}): {err}. If rank {peer}"
-                    " died or hangs, look at its own error above."
-                ) from err
+                raise self._comm.wait_failed(self.op, self.peer, self._what(), err) from err
         if self._staged is not None and self.op == "recv":
             self._tensor.copy_(self._staged, non_blocking=False)
         if trace is not None:
@@ -173,8 +167,39 @@ class Communicator:
                 f"rank {self.rank}: invalid peer {peer} (world size {self.world_size})"
             )
 
-    def _needs_staging(self, tensor: torch.Tensor) -> bool:
+    def needs_staging(self, tensor: torch.Tensor) -> bool:
+        """Whether ``tensor`` goes through a host buffer (a CUDA tensor on gloo)."""
         return tensor.device.type != "cpu" and self.backend == "gloo"
+
+    def wait_failed(self, op: str, peer: int, what: object, err: Exception) -> CommError:
+        """The error of a message to or from group rank ``peer`` that failed in its wait."""
+        name = self.global_rank_of(peer)
+        return CommError(
+            f"rank {self.global_rank}: {op} {'to' if op == 'send' else 'from'} rank {name} "
+            f"failed ({what}): {err}. If rank {name} died or hangs, look at its own error above."
+        )
+
+    def post(self, op: str, tensor: torch.Tensor, peer: int, what: object) -> dist.Work:
+        """Post one untraced message (``op``: ``"send"`` or ``"recv"``, transport tag 0) of a
+        contiguous ``tensor`` that needs no staging, and return torch's work: the path of
+        collectives that post many messages. :meth:`isend`'s checks and :class:`Handle`
+        cost ~10 us a message on a slow core; errors are those of :meth:`isend` and
+        :meth:`irecv` (``str(what)`` names the message, made only then), and of
+        :meth:`Handle.wait` through :meth:`complete`."""
+        try:
+            return (self._pg.send if op == "send" else self._pg.recv)([tensor], peer, 0)
+        except RuntimeError as err:
+            raise CommError(
+                f"rank {self.global_rank}: {op} {'to' if op == 'send' else 'from'} rank "
+                f"{self.global_rank_of(peer)} failed ({what}): {err}"
+            ) from err
+
+    def complete(self, work: dist.Work, op: str, peer: int, what: object) -> None:
+        """Wait for a message posted by :meth:`post`."""
+        try:
+            work.wait()
+        except RuntimeError as err:
+            raise self.wait_failed(op, peer, what, err) from err
 
     @staticmethod
     def _host_buffer(tensor: torch.Tensor) -> torch.Tensor:
@@ -197,7 +222,7 @@ class Communicator:
         start = self.trace.now() if self.trace is not None else 0.0
         staged = None
         payload = tensor if tensor.is_contiguous() else tensor.contiguous()
-        if self._needs_staging(tensor):
+        if self.needs_staging(tensor):
             staged = self._host_buffer(tensor).copy_(tensor)
             payload = staged
         work = self._post("send", payload, dst, tag, step, chunk) if tensor.numel() else None
@@ -217,7 +242,7 @@ class Communicator:
         if not tensor.is_contiguous():
             raise ValueError("irecv needs a contiguous tensor to receive into")
         start = self.trace.now() if self.trace is not None else 0.0
-        staged = self._host_buffer(tensor) if self._needs_staging(tensor) else None
+        staged = self._host_buffer(tensor) if self.needs_staging(tensor) else None
         target = staged if staged is not None else tensor
         work = self._post("recv", target, src, tag, step, chunk) if tensor.numel() else None
         return Handle(self, work, "recv", src, tensor, staged, start, step, chunk, tag)
