@@ -83,6 +83,22 @@ def test_hung_rank_fails_fast_with_the_peer_named():
     assert "rank 0: recv from rank 1 failed (step 4" in message
 
 
+def _ring_with_a_hung_peer(rank, world_size):
+    if rank == 1:
+        time.sleep(3600)
+    from lightning_par.collectives import ring_allreduce
+
+    ring_allreduce(torch.ones(8))  # untraced on CPU: posted by Communicator.post, no Handle
+
+
+def test_a_ring_message_that_fails_names_its_phase_step_and_chunk():
+    with pytest.raises(RankFailed) as err:
+        run_on_ranks(_ring_with_a_hung_peer, 2, timeout=3)
+    message = str(err.value)
+    assert "CommError" in message
+    assert "rank 0: recv from rank 1 failed (reduce-scatter message, step 0, chunk 1)" in message
+
+
 def _bad_peers_refused(rank, world_size):
     comm = Communicator()
     for peer in (rank, world_size, -1):
