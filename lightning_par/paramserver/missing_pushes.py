@@ -119,7 +119,7 @@ class MissingPushes:
                 for w in workers for b in range(len(plan.buckets)) if s in plan.servers_of(b)
             ]  # fmt: skip
             self.links.wait_sends(sends)
-        for w in lost:  # before the next step's header: from then on worker 0's push holds it
+        for w in lost:  # before the next step's header: from then on pushed in their slots
             record_covered(w, next_step)
 
     def keep(self, step: int, grads: dict[int, list[torch.Tensor | None]]) -> None:

@@ -9,7 +9,7 @@ the strategy adds, through :class:`LostWorkerStandIn`:
   the weights the step began with, which worker 0 pushes in its place
   (:meth:`LostWorkerStandIn.gradients`, the client's ``fill``);
 * from the next step on, worker 0 trains the lost workers' batches beside its own: each
-  one's gradient computed apart (:meth:`LostWorkerStandIn.with_lost_batches`) and pushed in
+  one's gradient computed apart (:meth:`LostWorkerStandIn.train_lost_batches`) and pushed in
   that worker's slot, so the servers sum every slot in worker order as without the loss
   (the sum of the losses, one push, would round otherwise from three workers on); the
   servers still divide by the first number of workers, so nothing is rescaled;
@@ -119,7 +119,7 @@ class LostWorkerStandIn:
         )  # fmt: skip
         return grads
 
-    def with_lost_batches(self, output: Any, batch_idx: int) -> Any:
+    def train_lost_batches(self, output: Any, batch_idx: int) -> Any:
         """Worker 0, in the training step: each lost worker's gradient on its batch of this
         step, handed to the client, which pushes it in that worker's slot after its own
         push of each bucket; ``output`` is returned as it is (its backward: worker 0's own)."""

@@ -161,7 +161,7 @@ class ParameterServerStrategy(ServerGroupStrategy):
         batch_idx = args[1] if len(args) > 1 else kwargs.get("batch_idx", 0)
         self.stand_in.record(client.step, self.lightning_module.trainer.current_epoch, batch_idx)
         output = super().training_step(*args, **kwargs)
-        return self.stand_in.with_lost_batches(output, batch_idx)
+        return self.stand_in.train_lost_batches(output, batch_idx)
 
     @property
     @override
