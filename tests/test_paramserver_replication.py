@@ -161,8 +161,8 @@ def _train(comm: Communicator, rank: int, servers: int, clip: GradClip | None, l
             client.load_state(client.gather_state())  # (complete on worker 0, which sends it)
         client.settle()  # (a lost worker is known from here; the strategy settles there too)
         loss = _loss(model, data, step, rank)
-        for w in client.lost_workers:  # and trains its batches beside its own
-            loss = loss + _loss(model, data, step, w)
+        if client.lost_workers:  # and trains its batches beside its own, pushed in its slot
+            client.missing.keep(step, client.missing.fill(step, client.lost_workers))
         loss.backward()
         client.finish_backward()
         opt.zero_grad()

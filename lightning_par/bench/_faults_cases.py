@@ -17,9 +17,11 @@ strategy claims they are the same:
   optimiser state after every step (:mod:`~lightning_par.paramserver.replication`), and the
   workers send it the same messages: the same weights (to 1e-6, as its tests);
 * ``parameter_server``, a worker lost: worker 0 pushes the lost worker's share of the
-  interrupted step in its slot and trains its batches beside its own from then on
-  (:mod:`~lightning_par.paramserver.lost_workers`): the servers still average every
-  worker's gradient, summed in the same order, so the same weights (to 1e-6).
+  interrupted step in its slot and trains its batches beside its own from then on, their
+  gradient pushed in that slot too (:mod:`~lightning_par.paramserver.lost_workers`): the
+  servers sum the same gradients in the same worker order, so the same weights, bit for bit
+  (tolerance 0; with worker 0 pushing the sum of its own and the lost worker's gradient,
+  three workers ended 3.3e-5 apart after 25 steps, ``benchmarks/faults.md``).
 
 Float rounding grows as training goes on (each step's differences feed the next): with the
 CIFAR CNN of width 32 on 3 ranks, the largest difference was about 2e-7 with 7 steps after
@@ -71,7 +73,7 @@ CASES = (
     FaultCase("ring_allreduce", "rank", tolerance=1e-4),
     FaultCase("local_sgd", "rank", {"period": 4}, tolerance=1e-4),
     FaultCase("parameter_server", "server", {"num_servers": 2}, tolerance=1e-6),
-    FaultCase("parameter_server", "rank", {"num_servers": 1}, tolerance=1e-6),
+    FaultCase("parameter_server", "rank", {"num_servers": 1}, tolerance=0.0),
 )
 
 

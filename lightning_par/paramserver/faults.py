@@ -129,19 +129,22 @@ def fault_of(server: int) -> Callable[[int], None] | None:
     return strike
 
 
-#: The first step whose push of worker 0 holds lost worker ``w``'s batch too (``fault_tolerant``).
+#: The first step at which worker 0 pushes lost worker ``w``'s gradient in its slot
+#: (``fault_tolerant``).
 COVERED_KEY = "lightning_par/paramserver/covered/{}"
 
 
 def record_covered(worker: int, step: int) -> None:
-    """Worker 0 trains lost ``worker``'s batch beside its own from ``step`` on: a server
-    that finds the worker lost at that step or later expects no push in its place."""
+    """Worker 0 trains lost ``worker``'s batch beside its own from ``step`` on and pushes its
+    gradient in that worker's slot: a server that finds the worker lost at that step or later
+    takes that slot's push from worker 0."""
     store = _store()
     if store is not None:
         store.set(COVERED_KEY.format(worker), str(step))
 
 
 def covered_since(worker: int) -> int | None:
-    """The step from which worker 0's push holds lost ``worker``'s batch (None: not yet)."""
+    """The step from which worker 0 pushes lost ``worker``'s gradient in its slot (None: not
+    yet)."""
     found = _read(COVERED_KEY.format(worker), grace_s=0)
     return None if found is None else int(found)

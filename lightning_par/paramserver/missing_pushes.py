@@ -6,7 +6,10 @@ lacks (``MISSING``). :class:`MissingPushes` reads every shard's answer before th
 writes any pulled weight, so the weights it holds are still those the step began with; then
 worker 0 computes each missing worker's gradient on that worker's batch (``fill``, given by
 the strategy, which alone can read a batch) and pushes it in its place, bucket by bucket,
-and from the next step on trains those workers' batches beside its own (:attr:`lost`).
+and from the next step on trains those workers' batches beside its own (:attr:`lost`),
+pushing each one's gradient in that worker's slot right after its own push of the bucket
+(:meth:`MissingPushes.keep`, :meth:`MissingPushes.push_kept`): the servers sum every slot
+in worker order, as without the loss.
 """
 
 from __future__ import annotations
@@ -52,6 +55,8 @@ class MissingPushes:
         self._due: set[int] = set()  # shards whose MISSING of the step is unread
         self._read: dict[int, list[int]] = {}  # read as a moved shard answered again
         self._step = 0
+        #: worker 0: the lost workers' gradients of the step it trains their batches in
+        self._kept: tuple[int, dict[int, list[torch.Tensor | None]]] | None = None
 
     def expect(self, shards: int, step: int) -> None:
         """Step ``step``'s header went to the ``shards``: each will answer ``MISSING``."""
@@ -114,8 +119,31 @@ class MissingPushes:
                 for w in workers for b in range(len(plan.buckets)) if s in plan.servers_of(b)
             ]  # fmt: skip
             self.links.wait_sends(sends)
-        for w in lost:  # before the next step's header: from then on worker 0's push holds it
+        for w in lost:  # before the next step's header: from then on pushed in their slots
             record_covered(w, next_step)
+
+    def keep(self, step: int, grads: dict[int, list[torch.Tensor | None]]) -> None:
+        """Worker 0: the lost workers' gradients of ``step`` (one entry each, of every one
+        in :attr:`lost`), pushed in their slots as its own push of each bucket goes."""
+        if sorted(grads) != sorted(self.lost):
+            raise RuntimeError(
+                f"{self.name}: worker 0 computed the gradients of workers {sorted(grads)}, "
+                f"but workers {sorted(self.lost)} are lost"
+            )
+        self._kept = (step, grads)
+
+    def push_kept(self, b: int, step: int) -> list:
+        """Worker 0, right after its own push of bucket ``b`` of ``step``: each lost worker's
+        gradient of it, in that worker's slot (the sends, not waited for). Every shard takes
+        them from worker 0 in this order: its own push, then the lost workers' in order."""
+        if self.rank != 0 or not self.lost:
+            return []
+        if self._kept is None or self._kept[0] != step:
+            raise RuntimeError(f"{self.name}: worker 0 trains lost workers {self.lost}, but no "
+                               f"gradient of theirs was computed for step {step}")  # fmt: skip
+        grads, plan = self._kept[1], self.links.plan
+        return [(s, self.links.send(self._push_of(grads[w], b, s), s, Kind.PUSH, step, b))
+                for w in sorted(grads) for s in plan.servers_of(b)]  # fmt: skip
 
     def _push_of(self, grads: list[torch.Tensor | None], b: int, s: int) -> torch.Tensor:
         """A ``PUSH`` of bucket ``b`` to shard ``s`` holding the gradients ``grads``."""

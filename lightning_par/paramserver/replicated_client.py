@@ -17,7 +17,7 @@ pushes every shard says which lost workers' pushes it lacks (``MISSING``); the w
 every shard's answer before it writes any pulled weight, so worker 0 still holds the
 weights the step began with and pushes each missing worker's gradient in its place
 (:mod:`.missing_pushes`), then trains those workers' batches beside its own
-(:attr:`ReplicatedClient.lost_workers`).
+(:attr:`ReplicatedClient.lost_workers`), each one's gradient pushed in its slot.
 
 Clipping by norm ties the servers together: none answers a step before it has every
 shard's squared norm, so a worker waiting for a live server's answer would wait forever
@@ -165,6 +165,10 @@ class ReplicatedClient(ParameterClient):
                 wait(module, args)
 
         return hook
+
+    def _pushed(self, bucket: int) -> None:
+        """Worker 0: the lost workers' pushes of ``bucket`` in their slots, after its own."""
+        self.links.wait_sends(self.missing.push_kept(bucket, self.step))
 
     def wait_bucket(self, b: int) -> None:
         self.missing.read(self.step)  # (once a step: before any pulled weight is written)

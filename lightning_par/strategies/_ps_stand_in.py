@@ -8,9 +8,11 @@ the strategy adds, through :class:`LostWorkerStandIn`:
   of Lightning's ``DistributedSampler`` read again, :class:`~._stand_ins.LostShards`) with
   the weights the step began with, which worker 0 pushes in its place
   (:meth:`LostWorkerStandIn.gradients`, the client's ``fill``);
-* from the next step on, worker 0 trains the lost workers' batches beside its own: the
-  losses are summed (:func:`~._stand_ins.with_stand_ins`), the servers still divide by
-  the first number of workers, so nothing is rescaled;
+* from the next step on, worker 0 trains the lost workers' batches beside its own: each
+  one's gradient computed apart (:meth:`LostWorkerStandIn.train_lost_batches`) and pushed in
+  that worker's slot, so the servers sum every slot in worker order as without the loss
+  (the sum of the losses, one push, would round otherwise from three workers on); the
+  servers still divide by the first number of workers, so nothing is rescaled;
 * Lightning's collectives among the workers (the per-step SIGTERM flag, ``sync_dist``,
   barriers) run over a group of the survivors, met once the loss is known (before the next
   batch, or before the epoch's metrics are synced, :class:`SettleBeforeEpochMetrics`: a
@@ -40,7 +42,6 @@ from lightning_par.strategies._stand_ins import (
     in_modes,
     loss_of,
     stand_in_outputs,
-    with_stand_ins,
 )
 
 Step = Callable[..., Any]
@@ -103,21 +104,13 @@ class LostWorkerStandIn:
         in the step's modes (a validation may run now: BatchNorm, dropout in eval mode)."""
         if not self.events:
             self.events.append(("lost", time.time()))
-        strategy = self._strategy
         epoch, batch_idx, modes = self._batches[step]
-        loader = strategy.lightning_module.trainer.train_dataloader
+        loader = self._strategy.lightning_module.trainer.train_dataloader
         batches = self._shards.batches(loader, workers, batch_idx, epoch)
-        params = self._client.params if self._client is not None else []
-        grads = {}
-        module = strategy.lightning_module
+        module = self._strategy.lightning_module
         # (also inside a validation: out of its inference mode and its eval mode)
         with torch.inference_mode(False), torch.enable_grad(), in_modes(module, modes):
-            for worker, batch in zip(workers, batches):
-                (output,) = stand_in_outputs(
-                    self._step, [strategy.batch_to_device(batch)], batch_idx, module
-                )
-                loss = loss_of(output, f"worker {worker}'s batch")
-                grads[worker] = list(torch.autograd.grad(loss, params, allow_unused=True))
+            grads = self._gradients_of(workers, batches, batch_idx)
         names = ", ".join(f"worker {w} (rank {w})" for w in workers)
         print(
             f"lightning_par: {names} lost; worker 0 pushed its gradient of step {step} in its "
@@ -126,17 +119,31 @@ class LostWorkerStandIn:
         )  # fmt: skip
         return grads
 
-    def with_lost_batches(self, output: Any, batch_idx: int) -> Any:
-        """Worker 0's ``output`` whose gradient is also that of the lost workers' batches."""
-        lost = self.lost
-        if not lost or self._strategy.global_rank != 0:
+    def train_lost_batches(self, output: Any, batch_idx: int) -> Any:
+        """Worker 0, in the training step: each lost worker's gradient on its batch of this
+        step, handed to the client, which pushes it in that worker's slot after its own
+        push of each bucket; ``output`` is returned as it is (its backward: worker 0's own)."""
+        lost, client = self.lost, self._client
+        if not lost or self._strategy.global_rank != 0 or client is None:
             return output
-        strategy = self._strategy
-        loader = strategy.lightning_module.trainer.train_dataloader
-        read = self._shards.batches(loader, lost, batch_idx)
-        batches = [strategy.batch_to_device(b) for b in read]
-        extra = stand_in_outputs(self._step, batches, batch_idx, strategy.lightning_module)
-        return with_stand_ins(output, extra, 1.0)  # (the servers divide by every worker)
+        loader = self._strategy.lightning_module.trainer.train_dataloader
+        batches = self._shards.batches(loader, lost, batch_idx)
+        client.missing.keep(client.step, self._gradients_of(lost, batches, batch_idx))
+        return output
+
+    def _gradients_of(self, workers: list[int], batches: list[Any], batch_idx: int
+                      ) -> dict[int, list[torch.Tensor | None]]:  # fmt: skip
+        """Each of ``workers``' gradient on its batch of ``batches``, by itself: as that
+        worker's own backward computes it, bit for bit."""
+        strategy, params = self._strategy, self._client.params if self._client else []
+        grads = {}
+        for worker, batch in zip(workers, batches):
+            (output,) = stand_in_outputs(
+                self._step, [strategy.batch_to_device(batch)], batch_idx, strategy.lightning_module
+            )
+            loss = loss_of(output, f"worker {worker}'s batch")
+            grads[worker] = list(torch.autograd.grad(loss, params, allow_unused=True))
+        return grads
 
     def sampler_kwargs(self, first: dict[str, Any]) -> dict[str, Any]:
         """A loader built after a loss (in this call or an earlier one) shards its data

@@ -31,8 +31,9 @@ for a lone server), and a server that dies is taken over by that copy: the job g
 its weights equal those of a run without the loss
 (:mod:`lightning_par.paramserver.replication`, :mod:`~lightning_par.paramserver.takeover`).
 A lost worker other than 0 is survived too: worker 0 pushes its gradient of the step it was
-lost in, then trains its batches beside its own, so the weights stay those of one process on
-the whole batch (:mod:`lightning_par.paramserver.lost_workers`, :mod:`._ps_stand_in`).
+lost in, then trains its batches beside its own, pushing that gradient in the lost worker's
+slot, so the weights stay those of one process on the whole batch, bit for bit those of the
+run without the loss (:mod:`lightning_par.paramserver.lost_workers`, :mod:`._ps_stand_in`).
 
 Gradient clipping (by norm: the servers exchange their shards' squared norms) and
 ``bf16-mixed`` are exact against one process (:mod:`~lightning_par.strategies._ps_features`).
@@ -160,7 +161,7 @@ class ParameterServerStrategy(ServerGroupStrategy):
         batch_idx = args[1] if len(args) > 1 else kwargs.get("batch_idx", 0)
         self.stand_in.record(client.step, self.lightning_module.trainer.current_epoch, batch_idx)
         output = super().training_step(*args, **kwargs)
-        return self.stand_in.with_lost_batches(output, batch_idx)
+        return self.stand_in.train_lost_batches(output, batch_idx)
 
     @property
     @override
