@@ -9,6 +9,7 @@ from dataclasses import replace
 import pytest
 
 from lightning_par.simulate import sharing_cost
+from lightning_par.simulate.cores import placement_wait
 from lightning_par.simulate.links import Link, Topology
 from lightning_par.simulate.machine import Machine
 from lightning_par.simulate.profile import Profile
@@ -20,17 +21,24 @@ LATENCY_ONLY = Topology(Link("a", alpha=1.0, beta=0.0), Link("a", alpha=1.0, bet
 ALONE = {24: 0.0295, 16: 0.0191, 12: 0.0155}
 
 
-def fake_ranks(crowded_cpu: list[dict[int, float]], other: list[float]):
-    """A ``run_on_ranks``: a rank a core each takes :data:`ALONE`; ``world`` ranks taking
-    turns take ``crowded_cpu[trial][batch]``; each trial ran beside ``other[trial]`` cores'
-    worth of other load."""
+def fake_ranks(crowded_cpu: list[dict[int, float]], other: list[float], delay: float = 0.0):
+    """A ``run_on_ranks``: a rank a core each takes :data:`ALONE` and meets in 1 ms; ``world``
+    ranks taking turns take ``crowded_cpu[trial][batch]``, and meet fair sharing's lap and
+    the placement's wait at ``delay``; each trial ran beside ``other[trial]`` cores' worth
+    of other load."""
     calls = []
 
     def run_on_ranks(fn, world, model, batches, steps, threads, timeout):
         calls.append((world, tuple(batches)))
         trial = sum(1 for w, _ in calls if w == 2) - 1
-        cpu = [ALONE[b] for b in batches] if world == 2 else [crowded_cpu[trial][batches[0]]]
-        ranks = [{"step_cpu": cpu, "cpu": 1.0, "wall": 1.0, "busy": None}] * world
+        if world == 2:
+            cpu = [ALONE[b] for b in batches]
+            laps = [c + 0.001 for c in cpu]
+        else:
+            cpu = [crowded_cpu[trial][batches[0]]]
+            wait = placement_wait(cpu[0], world, 2, delay_s=delay)
+            laps = [world / 2 * cpu[0] + wait + 0.001]
+        ranks = [{"step_cpu": cpu, "lap": laps, "cpu": 1.0, "wall": 1.0, "busy": None}] * world
         ranks[0] = {**ranks[0], "busy": world + (other[trial] if world == 2 else 0.0)}
         return ranks
 
@@ -39,35 +47,41 @@ def fake_ranks(crowded_cpu: list[dict[int, float]], other: list[float]):
 
 def test_each_sizes_step_is_timed_alone_and_taking_turns(monkeypatch):
     crowded = [{16: 0.0215, 12: 0.0150}, {16: 0.0225, 12: 0.0152}]
-    calls, fake = fake_ranks(crowded, [0.0, 0.0])
+    calls, fake = fake_ranks(crowded, [0.0, 0.0], delay=0.004)
     monkeypatch.setattr(sharing_cost, "run_on_ranks", fake)
-    alone, cost = measure_step_cpu("CifarCNN", 48, (2, 3, 4), cores=2, trials=2)
+    alone, cost, delay = measure_step_cpu("CifarCNN", 48, (2, 3, 4), cores=2, trials=2)
     assert alone == pytest.approx({2: 0.0295, 3: 0.0191, 4: 0.0155})
     # 2 ranks have a core each: nothing to pay; a cost below 1 is noise, not a gain
     assert cost == pytest.approx({3: 0.022 / 0.0191, 4: 1.0})
+    # read off the 3 ranks' laps: 3 on 2 cores cannot be placed evenly (4 on 2 can)
+    assert delay == pytest.approx(0.004, rel=1e-6)
     assert calls == [(2, (24, 16, 12)), (3, (16,)), (4, (12,))] * 2
+    monkeypatch.setattr(sharing_cost, "run_on_ranks", fake_ranks([{12: 0.016}], [0.0])[1])
+    _, _, even = measure_step_cpu("CifarCNN", 48, (2, 4), cores=2, trials=1)
+    assert even == 0.0  # every size places its ranks evenly: nothing waits
 
 
 def test_a_trial_beside_other_load_is_run_again(monkeypatch):
     crowded = [{16: 0.030}, {16: 0.021}, {16: 0.022}]
     calls, fake = fake_ranks(crowded, [1.0, 0.0, 0.1])
     monkeypatch.setattr(sharing_cost, "run_on_ranks", fake)
-    alone, cost = measure_step_cpu("CifarCNN", 48, (2, 3), cores=2, trials=2)
+    alone, cost, delay = measure_step_cpu("CifarCNN", 48, (2, 3), cores=2, trials=2)
     assert cost == pytest.approx({3: 0.0215 / 0.0191})
     assert len(calls) == 6
     # never quiet: not measured (beside a busy core the cost read 1.40 at 4 ranks)
     calls, fake = fake_ranks([{16: 0.030}, {16: 0.025}], [1.0, 0.5])
     monkeypatch.setattr(sharing_cost, "run_on_ranks", fake)
-    assert measure_step_cpu("CifarCNN", 48, (3,), cores=2, trials=1) == ({}, {})
+    assert measure_step_cpu("CifarCNN", 48, (3,), cores=2, trials=1) == ({}, {}, None)
 
 
 def test_the_model_step_is_measured_with_real_ranks():
-    alone, cost = measure_step_cpu("CifarCNN", 48, (2, 3), cores=2, steps=4, trials=1)
+    alone, cost, delay = measure_step_cpu("CifarCNN", 48, (2, 3), cores=2, steps=4, trials=1)
     if not alone:  # both tries ran beside other processes' load: not measured, as documented
-        assert cost == {}
+        assert cost == {} and delay is None
         return
     assert set(alone) == {2, 3} and alone[2] > alone[3] > 0
     assert set(cost) == {3} and 1.0 <= cost[3] < 3.0
+    assert 0.0 <= delay < 0.2
 
 
 def test_a_ranks_per_sample_work_follows_the_models_step_timed_on_both_batches():
