@@ -12,6 +12,7 @@ from lightning_par.simulate import sharing_cost
 from lightning_par.simulate.cores import placement_wait
 from lightning_par.simulate.links import Link, Topology
 from lightning_par.simulate.machine import Machine
+from lightning_par.simulate.ops import Msg, Post, Wait
 from lightning_par.simulate.profile import Profile
 from lightning_par.simulate.sharing_cost import measure_step_cpu
 from lightning_par.simulate.validate import scaled
@@ -93,17 +94,17 @@ def test_a_ranks_per_sample_work_follows_the_models_step_timed_on_both_batches()
     prof = Profile("x", "allreduce", 2, 2, 48, 0.04, compute_s=0.035, batch_s=0.029,
                    cpu_based=True)  # fmt: skip
     for p in (3, 4):
-        timed = on_this_machine(prof, p, alone, {})
+        timed = on_this_machine(prof, p, alone)
         at_p = 0.035 * batch_share(timed, p, weak=False)
         assert at_p == pytest.approx(0.006 + 0.029 * alone[p] / alone[2])
     # not timed, or not data parallel: in proportion to the batch
-    assert 0.035 * batch_share(on_this_machine(prof, 8, alone, {}), 8, False) == pytest.approx(
+    assert 0.035 * batch_share(on_this_machine(prof, 8, alone), 8, False) == pytest.approx(
         0.006 + 0.029 / 4
     )
-    assert on_this_machine(replace(prof, family="tp"), 4, alone, {}).sample_scale == {}
+    assert on_this_machine(replace(prof, family="tp"), 4, alone).sample_scale == {}
 
 
-def test_data_parallel_ranks_pay_the_timed_batch_and_the_cost_a_pipeline_does_not():
+def test_data_parallel_ranks_pay_the_timed_batch_and_the_cost_of_taking_turns():
     machine = Machine(2, 1, 0.0, {4: 1.5}, {2: 8.0, 4: 3.0})
     dp = Profile("x", "allreduce", 2, 2, 8, 10.0, compute_s=10.0, batch_s=10.0,
                  cpu_based=True)  # fmt: skip
@@ -116,15 +117,30 @@ def test_data_parallel_ranks_pay_the_timed_batch_and_the_cost_a_pipeline_does_no
     assert scaled(dp, 4, LATENCY_ONLY, machine=timed)[0] - offset == pytest.approx(
         2 * 10 * 5 / 8 + 6
     )
-    # the framework's 4 s of a step not in the model's pays no cost: 4 + 6 x 3/8 x 1.5 each
-    framework = Profile("x", "allreduce", 2, 2, 8, 10.0, compute_s=10.0, batch_s=6.0,
-                        cpu_based=True)  # fmt: skip
-    guess, split, offset = scaled(framework, 4, LATENCY_ONLY, machine=machine)
-    assert guess - offset == pytest.approx(2 * (4 + 6 * 3 / 8 * 1.5) + 6)
     untimed = Machine(2, 1, 0.0, {}, {})  # older runs: the per-sample part as profiled
     assert scaled(dp, 4, LATENCY_ONLY, machine=untimed)[0] - offset == pytest.approx(2 * 5 + 6)
-    pipe = Profile("gpipe", "pipeline", 2, 2, 8, 10.0, compute_s=6.0, chunks=2, fwd_s=1.0,
-                   bwd_s=2.0, max_devices=4, limit="4 layers", cpu_based=True)  # fmt: skip
-    assert scaled(pipe, 4, LATENCY_ONLY, machine=machine)[0] == pytest.approx(
-        scaled(pipe, 4, LATENCY_ONLY, machine=untimed)[0]
-    )
+
+
+def test_a_span_pays_the_cost_of_turns_as_far_as_it_shares_the_cores():
+    from lightning_par.simulate.cores import turn_factor
+    from lightning_par.simulate.engine import simulate
+    from lightning_par.simulate.ops import Compute, Graph
+
+    # measured for 4 ranks on 2 cores (sharing 2 times over): 1.2 times the CPU
+    assert turn_factor(2.0, (1.2, 2.0)) == pytest.approx(1.2)
+    assert turn_factor(1.5, (1.2, 2.0)) == pytest.approx(1.1)  # half as much sharing
+    assert turn_factor(3.0, (1.2, 2.0)) == pytest.approx(1.2)  # never more than measured
+    assert turn_factor(1.0, (1.2, 2.0)) == 1.0 and turn_factor(2.0, None) == 1.0
+    # two lanes of 1 s at once on one core: 2 x 1.2 s each; one after the other: no turns
+    together = Graph()
+    for rank in range(2):
+        together.lane(rank).append(Compute(1.0))
+    free = Topology(Link("free", 0.0, 0.0), Link("free", 0.0, 0.0))
+    result = simulate(together, free, cores=1, turn_cost=(1.2, 2.0))
+    assert result.max_step_s == pytest.approx(2.4)
+    assert result.per_step_core_wait(0)["compute"] == pytest.approx(1.2)
+    apart = Graph()
+    m = apart.message(Msg(0, 1, 0))
+    apart.lane(0).extend([Compute(1.0), Post(m), Wait(m)])
+    apart.lane(1).extend([Post(m), Wait(m), Compute(1.0)])
+    assert simulate(apart, free, cores=1, turn_cost=(1.2, 2.0)).max_step_s == pytest.approx(2.0)

@@ -61,6 +61,21 @@ def stretches(
     return out
 
 
+def turn_factor(stretch: float, turn_cost: tuple[float, float] | None) -> float:
+    """How many times its own CPU a compute span takes for taking turns on the cores
+    (:mod:`.sharing_cost`): ``turn_cost`` is ``(cost, at)``, the cost measured where the
+    ranks shared the cores ``at`` times over (``p`` data-parallel ranks on ``cores``: ``p /
+    cores``); a span that the ranks alone make share them ``stretch`` times over pays that
+    share of it (a pipeline stage that mostly computes while others wait pays little), one
+    that shares nothing pays nothing. Other processes' share is left out: it was there
+    when the base run measured its CPU time, too."""
+    if turn_cost is None or stretch <= 1.0:
+        return 1.0
+    cost, at = turn_cost
+    share = min((stretch - 1.0) / (at - 1.0), 1.0) if at > 1.0 else 1.0
+    return 1.0 + (cost - 1.0) * share
+
+
 def capacity(cores: int, other_load: float = 0.0) -> float:
     """Cores' worth left to the ranks when other processes took ``other_load`` cores' worth
     of CPU while they ran (:func:`lightning_par.measure.probe.other_load` measures it): a

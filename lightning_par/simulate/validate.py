@@ -163,9 +163,11 @@ def scaled(start: Base | Profile, p: int, topo: Topology, other_load: float = 0.
                                      "delay_s": machine.delay_s}  # fmt: skip
     model = predict_step(fastest, fastest.world, topo, other_load=base_load or 0.0, **on)
     offset = (measured_s or 0.0) - model
+    cost = 1.0
     if machine is not None:
-        prof = on_this_machine(prof, p, machine.step_cpu, machine.sharing_cost)
-    guess, split = predict_split(prof, p, topo, other_load=other_load, **on)
+        prof = on_this_machine(prof, p, machine.step_cpu)
+        cost = machine.sharing_cost.get(p, 1.0)
+    guess, split = predict_split(prof, p, topo, other_load=other_load, turn_cost=cost, **on)
     return guess + offset, split, offset
 
 
