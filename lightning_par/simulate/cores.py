@@ -24,8 +24,18 @@ Processor sharing is fair only on average. The scheduler runs each thread on one
 3 equal ranks on 2 cores start as one alone and two sharing; when the lone rank blocks at the
 step's allreduce, its core stays idle until the load balancer moves one of the pair there,
 ``delay_s`` later. :func:`placement_wait` prices what that costs the slowest rank;
-:mod:`.scheduler` measures ``delay_s`` on this machine with ranks that do nothing but
-compute and meet.
+:mod:`.scheduler` reads ``delay_s`` off ranks that train and meet on this machine.
+
+What fair sharing of the ranks' compute alone missed (issue #42), and is here now:
+
+* **other processes**: the cores' worth they take while the ranks run leaves the ranks
+  fewer (:func:`capacity`; each measured run records it, :func:`lightning_par.measure.
+  probe.other_load`);
+* **messages**: over loopback moving bytes is the ranks' own CPU, so the engine shares the
+  cores with :class:`~.ops.Comm` spans ``on_cores`` too;
+* **taking turns costs CPU**: ranks that take turns on a core evict each other's caches and
+  are moved between cores, so their work grows (:func:`turn_factor`, measured by
+  :mod:`.sharing_cost`).
 """
 
 from __future__ import annotations
