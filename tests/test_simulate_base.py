@@ -148,3 +148,20 @@ def test_a_span_records_the_cpu_time_of_its_thread():
     mark = trace.mark()
     closed = trace.close("backward", mark)
     assert closed is trace.events[-1] and closed.cpu is not None
+
+
+def test_the_offset_is_read_off_a_base_round_beside_no_other_load():
+    from lightning_par.simulate.links import Link, Topology
+    from lightning_par.simulate.validate import scaled
+
+    free = Topology(Link("free", 0.0, 0.0), Link("free", 0.0, 0.0))
+    loaded = ring_run(other=1.0, step=10.0)  # the fastest round, beside a busy core
+    quiet = ring_run(other=0.0, step=12.0)
+    base = base_profile([loaded, quiet], PRESETS["loopback"])
+    assert base.fastest_run is quiet
+    # the quiet round: 12 s measured, its 5 s of compute modelled (a processor per rank)
+    assert scaled(base, 4, free)[2] == pytest.approx(12.0 - 5.0)
+    # every round beside other load: what the model leaves out cannot be read, none carried
+    only_loaded = base_profile([loaded, ring_run(other=1.0, step=12.0)], PRESETS["loopback"])
+    assert only_loaded.fastest_run is loaded
+    assert scaled(only_loaded, 4, free)[2] == 0.0

@@ -6,13 +6,12 @@ from dataclasses import replace
 
 import pytest
 
-from lightning_par.simulate import scheduler
 from lightning_par.simulate.builders import build
 from lightning_par.simulate.cores import placement_wait
 from lightning_par.simulate.links import Link, Topology
 from lightning_par.simulate.profile import Profile
 from lightning_par.simulate.scale import late_replicas, predict_split, predict_step
-from lightning_par.simulate.scheduler import delay_from_excess, measure_delay
+from lightning_par.simulate.scheduler import delay_from_excess, delay_from_laps
 
 LATENCY_ONLY = Topology(Link("a", alpha=1.0, beta=0.0), Link("a", alpha=1.0, beta=0.0))
 
@@ -48,54 +47,19 @@ def test_the_delay_is_read_back_from_the_excess_it_causes(cores):
     assert delay_from_excess(1.0, 0.02, cores) == pytest.approx(2 * 0.02 * (cores + 1))
 
 
-def fake_meetings(delays, other_loads):
-    """A ``run_on_ranks`` for :func:`measure_delay`: 3 ranks on 2 cores take 1.5 x work +
-    d / 2 and 1 ms to meet (one ``d`` per trial), 2 ranks take work + 1 ms; each trial's
-    crowded loop ran beside its ``other_loads`` cores' worth of other work."""
-    calls, delays, loads = [], iter(delays), iter(other_loads)
-    work = [0.01, 0.02, 0.04]
-
-    def run_on_ranks(fn, world, reps, rounds, timeout):
-        calls.append(world)
-        if world == 3:
-            d, other = next(delays), next(loads)
-            sizes = [(1.5 * w + d / 2 + 0.001, 1.5 * w) for w in work]
-        else:
-            other, sizes = 0.0, [(w + 0.001, w) for w in work]
-        ranks = [{"sizes": sizes, "cpu": 1.0, "wall": 1.0, "busy": None}] * world
-        ranks[0] = {**ranks[0], "busy": world * 1.0 + other}
-        return ranks
-
-    return calls, run_on_ranks
-
-
-def test_measure_delay_inverts_the_meeting_loops(monkeypatch):
-    calls, fake = fake_meetings([0.006, 0.004, 0.5], [0.0, 0.0, 0.0])  # the last disturbed
-    monkeypatch.setattr(scheduler, "run_on_ranks", fake)
-    assert measure_delay(2, trials=3) == pytest.approx(0.006)  # the median trial
-    assert calls == [3, 2] * 3
-    assert measure_delay(1) == 0.0  # one core: two ranks always share it evenly
-    assert calls == [3, 2] * 3
-
-
-def test_a_trial_beside_other_work_is_run_again(monkeypatch):
-    # the first trial ran beside a busy core (it reads 13 ms): it does not count
-    calls, fake = fake_meetings([0.013, 0.004, 0.005, 0.006], [1.0, 0.0, 0.1, 0.0])
-    monkeypatch.setattr(scheduler, "run_on_ranks", fake)
-    assert measure_delay(2, trials=3) == pytest.approx(0.005)
-    assert calls == [3, 2] * 4
-    # never quiet: not measured (the least disturbed trial read 9 ms, not the machine's)
-    calls, fake = fake_meetings([0.013, 0.009], [1.0, 0.6])
-    monkeypatch.setattr(scheduler, "run_on_ranks", fake)
-    assert measure_delay(2, trials=1) is None
-    assert calls == [3, 2] * 2
-
-
-def test_measure_delay_on_this_machine_is_a_few_milliseconds_at_most():
-    # 3 and 2 real ranks meeting in gloo allreduces (a quick run: 3 rounds per size); a
-    # machine busy with other work at both tries cannot say (None)
-    delay = measure_delay(2, rounds=3, trials=1, timeout=60)
-    assert delay is None or 0.0 <= delay <= 2 * max(scheduler.WORK_S) * 3
+def test_the_delay_is_read_off_the_laps_of_ranks_that_train_and_meet():
+    # 3 ranks of 20 ms of CPU a step on 2 cores, 1 ms to meet: fair sharing 30 + 1 ms; a
+    # 4 ms delay costs the pair d / 2 more
+    lap = 1.5 * 0.02 + 0.004 / 2 + 0.001
+    assert delay_from_laps(lap, 0.02, 0.001, 3, 2) == pytest.approx(0.004, rel=1e-6)
+    assert delay_from_laps(1.5 * 0.02 + 0.001, 0.02, 0.001, 3, 2) == 0.0  # fair: no delay
+    # placed evenly (4 on 2, 2 on 2, 3 on 4): nothing waits, nothing to read
+    assert delay_from_laps(0.05, 0.02, 0.001, 4, 2) is None
+    assert delay_from_laps(0.05, 0.02, 0.001, 2, 2) is None
+    assert delay_from_laps(0.05, 0.02, 0.001, 3, 4) is None
+    # 5 ranks on 4 cores
+    lap5 = 1.25 * 0.02 + placement_wait(0.02, 5, 4, delay_s=0.003) + 0.001
+    assert delay_from_laps(lap5, 0.02, 0.001, 5, 4) == pytest.approx(0.003, rel=1e-6)
 
 
 def data_parallel(backward_s: float = 0.0) -> Profile:
@@ -148,33 +112,34 @@ def test_every_bucket_waits_for_the_slowest_replica():
     assert tp_graph.lanes == before
 
 
-def test_the_validation_measures_the_delay_only_where_some_size_is_uneven(monkeypatch, tmp_path):
+def test_the_validation_records_the_machine_it_measured(monkeypatch, tmp_path):
     import json
 
     from lightning_par.simulate import machine
+    from lightning_par.simulate.sharing_cost import Steps
 
-    measured = []
-    monkeypatch.setattr(machine, "measure_delay", lambda cores: measured.append(cores) or 0.007)
-    # sizes 2, 3, 4 on 16 cores, one thread each: every rank has a core; nothing to measure
-    assert machine.scheduler_delay(16, 1) == 0.0 and measured == []
-    # 3 ranks on 2 cores cannot be placed evenly
-    assert machine.scheduler_delay(2, 1) == 0.007 and measured == [2]
+    asked = []
+
+    def timed(model, batch, sizes, cores, threads):
+        asked.append((model, batch, sizes, cores, threads))
+        return Steps({2: 0.03, 3: 0.02, 4: 0.015}, {3: 1.1, 4: 1.05}, 0.005)
+
+    monkeypatch.setattr(machine, "measure_step_cpu", timed)
+    monkeypatch.setattr(machine.os, "cpu_count", lambda: 2)
+    found = machine.measure_machine((2, 3, 4), "CifarCNN", 48)
+    assert asked == [("CifarCNN", 48, (2, 3, 4), 2, 1)]
+    assert found == (2, 1, 0.005, {3: 1.1, 4: 1.05}, {2: 0.03, 3: 0.02, 4: 0.015}, ())
     # --reuse reads what the runs recorded, not this machine
     folder = tmp_path / "0-p2-ring_allreduce"
     folder.mkdir()
-    row = {"cores": 2, "threads": 1, "delay_s": 0.005, "sharing_cost": {"3": 1.1, "4": 1.05},
-           "step_cpu": {"2": 0.03, "3": 0.02, "4": 0.015}}  # fmt: skip
-    (folder / "row.json").write_text(json.dumps(row))
-    kept = machine.kept_machine({("ring_allreduce", 2): [folder]})
-    assert kept == (2, 1, 0.005, {3: 1.1, 4: 1.05}, {2: 0.03, 3: 0.02, 4: 0.015}, ())
-    assert measured == [2]
-    assert json.loads(json.dumps(kept.as_row())) == {**row, "unmeasured": []}
-    # measured beside other processes' load at every trial: not measured, and it says so
-    monkeypatch.setattr(machine, "measure_delay", lambda cores: None)
-    monkeypatch.setattr(machine, "measure_step_cpu", lambda *args: ({}, {}))
+    (folder / "row.json").write_text(json.dumps(found.as_row()))
+    assert machine.kept_machine({("ring_allreduce", 2): [folder]}) == found
+    assert len(asked) == 1
+    # every trial beside other processes' load: not measured, and it says so
+    monkeypatch.setattr(machine, "measure_step_cpu", lambda *args: Steps({}, {}, None))
     busy = machine.measure_machine((2, 3, 4), "CifarCNN", 48)
     assert busy.delay_s == 0.0 and busy.sharing_cost == {} and busy.step_cpu == {}
-    assert busy.unmeasured == ("scheduler delay", "step CPU at each size")
+    assert busy.unmeasured == ("scheduler delay, step CPU at each size, cost of turns",)
 
 
 def test_what_the_model_leaves_out_of_the_small_step_is_carried_once_per_step():

@@ -13,7 +13,7 @@ from lightning_par.simulate import __main__ as cli
 from lightning_par.simulate.links import Topology
 from lightning_par.simulate.profile import profile
 from lightning_par.simulate.replay import load_run, replay
-from lightning_par.simulate.validate import own_link, pooled_loopback
+from lightning_par.simulate.validate import VALIDATED, own_link, pooled_loopback
 
 STRATEGIES = ["ring_allreduce", "gpipe", "tensor_parallel"]
 
@@ -86,12 +86,19 @@ def test_scale_table_and_the_reports_predicted_section(report, capsys):
         (["--replay", ".", "--devices", "8,x"], "give counts like 8,64,512"),
         (["--replay", ".", "--rank-speed", "1:2"], "write RANK=FACTOR"),
         (["--replay", ".", "--speedup", "0"], "--speedup must be > 0"),
+        (["--validate", "--strategies", "ring_allreduce,zero"], "choose from ring_allreduce,"),
     ],
 )
 def test_bad_options_fail_before_anything_runs(argv, words, capsys):
     with pytest.raises(SystemExit):
         cli.main(argv)
     assert words in capsys.readouterr().err
+
+
+def test_a_validation_can_train_a_few_of_the_strategies():
+    args = cli.parse(["--validate", "--strategies", "gpipe, ring_allreduce", "--rounds", "1"])
+    assert args.strategies == ["gpipe", "ring_allreduce"] and args.rounds == 1
+    assert cli.parse(["--validate"]).strategies == list(VALIDATED)
 
 
 def test_a_folder_without_traces_is_an_error_not_a_traceback(tmp_path, capsys):

@@ -8,8 +8,10 @@ The same as ``python -m lightning_par.simulate --validate``: trains the allreduc
 interleaved, then prints one row per (strategy, kind): ``replay`` (the 2-worker run
 replayed on its fitted loopback) and ``scale 2->3`` / ``scale 2->4`` (predicted from the
 2-worker run), with ``measured_s``, ``predicted_s`` and ``error``, and for the scale rows
-the predicted and measured per-step compute / communication / waiting (which part missed).
-Every row, misses too; ``load_1m_start`` / ``load_1m_end`` say how busy the machine was.
+the predicted and measured per-step compute / wait for a core / communication (which part
+missed). Every row, misses too, with its rounds' steps and their ``spread`` and the cores'
+worth of CPU other processes took beside it (``other_load``); ``load_1m_start`` /
+``load_1m_end`` say how busy the machine was.
 There is no peer here (the simulator against this machine's own runs).
 """
 

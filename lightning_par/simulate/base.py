@@ -35,6 +35,7 @@ from lightning_par.simulate.links import Link, fit_link
 from lightning_par.simulate.ops import Compute, Graph
 from lightning_par.simulate.profile import Profile, profile
 from lightning_par.simulate.replay import Run
+from lightning_par.simulate.scheduler import QUIET_LOAD
 
 #: Profile figures that are time spent computing (the least over rounds is kept).
 SPANS = ("backward_s", "batch_s", "fwd_s", "bwd_s", "model_s", "server_s")
@@ -112,8 +113,8 @@ class Base:
     """What :func:`base_profile` reads off a strategy's base rounds."""
 
     profile: Profile  # each timed figure the least over rounds
-    fastest: Profile  # the fastest round's own figures (its step's model, for the offset)
-    fastest_run: Run
+    fastest: Profile  # the fastest quiet round's own figures (its model, for the offset)
+    fastest_run: Run  # that round (the fastest of all where none ran beside no other load)
     noise: BaseNoise
 
 
@@ -126,7 +127,10 @@ def base_profile(runs: list[Run], link: Link) -> Base:
     noise = BaseNoise([run.measured_step_s or 0.0 for run in runs],
                       [p.compute_s if p.cpu_based else None for p in profiles],
                       [run.other_load for run in runs])  # fmt: skip
-    best = min(range(len(runs)), key=lambda i: noise.steps_s[i] or float("inf"))
+    # the round the offset is read from: the fastest beside no other load where one was
+    # (beside load the model's own error there, not the framework's, would be carried)
+    quiet = [i for i, load in enumerate(noise.other_load) if (load or 0.0) <= QUIET_LOAD]
+    best = min(quiet or range(len(runs)), key=lambda i: noise.steps_s[i] or float("inf"))
     same = [p for p in profiles if p.cpu_based == profiles[best].cpu_based]
     least = {name: min(getattr(p, name) for p in same) for name in (*SPANS, "compute_s")}
     # a rank's communication CPU swings by half between rounds of one run, beside no other

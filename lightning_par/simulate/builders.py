@@ -69,9 +69,8 @@ def _allreduce_s(algorithm: str, nbytes: int, p: int, topo: Topology) -> float:
 def sample_scale(prof: Profile, p: int) -> float:
     """A data-parallel rank's per-sample work at ``p`` over at the measured size: its batch,
     ``world / p`` of the measured, or, where the model's step was timed on both batches on
-    this machine (:attr:`~.profile.Profile.sample_scale`), that step's ratio; times what
-    taking turns on the cores costs it there (:attr:`~.profile.Profile.turn_cost`)."""
-    return prof.sample_scale.get(p, prof.world / p) * prof.turn_cost.get(p, 1.0)
+    this machine (:attr:`~.profile.Profile.sample_scale`), that step's ratio."""
+    return prof.sample_scale.get(p, prof.world / p)
 
 
 def batch_share(prof: Profile, p: int, weak: bool) -> float:
@@ -204,7 +203,6 @@ def tp_graph(prof: Profile, p: int, topo: Topology, cores: int | None,
         measure = prof.global_batch if cores is not None else 0
         ratio = (busiest_share(prof.model, p, measure)
                  / busiest_share(prof.model, prof.world, measure))  # fmt: skip
-        ratio *= prof.turn_cost.get(p, 1.0)
         work = prof.compute_s - prof.model_s + prof.model_s * ratio
         # the ranks together: the busiest one's work less what an uneven cut spares the rest
         spared = prof.model_s * ratio * (1 - mean_over_busiest(prof.model, p))

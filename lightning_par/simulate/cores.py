@@ -24,8 +24,18 @@ Processor sharing is fair only on average. The scheduler runs each thread on one
 3 equal ranks on 2 cores start as one alone and two sharing; when the lone rank blocks at the
 step's allreduce, its core stays idle until the load balancer moves one of the pair there,
 ``delay_s`` later. :func:`placement_wait` prices what that costs the slowest rank;
-:mod:`.scheduler` measures ``delay_s`` on this machine with ranks that do nothing but
-compute and meet.
+:mod:`.scheduler` reads ``delay_s`` off ranks that train and meet on this machine.
+
+What fair sharing of the ranks' compute alone missed (issue #42), and is here now:
+
+* **other processes**: the cores' worth they take while the ranks run leaves the ranks
+  fewer (:func:`capacity`; each measured run records it, :func:`lightning_par.measure.
+  probe.other_load`);
+* **messages**: over loopback moving bytes is the ranks' own CPU, so the engine shares the
+  cores with :class:`~.ops.Comm` spans ``on_cores`` too;
+* **taking turns costs CPU**: ranks that take turns on a core evict each other's caches and
+  are moved between cores, so their work grows (:func:`turn_factor`, measured by
+  :mod:`.sharing_cost`).
 """
 
 from __future__ import annotations
@@ -59,6 +69,21 @@ def stretches(
         busy = sum(w * (min(b, d) - max(a, c)) for _, c, d, w in items if c < b and d > a)
         out[key] = max(1.0, busy / (b - a) / left)
     return out
+
+
+def turn_factor(stretch: float, turn_cost: tuple[float, float] | None) -> float:
+    """How many times its own CPU a compute span takes for taking turns on the cores
+    (:mod:`.sharing_cost`): ``turn_cost`` is ``(cost, at)``, the cost measured where the
+    ranks shared the cores ``at`` times over (``p`` data-parallel ranks on ``cores``: ``p /
+    cores``); a span that the ranks alone make share them ``stretch`` times over pays that
+    share of it (a pipeline stage that mostly computes while others wait pays little), one
+    that shares nothing pays nothing. Other processes' share is left out: it was there
+    when the base run measured its CPU time, too."""
+    if turn_cost is None or stretch <= 1.0:
+        return 1.0
+    cost, at = turn_cost
+    share = min((stretch - 1.0) / (at - 1.0), 1.0) if at > 1.0 else 1.0
+    return 1.0 + (cost - 1.0) * share
 
 
 def capacity(cores: int, other_load: float = 0.0) -> float:

@@ -36,7 +36,7 @@ import bisect
 from collections import defaultdict
 from dataclasses import dataclass, field
 
-from lightning_par.simulate.cores import stretches
+from lightning_par.simulate.cores import stretches, turn_factor
 from lightning_par.simulate.links import Topology
 from lightning_par.simulate.ops import Comm, Compute, Graph, Join, Lane, Op, Post, Wait
 
@@ -97,9 +97,12 @@ class _Replay:
     and done, and the spans and split the :class:`Result` reports."""
 
     def __init__(self, graph: Graph, topo: Topology, speed, share: dict[int, float],
-                 stretch: dict | None = None) -> None:  # fmt: skip
+                 stretch: dict | None = None, turn_cost=None,
+                 turns: dict | None = None) -> None:  # fmt: skip
         self.graph, self.topo, self.speed, self.share = graph, topo, speed, share
-        self.stretch = stretch or {}
+        # turns: how many times over the ranks alone share the cores under each span (what
+        # the cost of taking turns follows: other processes' share is in the base's CPU)
+        self.stretch, self.turn_cost, self.turns = stretch or {}, turn_cost, turns or {}
         lanes = graph.lanes
         self.pc = {lane: 0 for lane in lanes}
         # a lane's start (the ranks' skew at the replayed window) is scaled like its compute
@@ -146,8 +149,10 @@ class _Replay:
         while it is blocked."""
         rank = lane[0]
         if isinstance(op, Compute):
-            own = op.seconds / _speed(self.speed, rank)
-            new = t + own * self.stretch.get((lane, self.pc[lane]), 1.0)
+            stretch = self.stretch.get((lane, self.pc[lane]), 1.0)
+            turns = turn_factor(self.turns.get((lane, self.pc[lane]), 1.0), self.turn_cost)
+            own = op.seconds / _speed(self.speed, rank) * turns
+            new = t + own * stretch
             self.computes[(lane, self.pc[lane])] = (t, new, own)
             self.record(lane, t, new, "compute", op.name)
             self.core_wait[rank]["compute"] += new - t - own
@@ -250,12 +255,14 @@ def simulate(
     cores: int | None = None,
     threads: int = 1,
     other_load: float = 0.0,
+    turn_cost: tuple[float, float] | None = None,
 ) -> Result:
     """Replay ``graph`` on ``topo`` with compute ``speed`` (a factor, or one per rank: 2.0 runs
     that rank's compute twice as fast). ``cores``: compute spans that overlap share that many
     cores, less ``other_load`` cores' worth that other processes take, each rank computing on
-    ``threads`` threads (:mod:`.cores`); ``None``: every rank has its own processor. See the
-    module docstring for the rules."""
+    ``threads`` threads (:mod:`.cores`), each span's CPU growing by ``turn_cost`` as far as
+    it shares them (:func:`.cores.turn_factor`); ``None``: every rank has its own processor.
+    See the module docstring for the rules."""
 
     result = _Replay(graph, topo, speed, {}).run()
     if not contention and cores is None:
@@ -270,5 +277,6 @@ def simulate(
         if new == share and moved < 1e-6:
             break
         share, stretch = new, more
-        result = _Replay(graph, topo, speed, share, stretch).run()
+        turns = stretches(result.computes, graph.weight, cores, threads) if turn_cost else {}
+        result = _Replay(graph, topo, speed, share, stretch, turn_cost, turns).run()
     return result

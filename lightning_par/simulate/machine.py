@@ -1,6 +1,7 @@
-"""The machine a validation measured on: its cores, the threads each rank computed on, the
-scheduler's delay (:mod:`.scheduler`), the model's step at each size's batch and what
-taking turns on a core costs it (:mod:`.sharing_cost`).
+"""The machine a validation measured on: its cores, the threads each rank computed on, and,
+read off ranks that train the model and meet (:mod:`.sharing_cost`), the model's step at
+each size's batch, what taking turns on a core costs it and the scheduler's delay
+(:mod:`.scheduler`).
 
 :func:`measure_machine` reads them before the validation trains;
 :mod:`lightning_par.simulate.validate` records them in each run's ``row.json``, so
@@ -17,7 +18,6 @@ from typing import NamedTuple
 
 from lightning_par.simulate.cores import lightning_threads
 from lightning_par.simulate.replay import Run
-from lightning_par.simulate.scheduler import measure_delay
 from lightning_par.simulate.sharing_cost import measure_step_cpu
 
 
@@ -44,11 +44,9 @@ def measure_machine(sizes: tuple[int, ...], model: str, global_batch: int) -> Ma
     """This machine, for training ``model`` at ``global_batch`` on each of ``sizes`` ranks."""
     cores = os.cpu_count() or 1
     threads = measured_threads(cores, sizes[0])
-    alone, cost = measure_step_cpu(model, global_batch, sizes, cores, threads)
-    delay = scheduler_delay(cores, threads, sizes)
-    unmeasured = (("scheduler delay",) if delay is None else ()) + (
-        ("step CPU at each size",) if not alone else ())  # fmt: skip
-    return Machine(cores, threads, delay or 0.0, cost, alone, unmeasured)
+    steps = measure_step_cpu(model, global_batch, sizes, cores, threads)
+    unmeasured = () if steps.alone else ("scheduler delay, step CPU at each size, cost of turns",)
+    return Machine(cores, threads, steps.delay_s or 0.0, steps.cost, steps.alone, unmeasured)
 
 
 def kept_machine(found: dict[tuple[str, int], list[Path]]) -> Machine:
@@ -63,29 +61,17 @@ def recorded_machine(runs: list[Run], cores: int | None = None, threads: int | N
                      delay_s: float | None = None, sizes: tuple[int, ...] = (2, 3, 4)
                      ) -> Machine:  # fmt: skip
     """The machine that measured ``runs``: as given, else as :func:`measure_machine`
-    recorded it in the runs' ``row.json``, else this machine's now (the delay only where
-    this machine has as many cores: else 0; no cost of sharing cores: runs from before it
-    or the model's step were measured)."""
+    recorded it in the runs' ``row.json``, else this machine's cores and threads now (no
+    delay, timed step or cost of sharing cores: runs from before they were measured)."""
     recorded = next((run.row for run in runs if "cores" in run.row), {})
     cores = cores or recorded.get("cores") or os.cpu_count() or 1
     threads = threads or recorded.get("threads") or measured_threads(cores, sizes[0])
     if delay_s is None:
         delay_s = recorded.get("delay_s")
-    if delay_s is None:
-        delay_s = scheduler_delay(cores, threads, sizes) if cores == os.cpu_count() else 0.0
     cost = {int(p): c for p, c in (recorded.get("sharing_cost") or {}).items()}
     alone = {int(p): c for p, c in (recorded.get("step_cpu") or {}).items()}
     return Machine(cores, threads, delay_s or 0.0, cost, alone,
                    tuple(recorded.get("unmeasured") or ()))  # fmt: skip
-
-
-def scheduler_delay(cores: int, threads: int,
-                    sizes: tuple[int, ...] = (2, 3, 4)) -> float | None:  # fmt: skip
-    """The scheduler's delay (:func:`.scheduler.measure_delay`; ``None`` where every trial
-    ran beside other load) where some of ``sizes`` cannot place its ranks evenly on
-    ``cores`` (it matters there only), else 0."""
-    uneven = any(p * threads > cores and p * threads % cores for p in sizes)
-    return measure_delay(cores) if uneven else 0.0
 
 
 def measured_threads(cores: int, first: int = 2, env: dict | None = None) -> int:

@@ -69,10 +69,6 @@ class Profile:
     #: where the model's step was timed on both batches on this machine
     #: (:mod:`.sharing_cost`); ``world / p`` where absent
     sample_scale: dict[int, float] = field(default_factory=dict)
-    #: per size ``p``: how many times its CPU the model's own work (a data-parallel rank's
-    #: per-sample work, a tensor-parallel rank's slice) takes where ``p`` ranks take turns on
-    #: this machine's cores (:mod:`.sharing_cost`)
-    turn_cost: dict[int, float] = field(default_factory=dict)
 
 
 FAMILIES = {

@@ -38,8 +38,8 @@ def predict_step(prof: Profile, p: int, topo: Topology, speed: float = 1.0,
 
 def predict_split(prof: Profile, p: int, topo: Topology, speed: float = 1.0,
                   cores: int | None = None, weak: bool = False, threads: int | None = None,
-                  delay_s: float = 0.0,
-                  other_load: float = 0.0) -> tuple[float, dict[str, float]]:  # fmt: skip
+                  delay_s: float = 0.0, other_load: float = 0.0,
+                  turn_cost: float = 1.0) -> tuple[float, dict[str, float]]:  # fmt: skip
     """:func:`predict_step` and the per-step split, mean over the worker lanes (a lane that
     stands for ``p`` ranks counts once): ``compute``, ``communication``, ``waiting`` (they
     sum to the step) and, of compute and communication, the seconds spent waiting for a
@@ -47,7 +47,9 @@ def predict_split(prof: Profile, p: int, topo: Topology, speed: float = 1.0,
     rank, at every size (``OMP_NUM_THREADS``); default: what Lightning picks for ``p``
     ranks on ``cores``. ``delay_s``: the scheduler's, for :func:`late_replicas`
     (:mod:`.scheduler` measures it). ``other_load``: cores' worth other processes take
-    (:func:`.cores.capacity`)."""
+    (:func:`.cores.capacity`). ``turn_cost``: how many times its CPU a rank's step takes
+    where ``p`` ranks all compute at once on ``cores`` (:mod:`.sharing_cost`), paid by each
+    compute span as far as it shares the cores (:func:`.cores.turn_factor`)."""
     graph = build(prof, p, topo, cores, weak)
     contention = prof.family in ("ps", "async_ps")
     if contention:
@@ -58,8 +60,9 @@ def predict_split(prof: Profile, p: int, topo: Topology, speed: float = 1.0,
     threads = threads or (lightning_threads(p, cores) if cores else 1)
     if cores is not None and delay_s > 0:
         late_replicas(graph, p, cores, threads, delay_s, speed, other_load)
+    turns = (turn_cost, p * threads / cores) if cores is not None and turn_cost > 1 else None
     result = simulate(graph, topo, speed, contention, cores=cores, threads=threads,
-                      other_load=other_load)  # fmt: skip
+                      other_load=other_load, turn_cost=turns)  # fmt: skip
     workers = [w for w in range(p) if w in result.end]
     step = (sum(result.step_s(w) for w in workers) / len(workers) if contention
             else result.max_step_s)  # fmt: skip
@@ -106,33 +109,17 @@ def measured_sharing(prof: Profile, topo: Topology, cores: int,
 DATA_PARALLEL = ("allreduce", "ddp", "local_sgd", "ps", "async_ps", "zero")
 
 
-def on_this_machine(prof: Profile, p: int, step_cpu: dict[int, float],
-                    sharing_cost: dict[int, float]) -> Profile:  # fmt: skip
-    """``prof`` for predicting ``p`` ranks on the machine that timed ``step_cpu`` and
-    ``sharing_cost`` (:func:`.sharing_cost.measure_step_cpu`): a data-parallel rank's
-    per-sample work scaled by the model's step on ``p``'s batch over on the base batch, not
-    by the batch alone (:func:`.builders.sample_scale`); and the model's own work costing
-    ``sharing_cost[p]`` times its CPU where every rank computes at once and the ranks take
-    turns on the cores (:func:`takes_turns`). ``prof`` itself where nothing was timed."""
-    found = {}
-    if (
-        prof.family in DATA_PARALLEL
-        and prof.cpu_based
-        and p in step_cpu
-        and step_cpu.get(prof.world)
-    ):
-        found["sample_scale"] = {**prof.sample_scale, p: step_cpu[p] / step_cpu[prof.world]}
-    if takes_turns(prof) and p in sharing_cost:
-        found["turn_cost"] = {**prof.turn_cost, p: sharing_cost[p]}
-    return replace(prof, **found) if found else prof
-
-
-def takes_turns(prof: Profile) -> bool:
-    """Whether every rank of ``prof``'s strategy computes at once, so that ranks outnumbering
-    the cores take turns on them through the whole step and pay the cost of
-    :mod:`.sharing_cost`: data-parallel replicas and tensor-parallel slices do; a
-    pipeline's stages compute in turn, most of them idle at any time."""
-    return prof.family in (*DATA_PARALLEL, "tp")
+def on_this_machine(prof: Profile, p: int, step_cpu: dict[int, float]) -> Profile:
+    """``prof`` for predicting ``p`` ranks on the machine that timed ``step_cpu``
+    (:func:`.sharing_cost.measure_step_cpu`): a data-parallel rank's per-sample work scaled
+    by the model's step on ``p``'s batch over on the base batch, not by the batch alone
+    (:func:`.builders.sample_scale`). ``prof`` itself where they were not timed."""
+    world = prof.world
+    if prof.family not in DATA_PARALLEL or not prof.cpu_based or p not in step_cpu:
+        return prof
+    if not step_cpu.get(world):
+        return prof
+    return replace(prof, sample_scale={**prof.sample_scale, p: step_cpu[p] / step_cpu[world]})
 
 
 def global_batch(prof: Profile, p: int, weak: bool) -> float:
