@@ -32,6 +32,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -89,6 +90,16 @@ class _Tagged:
 
     def recv(self, tensor, src, **kw) -> torch.Tensor:
         return self.irecv(tensor, src, **kw).wait()
+
+    # untraced messages carry no label: the communicator's own path (Communicator.post)
+    def needs_staging(self, tensor: torch.Tensor) -> bool:
+        return self._comm.needs_staging(tensor)
+
+    def post(self, op: str, tensor: torch.Tensor, peer: int, what: object) -> Any:
+        return self._comm.post(op, tensor, peer, what)
+
+    def complete(self, work: Any, op: str, peer: int, what: object) -> None:
+        self._comm.complete(work, op, peer, what)
 
 
 # ---- all-gather and reduce-scatter of unequal slices along one dimension ---------------------
