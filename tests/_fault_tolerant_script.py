@@ -6,7 +6,8 @@ _fault_tolerant_script.py STRATEGY DEVICES FAULT OUT [VARIANT]``:
 ``save_checkpoint`` and ``validate``; the final weights are saved to ``OUT`` and one
 ``RESULT {json}`` line says how it went. ``VARIANT`` (a key of :data:`VARIANTS`, default
 ``tiny``) switches on Lightning's features beside it: BatchNorm; ``bf16-mixed`` with
-learning-rate schedulers stepped per step and per epoch; a torchvision network."""
+learning-rate schedulers stepped per step and per epoch; a torchvision network; a CSV
+logger and a checkpoint callback."""
 
 from __future__ import annotations
 
@@ -19,6 +20,8 @@ from dataclasses import dataclass
 
 import lightning.pytorch as pl
 import torch
+from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.pytorch.loggers import CSVLogger
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 from torchmetrics.classification import MulticlassAccuracy
@@ -62,6 +65,8 @@ class Variant:
     schedulers: bool = False
     #: the network held as ``self.model`` (as users hold a torchvision one), not ``self.net``
     attribute: str = "net"
+    #: a CSVLogger in ``logs/`` and a ModelCheckpoint keeping the last one, as users have
+    logged: bool = False
 
 
 VARIANTS = {
@@ -74,6 +79,7 @@ VARIANTS = {
     "torchvision": Variant(
         torchvision_net, (3, 32, 32), samples=64, batch=16, steps=3, lr=1e-3, attribute="model"
     ),
+    "logged": Variant(logged=True),
 }
 
 
@@ -125,10 +131,13 @@ def main(name: str, devices: int, fault: str, out: str, variant: str = "tiny") -
         os.environ[FAULT_ENV] = fault  # read by the strategy's constructor
     row, setting = spec(name), VARIANTS[variant]
     strategy = row.cls(**row.options, fault_tolerant=True, dead_peer_timeout=DEAD_PEER_S)
+    logged = setting.logged
     trainer = pl.Trainer(
         strategy=strategy, accelerator="cpu", devices=devices, max_steps=setting.steps,
-        precision=setting.precision, logger=False, enable_progress_bar=False,
-        enable_model_summary=False, enable_checkpointing=False,
+        precision=setting.precision, enable_progress_bar=False, enable_model_summary=False,
+        logger=CSVLogger("logs") if logged else False, log_every_n_steps=1,
+        callbacks=[ModelCheckpoint(save_last=True)] if logged else [],
+        enable_checkpointing=logged,
     )  # fmt: skip
     torch.manual_seed(0)
     model = Tiny(variant)

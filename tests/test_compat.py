@@ -213,6 +213,22 @@ def test_lightning_helpers_exist() -> None:
     assert trainer._accelerator_connector.use_distributed_sampler is False
 
 
+def test_logger_helpers_a_survivor_taking_over_rank_0_uses(tmp_path) -> None:
+    from lightning.pytorch.loggers import CSVLogger
+
+    logger = CSVLogger(tmp_path)
+    assert _compat.logger_version_field(logger) == "_version"
+    setattr(logger, _compat.logger_version_field(logger), 7)
+    assert logger.version == 7
+    trainer = pl.Trainer(logger=logger, enable_progress_bar=False, enable_model_summary=False)
+    module = pl.LightningModule()
+    module.save_hyperparameters({"width": 3})
+    trainer.strategy.connect(module)
+    module.trainer = trainer
+    _compat.log_hyperparameters(trainer)  # what rank 0 logs as fit begins
+    assert "width: 3" in (tmp_path / "lightning_logs" / "version_7" / "hparams.yaml").read_text()
+
+
 def test_attached_trainer() -> None:
     module = pl.LightningModule()
     assert _compat.attached_trainer(module) is None and _compat.attached_trainer(None) is None

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import json
 import re
-import subprocess
 import sys
 import threading
 from functools import partial
@@ -26,7 +25,6 @@ import torch.distributed as dist
 
 from lightning_par.components.fault_tolerance import FaultTolerance
 from lightning_par.launch.membership import COMMIT, PREFIX, REDO, Excluded, Membership
-from lightning_par.launch.processes import kill_tree
 from lightning_par.launch.store_host import StoreHost
 
 HERE = Path(__file__).parent
@@ -283,31 +281,6 @@ def test_a_lost_ranks_batch_is_read_again_from_lightnings_sampler_and_from_devic
     assert torch.equal(got[0], expected[2][0]) and torch.equal(got[1], expected[2][1])
     with pytest.raises(StandInError, match="DistributedSampler"):
         LostShards().batches(DataLoader(dataset, batch_size=4), [1], 0)
-
-
-def test_a_lost_task_is_survived_under_srun(tmp_path):
-    """srun starts every task itself (no launcher of ours): the survivors go on alone."""
-    from conformance.launchers import free_job_id, srun_env
-
-    job, out = free_job_id(), tmp_path / "weights.pt"
-    procs = []
-    for task in range(3):
-        env = {**srun_env(job, task, 1, 3), "LIGHTNING_PAR_TIMEOUT": "90"}
-        args = [sys.executable, "-u", str(SCRIPT), "ring_allreduce", "3", "kill:rank=1:step=5"]
-        procs.append(subprocess.Popen(
-            [*args, str(out)], cwd=tmp_path, env=env, stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT, text=True, start_new_session=True,
-        ))  # fmt: skip
-    try:
-        outputs = [p.communicate(timeout=240)[0] for p in procs]
-    finally:
-        for p in procs:
-            kill_tree(p.pid)
-    assert [p.returncode for p in procs] == [0, -9, 0], outputs
-    assert "rank(s) 1 lost; 2 of 3 ranks go on (ranks [0, 2])" in outputs[0], outputs[0]
-    assert "Traceback" not in outputs[0] + outputs[2], outputs
-    expected, got = one_process(3), torch.load(out, weights_only=True)
-    assert max((expected[k] - got[k]).abs().max().item() for k in expected) < 1e-5
 
 
 def test_a_strategy_with_or_without_fault_tolerance_travels_to_spawned_ranks():

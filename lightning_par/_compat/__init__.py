@@ -54,6 +54,8 @@ from lightning_par._compat.step import (
 from lightning_par._compat.strategy import (
     attached_trainer,
     layer_sync,
+    log_hyperparameters,
+    logger_version_field,
     optimizers_to_device,
     process_group_backend,
     set_ddp_kwargs,
@@ -79,6 +81,8 @@ __all__ = [
     "first_batch",
     "in_backward_pass",
     "layer_sync",
+    "log_hyperparameters",
+    "logger_version_field",
     "mark_optimizer_stepped",
     "model_summary_options",
     "num_ready_batches_reached",

@@ -66,3 +66,18 @@ def optimizers_to_device(optimizers: Any, device: Any) -> None:
         "moving optimiser state with the model",
     )  # fmt: skip
     move(optimizers, device)
+
+
+def log_hyperparameters(trainer: Any) -> None:
+    """What rank 0 logs as ``fit`` begins: the hyperparameters, the graph, ``save()``."""
+    log = private(
+        "lightning.pytorch.loggers.utilities", "_log_hyperparams",
+        "the first survivor taking over rank 0's loggers (fault_tolerant)",
+    )  # fmt: skip
+    log(trainer)
+
+
+def logger_version_field(logger: Any) -> str | None:
+    """The field a logger keeps its version in once computed (``_version``), or None for a
+    logger without one (its version is not computed from the folders it finds)."""
+    return "_version" if "_version" in vars(logger) else None

@@ -39,7 +39,7 @@ from typing import Any
 from lightning_par.launch import peer_loss
 from lightning_par.launch.lost import LAUNCHER_RANK_ENV, leave_report
 from lightning_par.launch.process_id import ProcessId, this_process
-from lightning_par.launch.rendezvous import DEAD_PEER_ENV, dead_peer_timeout
+from lightning_par.launch.rendezvous import DEAD_PEER_ENV, dead_peer_timeout, store_host_rank
 
 #: Added to a rank's count when it finished a stage (counts stay far below it).
 _DONE = 1 << 40
@@ -83,7 +83,8 @@ class Heartbeat:
         self.peers: dict[int, ProcessId] = {}
         self.seen: dict[int, tuple[int, float]] = {}  # peer -> (count, when it last moved)
         owner = os.environ.get(LAUNCHER_RANK_ENV, "")
-        self._store_owner = int(owner) if owner.isdigit() else None  # popen: the store's rank
+        # the rank whose end ends the store: popen's launching rank, or rank 0 under SLURM
+        self._store_owner = int(owner) if owner.isdigit() else store_host_rank()
         self._owner_killed = False  # this process killed the store's rank (see killing)
         self._stop = threading.Event()
         self._finished = False
@@ -158,7 +159,8 @@ class Heartbeat:
             return None  # the store's host is gone: gloo reports that job's end itself
 
     def store_gone(self) -> bool:
-        """Whether the process that holds the store (``popen``'s rank 0) ended."""
+        """Whether the process that holds the store (``popen``'s launching rank, rank 0
+        under SLURM) ended."""
         if self._owner_killed:
             return True
         owner = self.peers.get(self._store_owner) if self._store_owner is not None else None

@@ -96,6 +96,7 @@ class StoreAddress:
 _joined: dict[tuple[int, str, int], dist.Store] = {}  # (pid, host, port) -> this process's
 _served: list = []  # store hosts this rank started (global rank 0 outside our launches)
 _groups = itertools.count()  # groups this process has joined: the next group's prefix
+_host_rank: int | None = None  # the rank whose process serves the job's store (see below)
 
 
 def _release_stores() -> None:
@@ -142,7 +143,10 @@ def _job_store(
         port, master = int(port_text), False
     else:
         (host, port), launch = _cluster_main(main), "job"
-        master = rank == 0 and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True"
+        served_by_rank_0 = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True"
+        master = rank == 0 and served_by_rank_0
+        global _host_rank
+        _host_rank = 0 if served_by_rank_0 else None
     key = (os.getpid(), host, port)
     if key not in _joined:  # (a forked child must not use its parent's connection)
         if master:  # served by a process of its own: this rank may fork (parameter servers)
@@ -160,6 +164,14 @@ def _job_store(
                 "SLURMEnvironment); set MASTER_PORT to choose another"
             ) from err
     return _joined[key], host, port, launch
+
+
+def store_host_rank() -> int | None:
+    """The rank whose process serves the job's store, when a rank does: global rank 0
+    under SLURM and other launchers (its store host dies with it). None where a process
+    that outlives every rank serves it (a launch of this project, torchrun's agent); a
+    ``popen`` launch's scripts say their launching rank in ``LIGHTNING_PAR_LAUNCHER_RANK``."""
+    return _host_rank
 
 
 def group_store(

@@ -76,7 +76,7 @@ from lightning_par.strategies._carry_back import (
     save_for_script,
 )
 from lightning_par.strategies._interrupts import lost_rank_message, sigterm_as_interrupt, stop_ranks
-from lightning_par.strategies._lost_peers import LostPeers
+from lightning_par.strategies._lost_peers import LostPeers, keep_from_launcher
 from lightning_par.strategies._lost_ranks import ScriptRanks, joined_by_us
 from lightning_par.strategies._rank_errors import RankErrors
 
@@ -109,6 +109,7 @@ class ExistingRanksLauncher(_compat.SubprocessScriptLauncher):
     def launch(self, function: Callable, *args: Any, trainer: pl.Trainer | None = None, **kw):
         if trainer is not None:
             trainer.strategy.launch_arguments = launch_arguments(function, args, kw)
+            keep_from_launcher(trainer.strategy)  # (a survivable rank, torchrun or srun)
         with self.lost_peers.watching(trainer):
             return function(*args, **kw)
 

@@ -20,6 +20,10 @@ what a launch of this project does (:mod:`._lost_ranks`), with :class:`LostPeers
 * where a launcher of this project waits (``popen``'s scripts, the lost rank not rank 0)
   the rank stays quiet: that launcher names the lost rank, with its exit code.
 
+A rank of a strategy with ``fault_tolerant=True`` is kept apart from torchrun's agent and
+``srun`` by :func:`keep_from_launcher` (:mod:`lightning_par.launch.keeper`): they would
+stop the survivors as soon as one rank ended by a signal.
+
 While this rank looks for the lost peer and ends, a SIGTERM (torchrun's agent stopping the
 job) is held back: Lightning's handler of it broadcasts on the group whose peer is gone, and
 its error would take the place of the lost rank's line.
@@ -38,7 +42,9 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
 
-from lightning_par.launch import liveness, peer_loss
+from lightning.fabric.plugins.environments import SLURMEnvironment, TorchElasticEnvironment
+
+from lightning_par.launch import keeper, liveness, peer_loss
 from lightning_par.launch.lost import (
     RankLost,
     launcher_names,
@@ -122,6 +128,41 @@ class LostPeers:
         if not self.handled.is_set():
             print(f"lightning_par: {self.line(lost)}", file=sys.stderr, flush=True)
             os._exit(1)
+
+
+def keep_from_launcher(strategy: Any) -> None:
+    """Under torchrun or SLURM, fork this rank once behind a keeper
+    (:mod:`lightning_par.launch.keeper`) if the strategy is ``fault_tolerant``. The keeper
+    tells the launcher that a lost rank ended well if the job goes on without it: a rank
+    other than 0, or rank 0 under torchrun (whose agent holds the store) of a strategy
+    whose first survivor takes over rank 0's share (``survives_lost_rank_zero``)."""
+    external = (TorchElasticEnvironment, SLURMEnvironment)
+    resilience = getattr(strategy, "resilience", None)
+    if resilience is None or not resilience.enabled:
+        return  # (async_sgd's lost worker ends the job under these launchers, as it did)
+    if not isinstance(strategy.cluster_environment, external):
+        return
+    import torch
+
+    name = strategy.strategy_name
+    if not hasattr(os, "fork"):
+        raise ValueError(
+            f"{name} goes on without a lost rank under torchrun or srun by forking each "
+            "rank at its first Trainer call, and this system has no os.fork: launch with "
+            "`python script.py`, or set fault_tolerant=False"
+        )
+    if torch.cuda.is_initialized():
+        raise ValueError(
+            f"{name} goes on without a lost rank under torchrun or srun by forking each "
+            "rank at its first Trainer call, and CUDA was initialised before it (a fork "
+            "cannot use it then): create GPU tensors inside the LightningModule's hooks, "
+            "not before trainer.fit, or set fault_tolerant=False"
+        )
+    rank = strategy.global_rank
+    # rank 0 too where a survivor takes over its share and the job's store is not its own
+    agent_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
+    rank_zero = agent_store and getattr(strategy, "survives_lost_rank_zero", False)
+    keeper.keep(strategy.rank_name(rank), tolerated=rank != 0 or rank_zero)
 
 
 class _HeldSigterm:

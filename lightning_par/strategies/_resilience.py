@@ -8,9 +8,10 @@ retried after a loss, and the lost ranks' batches trained beside this rank's own
 
 What it cannot keep exact is refused, naming the fix: gradient accumulation (a step lost
 half-way would have summed some micro-batches already), manual optimisation (the step is
-the user's), torchrun (its agent stops every worker when one fails: TorchElastic restarts
-the whole group instead), and rank 0's own loss (it holds the loggers and checkpoints, and
-under ``popen`` it is the user's script: that run ends with the line naming it).
+the user's), and rank 0's own loss where no survivor can take its place (it holds the
+loggers and checkpoints, and under ``popen`` it is the user's script: that run ends with
+the line naming it). Under torchrun, whose agent holds the job's store, the first survivor
+takes over rank 0's share (:mod:`._leader`).
 """
 
 from __future__ import annotations
@@ -18,12 +19,12 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-from lightning.fabric.plugins.environments import TorchElasticEnvironment
 from lightning.pytorch.trainer.states import TrainerFn
 
 from lightning_par import _compat
 from lightning_par.components.fault_tolerance import FaultTolerance
 from lightning_par.launch.rendezvous import dead_peer_timeout
+from lightning_par.strategies._leader import share_versions, take_over
 from lightning_par.strategies._stand_ins import LostShards, stand_in_outputs, with_stand_ins
 
 
@@ -80,12 +81,6 @@ class Resilience:
         if not self.enabled:
             return
         strategy = self._strategy
-        if isinstance(strategy.cluster_environment, TorchElasticEnvironment):
-            self._refuse(
-                "run under torchrun: its agent stops every worker when one fails",
-                "launch with `python script.py` (or srun), or use torchrun's --max-restarts "
-                "with checkpoints and fault_tolerant=False",
-            )
         if self.tolerance.membership is not None:
             return  # fit, then validate: the same members
         # a member slow to answer is waited for as long as a collective would wait for it
@@ -102,6 +97,7 @@ class Resilience:
         """After the strategy's setup: a ``fit`` shards its data over the members now."""
         if self.enabled and trainer.state.fn == TrainerFn.FITTING:
             self.check_before_launch(trainer)
+            share_versions(trainer)  # (a survivor may take over rank 0's loggers)
             self.tolerance.begin_fit()
             self.tolerance.watching = True
 
@@ -113,9 +109,20 @@ class Resilience:
         """A loader built after a loss shards over the survivors (``first``: Lightning's)."""
         return self.tolerance.sampler_kwargs(first) if self.enabled else first
 
+    def leads(self) -> bool:
+        """Whether this rank does rank 0's share for Lightning (loggers, checkpoints,
+        ``rank_zero_only``): rank 0, or, once rank 0 was lost, the first survivor."""
+        membership = self.tolerance.membership
+        if membership is None:
+            return self._strategy.global_rank == 0
+        return membership.rank == 0
+
     def regrouped(self, trainer: Any) -> None:
-        """After a loss: the next validation reads its data over the survivors."""
+        """After a loss: the next validation reads its data over the survivors, and the
+        first survivor takes over rank 0's share if rank 0 was lost."""
         _compat.reset_combined_loader(trainer.fit_loop.epoch_loop.val_loop)
+        if self.tolerance.membership is not None:
+            take_over(trainer, self.tolerance.membership.rank)
 
     def settle(self) -> None:
         """After the gradient exchange: step only if every member's succeeded."""

@@ -208,6 +208,17 @@ class LocalSGDStrategy(ParStrategy):
 
     # ---- fault tolerance (a no-op without ``fault_tolerant``) ---------------------------------
     @property
+    @override
+    def is_global_zero(self) -> bool:
+        """Rank 0, or the first survivor once rank 0 was lost (``fault_tolerant``)."""
+        return self.resilience.leads()
+
+    @property
+    def survives_lost_rank_zero(self) -> bool:
+        """Rank 0's loss too, where the job's store outlives it (torchrun's agent holds it)."""
+        return self.resilience.enabled
+
+    @property
     def survives_lost_workers(self) -> bool:
         """The launcher goes on when a rank other than 0 is lost (``fault_tolerant``)."""
         return self.resilience.enabled

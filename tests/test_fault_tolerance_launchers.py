@@ -1,0 +1,170 @@
+"""``fault_tolerant=True`` under the launchers that are not ours: torchrun (one agent, and two
+agents as two nodes on 127.0.0.1) and srun (its tasks started here as srun starts them).
+
+torchrun's agent stops every worker as soon as one ends by a signal, so each rank forks
+behind a keeper (:mod:`lightning_par.launch.keeper`) that tells the launcher a lost rank
+ended well when the job goes on without it; rank 0 too under torchrun, whose agent holds the
+store, where the first survivor takes over rank 0's loggers and checkpoints
+(:mod:`lightning_par.strategies._leader`). Each run is the user's script
+(``_fault_tolerant_script.py``): a rank killed or frozen by ``LIGHTNING_PAR_FAULT``, then
+``save_checkpoint`` and ``validate``. It must exit 0 with the keeper's line, end with one
+process's weights (or, for local SGD, those of the run without the fault), and leave no
+process or temporary file.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+HERE = Path(__file__).parent
+SCRIPT = HERE / "_fault_tolerant_script.py"
+sys.path.insert(0, str(HERE))
+from _script_runs import run_script  # noqa: E402
+from conformance.launchers import clean_env, free_job_id, run_all, srun_env  # noqa: E402
+from test_fault_tolerance import one_process  # noqa: E402
+
+from lightning_par.launch.processes import kill_tree  # noqa: E402
+from lightning_par.launch.rendezvous import find_free_port  # noqa: E402
+
+#: torch's own, kept by design: the agent's log folder
+AGENT_FILES = ("torchelastic_",)
+
+
+def _torchrun(tmp_path: Path, name: str, fault: str, variant: str = "tiny", nodes: str = ""):
+    """``torchrun --standalone --nproc-per-node=3`` of the script."""
+    out = tmp_path / "weights.pt"
+    cmd = [sys.executable, "-u", "-m", "torch.distributed.run", "--standalone",
+           "--nproc-per-node=3", str(SCRIPT), name, "3", fault, str(out), variant]  # fmt: skip
+    run = run_script(cmd, tmp_path, 240, {"LIGHTNING_PAR_TIMEOUT": "90"}, settle_s=5)
+    left = [n for n in run.left if not n.startswith(AGENT_FILES)]
+    assert run.session == [] and left == [], (run.session, left, run.text[-3000:])
+    return run, out
+
+
+def _result(text: str) -> dict:
+    lines = [line for line in text.splitlines() if line.startswith("RESULT ")]
+    assert len(lines) == 1, text[-4000:]  # from the rank that leads, alone
+    return json.loads(lines[0][len("RESULT ") :])
+
+
+def _worst(expected: dict, got: dict) -> float:
+    return max((expected[k] - got[k]).abs().max().item() for k in expected)
+
+
+TORCHRUN = [  # (strategy, fault, the line of the keeper of the lost rank)
+    ("ring_allreduce", "kill:rank=1:step=5", "rank 1 was killed by SIGKILL"),
+    ("ring_allreduce", "freeze:rank=2:step=4", "rank 2 was killed by SIGKILL"),
+    ("parameter_server", "kill:rank=2:step=5", "worker 2 (rank 2) was killed by SIGKILL"),
+]
+
+
+@pytest.mark.parametrize("name, fault, line", TORCHRUN, ids=[f"{n}-{f}" for n, f, _ in TORCHRUN])
+def test_a_lost_rank_is_survived_under_torchrun(tmp_path, name, fault, line):
+    run, out = _torchrun(tmp_path, name, fault)
+    assert run.code == 0, run.text[-4000:]
+    assert f"lightning_par: {line}; the other ranks go on without it" in run.text, run.text
+    assert _result(run.text)["raised"] is None and "Traceback" not in run.text, run.text
+    assert _worst(one_process(3), torch.load(out, weights_only=True)) < 1e-5
+
+
+def test_rank_0_lost_under_torchrun_is_taken_over_by_the_first_survivor(tmp_path):
+    """Its loggers and checkpoints too: every step's row in the CSV file once (rank 0's
+    rows kept), the last checkpoint at the last step, the final weights one process's."""
+    run, out = _torchrun(tmp_path, "ring_allreduce", "kill:rank=0:step=6", "logged")
+    assert run.code == 0, run.text[-4000:]
+    assert "lightning_par: rank 0 was killed by SIGKILL; the other ranks go on" in run.text
+    assert "rank(s) 0 lost; 2 of 3 ranks go on (ranks [1, 2])" in run.text, run.text
+    assert _result(run.text)["raised"] is None and "Traceback" not in run.text, run.text
+    assert "will be deleted" not in run.text, run.text
+    assert _worst(one_process(3), torch.load(out, weights_only=True)) < 1e-5
+    (metrics,) = (tmp_path / "logs").rglob("metrics.csv")
+    with open(metrics, newline="") as f:
+        steps = [int(row["step"]) for row in csv.DictReader(f) if row.get("train_loss")]
+    assert steps == list(range(12)), steps  # (rank 0 wrote 0-5 before it was lost)
+    (last,) = (tmp_path / "logs").rglob("last.ckpt")
+    assert torch.load(last, weights_only=False)["global_step"] == 12
+    assert (tmp_path / "final.ckpt").is_file()
+
+
+def test_local_sgd_losing_rank_0_under_torchrun_ends_as_the_run_without_it(tmp_path):
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    run, out = _torchrun(tmp_path / "a", "local_sgd", "kill:rank=0:step=5")
+    assert run.code == 0 and "Traceback" not in run.text, run.text[-4000:]
+    assert "lightning_par: rank 0 was killed by SIGKILL; the other ranks go on" in run.text
+    plain, plain_out = _torchrun(tmp_path / "b", "local_sgd", "-")
+    assert plain.code == 0, plain.text[-4000:]
+    got, expected = (torch.load(p, weights_only=True) for p in (out, plain_out))
+    assert _worst(expected, got) < 1e-5
+
+
+def test_a_lost_rank_on_the_second_node_is_survived_by_two_torchrun_agents(tmp_path):
+    """Two agents as two nodes (static rendezvous on 127.0.0.1): ranks 0-1 on the first,
+    rank 2 on the second, which is killed; its agent sees its only worker end well."""
+    out, port = tmp_path / "weights.pt", find_free_port()
+    env = {**_clean_env(), "LIGHTNING_PAR_TIMEOUT": "90"}
+    commands = []
+    for node, per_node in ((0, 2), (1, 1)):
+        cmd = [sys.executable, "-u", "-m", "torch.distributed.run", "--nnodes=2",
+               f"--nproc-per-node={per_node}", f"--node-rank={node}",
+               "--master-addr=127.0.0.1", f"--master-port={port}", str(SCRIPT),
+               "ring_allreduce", "3", "kill:rank=2:step=5", str(out)]  # fmt: skip
+        commands.append((cmd, env))
+    first, second = run_all(commands, tmp_path, 240)
+    assert "lightning_par: rank 2 was killed by SIGKILL; the other ranks go on" in second
+    assert "rank(s) 2 lost; 2 of 3 ranks go on (ranks [0, 1])" in first, first[-3000:]
+    assert _result(first)["raised"] is None and "Traceback" not in first + second
+    assert _worst(one_process(3), torch.load(out, weights_only=True)) < 1e-5
+
+
+def _clean_env() -> dict[str, str]:
+    return {**clean_env(), "PYTHONPATH": str(HERE.parent)}
+
+
+def _srun(tmp_path: Path, fault: str) -> tuple[list[int], list[str], Path]:
+    job, out = free_job_id(), tmp_path / "weights.pt"
+    procs = []
+    for task in range(3):
+        env = {**srun_env(job, task, 1, 3), "LIGHTNING_PAR_TIMEOUT": "90"}
+        args = [sys.executable, "-u", str(SCRIPT), "ring_allreduce", "3", fault, str(out)]
+        procs.append(subprocess.Popen(
+            args, cwd=tmp_path, env={**env, "PYTHONPATH": str(HERE.parent)},
+            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+            start_new_session=True,
+        ))  # fmt: skip
+    try:
+        outputs = [p.communicate(timeout=240)[0] for p in procs]
+    finally:
+        for p in procs:
+            kill_tree(p.pid)
+    return [p.returncode for p in procs], outputs, out
+
+
+def test_a_lost_task_is_survived_under_srun(tmp_path):
+    """srun starts every task itself (no launcher of ours): the survivors go on alone, and
+    the lost task's keeper ends well, so srun does not end the step."""
+    codes, outputs, out = _srun(tmp_path, "kill:rank=1:step=5")
+    assert codes == [0, 0, 0], outputs
+    assert "lightning_par: rank 1 was killed by SIGKILL; the other ranks go on" in outputs[1]
+    assert "rank(s) 1 lost; 2 of 3 ranks go on (ranks [0, 2])" in outputs[0], outputs[0]
+    assert "Traceback" not in "".join(outputs), outputs
+    assert _worst(one_process(3), torch.load(out, weights_only=True)) < 1e-5
+
+
+def test_rank_0_lost_under_srun_ends_the_job_naming_it(tmp_path):
+    """Under srun rank 0 serves the job's store, which ends with it: the survivors say so in
+    one line each, and rank 0's keeper ends by the same signal for srun to see."""
+    codes, outputs, _ = _srun(tmp_path, "kill:rank=0:step=4")
+    assert codes[0] == -9, outputs
+    for text in outputs[1:]:
+        raised = _result(text)["raised"]
+        assert raised["type"] == "RankLost", text[-3000:]
+        assert raised["message"].startswith("rank 0, process "), raised
+        assert "the job ends" in raised["message"] and "Traceback" not in text, text
