@@ -3,7 +3,7 @@ strategy's ``fault_tolerant=True`` survives a lost process.
 
 A case names the strategy, what is lost (``rank``: a training process; ``server``: a
 parameter server), the options its runs give the strategy beyond its registered ones, the
-fault (the last rank, or the last server, killed as a step begins) and how close the
+fault (the last rank, or rank 0, or the last server, killed as a step begins) and how close the
 survivors' final weights come to those of the same run without the fault, where the
 strategy claims they are the same:
 
@@ -61,12 +61,12 @@ class FaultCase:
         """The folder of its runs' files."""
         return f"{self.strategy}-{self.lost}"
 
-    def fault(self, world: int, step: int) -> str:
-        """The ``LIGHTNING_PAR_FAULT`` value striking the last rank (of ``world``), or the last
-        server, as ``step`` begins."""
+    def fault(self, world: int, step: int, first_rank: bool = False) -> str:
+        """The ``LIGHTNING_PAR_FAULT`` value striking the last rank (of ``world``; rank 0 with
+        ``first_rank``), or the last server, as ``step`` begins."""
         if self.lost == "server":
             return f"kill:server={self.options['num_servers'] - 1}:step={step}"
-        return f"kill:rank={world - 1}:step={step}"
+        return f"kill:rank={0 if first_rank else world - 1}:step={step}"
 
 
 CASES = (

@@ -45,6 +45,16 @@ class Plan:
     fault: int
     every: int
     model: tuple[int, int, int] = MODEL
+    #: ``lightning`` (Lightning chooses the launch) or ``torchrun`` (``--standalone``)
+    launch: str = "lightning"
+    #: the rank a rank case loses: ``last`` or ``first`` (rank 0)
+    lost: str = "last"
+
+    @property
+    def approaches(self) -> tuple[str, ...]:
+        """What is measured: under torchrun the survivors alone (a restart is torchrun's
+        ``--max-restarts``, the same for every strategy: measured under Lightning's launch)."""
+        return APPROACHES if self.launch == "lightning" else ("fault_tolerant",)
 
 
 def last_line(text: str) -> str:
@@ -58,9 +68,12 @@ def run_script(
     it reached, and why it ended early (``None``: it ran every fit)."""
     sizes = ",".join(str(n) for n in plan.model)
     args = [str(world), str(plan.steps), str(plan.fault), str(plan.every), sizes, str(folder),
-            ",".join(case.name for case in cases), ",".join(approaches)]  # fmt: skip
+            ",".join(case.name for case in cases), ",".join(approaches), plan.lost]  # fmt: skip
     env = {k: v for k, v in os.environ.items() if k != FAULT_ENV}  # (the script sets it)
-    done = run_bounded([sys.executable, "-u", "-m", RUN, *args], LIMIT_S, env=env, cwd=folder)
+    launch = [sys.executable, "-u"]
+    if plan.launch == "torchrun":  # (one fit per script: a lost rank's process is gone)
+        launch += ["-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={world}"]
+    done = run_bounded([*launch, "-m", RUN, *args], LIMIT_S, env=env, cwd=folder)
     parts = re.split(r"^FIT (\S+) (\w+)\n", done.stderr, flags=re.M)
     fits = {(name, approach): out for name, approach, out in zip(*[iter(parts[1:])] * 3)}
     ended = None
@@ -74,8 +87,15 @@ def run_script(
 
 
 def first_fits(cases: list[FaultCase], world: int, plan: Plan, folder: Path) -> Fits:
-    """Every case's reference, fault-tolerant and restart fits, in as few scripts as go."""
+    """Every case's reference, fault-tolerant and restart fits, in as few scripts as go
+    (under torchrun, each fit in a script of its own)."""
     fits: Fits = {}
+    if plan.launch == "torchrun":
+        for case in cases:
+            for approach in ("reference", *plan.approaches):
+                got, ended = run_script([case], (approach,), world, plan, folder)
+                fits[case.name, approach] = got.get((case.name, approach), f"RAISED {ended}")
+        return fits
     left = list(cases)
     while left:
         got, ended = run_script(left, FIRST, world, plan, folder)

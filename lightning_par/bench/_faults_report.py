@@ -26,7 +26,9 @@ def _equal(row: dict[str, Any]) -> str:
 def report(result: dict[str, Any]) -> str:
     model = result["model"]
     lines = [
-        f"the last rank (or server) killed as step {result['fault_step']} begins (CIFAR CNN "
+        f"{'rank 0' if result.get('lost_rank') == 'first' else 'the last rank'} (or the last "
+        f"server) killed as step {result['fault_step']} begins, launched by "
+        f"{result.get('launch', 'lightning')} (CIFAR CNN "
         f"of width {model['width']} with {model['num_blocks']} blocks, batch "
         f"{model['batch_size']} per rank, CPU); times in seconds; weights: rank 0's largest "
         "parameter difference from the run without the fault, and equal where claimed",

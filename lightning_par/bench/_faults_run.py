@@ -1,5 +1,7 @@
 """The script ``bench faults`` runs, as a user's: ``python -m lightning_par.bench._faults_run
-WORLD STEPS FAULT EVERY MODEL FOLDER CASE[,CASE...] APPROACH[,APPROACH...]``.
+WORLD STEPS FAULT EVERY MODEL FOLDER CASE[,CASE...] APPROACH[,APPROACH...] [LOST]``
+(``LOST``: ``last``, the default, or ``first``: the rank the fault strikes), Lightning
+choosing the launch or under torchrun.
 
 ``CASE``: ``strategy:lost``, a row of :data:`~lightning_par.bench._faults_cases.CASES` (its
 options added to the strategy's). For each case, one ``fit`` per ``APPROACH``, one after the
@@ -108,12 +110,13 @@ def ended(out: str) -> None:
 
 
 def main(world: int, steps: int, fault: int, every: int, model: str, folder: str,
-         cases: list[FaultCase], approaches: list[str]) -> None:  # fmt: skip
+         cases: list[FaultCase], approaches: list[str], lost: str = "last") -> None:  # fmt: skip
     for case in cases:
         for approach in approaches:
             # (read by the strategies' constructors and by the parameter servers they start)
             struck = approach in ("fault_tolerant", "restart")
-            os.environ[FAULT_ENV] = case.fault(world, fault) if struck else ""
+            strike = case.fault(world, fault, first_rank=lost == "first")
+            os.environ[FAULT_ENV] = strike if struck else ""
             own = os.path.join(folder, case.folder, "restart" if approach == "resume" else approach)
             os.makedirs(own, exist_ok=True)
             if os.environ.get("LOCAL_RANK", "0") == "0":  # (popen: not in the re-run script)
@@ -129,4 +132,5 @@ def main(world: int, steps: int, fault: int, every: int, model: str, folder: str
 if __name__ == "__main__":
     world, steps, fault, every, model, folder, cases, approaches = sys.argv[1:9]
     main(int(world), int(steps), int(fault), int(every), model, folder,
-         [case_named(name) for name in cases.split(",")], approaches.split(","))  # fmt: skip
+         [case_named(name) for name in cases.split(",")], approaches.split(","),
+         *sys.argv[9:10])  # fmt: skip

@@ -2,14 +2,16 @@
 
     python -m lightning_par.bench faults [--strategies ring_allreduce,local_sgd,parameter_server]
         [--worlds 3,4] [--steps 40] [--fault-step 15] [--width 32] [--num-blocks 4]
-        [--batch-size 32] [--json]
+        [--batch-size 32] [--launch lightning|torchrun] [--lost-rank last|first] [--json]
 
 For each case of :data:`~lightning_par.bench._faults_cases.CASES` (a strategy and what it
 loses: a rank, or a parameter server) and each world size, the CIFAR CNN (``--width``,
 ``--num-blocks``) trains on cifar10-mini (``--batch-size`` images per rank, CPU, Lightning
 choosing the launch) in a user's script (:mod:`._faults_run`, run by :mod:`._faults_fits`),
-and the last rank (or the last server) is killed (``LIGHTNING_PAR_FAULT=kill:rank=W-1:step=F``)
-as step ``F`` begins:
+and the last rank (rank 0 with ``--lost-rank first``), or the last server, is killed
+(``LIGHTNING_PAR_FAULT=kill:rank=W-1:step=F``) as step ``F`` begins, Lightning choosing the
+launch or, with ``--launch torchrun``, under ``torchrun --standalone`` (the fault-tolerant
+runs alone there, each fit a script of its own):
 
 * **fault_tolerant**: the strategy's ``fault_tolerant=True``: the survivors go on;
 * **restart** (the peer, what TorchElastic and a user do today): the strategy as it is,
@@ -154,7 +156,7 @@ def _rows(case: FaultCase, world: int, plan: Plan, fits: Fits, folder: Path) -> 
     if "failed" in expected:  # (a row, not weights)
         rows.append(expected)
         expected = None
-    for approach in APPROACHES:
+    for approach in plan.approaches:
         output = fit_output(fits, case, "resume" if approach == "restart" else approach)
         rows.append(_guarded({**head, "approach": approach}, measure, case, world, approach,
                              plan, folder / approach, output, expected))  # fmt: skip
@@ -186,7 +188,8 @@ def bench(cases: list[FaultCase], worlds: list[int], plan: Plan) -> dict[str, An
         with tempfile.TemporaryDirectory(prefix="lightning_par-bench-faults-") as tmp:
             fits = first_fits(cases, world, plan, Path(tmp))
             for case in cases:
-                fits[case.name, "resume"] = _resumed(case, world, plan, fits, Path(tmp))
+                if "restart" in plan.approaches:
+                    fits[case.name, "resume"] = _resumed(case, world, plan, fits, Path(tmp))
                 done = _rows(case, world, plan, fits, Path(tmp) / case.folder)
                 rows += done
                 pair = {row["approach"]: row for row in done}
@@ -207,6 +210,18 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--width", type=int, default=MODEL[0], help="the CNN's first channels")
     parser.add_argument("--num-blocks", type=int, default=MODEL[1], help="its residual blocks")
     parser.add_argument("--batch-size", type=int, default=MODEL[2], help="per rank and step")
+    parser.add_argument(
+        "--launch",
+        choices=("lightning", "torchrun"),
+        default="lightning",
+        help="Lightning chooses the launch, or torchrun --standalone",
+    )
+    parser.add_argument(
+        "--lost-rank",
+        choices=("last", "first"),
+        default="last",
+        help="the rank a case that loses a rank kills: the last, or rank 0",
+    )
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args(argv)
     if not 3 < args.fault_step < args.steps - 3:
@@ -220,10 +235,13 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as err:
         parser.error(str(err))
     model = (args.width, args.num_blocks, args.batch_size)
-    plan = Plan(args.steps, args.fault_step, args.checkpoint_every, model)
+    plan = Plan(
+        args.steps, args.fault_step, args.checkpoint_every, model, args.launch, args.lost_rank
+    )
     started = RunEnvironment.now()
     result = {
-        "fault_step": args.fault_step, "steps": args.steps,
+        "fault_step": args.fault_step, "steps": args.steps, "launch": args.launch,
+        "lost_rank": args.lost_rank,
         **bench(cases, [int(w) for w in args.worlds.split(",")], plan),
         "model": dict(zip(("width", "num_blocks", "batch_size"), model)),
     }  # fmt: skip
