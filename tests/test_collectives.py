@@ -6,6 +6,8 @@ One fork per world size runs the whole grid (a launch costs ~1 s on the CI machi
 
 from __future__ import annotations
 
+from concurrent.futures import ThreadPoolExecutor
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -185,6 +187,33 @@ def test_exchanges_with_one_peer_are_posted_lower_rank_sending_first():
     ordered_exchange(high, [(t, {})], [(t, {}), (t, {})], 0)
     assert low.posted == [("send", 1), ("send", 1), ("recv", 1)]
     assert high.posted == [("recv", 0), ("recv", 0), ("send", 0)]
+
+
+def test_scratch_rows_are_cut_again_from_a_regrown_buffer():
+    # scratch_rows keeps its row views per shape while the thread's scratch buffer is the
+    # one they were cut from; a larger request replaces that buffer, and the next call must
+    # cut new rows from it, not hand back views into the buffer left behind
+    from lightning_par.collectives._common import scratch, scratch_rows
+
+    def storage(t: torch.Tensor) -> int:
+        return t.untyped_storage().data_ptr()
+
+    def check() -> None:  # in a new thread: its scratch buffers start empty
+        cpu, f32 = torch.device("cpu"), torch.float32
+        first = scratch_rows(2, 4, f32, cpu)
+        assert scratch_rows(2, 4, f32, cpu) is first  # the same buffer: views made once
+        wide = scratch_rows(3, 10, f32, cpu)  # 30 elements after 8: the buffer regrows
+        assert [r.shape for r in wide] == [(10,)] * 3
+        assert wide[0].untyped_storage().nbytes() == 30 * 4
+        again = scratch_rows(2, 4, f32, cpu)
+        assert again is not first and storage(again[0]) == storage(wide[0]) != storage(first[0])
+        again[0].fill_(1.0)
+        again[1].fill_(2.0)
+        first[0].fill_(7.0)  # an old view writes to the old buffer, not into the new rows
+        assert scratch((8,), f32, cpu).tolist() == [1.0] * 4 + [2.0] * 4
+
+    with ThreadPoolExecutor(1) as pool:
+        pool.submit(check).result()
 
 
 def test_round_robin_steps_are_permutations():

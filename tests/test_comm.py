@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from lightning_par.comm import (
+    CommError,
     CommTrace,
     Communicator,
     RankFailed,
@@ -97,6 +98,46 @@ def test_a_ring_message_that_fails_names_its_phase_step_and_chunk():
     message = str(err.value)
     assert "CommError" in message
     assert "rank 0: recv from rank 1 failed (reduce-scatter message, step 0, chunk 1)" in message
+
+
+class _ClosedConnection:
+    """A process group whose every post fails, as gloo's does once a peer has gone."""
+
+    def send(self, tensors, peer, tag):
+        raise RuntimeError("[pair.cc:534] Connection closed by peer")
+
+    recv = send
+
+
+def _post_to_a_closed_connection(rank, world_size):
+    comm = Communicator()
+    comm._pg = _ClosedConnection()  # the group torch's messages are posted on
+    errors = []
+    for post in (
+        lambda: comm.post(
+            "send", torch.ones(2), 1 - rank, "reduce-scatter message, step 0, chunk 1"
+        ),
+        lambda: comm.isend(torch.ones(2), 1 - rank, step=3, chunk=2, tag="push"),
+        lambda: comm.irecv(torch.ones(2), 1 - rank, step=3, chunk=2),
+    ):
+        with pytest.raises(CommError) as err:
+            post()
+        errors.append(str(err.value))
+    return errors
+
+
+def test_a_message_that_fails_as_it_is_posted_names_the_rank_peer_and_message():
+    # gloo raises at once on posting to a peer whose connection closed: the untraced path
+    # (Communicator.post, the ring's) and the traced one (isend, irecv) name it alike, and
+    # as a failed wait would
+    errors = run_on_ranks(_post_to_a_closed_connection, 2)[0]
+    closed = "[pair.cc:534] Connection closed by peer."
+    hint = "If rank 1 died or hangs, look at its own error above."
+    assert errors == [
+        f"rank 0: send to rank 1 failed (reduce-scatter message, step 0, chunk 1): {closed} {hint}",
+        f"rank 0: send to rank 1 failed (push message, step 3, chunk 2): {closed} {hint}",
+        f"rank 0: recv from rank 1 failed (step 3, chunk 2): {closed} {hint}",
+    ]
 
 
 def _bad_peers_refused(rank, world_size):

@@ -16,9 +16,10 @@ machine to the next:
   message per chunk; 16M 1.00x against 1.13x with 16 MiB segments; 2 receives ahead as
   good as 8 or better (:data:`CORE_PER_RANK`).
 
-:func:`choose` applies that rule, or, with ``calibrate=True``, times each of
-:data:`CANDIDATES` on the group itself (interleaved rounds, the slowest rank's time, the
-median of the rounds) and keeps the fastest over the sizes timed. Every rank uses rank 0's
+:func:`choose` applies that rule, or, with ``calibrate_now=True`` (the strategy's
+``AllReduceStrategy("ring", calibrate_ring=True)``, ``bench allreduce --calibrate``), times
+each of :data:`CANDIDATES` on the group itself (interleaved rounds, the slowest rank's time,
+the median of the rounds) and keeps the fastest over the sizes timed. Every rank uses rank 0's
 choice (broadcast), and rank 0 keeps a calibration in the user's cache folder
 (:func:`cache_file`), keyed by the machine, so that later runs on it read it instead of
 timing again.

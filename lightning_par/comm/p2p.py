@@ -54,12 +54,12 @@ def transport_tag(tag: Tag) -> int:
 
 
 class Handle:
-    """A posted send or receive; :meth:`wait` completes it (and records it in the trace)."""
+    """A posted send or receive; :meth:`wait` completes it (and records it in the trace).
+    ``str(handle)`` names the message in errors: its tag, step and chunk."""
 
     def __init__(
         self,
         comm: Communicator,
-        work: dist.Work | None,
         op: str,
         peer: int,
         tensor: torch.Tensor,
@@ -69,9 +69,11 @@ class Handle:
         chunk: int | None,
         tag: Tag,
     ) -> None:
-        self._comm, self._work, self.op, self.peer = comm, work, op, peer
+        self._comm, self.op, self.peer = comm, op, peer
         self._tensor, self._staged = tensor, staged
         self._start, self._step, self._chunk, self._tag = start, step, chunk, tag_label(tag)
+        #: torch's work, once :meth:`Communicator.post` has posted it (None: nothing to move)
+        self.work: dist.Work | None = None
         self._done = False
 
     def wait(self, timeout: timedelta | None = None) -> torch.Tensor:
@@ -82,14 +84,14 @@ class Handle:
         self._done = True
         trace = self._comm.trace
         waited = trace.now() if trace is not None else None
-        if self._work is not None:
+        if self.work is not None:
             try:
                 if timeout is None:
-                    self._work.wait()
+                    self.work.wait()
                 else:
-                    self._work.wait(timeout)
+                    self.work.wait(timeout)
             except RuntimeError as err:  # gloo/NCCL say "connection closed", "timed out", ...
-                raise self._comm.wait_failed(self.op, self.peer, self._what(), err) from err
+                raise self._comm.failed(self.op, self.peer, self, err) from err
         if self._staged is not None and self.op == "recv":
             self._tensor.copy_(self._staged, non_blocking=False)
         if trace is not None:
@@ -109,7 +111,7 @@ class Handle:
             )
         return self._tensor
 
-    def _what(self) -> str:
+    def __str__(self) -> str:
         where = f"step {self._step}, chunk {self._chunk}"
         return f"{self._tag} message, {where}" if self._tag else where
 
@@ -171,35 +173,34 @@ class Communicator:
         """Whether ``tensor`` goes through a host buffer (a CUDA tensor on gloo)."""
         return tensor.device.type != "cpu" and self.backend == "gloo"
 
-    def wait_failed(self, op: str, peer: int, what: object, err: Exception) -> CommError:
-        """The error of a message to or from group rank ``peer`` that failed in its wait."""
+    def failed(self, op: str, peer: int, what: object, err: Exception) -> CommError:
+        """The error of a message to or from group rank ``peer`` that failed as it was posted
+        or while it was waited for (``str(what)`` names the message, made only then)."""
         name = self.global_rank_of(peer)
         return CommError(
             f"rank {self.global_rank}: {op} {'to' if op == 'send' else 'from'} rank {name} "
             f"failed ({what}): {err}. If rank {name} died or hangs, look at its own error above."
         )
 
-    def post(self, op: str, tensor: torch.Tensor, peer: int, what: object) -> dist.Work:
-        """Post one untraced message (``op``: ``"send"`` or ``"recv"``, transport tag 0) of a
-        contiguous ``tensor`` that needs no staging, and return torch's work: the path of
-        collectives that post many messages. :meth:`isend`'s checks and :class:`Handle`
-        cost ~10 us a message on a slow core; errors are those of :meth:`isend` and
-        :meth:`irecv` (``str(what)`` names the message, made only then), and of
-        :meth:`Handle.wait` through :meth:`complete`."""
+    def post(
+        self, op: str, tensor: torch.Tensor, peer: int, what: object, tag: int = 0
+    ) -> dist.Work:
+        """Post one message (``op``: ``"send"`` or ``"recv"``) of a contiguous ``tensor`` that
+        needs no staging, and return torch's work. Collectives that post many messages call
+        it untraced, with :meth:`complete` (:meth:`isend`'s checks and :class:`Handle` cost
+        ~10 us a message on a slow core). A peer whose connection closed already fails here,
+        at once (gloo raises on posting), with the error of a failed wait (:meth:`failed`)."""
         try:
-            return (self._pg.send if op == "send" else self._pg.recv)([tensor], peer, 0)
+            return (self._pg.send if op == "send" else self._pg.recv)([tensor], peer, tag)
         except RuntimeError as err:
-            raise CommError(
-                f"rank {self.global_rank}: {op} {'to' if op == 'send' else 'from'} rank "
-                f"{self.global_rank_of(peer)} failed ({what}): {err}"
-            ) from err
+            raise self.failed(op, peer, what, err) from err
 
     def complete(self, work: dist.Work, op: str, peer: int, what: object) -> None:
         """Wait for a message posted by :meth:`post`."""
         try:
             work.wait()
         except RuntimeError as err:
-            raise self.wait_failed(op, peer, what, err) from err
+            raise self.failed(op, peer, what, err) from err
 
     @staticmethod
     def _host_buffer(tensor: torch.Tensor) -> torch.Tensor:
@@ -225,8 +226,10 @@ class Communicator:
         if self.needs_staging(tensor):
             staged = self._host_buffer(tensor).copy_(tensor)
             payload = staged
-        work = self._post("send", payload, dst, tag, step, chunk) if tensor.numel() else None
-        return Handle(self, work, "send", dst, tensor, staged, start, step, chunk, tag)
+        handle = Handle(self, "send", dst, tensor, staged, start, step, chunk, tag)
+        if tensor.numel():
+            handle.work = self.post("send", payload, dst, handle, transport_tag(tag))
+        return handle
 
     def irecv(
         self,
@@ -244,26 +247,10 @@ class Communicator:
         start = self.trace.now() if self.trace is not None else 0.0
         staged = self._host_buffer(tensor) if self.needs_staging(tensor) else None
         target = staged if staged is not None else tensor
-        work = self._post("recv", target, src, tag, step, chunk) if tensor.numel() else None
-        return Handle(self, work, "recv", src, tensor, staged, start, step, chunk, tag)
-
-    def _post(
-        self, op: str, tensor: torch.Tensor, peer: int, tag: Tag, step: int | None,
-        chunk: int | None,
-    ) -> dist.Work:  # fmt: skip
-        """Post one message; a peer whose connection closed already fails here, at once
-        (gloo raises on posting), as a :class:`CommError` like a failed wait."""
-        try:
-            if op == "send":
-                return self._pg.send([tensor], peer, transport_tag(tag))
-            return self._pg.recv([tensor], peer, transport_tag(tag))
-        except RuntimeError as err:
-            where = f"step {step}, chunk {chunk}"
-            raise CommError(
-                f"rank {self.global_rank}: {op} {'to' if op == 'send' else 'from'} rank "
-                f"{self.global_rank_of(peer)} failed ({tag_label(tag) or 'message'}, {where}): "
-                f"{err}"
-            ) from err
+        handle = Handle(self, "recv", src, tensor, staged, start, step, chunk, tag)
+        if tensor.numel():
+            handle.work = self.post("recv", target, src, handle, transport_tag(tag))
+        return handle
 
     def send(self, tensor: torch.Tensor, dst: int, **kw) -> None:
         self.isend(tensor, dst, **kw).wait()

@@ -46,11 +46,7 @@ from lightning_par.comm.trace import save_trace
 from lightning_par.components.checkpoint_check import check_checkpoint
 from lightning_par.components.process_group import join_process_group, strategy_store
 from lightning_par.components.splitter import ModelSplitter
-from lightning_par.components.strategy_options import (
-    check_options,
-    option_names,
-    plumbing_arguments,
-)
+from lightning_par.components.strategy_options import check_options, plumbing_arguments
 from lightning_par.launch import default_timeout, liveness
 from lightning_par.launch.faults import Fault, planned_faults
 from lightning_par.launch.policy import LaunchPlan
@@ -130,11 +126,6 @@ class ParStrategy(DDPStrategy):
         #: the script's checkpoints
         self.training_state: dict[str, Any] | None = None
 
-    @classmethod
-    def option_names(cls) -> list[str]:
-        """Every keyword this strategy takes (for error messages)."""
-        return option_names(cls)
-
     # ---- building the model ---------------------------------------------------------------------
     @contextmanager
     @override
@@ -156,8 +147,8 @@ class ParStrategy(DDPStrategy):
 
     # ---- launching --------------------------------------------------------------------------
     @property
-    @override
     def root_device_type(self) -> str:
+        """The kind of device the ranks run on (the launch policy reads it)."""
         return self.parallel_devices[0].type if self.parallel_devices else "cpu"
 
     @override
@@ -250,10 +241,6 @@ class ParStrategy(DDPStrategy):
 
     def configure_sync(self) -> None:
         """When fitting: set up how gradients or parameters are kept in step."""
-
-    @override
-    def configure_ddp(self) -> None:  # DDPStrategy's hook: no DistributedDataParallel here
-        self.configure_sync()
 
     @override
     def setup_optimizers(self, trainer: pl.Trainer) -> None:
@@ -386,9 +373,3 @@ class ParStrategy(DDPStrategy):
         if self.trace_dir is not None and self.trace is not None:
             save_trace(self.trace, self.trace_dir / f"rank{self.global_rank}.json")
         super().teardown()
-
-    @override
-    def reduce(self, tensor: Any, group: Any | None = None, reduce_op: Any | None = "mean") -> Any:
-        if not isinstance(tensor, torch.Tensor):
-            return tensor
-        return super().reduce(tensor, group=group, reduce_op=reduce_op)

@@ -59,6 +59,7 @@ from lightning_par.components.hybrid_kinds import (  # noqa: F401  (mp_kinds: th
     make_splitter,
     mp_kinds,
 )
+from lightning_par.components.strategy_options import option_names
 from lightning_par.hybrid.grid import (
     Grid,
     GridGroups,
@@ -128,7 +129,7 @@ class HybridStrategy(ParStrategy):
         **kwargs: Any,
     ) -> None:
         given = {k: v for k, v in locals().items() if k in KIND_OPTIONS and v is not None}
-        own = set(ParStrategy.option_names())  # (Lightning's plumbing arguments too)
+        own = set(option_names(ParStrategy))  # (Lightning's plumbing arguments too)
         # Python callers may pass a kind's option not declared above: the splitter checks it
         given |= {k: kwargs.pop(k) for k in list(kwargs) if k not in own}
         split = make_splitter(mp_kind, given)

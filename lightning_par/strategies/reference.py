@@ -15,6 +15,7 @@ from typing import Any
 from lightning.pytorch.strategies import DDPStrategy
 
 from lightning_par import _compat
+from lightning_par.components.strategy_options import option_names
 from lightning_par.strategies._base import ParStrategy
 
 
@@ -51,7 +52,7 @@ class LightningDDPStrategy(ParStrategy):
             "bucket_cap_mb": (bucket_cap_mb, None),
             "broadcast_buffers": (broadcast_buffers, True),
         }
-        own = set(ParStrategy.option_names())
+        own = set(option_names(ParStrategy))
         ddp_kwargs = {k: kwargs.pop(k) for k in list(kwargs) if k not in own}
         ddp_kwargs |= {k: v for k, (v, default) in declared.items() if v != default}
         super().__init__(**kwargs)
