@@ -11,6 +11,7 @@ computed here by hand.
 
 from __future__ import annotations
 
+import csv
 import json
 import re
 import sys
@@ -188,6 +189,8 @@ SURVIVED = [  # (strategy, ranks, fault, launch, what the script switches on)
     ("ring_allreduce", 3, "freeze:rank=2:step=7", "fork", "tiny"),
     ("butterfly_allreduce", 4, "kill:rank=3:step=0", "fork", "tiny"),
     ("ring_allreduce", 3, "kill:rank=2:step=9", "popen", "tiny"),
+    # rank 0: the first survivor takes over its loggers and checkpoints, and sends the results
+    ("ring_allreduce", 3, "kill:rank=0:step=6", "fork", "logged"),
 ]
 
 
@@ -208,6 +211,8 @@ def test_a_lost_rank_is_survived_with_one_process_weights(
     detect_s = _at(run, "ranks go on") - _at(run, "LIGHTNING_PAR_FAULT: ")
     assert detect_s < (DEAD_PEER_S + 8 if frozen else 8), detect_s
     worst = _assert_one_process(run, world, variant)
+    if VARIANTS[variant].logged:
+        assert_logged_whole(tmp_path, VARIANTS[variant].steps)
     print(f"{name} p={world} {fault} {launch} {variant}: the survivors went on {detect_s:.2f} "
           f"s after it; weights within {worst:.1e} of one process")  # fmt: skip
 
@@ -243,13 +248,35 @@ def _assert_one_process(run, world: int, variant: str = "tiny") -> float:
     return worst
 
 
-def test_rank_0_lost_ends_a_fault_tolerant_run_naming_it(tmp_path):
-    run = run_script(tmp_path, "ring_allreduce", 3, "kill:rank=0:step=4")
+def assert_logged_whole(folder: Path, steps: int) -> None:
+    """A run of the ``logged`` variant that lost rank 0 kept its logs and checkpoints whole:
+    every step's row in the CSV file once (rank 0's rows kept), the last checkpoint at the
+    last step, the script's own checkpoint written."""
+    logged = []  # (a fork launch's validate after fit logs in a version of its own)
+    for metrics in (folder / "logs").rglob("metrics.csv"):
+        with open(metrics, newline="") as f:
+            logged += [int(row["step"]) for row in csv.DictReader(f) if row.get("train_loss")]
+    assert logged == list(range(steps)), logged
+    (last,) = (folder / "logs").rglob("last.ckpt")
+    assert torch.load(last, weights_only=False)["global_step"] == steps
+    assert (folder / "final.ckpt").is_file()
+
+
+def test_rank_0_lost_under_popen_ends_a_fault_tolerant_run_naming_it(tmp_path):
+    """Under popen rank 0 is the user's script itself, which holds the job's store: the
+    other ranks end, naming it (a fork launch or torchrun goes on: the first survivor
+    takes over, the row ``kill-rank=0-fork`` above and
+    ``tests/test_fault_tolerance_launchers.py``)."""
+    run = run_script(tmp_path, "ring_allreduce", 3, "kill:rank=0:step=4",
+                     LIGHTNING_PAR_START_METHOD="popen")  # fmt: skip
     text = "".join(line for _, line in run.lines)
     result = json.loads(next(line for _, line in run.lines if line.startswith("RESULT "))[7:])
+    assert run.code == -9, text[-4000:]  # (the script: killed by the fault)
     assert result["raised"]["type"] == "RankLost", text[-4000:]
-    assert result["raised"]["message"].startswith("rank 0 was killed by SIGKILL"), result
-    assert "cannot go on without it" in result["raised"]["message"], result
+    assert result["raised"]["message"].startswith("rank 0, process "), result
+    assert "killed by a signal" in result["raised"]["message"], result
+    assert "the job ends" in result["raised"]["message"], result
+    assert "Traceback" not in text, text[-4000:]
     assert run.session == [] and run.left == [], (run.session, run.left)
 
 

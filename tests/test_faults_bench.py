@@ -72,6 +72,35 @@ def test_bench_faults_reports_each_strategy_losing_a_process(tmp_path, monkeypat
     assert left == [], "left behind"
 
 
+def test_bench_faults_under_torchrun_losing_rank_0(tmp_path, monkeypatch, capsys):
+    """``--launch torchrun --lost-rank first``: rank 0 killed under ``torchrun --standalone``,
+    the first survivor taking over; the survivors alone are measured (no restart row)."""
+    monkeypatch.setenv("LIGHTNING_PAR_BENCH_SYNTHETIC", "1")
+    monkeypatch.setenv("TMPDIR", str(tmp_path))
+    monkeypatch.setenv("PYTHONPATH", str(ROOT))
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    args = ["--strategies", "ring_allreduce", "--worlds", "3", "--steps", "12", "--fault-step",
+            str(FAULT), "--width", "4", "--num-blocks", "1", "--batch-size", "8",
+            "--launch", "torchrun", "--lost-rank", "first", "--json"]  # fmt: skip
+    assert main(args) == 0
+    out = capsys.readouterr().out
+    result = json.loads(out[out.index("{") :])
+    assert (result["launch"], result["lost_rank"], result["ratios"]) == ("torchrun", "first", [])
+    (row,) = result["rows"]
+    assert (row["strategy"], row["approach"], row["world"]) == (
+        "ring_allreduce", "fault_tolerant", 3,
+    ), row  # fmt: skip
+    assert row["weights_equal"] is True and row["steps_lost"] == 0, row
+    assert row["detect_s"] > 0 and row["regroup_s"] > 0 and row["after_steps_per_s"] > 0, row
+    # (torchrun's agent keeps its log folder: torch's own, by design)
+    left = [
+        p.name
+        for p in tmp_path.iterdir()
+        if not p.name.startswith(("torchinductor", "torchelastic_"))
+    ]
+    assert left == [], "left behind"
+
+
 def test_bench_faults_names_the_strategies_it_covers_for_one_it_does_not(capsys):
     assert [case.strategy for case in cases_for(["local_sgd"])] == ["local_sgd"]
     with pytest.raises(SystemExit):

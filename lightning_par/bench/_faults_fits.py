@@ -68,7 +68,8 @@ def run_script(
     it reached, and why it ended early (``None``: it ran every fit)."""
     sizes = ",".join(str(n) for n in plan.model)
     args = [str(world), str(plan.steps), str(plan.fault), str(plan.every), sizes, str(folder),
-            ",".join(case.name for case in cases), ",".join(approaches), plan.lost]  # fmt: skip
+            ",".join(case.name for case in cases), ",".join(approaches)]  # fmt: skip
+    args += [plan.lost] if plan.lost != "last" else []  # (the script's default)
     env = {k: v for k, v in os.environ.items() if k != FAULT_ENV}  # (the script sets it)
     launch = [sys.executable, "-u"]
     if plan.launch == "torchrun":  # (one fit per script: a lost rank's process is gone)

@@ -19,6 +19,10 @@ watches. It only waits for the child, then ends as follows:
 * the child was ended by a signal and the job cannot go on without it (rank 0): the parent
   ends by the same signal, so the launcher sees what it would have seen without a keeper.
 
+Under SLURM rank 0 serves the job's store. Where the job goes on without rank 0, rank 0's
+keeper serves it instead (started before the fork), and stays until every rank has ended:
+each keeper counts its rank's end in the store (:func:`count_end`).
+
 torchrun and ``scancel`` signal the whole process group (torch's ``SubprocessHandler``
 starts each worker in a session of its own and ends it with ``killpg``). The child is in
 that group, so it receives and handles those signals itself, and the parent ignores
@@ -31,19 +35,25 @@ from __future__ import annotations
 import os
 import signal
 import sys
+import time
+from collections.abc import Callable
+from datetime import timedelta
 from typing import NoReturn
 
 from lightning_par.launch.lost import how_it_ended
 
 #: Whether this process forked its keeper already (the first ``Trainer`` call did).
 _kept = False
+#: The key of the job's store each keeper adds 1 to when its rank ended (:func:`count_end`).
+ENDED_KEY = "lightning_par/keepers/ended"
 
 
-def keep(name: str, tolerated: bool) -> None:
+def keep(name: str, tolerated: bool, after: Callable[[], None] | None = None) -> None:
     """Fork this rank once (later calls return at once); return in the child, which is
     the rank from now on, and end the parent when the child ends (see the module
     docstring). ``name``: how the rank is named (``"rank 1"``); ``tolerated``: whether
-    the job goes on without it."""
+    the job goes on without it; ``after``: run in the parent once the child ended, before
+    it ends (:func:`count_end`)."""
     global _kept
     if _kept:
         return
@@ -53,13 +63,39 @@ def keep(name: str, tolerated: bool) -> None:
     child = os.fork()
     if child == 0:
         return
-    _wait_and_end(child, name, tolerated)
+    _wait_and_end(child, name, tolerated, after)
 
 
-def _wait_and_end(child: int, name: str, tolerated: bool) -> NoReturn:
+def kept() -> bool:
+    """Whether this process forked behind its keeper already (at its first call)."""
+    return _kept
+
+
+def count_end(host: str, port: int, world: int | None = None) -> None:
+    """In a keeper whose rank ended: count it in the job's store at ``host:port``; with
+    ``world``, wait until every rank of the ``world`` has ended (the keeper that serves the
+    store: the survivors use it until their end). A store already gone counts nothing."""
+    import torch.distributed as dist
+
+    try:
+        store = dist.TCPStore(host, port, is_master=False, wait_for_workers=False,
+                              timeout=timedelta(seconds=30))  # fmt: skip
+        ended = store.add(ENDED_KEY, 1)
+        while world is not None and ended < world:
+            time.sleep(0.2)
+            ended = store.add(ENDED_KEY, 0)
+    except (RuntimeError, OSError):
+        return  # (torch's DistNetworkError is a RuntimeError)
+
+
+def _wait_and_end(
+    child: int, name: str, tolerated: bool, after: Callable[[], None] | None
+) -> NoReturn:
     for signum in (signal.SIGINT, signal.SIGTERM):
         signal.signal(signum, signal.SIG_IGN)  # the child, in this group, gets them too
     _, status = os.waitpid(child, 0)  # (retried on EINTR by Python)
+    if after is not None:
+        after()
     if os.WIFEXITED(status):
         os._exit(os.WEXITSTATUS(status))
     signum = os.WTERMSIG(status)

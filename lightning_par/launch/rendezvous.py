@@ -97,6 +97,7 @@ _joined: dict[tuple[int, str, int], dist.Store] = {}  # (pid, host, port) -> thi
 _served: list = []  # store hosts this rank started (global rank 0 outside our launches)
 _groups = itertools.count()  # groups this process has joined: the next group's prefix
 _host_rank: int | None = None  # the rank whose process serves the job's store (see below)
+_kept_host = False  # rank 0's keeper serves the store (see serve_job_store_outliving_rank_0)
 
 
 def _release_stores() -> None:
@@ -143,7 +144,8 @@ def _job_store(
         port, master = int(port_text), False
     else:
         (host, port), launch = _cluster_main(main), "job"
-        served_by_rank_0 = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True"
+        agent = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
+        served_by_rank_0 = not agent and not _kept_host
         master = rank == 0 and served_by_rank_0
         global _host_rank
         _host_rank = 0 if served_by_rank_0 else None
@@ -166,10 +168,20 @@ def _job_store(
     return _joined[key], host, port, launch
 
 
+def serve_job_store_outliving_rank_0(host: str, port: int) -> None:
+    """Rank 0, before it forks behind its keeper (:mod:`.keeper`): start the job's store
+    host now, so that it is the keeper's and outlives the rank (a fault-tolerant run under
+    SLURM goes on without rank 0). The rank then joins the store as a client."""
+    global _kept_host
+    _served.append(StoreHost(host, port, bind=""))
+    _kept_host = True
+
+
 def store_host_rank() -> int | None:
     """The rank whose process serves the job's store, when a rank does: global rank 0
     under SLURM and other launchers (its store host dies with it). None where a process
-    that outlives every rank serves it (a launch of this project, torchrun's agent); a
+    that outlives every rank serves it (a launch of this project, torchrun's agent, rank
+    0's keeper: :func:`serve_job_store_outliving_rank_0`); a
     ``popen`` launch's scripts say their launching rank in ``LIGHTNING_PAR_LAUNCHER_RANK``."""
     return _host_rank
 

@@ -17,7 +17,9 @@ After every launch (fit, validate, test, predict) rank 0 also writes its random 
 (``trace.json``). All of it travels as files, not through the queue Lightning returns
 results by: the main process reads that queue only once every rank has ended, so a rank
 whose result outgrew a pipe's buffer (64 KiB) would wait for it forever. The ``.pt`` files
-are read with ``weights_only=True``: no object of another process is unpickled. A training
+are read with ``weights_only=True``: no object of another process is unpickled. When a
+fault-tolerant run lost rank 0, the survivor that took over its share sends all of this
+instead (its random states, not rank 0's). A training
 state that holds some other type (a callback's custom state) is left behind with a warning;
 the weights still arrive.
 """
@@ -27,6 +29,8 @@ from __future__ import annotations
 import json
 import os
 import pickle
+import shutil
+import tempfile
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -34,9 +38,12 @@ from typing import Any
 import lightning.pytorch as pl
 import numpy as np
 import torch
+from lightning.fabric.utilities.apply_func import move_data_to_device
+from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 
 from lightning_par import _compat
+from lightning_par.comm.trace import trace_from_dict, trace_to_dict
 
 #: Keys of a checkpoint the script's own dump writes better than the rank's (its module's
 #: state dict, which the user may have changed since, and hyper-parameters it already holds).
@@ -50,6 +57,8 @@ SCRIPT_KEYS = (
     "datamodule_hparams_type",
 )
 WEIGHTS_FILE, TRAINING_FILE = "weights.ckpt", "training.ckpt"
+#: Prefix of the temporary folder that carries rank 0's weights and training state back.
+WEIGHTS_PREFIX = "lightning_par-weights-"
 RANDOM_FILE, TRACE_FILE = "random.pt", "trace.json"
 
 
@@ -140,3 +149,54 @@ def restore_random_states(states: Mapping[str, Any]) -> None:
     kind, key, pos, has_gauss, gauss = states["numpy"]
     numpy_state = (kind, key.numpy().astype(np.uint32), pos, has_gauss, gauss)
     _compat.set_rng_states({**states, "numpy": numpy_state})
+
+
+def output_for_script(
+    strategy: Any, trainer: pl.Trainer, results: Any, extra: dict[str, Any], queue: Any
+) -> Any:
+    """At the end of a launch, in every rank: the ``_WorkerOutput`` rank 0 returns (None
+    elsewhere), its weights, training state, random states and trace written to a folder of
+    its own that the script removes once read. At the end of ``fit`` every rank takes part
+    in gathering the checkpoint first. A survivor that took over rank 0's share
+    (``fault_tolerant``, :mod:`._leader`) puts the output on ``queue`` itself: Lightning puts
+    rank 0's alone."""
+    callback = trainer.checkpoint_callback
+    best_model_path = getattr(callback, "best_model_path", None) if callback else None
+    checkpoint = None
+    if trainer.state.fn == TrainerFn.FITTING:
+        checkpoint = strategy.end_of_fit_checkpoint or {
+            "state_dict": strategy.lightning_module_state_dict()
+        }
+        strategy.end_of_fit_checkpoint = None
+    took_over = strategy.local_rank != 0 and strategy.is_global_zero
+    if strategy.local_rank != 0 and not took_over:
+        return None
+    folder = tempfile.mkdtemp(prefix=WEIGHTS_PREFIX)
+    trace = getattr(strategy, "trace", None)
+    weights_path = save_for_script(
+        folder, checkpoint, trace_to_dict(trace) if trace is not None else None
+    )
+    extra = {**extra, "lightning_par_folder": folder}
+    output = _compat.WorkerOutput(best_model_path, weights_path, trainer.state, results, extra)
+    if took_over:
+        queue.put(move_data_to_device(output, "cpu"))
+        return None
+    return output
+
+
+def recover_in_script(strategy: Any, trainer: pl.Trainer, worker_output: Any) -> Any:
+    """In the script: read rank 0's folder into the script's model, the strategy's training
+    state, the random states and the trace, and remove it; the rest of ``worker_output``
+    for Lightning (its weights already read)."""
+    folder = worker_output.extra.get("lightning_par_folder")
+    if folder is not None:
+        carried = load_in_script(folder)
+        shutil.rmtree(folder, ignore_errors=True)
+        if carried.state_dict is not None:  # into the script's model, as Lightning does
+            trainer.lightning_module.load_state_dict(carried.state_dict, strict=False)
+            strategy.training_state = carried.training  # for save_checkpoint
+        if carried.random is not None:
+            restore_random_states(carried.random)
+        if carried.trace is not None:
+            strategy.trace = trace_from_dict(carried.trace)
+    return worker_output._replace(weights_path=None)

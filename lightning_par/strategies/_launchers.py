@@ -39,19 +39,16 @@ import inspect
 import os
 import shutil
 import signal
-import tempfile
 import time
 from collections.abc import Callable
 from dataclasses import replace
 from typing import Any
 
 import lightning.pytorch as pl
-from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from typing_extensions import override
 
 from lightning_par import _compat
-from lightning_par.comm.trace import trace_from_dict, trace_to_dict
 from lightning_par.launch.lost import (
     REPORTS_ENV,
     RankLost,
@@ -70,19 +67,11 @@ from lightning_par.launch.policy import (
 )
 from lightning_par.launch.processes import die_with_parent, forkserver_context
 from lightning_par.launch.rendezvous import STORE_ENV, host_job_store
-from lightning_par.strategies._carry_back import (
-    load_in_script,
-    restore_random_states,
-    save_for_script,
-)
+from lightning_par.strategies._carry_back import output_for_script, recover_in_script
 from lightning_par.strategies._interrupts import lost_rank_message, sigterm_as_interrupt, stop_ranks
 from lightning_par.strategies._lost_peers import LostPeers, keep_from_launcher
 from lightning_par.strategies._lost_ranks import ScriptRanks, joined_by_us
 from lightning_par.strategies._rank_errors import RankErrors
-
-#: Prefix of the temporary folder that carries rank 0's weights and training state back to
-#: the main process (:mod:`._carry_back`).
-WEIGHTS_PREFIX = "lightning_par-weights-"
 
 
 def launch_arguments(function: Callable, args: tuple, kwargs: dict[str, Any]) -> dict[str, Any]:
@@ -124,6 +113,7 @@ class PolicyLauncher(_compat.MultiProcessingLauncher):
         self._script: _compat.SubprocessScriptLauncher | None = None
         self._scripts: ScriptRanks | None = None  # popen: the ranks started as scripts
         self._rank_errors: RankErrors | None = None
+        self._queue: Any = None  # a rank's queue to the main process (set in the rank)
         self._parent = ParentState()  # pickled with this launcher for each forkserver rank
 
     @property
@@ -171,7 +161,8 @@ class PolicyLauncher(_compat.MultiProcessingLauncher):
                     forkserver_context(FORKSERVER_PRELOAD)
                 # async_sgd goes on without a lost worker
                 survive = getattr(strategy, "survives_lost_workers", False)
-                with joined_by_us(folder, strategy.rank_name, survive):
+                zero = getattr(strategy, "survives_lost_rank_zero", False)
+                with joined_by_us(folder, strategy.rank_name, survive, zero):
                     return super().launch(function, *args, trainer=trainer, **kw)
         except BaseException as error:
             procs = self._script.procs if self._script is not None else self.procs
@@ -225,6 +216,7 @@ class PolicyLauncher(_compat.MultiProcessingLauncher):
             # SAME parameters (each update applied once per rank: measured 2x on 2 ranks).
             # Lightning unshares them for "spawn" only.
             args, kwargs = _compat.disable_module_memory_sharing((args, kwargs))
+        self._queue = queue  # (a survivor that takes over rank 0's share sends the results)
         try:
             return super()._wrapping_function(process_idx, trainer, function, args, kwargs,
                                               queue, *rest)  # fmt: skip
@@ -247,39 +239,13 @@ class PolicyLauncher(_compat.MultiProcessingLauncher):
 
     @override
     def _collect_rank_zero_results(self, trainer: pl.Trainer, results: Any) -> Any:
-        callback = trainer.checkpoint_callback
-        best_model_path = getattr(callback, "best_model_path", None) if callback else None
-        checkpoint = None
-        if trainer.state.fn == TrainerFn.FITTING:  # every rank takes part in gathering
-            checkpoint = self._strategy.end_of_fit_checkpoint or {
-                "state_dict": self._strategy.lightning_module_state_dict()
-            }
-            self._strategy.end_of_fit_checkpoint = None
-        if self._strategy.local_rank != 0:
-            return None
-        # a folder of its own, removed once the main process read it (see _carry_back)
-        folder = tempfile.mkdtemp(prefix=WEIGHTS_PREFIX)
-        trace = getattr(self._strategy, "trace", None)
-        weights_path = save_for_script(
-            folder, checkpoint, trace_to_dict(trace) if trace is not None else None
-        )
-        extra = {**self.get_extra_results(trainer), "lightning_par_folder": folder}
-        return _compat.WorkerOutput(best_model_path, weights_path, trainer.state, results, extra)
+        extra = self.get_extra_results(trainer)
+        return output_for_script(self._strategy, trainer, results, extra, self._queue)
 
     @override
     def _recover_results_in_main_process(self, worker_output: Any, trainer: pl.Trainer) -> None:
-        folder = worker_output.extra.get("lightning_par_folder")
-        if folder is not None:
-            carried = load_in_script(folder)
-            shutil.rmtree(folder, ignore_errors=True)
-            if carried.state_dict is not None:  # into the script's model, as Lightning does
-                trainer.lightning_module.load_state_dict(carried.state_dict, strict=False)
-                self._strategy.training_state = carried.training  # for save_checkpoint
-            if carried.random is not None:
-                restore_random_states(carried.random)
-            if carried.trace is not None:
-                self._strategy.trace = trace_from_dict(carried.trace)
-        super()._recover_results_in_main_process(worker_output._replace(weights_path=None), trainer)
+        rest = recover_in_script(self._strategy, trainer, worker_output)
+        super()._recover_results_in_main_process(rest, trainer)
 
     def __getstate__(self) -> dict:
         state = super().__getstate__()

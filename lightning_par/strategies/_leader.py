@@ -1,5 +1,6 @@
 """Rank 0's share of a fault-tolerant run, taken over by the first survivor when rank 0 is
-lost (where the job's store outlives it: torchrun's agent holds it).
+lost, where the job's store outlives it (a fork launch's store host, torchrun's agent, rank
+0's keeper under SLURM: :mod:`lightning_par.launch.keeper`).
 
 Lightning gives rank 0 alone the loggers' files, the checkpoints and its messages
 (``rank_zero_only``, ``Strategy.is_global_zero``). Once rank 0 is lost:

@@ -40,11 +40,12 @@ import time
 import traceback
 from collections.abc import Iterator
 from contextlib import contextmanager
+from functools import partial
 from typing import Any
 
 from lightning.fabric.plugins.environments import SLURMEnvironment, TorchElasticEnvironment
 
-from lightning_par.launch import keeper, liveness, peer_loss
+from lightning_par.launch import keeper, liveness, peer_loss, rendezvous
 from lightning_par.launch.lost import (
     RankLost,
     launcher_names,
@@ -134,11 +135,12 @@ def keep_from_launcher(strategy: Any) -> None:
     """Under torchrun or SLURM, fork this rank once behind a keeper
     (:mod:`lightning_par.launch.keeper`) if the strategy is ``fault_tolerant``. The keeper
     tells the launcher that a lost rank ended well if the job goes on without it: a rank
-    other than 0, or rank 0 under torchrun (whose agent holds the store) of a strategy
-    whose first survivor takes over rank 0's share (``survives_lost_rank_zero``)."""
+    other than 0, or rank 0 of a strategy whose first survivor takes over rank 0's share
+    (``survives_lost_rank_zero``). Under torchrun the agent holds the job's store; under
+    SLURM rank 0's keeper serves it, and stays until every rank ended."""
     external = (TorchElasticEnvironment, SLURMEnvironment)
     resilience = getattr(strategy, "resilience", None)
-    if resilience is None or not resilience.enabled:
+    if keeper.kept() or resilience is None or not resilience.enabled:
         return  # (async_sgd's lost worker ends the job under these launchers, as it did)
     if not isinstance(strategy.cluster_environment, external):
         return
@@ -158,11 +160,18 @@ def keep_from_launcher(strategy: Any) -> None:
             "cannot use it then): create GPU tensors inside the LightningModule's hooks, "
             "not before trainer.fit, or set fault_tolerant=False"
         )
-    rank = strategy.global_rank
-    # rank 0 too where a survivor takes over its share and the job's store is not its own
-    agent_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
-    rank_zero = agent_store and getattr(strategy, "survives_lost_rank_zero", False)
-    keeper.keep(strategy.rank_name(rank), tolerated=rank != 0 or rank_zero)
+    rank, env = strategy.global_rank, strategy.cluster_environment
+    takes_over = getattr(strategy, "survives_lost_rank_zero", False)
+    after = None
+    if takes_over and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+        # rank 0 serves the job's store (SLURM): its keeper serves it instead, until every
+        # rank ended, so that the survivors keep it when rank 0 is lost
+        address = (env.main_address, env.main_port)
+        if rank == 0:
+            rendezvous.serve_job_store_outliving_rank_0(*address)
+        world = strategy.world_size if rank == 0 else None
+        after = partial(keeper.count_end, *address, world)
+    keeper.keep(strategy.rank_name(rank), tolerated=rank != 0 or takes_over, after=after)
 
 
 class _HeldSigterm:

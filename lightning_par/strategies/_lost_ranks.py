@@ -14,8 +14,9 @@ launch joins its ranks with :func:`_join` instead:
   :class:`~lightning_par.launch.lost.RankLost` names the lost one;
 * otherwise (a Python error raised in a rank) torch's join stops the rest and reports it
   (:mod:`._rank_errors` raises it again with its own type);
-* with ``survive_lost_workers`` (``async_sgd``), a worker other than 0 that ended without
-  raising is reported and left behind, and the others go on;
+* with ``survive_lost_workers`` (``async_sgd``, ``fault_tolerant=True``), a worker other
+  than 0 that ended without raising is reported and left behind, and the others go on
+  (rank 0 too where the strategy survives it: a survivor then sends the results);
 * torch's error files are removed once read.
 
 A ``popen`` launch's process is rank 0 itself and its other ranks are scripts it started:
@@ -111,7 +112,7 @@ def _details(context: Any) -> str:
 
 def _join(
     context: Any, timeout: float | None, grace_s: float, folder: str | None,
-    name: Callable[[int], str], survive_lost_workers: bool,
+    name: Callable[[int], str], survive_lost_workers: bool, survive_rank_zero: bool = False,
 ) -> bool:  # fmt: skip
     """One round of torch's ``ProcessContext.join`` (see the module docstring)."""
     if not context.sentinels:
@@ -122,7 +123,8 @@ def _join(
         process.join()
         if process.exitcode == 0:
             continue
-        if survive_lost_workers and index != 0 and _abrupt(context, index):
+        survivable = survive_lost_workers and (index != 0 or survive_rank_zero)
+        if survivable and _abrupt(context, index):
             if not read_reports(folder):  # (a reporter of a silent peer: the job ends)
                 print(
                     f"lightning_par: {name(index)} {how_it_ended(process.exitcode)}; the other "
@@ -159,17 +161,20 @@ def _remove_error_files(context: Any) -> None:
 
 @contextmanager
 def joined_by_us(
-    folder: str | None, name: Callable[[int], str], survive_lost_workers: bool
-) -> Iterator[None]:
+    folder: str | None, name: Callable[[int], str], survive_lost_workers: bool,
+    survive_rank_zero: bool = False,
+) -> Iterator[None]:  # fmt: skip
     """While a fork launch starts its ranks, join them with :func:`_join`: lost ranks named
     (their peers' reports in ``folder``, ranks named by ``name``), lost workers left behind
-    if ``survive_lost_workers``, torch's error files removed."""
+    if ``survive_lost_workers`` (rank 0 too if ``survive_rank_zero``: a survivor takes over
+    its share and sends the results), torch's error files removed."""
 
     def ours(context: Any) -> Any:
         def join(timeout: float | None = None, grace_period: float | None = None) -> bool:
             grace = GRACE_S if grace_period is None else grace_period
             try:
-                done = _join(context, timeout, grace, folder, name, survive_lost_workers)
+                done = _join(context, timeout, grace, folder, name, survive_lost_workers,
+                             survive_rank_zero)  # fmt: skip
             except BaseException:
                 _remove_error_files(context)
                 raise

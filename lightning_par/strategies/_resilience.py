@@ -10,8 +10,8 @@ What it cannot keep exact is refused, naming the fix: gradient accumulation (a s
 half-way would have summed some micro-batches already), manual optimisation (the step is
 the user's), and rank 0's own loss where no survivor can take its place (it holds the
 loggers and checkpoints, and under ``popen`` it is the user's script: that run ends with
-the line naming it). Under torchrun, whose agent holds the job's store, the first survivor
-takes over rank 0's share (:mod:`._leader`).
+the line naming it). Under a fork launch, torchrun and srun, where the job's store outlives
+rank 0, the first survivor takes over rank 0's share (:mod:`._leader`).
 """
 
 from __future__ import annotations

@@ -145,7 +145,7 @@ class AllReduceStrategy(ParStrategy):
 
     @property
     def survives_lost_rank_zero(self) -> bool:
-        """Rank 0's loss too, where the job's store outlives it (torchrun's agent holds it)."""
+        """Rank 0's loss too, where the job's store outlives it (not under ``popen``)."""
         return self.resilience.enabled
 
     @property
