@@ -28,6 +28,7 @@ _HOST_SCRIPT = """
 import ctypes, os, signal, sys, time
 fd, host, port, launcher, ready = (int(sys.argv[1]), sys.argv[2], int(sys.argv[3]),
                                    int(sys.argv[4]), int(sys.argv[5]))
+signal.signal(signal.SIGINT, signal.SIG_IGN)  # (Ctrl-C reaches the group: the launcher ends it)
 if sys.platform.startswith("linux"):
     try:  # SIGKILL this host when the launcher dies, however it dies
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)
