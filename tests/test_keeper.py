@@ -59,3 +59,36 @@ def test_a_rank_the_job_cannot_lose_ends_its_keeper_by_the_same_signal(signum):
     done = _run(f"os.kill(os.getpid(), {int(signum)})", tolerated=False)
     assert done.returncode == -signum, done
     assert done.stderr == "", done.stderr
+
+
+def test_the_keeper_serving_the_store_stays_until_every_rank_ended():
+    """Under SLURM rank 0's keeper serves the job's store: once its rank ended it counts it
+    and waits for the other ranks' keepers to count theirs (here: this test, for rank 1)."""
+    import time
+
+    import torch.distributed as dist
+
+    from lightning_par.launch.keeper import ENDED_KEY
+    from lightning_par.launch.store_host import StoreHost
+
+    host = StoreHost()
+    try:
+        code = textwrap.dedent(f"""
+            from functools import partial
+            from lightning_par.launch.keeper import count_end, keep
+            keep("rank 0", tolerated=True, after=partial(count_end, "127.0.0.1", {host.port}, 2))
+            print("rank ends", flush=True)
+        """)
+        keeper = subprocess.Popen([sys.executable, "-c", code], cwd=ROOT, text=True,
+                                  stdout=subprocess.PIPE, stderr=subprocess.PIPE)  # fmt: skip
+        store = dist.TCPStore("127.0.0.1", host.port, is_master=False, wait_for_workers=False)
+        deadline = time.monotonic() + 60
+        while store.add(ENDED_KEY, 0) < 1 and time.monotonic() < deadline:
+            time.sleep(0.1)  # (rank 0 ended, and its keeper counted it)
+        time.sleep(1.0)
+        assert keeper.poll() is None, keeper.communicate()  # still serving: rank 1 runs
+        store.add(ENDED_KEY, 1)  # rank 1's keeper counts its end
+        out, err = keeper.communicate(timeout=30)
+        assert keeper.returncode == 0 and out == "rank ends\n" and err == "", (out, err)
+    finally:
+        host.close()

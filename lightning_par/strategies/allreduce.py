@@ -57,7 +57,9 @@ class AllReduceStrategy(ParStrategy):
             ``dead_peer_timeout``): the survivors re-form the group, run the interrupted
             step again and train the lost ranks' shards themselves, so the weights stay
             those of one process on the whole batch
-            (:mod:`~lightning_par.components.fault_tolerance`).
+            (:mod:`~lightning_par.components.fault_tolerance`); a lost rank 0's loggers,
+            checkpoints and results are taken over by the first survivor (not under
+            ``popen``, where rank 0 is the script: :mod:`._leader`).
         **kwargs: ``trace``, ``trace_dir``, ``start_method``, ``process_group_backend``,
             ``timeout`` (see :class:`~lightning_par.strategies._base.ParStrategy`) and the
             arguments Lightning passes. With ``trace`` the trace also holds a

@@ -30,7 +30,8 @@ runs each rank's own replica, and a checkpoint saved then holds rank 0's. Every 
 make the same number of optimiser steps (Lightning's ``DistributedSampler`` gives equal
 shards), since each averaging is a collective.
 
-**fault_tolerant=True** keeps every replica past a lost rank (other than 0): at each
+**fault_tolerant=True** keeps every replica past a lost rank (rank 0 too, but under
+``popen``, where it is the script: the first survivor takes over its share): at each
 averaging each rank keeps the mean and receives its left neighbour's optimiser state; the
 next averaging finds the loss (or a metric synced with ``sync_dist=True``, or a barrier,
 which then run again over the survivors; Lightning's per-step SIGTERM broadcast, whose
