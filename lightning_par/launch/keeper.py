@@ -94,18 +94,21 @@ def _wait_and_end(
     for signum in (signal.SIGINT, signal.SIGTERM):
         signal.signal(signum, signal.SIG_IGN)  # the child, in this group, gets them too
     _, status = os.waitpid(child, 0)  # (retried on EINTR by Python)
-    if after is not None:
-        after()
-    if os.WIFEXITED(status):
-        os._exit(os.WEXITSTATUS(status))
-    signum = os.WTERMSIG(status)
-    if tolerated:
+    signum = os.WTERMSIG(status) if os.WIFSIGNALED(status) else None
+    if signum is not None and tolerated:
         print(
             f"lightning_par: {name} {how_it_ended(-signum)}; the other ranks go on without it",
             file=sys.stderr, flush=True,
         )  # fmt: skip
-        os._exit(0)
-    if signum not in (signal.SIGKILL, signal.SIGSTOP):  # (these two keep their action)
-        signal.signal(signum, signal.SIG_DFL)
-    os.kill(os.getpid(), signum)
-    os._exit(128 + signum)  # (a signal that does not end a process by default)
+    try:
+        if after is not None:
+            after()
+    finally:
+        if signum is None:
+            os._exit(os.WEXITSTATUS(status))
+        if tolerated:
+            os._exit(0)
+        if signum not in (signal.SIGKILL, signal.SIGSTOP):  # (these two keep their action)
+            signal.signal(signum, signal.SIG_DFL)
+        os.kill(os.getpid(), signum)
+        os._exit(128 + signum)  # (a signal that does not end a process by default)
