@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from lightning_par.simulate.cores import capacity, lightning_threads, stretches
+from lightning_par.simulate.cores import capacity, lightning_threads, place, stretches
 from lightning_par.simulate.engine import simulate
 from lightning_par.simulate.links import Link, Topology
 from lightning_par.simulate.ops import Comm, Compute, Graph, Msg, Post, Wait
@@ -48,6 +48,29 @@ def test_stretch_is_the_time_averaged_threads_over_cores():
     assert out[(lane0, 0)] == pytest.approx(1.5) and out[(lane1, 0)] == pytest.approx(2.0)
     with pytest.raises(ValueError, match="cores must be >= 1"):
         stretches({}, {}, cores=0)
+
+
+def test_ranks_of_unequal_work_are_placed_whole_the_busiest_first():
+    # the pipeline's four stages on two cores: each heavy stage beside a light one
+    assert place({0: 17.0, 1: 46.0, 2: 44.0, 3: 10.0}, cores=2) == {1: 0, 2: 1, 0: 1, 3: 0}
+    lane0, lane1 = (0, "main"), (1, "main")
+    spans = {(lane0, 0): (0.0, 2.0, 2.0), (lane1, 0): (0.0, 2.0, 2.0)}
+    # two ranks on one core take turns; on two cores neither waits, though both run at once
+    apart = stretches(spans, {}, cores=2, placed={0: 0, 1: 1})
+    together = stretches(spans, {}, cores=2, placed={0: 0, 1: 0})
+    assert apart[(lane0, 0)] == pytest.approx(1.0) and together[(lane0, 0)] == pytest.approx(2.0)
+
+
+def test_stages_placed_whole_take_turns_on_their_core_alone():
+    # three stages at once on two cores (3, 2, 2 s): placed whole, the busiest has a core
+    # to itself and the two others take turns on the second, ending at 4 s; shared evenly
+    # over both cores (the data-parallel rule) all would end by 3.5 s
+    g = Graph(placed=True)
+    for r, seconds in enumerate((3.0, 2.0, 2.0)):
+        g.lane(r).append(Compute(seconds))
+    assert simulate(g, FREE, cores=2).max_step_s == pytest.approx(4.0)
+    g.placed = False
+    assert simulate(g, FREE, cores=2).max_step_s < 4.0
 
 
 def test_lightning_gives_each_rank_its_share_of_the_cores():

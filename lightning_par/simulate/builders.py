@@ -19,7 +19,8 @@ from the measured run:
 * **gpipe / layerwise**: ``K = p`` stage lanes running
   :func:`lightning_par.pipeline.schedule.gpipe_steps` for ``M`` micro-batches (layerwise: 1),
   activations and gradients as messages between neighbours; each stage computes its share
-  of the measured model under the strategy's own cut at ``p`` (:mod:`.stage_share`).
+  of the measured model under the strategy's own cut at ``p`` (:mod:`.stage_share`), and
+  on shared cores each stage is placed whole on one (:func:`.cores.place`).
 * **tensor_parallel**: the busiest rank computes its slice of every layer the automatic plan
   cuts at ``p`` and every other layer whole (:mod:`.tp_share`); the step's overhead outside
   forward and backward is not split; the plan's allreduces at ``p``, each a ring allreduce.
@@ -164,7 +165,7 @@ def pipeline_graph(prof: Profile, p: int, topo: Topology, cores: int | None,
     # a stage's messages cost it CPU where ranks share this machine's cores: the measured
     # stage's (one neighbour) per message it sends
     per_send = communication_cpu(prof, cores) / chunks
-    g = Graph()
+    g = Graph(placed=True)
     act = {(s, i): g.message(Msg(s, s + 1, cuts[s])) for s in range(p - 1)
            for i in range(chunks)}  # fmt: skip
     grad = {(s, i): g.message(Msg(s + 1, s, cuts[s])) for s in range(p - 1)

@@ -36,7 +36,7 @@ import bisect
 from collections import defaultdict
 from dataclasses import dataclass, field
 
-from lightning_par.simulate.cores import stretches, turn_factor
+from lightning_par.simulate.cores import place, stretches, turn_factor
 from lightning_par.simulate.links import Topology
 from lightning_par.simulate.ops import Comm, Compute, Graph, Join, Lane, Op, Post, Wait
 
@@ -269,14 +269,29 @@ def simulate(
         return result
     share: dict[int, float] = {}
     stretch: dict = {}
+    placed = _placement(graph, result, cores, threads)
     for _ in range(rounds):
         new = _shares(graph, topo, result.transfers) if contention else {}
-        more = (stretches(result.computes, graph.weight, cores, threads, other_load)
+        more = (stretches(result.computes, graph.weight, cores, threads, other_load, placed)
                 if cores else {})  # fmt: skip
         moved = max((abs(v - stretch.get(k, 1.0)) for k, v in more.items()), default=0.0)
         if new == share and moved < 1e-6:
             break
         share, stretch = new, more
-        turns = stretches(result.computes, graph.weight, cores, threads) if turn_cost else {}
+        turns = (stretches(result.computes, graph.weight, cores, threads, placed=placed)
+                 if turn_cost else {})  # fmt: skip
         result = _Replay(graph, topo, speed, share, stretch, turn_cost, turns).run()
     return result
+
+
+def _placement(graph: Graph, alone: Result, cores: int | None, threads: int
+               ) -> dict[int, int] | None:  # fmt: skip
+    """Rank -> core where ``graph``'s ranks are placed whole on the cores (``placed``: ranks
+    of one thread, more than the cores), by their own work when each has a processor."""
+    ranks = graph.ranks
+    if not graph.placed or not cores or threads != 1 or len(ranks) <= cores:
+        return None
+    work = dict.fromkeys(ranks, 0.0)
+    for (lane, _), (_, _, own) in alone.computes.items():
+        work[lane[0]] += own
+    return place(work, cores)

@@ -82,6 +82,9 @@ class Graph:
     #: How many identical ranks a rank's lanes stand for (default 1), for core sharing (a
     #: fraction where the ranks it stands for do less than it in all).
     weight: dict[int, float] = field(default_factory=dict)
+    #: Whether its ranks, of unequal work, share the cores as whole ranks placed on them
+    #: (:func:`~.cores.place`: pipeline stages) rather than evenly over all of them.
+    placed: bool = False
 
     def message(self, msg: Msg) -> int:
         self.messages.append(msg)
