@@ -4,7 +4,13 @@ from __future__ import annotations
 
 import pytest
 
-from lightning_par.simulate.cores import capacity, lightning_threads, place, stretches
+from lightning_par.simulate.cores import (
+    balanced_placements,
+    capacity,
+    lightning_threads,
+    place,
+    stretches,
+)
 from lightning_par.simulate.engine import simulate
 from lightning_par.simulate.links import Link, Topology
 from lightning_par.simulate.ops import Comm, Compute, Graph, Msg, Post, Wait
@@ -52,7 +58,18 @@ def test_stretch_is_the_time_averaged_threads_over_cores():
 
 def test_ranks_of_unequal_work_are_placed_whole_the_busiest_first():
     # the pipeline's four stages on two cores: each heavy stage beside a light one
-    assert place({0: 17.0, 1: 46.0, 2: 44.0, 3: 10.0}, cores=2) == {1: 0, 2: 1, 0: 1, 3: 0}
+    work = {0: 17.0, 1: 46.0, 2: 44.0, 3: 10.0}
+    assert place(work, cores=2) == {1: 0, 2: 1, 0: 1, 3: 0}
+    # a run lands on either heavy stage beside either light one; never the two heavy
+    # stages on one core; the better balanced way round weighs more
+    ways = balanced_placements(work, cores=2)
+    assert sum(w for w, _ in ways) == pytest.approx(1.0)
+    pairs = {frozenset(r for r, c in at.items() if c == at[1]): w for w, at in ways}
+    assert set(pairs) == {frozenset({1, 0}), frozenset({1, 3})}
+    assert pairs[frozenset({1, 3})] > pairs[frozenset({1, 0})] > 0.3
+    # a stage's timing moved by a few per cent moves the weights a little, not to 0
+    nudged = dict(balanced_placements({**work, 0: 19.0}, cores=2))
+    assert min(nudged) > 0.3
     lane0, lane1 = (0, "main"), (1, "main")
     spans = {(lane0, 0): (0.0, 2.0, 2.0), (lane1, 0): (0.0, 2.0, 2.0)}
     # two ranks on one core take turns; on two cores neither waits, though both run at once
