@@ -190,3 +190,25 @@ def test_the_allreduce_family_pays_its_measured_communication_cpu_on_shared_core
     assert predict_step(prof, 4, LATENCY_ONLY, cores=2) == pytest.approx(10 + 6 + 2)
     # on other hardware (no cores to share) the link's cost says it all
     assert predict_step(prof, 4, LATENCY_ONLY) == pytest.approx(5 + 6)
+
+
+def test_the_steps_own_overhead_pays_no_cost_of_taking_turns():
+    # four ranks on two cores, a cost of 1.2 where they share them twice over: the model's
+    # work pays it, the loop's per-step overhead (timed apart from it) does not
+    def four(turns: bool) -> Graph:
+        g = Graph()
+        for r in range(4):
+            g.lane(r).append(Compute(1.0, turns=turns))
+        return g
+
+    model = simulate(four(True), FREE, cores=2, turn_cost=(1.2, 2.0)).max_step_s
+    overhead = simulate(four(False), FREE, cores=2, turn_cost=(1.2, 2.0)).max_step_s
+    assert model == pytest.approx(2.4) and overhead == pytest.approx(2.0)
+    # the data-parallel graph draws the per-step part apart where ranks share cores
+    from lightning_par.simulate.builders import build
+
+    prof = Profile("ring_allreduce", "allreduce", 2, 2, 8, 0.0, compute_s=0.03,
+                   backward_s=0.01, batch_s=0.02, grad_bytes=4, cpu_based=True)  # fmt: skip
+    ops = build(prof, 4, FREE, cores=2).lanes[(0, "main")]
+    assert [op.turns for op in ops if isinstance(op, Compute)][0] is False
+    assert ops[0].seconds == pytest.approx(0.01)

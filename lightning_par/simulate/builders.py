@@ -98,7 +98,12 @@ def data_parallel_graph(prof: Profile, p: int, topo: Topology, cores: int | None
                          "average / period"))  # fmt: skip
         return g
     buckets = prof.buckets if bwd > 0 else 1
-    main.append(Compute(work - bwd, "forward"))
+    # the step's per-step part (loop, hooks, logging) pays no cost of taking turns: that
+    # cost was timed on the model's own step (:mod:`.sharing_cost`)
+    fixed = min(max(prof.compute_s - prof.batch_s, 0.0), work - bwd) if cores else 0.0
+    if fixed > 0:
+        main.append(Compute(fixed, "overhead", turns=False))
+    main.append(Compute(work - bwd - fixed, "forward"))
     bg = g.lane(0, "bg")
     each = _allreduce_s(prof.algorithm, prof.grad_bytes // buckets, p, topo)
     cpu = communication_cpu(prof, cores) / buckets
@@ -136,7 +141,7 @@ def ps_graph(prof: Profile, p: int, topo: Topology, cores: int | None,
     for w in range(p):
         lane = g.lane(w)
         lane.extend([*map(Post, push[w]), *map(Post, pull[w]), *map(Wait, push[w])])
-        lane.extend([Compute(between, "between steps"), *map(Wait, pull[w])])
+        lane.extend([Compute(between, "between steps", turns=False), *map(Wait, pull[w])])
         lane.append(Compute(prof.compute_s * scale - between))
     serve = Compute(prof.server_s, "update")
     for s in range(s_count):

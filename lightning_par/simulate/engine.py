@@ -155,7 +155,8 @@ class _Replay:
         rank = lane[0]
         if isinstance(op, Compute):
             stretch = self.stretch.get((lane, self.pc[lane]), 1.0)
-            turns = turn_factor(self.turns.get((lane, self.pc[lane]), 1.0), self.turn_cost)
+            turns = (turn_factor(self.turns.get((lane, self.pc[lane]), 1.0), self.turn_cost)
+                     if op.turns else 1.0)  # fmt: skip
             own = op.seconds / _speed(self.speed, rank) * turns
             new = t + own * stretch
             self.computes[(lane, self.pc[lane])] = (t, new, own)

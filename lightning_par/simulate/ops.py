@@ -26,6 +26,9 @@ class Msg:
 class Compute:
     seconds: float
     name: str = "compute"
+    #: whether it pays the cost of taking turns on the cores (:func:`~.cores.turn_factor`):
+    #: the model's own work does, whose data the ranks evict from each other's caches
+    turns: bool = True
 
 
 @dataclass(frozen=True)
