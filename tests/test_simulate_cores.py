@@ -86,8 +86,11 @@ def test_stages_placed_whole_take_turns_on_their_core_alone():
     for r, seconds in enumerate((3.0, 2.0, 2.0)):
         g.lane(r).append(Compute(seconds))
     assert simulate(g, FREE, cores=2).max_step_s == pytest.approx(4.0)
+    # beside other processes' load the balancer moves them among its tasks: even sharing
+    busy = simulate(g, FREE, cores=2, other_load=0.5).max_step_s
     g.placed = False
     assert simulate(g, FREE, cores=2).max_step_s < 4.0
+    assert busy == pytest.approx(simulate(g, FREE, cores=2, other_load=0.5).max_step_s)
 
 
 def test_lightning_gives_each_rank_its_share_of_the_cores():
