@@ -69,7 +69,7 @@ from lightning_par.launch.processes import die_with_parent, forkserver_context
 from lightning_par.launch.rendezvous import STORE_ENV, host_job_store
 from lightning_par.strategies._carry_back import output_for_script, recover_in_script
 from lightning_par.strategies._interrupts import lost_rank_message, sigterm_as_interrupt, stop_ranks
-from lightning_par.strategies._lost_peers import LostPeers, keep_from_launcher
+from lightning_par.strategies._lost_peers import LostPeers, keep_from_launcher, keep_popen_rank_0
 from lightning_par.strategies._lost_ranks import ScriptRanks, joined_by_us
 from lightning_par.strategies._rank_errors import RankErrors
 
@@ -134,6 +134,8 @@ class PolicyLauncher(_compat.MultiProcessingLauncher):
             device, strategy.num_processes, requested=self.requested, state=state
         )
         strategy.launch_plan = self.plan
+        if self.plan.method == "popen":  # (fault_tolerant: this process keeps rank 0)
+            keep_popen_rank_0(strategy)
         if strategy.num_nodes == 1:  # a store bound now: no other job can take its port
             if self.plan.method != "popen":
                 strategy.store_spec = host_job_store()  # new ranks each launch
