@@ -43,7 +43,7 @@ if __name__ == "__main__":
     data = TensorDataset(torch.randn(4000, 4))
     trainer = pl.Trainer(
         strategy=AllReduceStrategy("ring", start_method=sys.argv[2],
-                                   fault_tolerant=sys.argv[3] == "fault_tolerant"),
+                                   fault_tolerant="fault_tolerant" in sys.argv[3:]),
         accelerator="cpu",
         devices=2, max_epochs=1, logger=False, enable_progress_bar=False,
         default_root_dir=sys.argv[1],

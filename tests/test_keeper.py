@@ -111,12 +111,11 @@ subprocess.Popen([sys.executable, "-c", "import sys, time; time.sleep(1.5); "
 
 @pytest.mark.parametrize(
     "end, survivor, code, line",
-    [
-        ("os.kill(os.getpid(), signal.SIGKILL)", 0, 0, True),  # lost: the survivor goes on
-        ("os.kill(os.getpid(), signal.SIGKILL)", 4, 4, True),  # ... and fails: its code
+    [  # (a survivor that ends well, exit code 0: tests/test_fault_tolerance.py)
+        ("os.kill(os.getpid(), signal.SIGKILL)", 4, 4, True),  # lost; a survivor fails
         ("sys.exit(3)", 0, 3, False),  # rank 0's own end, after its ranks'
     ],
-    ids=["rank-0-killed", "rank-0-killed-survivor-fails", "rank-0-exits"],
+    ids=["rank-0-killed-survivor-fails", "rank-0-exits"],
 )
 def test_the_popen_keeper_waits_for_every_rank_and_ends_as_the_job_did(end, survivor, code, line):
     rank_0 = _RANK_0.format(survivor=survivor, end=end)
