@@ -118,6 +118,7 @@ def test_an_interrupt_of_the_main_process_stops_every_rank(
         assert session_members(proc.pid) == [], out[-3000:]
         assert time.monotonic() - start < 10
         assert "Traceback" not in out, out[-3000:]
+        assert "go on without it" not in out, out[-3000:]  # (no rank was lost)
         assert "lightning_par: stopped every rank" in out, out[-3000:]
         assert "no checkpoint was saved" in out  # the epoch never ended
     finally:

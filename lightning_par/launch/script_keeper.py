@@ -22,7 +22,8 @@ keeper instead (:func:`run_rank_0_behind_keeper`):
   - as rank 0 did when rank 0 exited (after the other ranks end, for up to
     :data:`EXIT_WAIT_S`);
   - when rank 0 was killed: with one line naming it, after every rank ended (the store
-    is theirs until then), with 0, or with the first error code of a survivor.
+    is theirs until then), with 0, or with the first error code of a survivor; but when
+    the signal that ended rank 0 came through the keeper, the others get it too.
 
 The keeper never returns to the script (``os._exit``): the script's lines after its first
 ``Trainer`` call, and its ``atexit`` handlers, run in the ranks.
@@ -74,16 +75,22 @@ def run_rank_0_behind_keeper(name: str, command: list[str], cwd: str | None) -> 
     become_subreaper()
     sys.stdout.flush()
     sys.stderr.flush()
+    passing = _PassedOn()
     rank_0 = subprocess.Popen(command, cwd=cwd, preexec_fn=_own_group_dying_with_parent)
-    passing = _PassedOn(rank_0.pid)
+    passing.rank_0 = rank_0.pid
+    if passing.received is not None:  # (came as rank 0 started)
+        passing.pass_on(passing.received, None)
     _, status = os.waitpid(rank_0.pid, 0)  # (retried after a signal's handler by Python)
     passing.rank_0_ended = True
-    code = 0
-    if os.WIFSIGNALED(status):
+    if os.WIFSIGNALED(status) and passing.received is None:  # lost: the others go on
         ended = how_it_ended(-os.WTERMSIG(status))
         print(f"lightning_par: {name} {ended}; the other ranks go on without it",
               file=sys.stderr, flush=True)  # fmt: skip
         code = _wait_for_ranks(store_host, None)
+    elif os.WIFSIGNALED(status):  # ended by the signal passed on to it: so do the others
+        passing.pass_on(passing.received, None)
+        _wait_for_ranks(store_host, EXIT_WAIT_S)
+        code = 128 + os.WTERMSIG(status)
     else:
         code = os.WEXITSTATUS(status)
         _wait_for_ranks(store_host, EXIT_WAIT_S)
@@ -104,12 +111,17 @@ class _PassedOn:
     rank 0, which stops the others as it does without a keeper, or once it ended to the
     survivors."""
 
-    def __init__(self, rank_0: int) -> None:
-        self.rank_0, self.rank_0_ended = rank_0, False
+    def __init__(self) -> None:
+        self.rank_0: int | None = None  # (its process, once started)
+        self.rank_0_ended = False
+        self.received: int | None = None  # the last signal passed on
         for signum in (signal.SIGINT, signal.SIGTERM):
             signal.signal(signum, self.pass_on)
 
     def pass_on(self, signum: int, frame: object) -> None:
+        self.received = signum
+        if self.rank_0 is None:
+            return
         to_rank_0 = signum == signal.SIGTERM and not self.rank_0_ended
         try:
             (os.kill if to_rank_0 else os.killpg)(self.rank_0, signum)

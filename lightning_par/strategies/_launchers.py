@@ -7,6 +7,8 @@
 * runs the strategy's ``check_before_launch(trainer)`` in the main process, so a bad
   configuration fails once, with its own message, before any process starts;
 * warns when more ranks than cores (or GPUs) are asked for;
+* ``popen`` with ``fault_tolerant``: this process keeps rank 0, one more run of the script
+  (:func:`~._lost_peers.keep_popen_rank_0`), and never returns;
 * on one machine, binds the job's rendezvous store on a port the OS gives it before any
   rank starts (:func:`~lightning_par.launch.rendezvous.host_job_store`), so two jobs started
   at once never meet in one store;
@@ -134,8 +136,7 @@ class PolicyLauncher(_compat.MultiProcessingLauncher):
             device, strategy.num_processes, requested=self.requested, state=state
         )
         strategy.launch_plan = self.plan
-        if self.plan.method == "popen":  # (fault_tolerant: this process keeps rank 0)
-            keep_popen_rank_0(strategy)
+        keep_popen_rank_0(strategy, self.plan.method)  # (popen, fault_tolerant: never returns)
         if strategy.num_nodes == 1:  # a store bound now: no other job can take its port
             if self.plan.method != "popen":
                 strategy.store_spec = host_job_store()  # new ranks each launch
