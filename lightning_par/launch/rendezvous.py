@@ -181,6 +181,13 @@ def serve_job_store_outliving_rank_0(host: str, port: int) -> None:
     _kept_host = True
 
 
+def job_store_outlives_rank_0() -> None:
+    """Every other rank of such a job: rank 0's keeper serves the store, so rank 0's end is
+    not the store's (its heartbeat goes on watching the others, and the survivors regroup)."""
+    global _kept_host
+    _kept_host = True
+
+
 def store_host_rank() -> int | None:
     """The rank whose process serves the job's store, when a rank does: global rank 0
     under SLURM and other launchers (its store host dies with it). None where a process

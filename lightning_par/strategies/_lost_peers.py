@@ -172,6 +172,8 @@ def keep_from_launcher(strategy: Any) -> None:
         address = (env.main_address, env.main_port)
         if rank == 0:
             rendezvous.serve_job_store_outliving_rank_0(*address)
+        else:
+            rendezvous.job_store_outlives_rank_0()
         world = strategy.world_size if rank == 0 else None
         after = partial(keeper.count_end, *address, world)
     keeper.keep(strategy.rank_name(rank), tolerated=rank != 0 or takes_over, after=after)
