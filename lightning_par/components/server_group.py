@@ -265,4 +265,4 @@ class ServerGroup:
             dist.destroy_process_group()
             if ctx.outlives_the_call:  # the script's next call needs a group: the workers'
                 keep_workers_group(ctx, beat, alive)
-                self.workers.group = None  # the default group holds the workers alone
+                self.workers.group = self.workers.members = None  # (the survivors alone)

@@ -76,9 +76,15 @@ class LostWorkers:
     def live(self) -> list[int]:
         return [w for w in range(self.num_workers) if w not in self.lost]
 
+    @property
+    def leader(self) -> int:
+        """The worker that stands in for the lost ones: the first live one (worker 0 until
+        it is lost; the workers agree, :attr:`~.missing_pushes.MissingPushes.leader`)."""
+        return self.live[0]
+
     def lose(self, worker: int, error: CommError) -> None:
-        """A message from or to ``worker`` failed: it is lost (worker 0: the job ends)."""
-        if worker == 0:
+        """A message from or to ``worker`` failed: it is lost (the last one: the job ends)."""
+        if self.live == [worker]:
             raise error
         self.lost.add(worker)
 
@@ -94,25 +100,27 @@ class LostWorkers:
     def headers(self, comm: Communicator, num_hyper: int, idle, tag) -> Header:
         """The next header of every live worker (worker 0's waited for up to ``idle``, as
         :func:`~.messages.recv_headers` does); a worker whose header fails is lost.
-        Returns worker 0's."""
+        Returns the first live one's."""
         live = self.live
         buffers = {w: Header.buffer(num_hyper) for w in live}
         handles = {w: self._post(comm, buffers[w], w, tag=tag) for w in live}
-        handles[0].wait(idle)
-        first = Header.decode(buffers[0], num_hyper, "worker 0 (rank 0)")
-        for w in live[1:]:
+        first = None
+        for w in live:
             try:
-                handles[w].wait()
+                handles[w].wait(idle if first is None else None)
             except CommError as err:
                 self.lose(w, err)
                 continue
             header = Header.decode(buffers[w], num_hyper, f"worker {w} (rank {w})")
-            if header.command != first.command:
+            if first is None:
+                first = header
+            elif header.command != first.command:
                 raise RuntimeError(
                     f"parameter server rank {comm.rank}: workers disagree on the command "
                     f"({first.command.name}, {header.command.name}); they must call the same "
                     "hooks in step"
                 )
+        assert first is not None  # (losing the last live worker raised)
         return first
 
     def _post(self, comm: Communicator, buffer: torch.Tensor, worker: int, **kw) -> Handle:
@@ -122,8 +130,6 @@ class LostWorkers:
         try:
             return comm.irecv(buffer, worker, **kw)
         except CommError as err:
-            if worker == 0:
-                raise
             return _Failed(err)
 
     def wait_sends(self, sends: list[tuple[int, Handle]]) -> None:
@@ -143,15 +149,18 @@ class LostWorkers:
         replicate: Replicate | None = None, applied: frozenset[int] = frozenset(),
     ) -> None:  # fmt: skip
         """:func:`~.server.synchronous_step` over every worker's slot, a lost worker's push
-        taken from worker 0 (see the module docstring); each bucket's pushes summed in worker
-        order, whoever sent them, so the sum is the one without the loss, bit for bit."""
+        taken from the leader (worker 0 until it is lost; see the module docstring); each
+        bucket's pushes summed in worker order, whoever sent them, so the sum is the one
+        without the loss, bit for bit."""
         tag = shard.tag(Kind.PUSH)
-        covered = {w for w in self.lost if self.covered(w, step)}  # pushed by worker 0
+        covered = {w for w in self.lost if self.covered(w, step)}  # pushed by the leader
         # from which bucket (its position in shard.active) each lost worker's push is missing
         missing = {w: 0 for w in sorted(self.lost - covered)}
-        slots = [w for w in range(shard.spec.num_workers) if w not in missing]
-        sender = {w: 0 if w in covered else w for w in slots}
-        # (from worker 0: bucket by bucket, its own push, then the covered workers' in order)
+        sender = {w: self.leader if w in covered else w
+                  for w in range(shard.spec.num_workers) if w not in missing}  # fmt: skip
+        # (from the leader: bucket by bucket, its own push, then the covered workers' in
+        # order: the receives from one sender are matched in the order they are posted)
+        slots = sorted(sender, key=lambda w: (sender[w], w != sender[w], w))
         recvs = {
             b: {w: self._post(comm, shard.push_buffer(b), sender[w], step=step, chunk=b, tag=tag)
                 for w in slots}
@@ -175,9 +184,10 @@ class LostWorkers:
         status = protocol.encode_missing(list(missing), shard.spec.num_workers)
         for w in self.live:
             self.send(comm, status, w, shard.tag(Kind.MISSING), step=step)
-        for w in sorted(missing):  # worker 0 sends each one's gradient, every bucket
+        leader = self.leader  # sends each one's gradient, every bucket
+        for w in sorted(missing):
             for i, b in enumerate(shard.active):
-                part = comm.recv(shard.push_buffer(b), 0, step=step, chunk=b, tag=tag)
+                part = comm.recv(shard.push_buffer(b), leader, step=step, chunk=b, tag=tag)
                 if i >= missing[w]:
                     parts[b][w] = part
             self._covered_from[w] = step + 1
@@ -221,12 +231,12 @@ def _in_order(parts: dict[int, torch.Tensor]) -> torch.Tensor:
 
 # ---- a silent worker (frozen): ended, so that its connections close --------------------------
 def let_go_silent(beat: Heartbeat, num_workers: int, peer: int, report: str) -> bool:
-    """``fault_tolerant``: whether the job goes on without silent ``peer`` (a server, or a
-    worker other than 0, which is killed first where it runs on this machine, so that its
-    connections close and the others' messages to it fail at once)."""
-    if 0 < peer < num_workers:
+    """``fault_tolerant``: the job goes on without silent ``peer`` (a server, or a worker,
+    which is killed first where it runs on this machine, so that its connections close and
+    the others' messages to it fail at once)."""
+    if peer < num_workers:
         end_silent_worker(beat, peer, report)
-    return peer != 0
+    return True
 
 
 #: Who found a silent worker first (``fault_tolerant``): the one process that says so.

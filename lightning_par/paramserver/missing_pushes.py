@@ -58,6 +58,12 @@ class MissingPushes:
         #: worker 0: the lost workers' gradients of the step it trains their batches in
         self._kept: tuple[int, dict[int, list[torch.Tensor | None]]] | None = None
 
+    @property
+    def leader(self) -> int:
+        """The worker that stands in for the lost ones: the first live one (the servers
+        agree, :attr:`~.lost_workers.LostWorkers.leader`)."""
+        return next(w for w in range(self.num_workers) if w not in self.lost)
+
     def expect(self, shards: int, step: int) -> None:
         """Step ``step``'s header went to the ``shards``: each will answer ``MISSING``."""
         self._due, self._read, self._step = set(range(shards)), {}, step
@@ -87,9 +93,9 @@ class MissingPushes:
             links.waiting = False
         missing.update(self._read)
         lost = sorted({w for ws in missing.values() for w in ws})
-        if lost and self.rank == 0:
-            self._push_in_place(lost, missing, next_step)
         self.lost += [w for w in lost if w not in self.lost]
+        if lost and self.rank == self.leader:  # (worker 0, or the first survivor)
+            self._push_in_place(lost, missing, next_step)
 
     def read_again(self, s: int, holder: int) -> None:
         """Shard ``s`` moved to ``holder``, whose answer to the step ends with a ``MISSING``
@@ -136,7 +142,7 @@ class MissingPushes:
         """Worker 0, right after its own push of bucket ``b`` of ``step``: each lost worker's
         gradient of it, in that worker's slot (the sends, not waited for). Every shard takes
         them from worker 0 in this order: its own push, then the lost workers' in order."""
-        if self.rank != 0 or not self.lost:
+        if self.rank != self.leader or not self.lost:
             return []
         if self._kept is None or self._kept[0] != step:
             raise RuntimeError(f"{self.name}: worker 0 trains lost workers {self.lost}, but no "

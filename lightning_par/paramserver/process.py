@@ -10,18 +10,18 @@ servers with :func:`~lightning_par.comm.plan_launch` for processes of its own
 the workers in the job's store (:mod:`lightning_par.launch.rendezvous`), under the group's
 own key prefix; gloo then connects every pair directly, on ports the OS gives each process.
 
-Ending with the job: a server is a daemon child of the worker that started it (killed
-when that worker exits), asks Linux to kill it when its parent dies, and watches that
-worker's process id (a forkserver's child has the forkserver as parent), so no server
-outlives a failed run. The starting worker watches its servers in turn: one that dies
-(killed by the OOM killer, say) is reported within a second in the group's store, naming
-the server, so every worker's error names it (:mod:`lightning_par.paramserver.faults`).
+Ending with the job: a server is a daemon child of the worker that started it (killed when
+that worker exits), asks Linux to kill it when its parent dies and watches that worker's
+process id (a forkserver's child has the forkserver as parent); a fault-tolerant one outlives
+worker 0, ending at the survivors' goodbye or as its connections to them all close. The
+starting worker watches its servers: one that dies (the OOM killer) is reported within a
+second in the group's store, so every worker's error names it (:mod:`.faults`).
 
 With ``fault_tolerant`` a server's death does not end the job: the starting worker records
 how it ended in the store (the others take a failed message for its loss only then), a
-server silent for ``dead_peer_timeout`` (frozen) is killed by the worker that started it
-(:func:`fence`), so that its connections close and its shard's copy takes over
-(:mod:`lightning_par.paramserver.shard_server`), and a lone server gets a standby.
+server silent for ``dead_peer_timeout`` (frozen) is killed by its starter (:func:`fence`),
+so that its connections close and its copy takes over (:mod:`.shard_server`), and a lone
+server gets a standby.
 """
 
 from __future__ import annotations
@@ -107,14 +107,15 @@ class ServerLaunch:
 def server_main(launch: ServerLaunch, parent: ParentState | None = None) -> None:
     """A server process: join the group as rank ``W + server`` and serve until told to stop.
     ``parent``: the starting worker's state, restored in a forkserver's child."""
-    die_with_parent()
+    if not launch.fault_tolerant:  # (else it outlives worker 0, whose share a survivor takes)
+        die_with_parent()
+        threading.Thread(target=_watch, args=(launch.owner,), daemon=True).start()
     # a server ends with its worker: a SIGTERM to the worker's process group (torchrun's
     # agent stopping the job) is the worker's to handle; a server it killed would be taken
     # for the process the job lost
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     if parent is not None:
         parent.restore()
-    threading.Thread(target=_watch, args=(launch.owner,), daemon=True).start()
     limit_threads_after_fork(max(1, launch.threads))
     server, num_workers, rank = launch.server, launch.num_workers, launch.rank
     timeout = launch.timeout
@@ -268,11 +269,11 @@ def fence(procs: list[mp.process.BaseProcess], num_workers: int):
     """A worker's answer to a silent peer (``fault_tolerant``): the job goes on without a
     server (``survive`` of :class:`~lightning_par.launch.liveness.Heartbeat`), killed first
     if this worker started it, so that its connections close and its copy takes over, and
-    without a worker other than 0, killed first where it runs on this machine."""
+    without a worker (0 too: a survivor takes over), killed first where it runs here."""
 
     def survive(peer: int, report: str) -> bool:
         beat = current()
-        if 0 < peer < num_workers and beat is not None:  # a silent worker: ended, let go
+        if peer < num_workers and beat is not None:  # a silent worker: ended, let go
             end_silent_worker(beat, peer, report)
             return True
         for proc in procs:

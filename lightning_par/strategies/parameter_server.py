@@ -58,8 +58,9 @@ from lightning_par.paramserver.replicated_client import ReplicatedClient
 from lightning_par.paramserver.worker import ParameterClient
 from lightning_par.strategies._base import ParStrategy
 from lightning_par.strategies._late_params import refuse_late_parameters
+from lightning_par.strategies._leader import share_versions
 from lightning_par.strategies._ps_features import trainer_clip
-from lightning_par.strategies._ps_stand_in import LostWorkerStandIn, SettleBeforeEpochMetrics
+from lightning_par.strategies._ps_stand_in import LostWorkerStandIn, SettleBeforeMetrics
 from lightning_par.strategies._resilience import Resilience
 from lightning_par.strategies._server_group import ServerGroupStrategy
 
@@ -111,8 +112,21 @@ class ParameterServerStrategy(ServerGroupStrategy):
 
     @property
     def survives_lost_workers(self) -> bool:
-        """The launcher goes on when a worker other than 0 is lost (``fault_tolerant``)."""
+        """The launcher goes on when a worker is lost (``fault_tolerant``)."""
         return self.fault_tolerant
+
+    @property
+    def survives_lost_rank_zero(self) -> bool:
+        """Worker 0's loss too, where the job's store outlives it (not under ``popen``):
+        the servers outlive it and the first survivor takes over its share."""
+        return self.fault_tolerant
+
+    @property
+    @override
+    def is_global_zero(self) -> bool:
+        """Worker 0, or the first survivor once worker 0 was lost (``fault_tolerant``)."""
+        members = self.servers.members(self.world_size)
+        return bool(members) and self.global_rank == members[0]
 
     @override
     def watched_ranks(self) -> list[int]:
@@ -129,12 +143,13 @@ class ParameterServerStrategy(ServerGroupStrategy):
         self.servers.watch_sigterm(trainer)
         self.connect_servers({"clip": trainer_clip(trainer)})  # the servers clip the mean
         if self.fault_tolerant:  # before each batch: a lost worker's push, the survivors' group
+            share_versions(trainer)  # (a survivor may take over worker 0's loggers)
             self.stand_in.connect()
             _compat.replace_sigterm_broadcast(trainer, partial(self._before_batch, trainer))
             # (first: the user's epoch-end hooks may sync too; once, however many fits)
             trainer.callbacks[:] = [
-                SettleBeforeEpochMetrics(self.stand_in),
-                *(c for c in trainer.callbacks if not isinstance(c, SettleBeforeEpochMetrics)),
+                SettleBeforeMetrics(self.stand_in),
+                *(c for c in trainer.callbacks if not isinstance(c, SettleBeforeMetrics)),
             ]
 
     def _before_batch(self, trainer: pl.Trainer) -> None:
