@@ -86,6 +86,21 @@ def test_rank_0_lost_under_torchrun_is_taken_over_by_the_first_survivor(tmp_path
     assert_logged_whole(tmp_path, 12)  # (rank 0 wrote steps 0-5 before it was lost)
 
 
+def test_parameter_server_worker_0_lost_under_torchrun_is_taken_over_by_the_first_survivor(
+    tmp_path,
+):
+    """The servers outlive worker 0 (their starter), worker 1 pushes its gradient of the
+    step and trains its batches, and takes over its loggers and checkpoints."""
+    run, out = _torchrun(tmp_path, "parameter_server", "kill:rank=0:step=5", "logged")
+    assert run.code == 0, run.text[-4000:]
+    said = "lightning_par: worker 0 (rank 0) was killed by SIGKILL; the other ranks go on"
+    assert run.text.count(said) == 1, run.text[-4000:]
+    assert run.text.count("worker 0 (rank 0) lost; worker 1 pushed its gradient") == 1
+    assert _result(run.text)["raised"] is None and "Traceback" not in run.text, run.text
+    assert _worst(one_process(3), torch.load(out, weights_only=True)) < 1e-5
+    assert_logged_whole(tmp_path, 12)
+
+
 def test_local_sgd_losing_rank_0_under_torchrun_ends_as_the_run_without_it(tmp_path):
     (tmp_path / "a").mkdir()
     (tmp_path / "b").mkdir()

@@ -82,11 +82,13 @@ class ServerGroupStrategy(ParStrategy):
         ``server_options``, and the process group of workers and servers."""
         # (fault_tolerant: a call after one that lost workers goes on without them)
         members = self.servers.call_members = self.servers.members(self.world_size)
+        # (the first member on this node starts its servers: local rank 0 may be lost)
+        node = [m for m in members if m // self.num_processes == self.node_rank]
         context = WorkerContext(
             strategy_name=self.strategy_name,
             workers=len(members),
             rank=members.index(self.global_rank),
-            local_rank=self.local_rank,
+            local_rank=node.index(self.global_rank),
             node_rank=self.node_rank,
             num_nodes=self.num_nodes,
             timeout=self.timeout,
