@@ -136,12 +136,13 @@ def _clean_env() -> dict[str, str]:
     return {**clean_env(), "PYTHONPATH": str(HERE.parent)}
 
 
-def _srun(tmp_path: Path, fault: str, variant: str = "tiny") -> tuple[list[int], list[str], Path]:
+def _srun(tmp_path: Path, fault: str, variant: str = "tiny", name: str = "ring_allreduce"
+          ) -> tuple[list[int], list[str], Path]:  # fmt: skip
     job, out = free_job_id(), tmp_path / "weights.pt"
     procs = []
     for task in range(3):
         env = {**srun_env(job, task, 1, 3), "LIGHTNING_PAR_TIMEOUT": "90"}
-        args = [sys.executable, "-u", str(SCRIPT), "ring_allreduce", "3", fault, str(out), variant]
+        args = [sys.executable, "-u", str(SCRIPT), name, "3", fault, str(out), variant]
         procs.append(subprocess.Popen(
             args, cwd=tmp_path, env={**env, "PYTHONPATH": str(HERE.parent)},
             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
@@ -175,5 +176,21 @@ def test_rank_0_lost_under_srun_is_taken_over_and_its_keeper_keeps_the_store(tmp
     assert "rank(s) 0 lost; 2 of 3 ranks go on (ranks [1, 2])" in outputs[1], outputs[1]
     assert _result(outputs[1])["raised"] is None, outputs[1][-3000:]  # (now the leader)
     assert "Traceback" not in "".join(outputs) and "TCPStore" not in "".join(outputs), outputs
+    assert _worst(one_process(3), torch.load(out, weights_only=True)) < 1e-5
+    assert_logged_whole(tmp_path, 12)
+
+
+def test_parameter_server_worker_0_lost_under_srun_is_taken_over_by_the_first_survivor(
+    tmp_path,
+):
+    """Worker 0's keeper serves the job's store instead of it; the servers outlive it and
+    worker 1 takes over its share (its batches, loggers and checkpoints)."""
+    codes, outputs, out = _srun(tmp_path, "kill:rank=0:step=5", "logged", "parameter_server")
+    assert codes == [0, 0, 0], outputs
+    said = "lightning_par: worker 0 (rank 0) was killed by SIGKILL; the other ranks go on"
+    assert said in outputs[0], outputs[0]
+    assert "worker 0 (rank 0) lost; worker 1 pushed its gradient" in outputs[1], outputs[1]
+    assert "Traceback" not in "".join(outputs), outputs
+    assert _result(outputs[1])["raised"] is None, outputs[1]
     assert _worst(one_process(3), torch.load(out, weights_only=True)) < 1e-5
     assert_logged_whole(tmp_path, 12)
