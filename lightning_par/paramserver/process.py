@@ -10,18 +10,15 @@ servers with :func:`~lightning_par.comm.plan_launch` for processes of its own
 the workers in the job's store (:mod:`lightning_par.launch.rendezvous`), under the group's
 own key prefix; gloo then connects every pair directly, on ports the OS gives each process.
 
-Ending with the job: a server is a daemon child of the worker that started it (killed when
-that worker exits), asks Linux to kill it when its parent dies and watches that worker's
-process id (a forkserver's child has the forkserver as parent); a fault-tolerant one outlives
-worker 0, ending at the survivors' goodbye or as its connections to them all close. The
-starting worker watches its servers: one that dies (the OOM killer) is reported within a
-second in the group's store, so every worker's error names it (:mod:`.faults`).
+A server is a daemon child of the worker that started it, asks Linux to kill it when its
+parent dies and watches that worker's pid (a forkserver's child has the forkserver as
+parent); one that ``outlive``-s it (fault-tolerant, the store not its starter's) ends at the
+survivors' goodbye or as its connections to them all close. The starter watches its servers:
+one that dies is reported in the group's store, so every worker's error names it.
 
-With ``fault_tolerant`` a server's death does not end the job: the starting worker records
-how it ended in the store (the others take a failed message for its loss only then), a
-server silent for ``dead_peer_timeout`` (frozen) is killed by its starter (:func:`fence`),
-so that its connections close and its copy takes over (:mod:`.shard_server`), and a lone
-server gets a standby.
+With ``fault_tolerant`` a server's death does not end the job: the starter records how it
+ended in the store, a server silent for ``dead_peer_timeout`` is killed by its starter
+(:func:`fence`) so that its copy takes over (:mod:`.shard_server`); a lone one has a standby.
 """
 
 from __future__ import annotations
@@ -98,6 +95,7 @@ class ServerLaunch:
     remedies: Any = None  # a lightning_par.paramserver.remedies.Remedies (asynchronous)
     dead_peer_s: float | None = None  # the strategy's dead_peer_timeout (None: the default)
     fault_tolerant: bool = False
+    outlive: bool = False  # outlive its starter (fault_tolerant, where the store outlives it)
 
     @property
     def rank(self) -> int:
@@ -107,7 +105,7 @@ class ServerLaunch:
 def server_main(launch: ServerLaunch, parent: ParentState | None = None) -> None:
     """A server process: join the group as rank ``W + server`` and serve until told to stop.
     ``parent``: the starting worker's state, restored in a forkserver's child."""
-    if not launch.fault_tolerant:  # (else it outlives worker 0, whose share a survivor takes)
+    if not launch.outlive:  # (else it outlives worker 0, whose share a survivor takes)
         die_with_parent()
         threading.Thread(target=_watch, args=(launch.owner,), daemon=True).start()
     # a server ends with its worker: a SIGTERM to the worker's process group (torchrun's
@@ -188,6 +186,7 @@ def start_servers(
     servers: list[int], num_workers: int, num_servers: int, address: StoreAddress,
     timeout: timedelta, asynchronous: bool = False, staleness: int | None = None,
     remedies: Any = None, dead_peer_s: float | None = None, fault_tolerant: bool = False,
+    outlive: bool = False,
 ) -> list[mp.process.BaseProcess]:  # fmt: skip
     """Start ``servers`` (indices out of ``num_servers``) from this worker, before it joins
     the group at ``address``; with ``asynchronous`` they run
@@ -206,7 +205,7 @@ def start_servers(
         launch = ServerLaunch(
             s, num_workers, num_servers, address, timeout, os.getpid(), threads=1,
             asynchronous=asynchronous, staleness=staleness, remedies=remedies,
-            dead_peer_s=dead_peer_s, fault_tolerant=fault_tolerant,
+            dead_peer_s=dead_peer_s, fault_tolerant=fault_tolerant, outlive=outlive,
         )  # fmt: skip
         proc = ctx.Process(
             target=server_main,

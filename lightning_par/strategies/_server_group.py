@@ -96,7 +96,12 @@ class ServerGroupStrategy(ParStrategy):
             outlives_the_call=not getattr(self.launcher, "carries_back", False),
             dead_peer_s=self.dead_peer_timeout,
         )
-        self.servers.start(context, server_options, self.watched_ranks(), self.lightning_module)
+        # (fault_tolerant: they outlive worker 0, whose share the first survivor takes over;
+        # not under popen, where worker 0 is the user's script, which holds the job's store)
+        popen = getattr(self.launch_plan, "method", None) == "popen"
+        outlive = {"outlive": True} if self.servers.fault_tolerant and not popen else {}
+        self.servers.start(context, {**server_options, **outlive}, self.watched_ranks(),
+                           self.lightning_module)  # fmt: skip
         name = f"{self.strategy_name} ({self.num_servers} server(s))"
         log_startup(name, self.world_size, self.launch_plan, "gloo")
 
