@@ -43,6 +43,7 @@ PS_SURVIVED = [  # (workers, fault, launch, what the script switches on): one se
     (2, "kill:rank=0:step=5", "fork", "logged"),
     (2, "kill:rank=0:step=11", "fork", "logged"),  # the last step: last.ckpt at step 12
     (3, "kill:rank=0:step=11", "fork", "tiny"),
+    (3, "freeze:rank=0:step=5", "fork", "tiny"),  # ended by a peer's heartbeat, then the same
 ]
 
 
