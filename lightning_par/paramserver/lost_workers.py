@@ -47,6 +47,7 @@ from lightning_par.comm import CommError, Communicator, Handle
 from lightning_par.launch.liveness import Heartbeat
 from lightning_par.paramserver import protocol
 from lightning_par.paramserver.faults import covered_since
+from lightning_par.paramserver.messages import recv_object_bytes
 from lightning_par.paramserver.protocol import Header, Kind
 from lightning_par.paramserver.server import ShardOptimizer, apply_averaged
 
@@ -131,6 +132,17 @@ class LostWorkers:
             return comm.irecv(buffer, worker, **kw)
         except CommError as err:
             return _Failed(err)
+
+    def object_bytes(self, comm: Communicator, tag) -> tuple[torch.Tensor, torch.Tensor]:
+        """The object every live worker sends (a state to load: the same in each), the first
+        one's: each sends it, so that none waits on a leader it has not found lost yet."""
+        received = []
+        for w in self.live:
+            try:
+                received.append(recv_object_bytes(comm, w, tag=tag))
+            except CommError as err:
+                self.lose(w, err)
+        return received[0]
 
     def wait_sends(self, sends: list[tuple[int, Handle]]) -> None:
         """Wait for messages to workers; one to a worker lost meanwhile is let go."""

@@ -5,10 +5,11 @@ Three things change for a worker (the servers' side: :mod:`.shard_server`):
 * each shard is talked to on its own tags, at whichever process holds it now, and the
   messages of the current request to each shard are kept until the next request
   (:mod:`.replicated_links`);
-* every request (a step's header and pushes, a command, worker 0's initial slices or the
-  leader's optimiser state) is answered by every shard (``DONE`` where nothing comes back;
-  a read: the state slices, to every worker, so that whichever worker leads once it comes
-  has the whole state), so the worker waits on every server at every request;
+* every request (a step's header and pushes, a command, worker 0's initial slices or an
+  optimiser state to load, which every worker sends) is answered by every shard (``DONE``
+  where nothing comes back; a read: the state slices, to every worker, so that whichever
+  worker leads once it comes has the whole state), so the worker waits on every server at
+  every request;
 * an answer from a lost server that fails moves its shard to the next server on the ring,
   which kept a copy of it, and the two agree where the request stands (:mod:`.takeover`):
   the answer comes again, or the kept request goes again.
@@ -106,11 +107,12 @@ class ReplicatedClient(ParameterClient):
                 for s in range(len(self.servers))]  # fmt: skip
 
     def _command(self, command: Command, obj: Any = None) -> None:
-        """Send ``command`` (the leader: and ``obj``) to every shard."""
+        """Send ``command`` (and ``obj``: from every worker, so that none waits on the
+        leader, which a shard may have found lost before the workers) to every shard."""
         self.settle()
         self._new_request(command)
         messages = [(Kind.HEADER, self.header(command).encode())]
-        if command == Command.SET_STATE and self.rank == self.missing.leader:
+        if command == Command.SET_STATE:
             messages += [(Kind.OBJECT, m) for m in protocol.encode_object(obj)]
         shards = range(len(self.servers))
         self.links.wait_sends([(s, self.links.send(m, s, k)) for s in shards for k, m in messages])

@@ -37,7 +37,6 @@ from lightning_par.paramserver.lost_workers import LostWorkers
 from lightning_par.paramserver.messages import (
     exchange_norms_in_store,
     recv_object,
-    recv_object_bytes,
     send_object,
 )
 from lightning_par.paramserver.protocol import IDLE_TIMEOUT, Command, Header, Kind, server_rank
@@ -96,8 +95,7 @@ class ShardServer:
             self.workers.step(self.comm, shard, header.step, update, applied)
             return True
         if command == Command.SET_STATE:
-            leader = self.workers.leader  # (which sends the state)
-            size, data = recv_object_bytes(self.comm, leader, tag=shard.tag(Kind.OBJECT))
+            size, data = self.workers.object_bytes(self.comm, shard.tag(Kind.OBJECT))
             self._record(header, (size, data))
             shard.load_full(protocol.decode_state(data))
         elif command in (Command.GET_STATE, Command.STOP):
