@@ -1,9 +1,12 @@
 """Workers lost during a fault-tolerant synchronous run: the servers' side.
 
-With ``fault_tolerant=True`` a worker other than 0 may be lost (killed, or frozen and then
-killed by the heartbeat of a peer): every receive from it fails at once, as its connections
-close. The weights must still be those of one process on the whole batch, so every step's
-update still averages the gradients of all ``W`` shards of the batch, each exactly once:
+With ``fault_tolerant=True`` a worker may be lost (killed, or frozen and then killed by the
+heartbeat of a peer): every receive from it fails at once, as its connections close. *The
+leader* below is the first live worker: worker 0, or the first survivor once worker 0 is
+lost (:attr:`LostWorkers.leader`; the workers agree,
+:attr:`~.missing_pushes.MissingPushes.leader`). The weights must still be those of one
+process on the whole batch, so every step's update still averages the gradients of all
+``W`` shards of the batch, each exactly once:
 
 * a server keeps the pushes it received: a bucket every worker pushed is applied and sent
   back as usual (a worker lost after pushing it cost nothing there);
@@ -11,21 +14,21 @@ update still averages the gradients of all ``W`` shards of the batch, each exact
   pushes it lacks (``MISSING``, empty when nothing is missing); no worker writes any pulled
   weight before it has every shard's ``MISSING``, so the weights it holds are still those
   the step began with, the lost worker's own;
-* worker 0 then computes each missing worker's gradient on that worker's batch (Lightning's
+* the leader then computes each missing worker's gradient on that worker's batch (Lightning's
   ``DistributedSampler`` read again with the lost rank's number) and pushes it in its place,
   bucket by bucket; the shard completes the buckets that lacked it, applies them and sends
   them back;
 * a frozen worker is found silent by a peer's heartbeat and ended where it runs on the
   same machine (:func:`let_go_silent`), so that its connections close as a killed one's;
-* from the next step on, worker 0 trains the lost worker's batch beside its own and pushes
-  that gradient in the lost worker's slot, a push of its own after worker 0's, bucket by
+* from the next step on, the leader trains the lost worker's batch beside its own and pushes
+  that gradient in the lost worker's slot, a push of its own after the leader's, bucket by
   bucket; it says so in the job's store before it sends that step's header
   (:func:`~.faults.record_covered`), so a server that finds the worker lost only then takes
-  that slot's push from worker 0. The servers still divide by ``W``: no loss is rescaled.
+  that slot's push from the leader. The servers still divide by ``W``: no loss is rescaled.
 
 Every bucket's pushes are summed in worker order, whoever sent them, as
 :func:`~.server.synchronous_step` sums them without a loss: float addition is not
-associative, so worker 0 pushing the sum of its own and a lost worker's gradient, or a
+associative, so the leader pushing the sum of its own and a lost worker's gradient, or a
 server adding a missing push last, would give other last bits (with three workers, the
 weights of the CIFAR CNN drifted to 3e-5 of the run without the loss in 25 steps), where
 this keeps them equal, bit for bit.
@@ -65,7 +68,7 @@ class _Failed:
 
 
 class LostWorkers:
-    """The workers one shard's server found lost, and the step from which worker 0 trains
+    """The workers one shard's server found lost, and the step from which the leader trains
     each one's batch (see the module docstring)."""
 
     def __init__(self, num_workers: int) -> None:
@@ -90,7 +93,7 @@ class LostWorkers:
         self.lost.add(worker)
 
     def covered(self, worker: int, step: int) -> bool:
-        """Whether worker 0 pushes lost ``worker``'s gradient of ``step`` in its slot."""
+        """Whether the leader pushes lost ``worker``'s gradient of ``step`` in its slot."""
         first = self._covered_from.get(worker)
         if first is None:
             first = covered_since(worker)
@@ -99,7 +102,7 @@ class LostWorkers:
         return first is not None and first <= step
 
     def headers(self, comm: Communicator, num_hyper: int, idle, tag) -> Header:
-        """The next header of every live worker (worker 0's waited for up to ``idle``, as
+        """The next header of every live worker (the first's waited for up to ``idle``, as
         :func:`~.messages.recv_headers` does); a worker whose header fails is lost.
         Returns the first live one's."""
         live = self.live

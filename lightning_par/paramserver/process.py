@@ -130,7 +130,7 @@ def server_main(launch: ServerLaunch, parent: ParentState | None = None) -> None
         limit = dead_peer_timeout(timeout, launch.dead_peer_s)
         beat = Heartbeat(store, rank, watched, limit, partial(role_name, num_workers))
         # fault_tolerant: a silent server is killed by its starter and its copy takes over; a
-        # silent worker other than 0 is ended (here, if it runs on this machine) and let go
+        # silent worker is ended (here, if it runs on this machine) and let go
         if launch.fault_tolerant:
             beat.survive = partial(let_go_silent, beat, num_workers)
         # (asynchronous: no worker watches the workers other than 0, which it may lose)

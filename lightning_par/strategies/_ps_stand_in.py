@@ -7,9 +7,9 @@ the strategy adds, through :class:`LostWorkerStandIn`:
 
 * the gradient of the step a worker was lost in, computed on that worker's batch (its shard
   of Lightning's ``DistributedSampler`` read again, :class:`~._stand_ins.LostShards`) with
-  the weights the step began with, which worker 0 pushes in its place
+  the weights the step began with, which the leader pushes in its place
   (:meth:`LostWorkerStandIn.gradients`, the client's ``fill``);
-* from the next step on, worker 0 trains the lost workers' batches beside its own: each
+* from the next step on, the leader trains the lost workers' batches beside its own: each
   one's gradient computed apart (:meth:`LostWorkerStandIn.train_lost_batches`) and pushed in
   that worker's slot, so the servers sum every slot in worker order as without the loss
   (the sum of the losses, one push, would round otherwise from three workers on); the
@@ -53,7 +53,7 @@ Step = Callable[..., Any]
 
 
 class LostWorkerStandIn:
-    """Worker 0 in the place of lost workers (see the module docstring); ``strategy``: a
+    """The leader in the place of lost workers (see the module docstring); ``strategy``: a
     ``ParameterServerStrategy``, ``step``: its ``training_step`` below the one recording
     the batches (the user's step in Lightning's precision context)."""
 
@@ -63,7 +63,7 @@ class LostWorkerStandIn:
         # client step -> (epoch, batch_idx, each module's training flag)
         self._batches: dict[int, tuple[int, int, list[bool]]] = {}
         self._grouped_for: list[int] = []  # the lost workers the validation loader knows
-        #: when (wall time) this fit's first loss was found (``lost``, on worker 0: its push
+        #: when (wall time) this fit's first loss was found (``lost``, on the leader: its push
         #: sent in the lost worker's place) and the survivors met in their group (``regrouped``)
         self.events: list[tuple[str, float]] = []
 
@@ -79,7 +79,7 @@ class LostWorkerStandIn:
         return list(client.lost_workers) if client is not None else list(self._grouped_for)
 
     def connect(self) -> None:
-        """A ``fit``'s client is connected: worker 0 computes the lost workers' gradients."""
+        """A ``fit``'s client is connected: the leader computes the lost workers' gradients."""
         self._shards, self._batches, self._grouped_for = LostShards(), {}, []
         self.events = []
         if self._client is not None:
@@ -130,9 +130,9 @@ class LostWorkerStandIn:
         return grads
 
     def train_lost_batches(self, output: Any, batch_idx: int) -> Any:
-        """Worker 0, in the training step: each lost worker's gradient on its batch of this
+        """The leader, in the training step: each lost worker's gradient on its batch of this
         step, handed to the client, which pushes it in that worker's slot after its own
-        push of each bucket; ``output`` is returned as it is (its backward: worker 0's own)."""
+        push of each bucket; ``output`` is returned as it is (its backward: the leader's own)."""
         lost, client = self.lost, self._client
         if not lost or client is None or client.rank != client.missing.leader:
             return output

@@ -30,10 +30,14 @@ optimiser state) is copied in the next server process after every update (a stan
 for a lone server), and a server that dies is taken over by that copy: the job goes on and
 its weights equal those of a run without the loss
 (:mod:`lightning_par.paramserver.replication`, :mod:`~lightning_par.paramserver.takeover`).
-A lost worker other than 0 is survived too: worker 0 pushes its gradient of the step it was
-lost in, then trains its batches beside its own, pushing that gradient in the lost worker's
-slot, so the weights stay those of one process on the whole batch, bit for bit those of the
-run without the loss (:mod:`lightning_par.paramserver.lost_workers`, :mod:`._ps_stand_in`).
+A lost worker is survived too: the first live worker (worker 0, or the first survivor once
+worker 0 is lost) pushes its gradient of the step it was lost in, then trains its batches
+beside its own, pushing that gradient in the lost worker's slot, so the weights stay those
+of one process on the whole batch, bit for bit those of the run without the loss
+(:mod:`lightning_par.paramserver.lost_workers`, :mod:`._ps_stand_in`). Worker 0's loss is
+survived where the job's store outlives it (a fork launch, torchrun, srun; not ``popen``,
+where it is the user's script): its servers outlive it, and the first survivor takes over
+its loggers and checkpoints (:mod:`._leader`).
 
 Gradient clipping (by norm: the servers exchange their shards' squared norms) and
 ``bf16-mixed`` are exact against one process (:mod:`~lightning_par.strategies._ps_features`).
@@ -74,7 +78,8 @@ class ParameterServerStrategy(ServerGroupStrategy):
         split_mb: tensors larger than this (MiB) are split over all servers.
         fault_tolerant: copy each server's shard in the next server process (one server: in
             a standby process), so that the job goes on, exactly, when a server dies; and go
-            on without a lost worker other than 0, whose batches worker 0 then trains.
+            on without a lost worker, whose batches the first live worker then trains
+            (worker 0 too, but under ``popen``: the first survivor takes over its share).
         **kwargs: ``trace``, ``trace_dir``, ``start_method``, ``timeout`` (see
             :class:`~lightning_par.strategies._base.ParStrategy`). The process group is
             always gloo (servers run on CPU; CUDA tensors are staged through pinned memory).
