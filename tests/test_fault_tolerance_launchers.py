@@ -14,6 +14,7 @@ process or temporary file.
 
 from __future__ import annotations
 
+import csv
 import json
 import subprocess
 import sys
@@ -99,6 +100,12 @@ def test_parameter_server_worker_0_lost_under_torchrun_is_taken_over_by_the_firs
     assert _result(run.text)["raised"] is None and "Traceback" not in run.text, run.text
     assert _worst(one_process(3), torch.load(out, weights_only=True)) < 1e-5
     assert_logged_whole(tmp_path, 12)
+    # the script's validate after fit, in the same processes, logs from the first survivor
+    validated = []
+    for metrics in (tmp_path / "logs").rglob("metrics.csv"):
+        with open(metrics, newline="") as f:
+            validated += [row for row in csv.DictReader(f) if row.get("val_loss")]
+    assert len(validated) == 1, validated
 
 
 def test_local_sgd_losing_rank_0_under_torchrun_ends_as_the_run_without_it(tmp_path):

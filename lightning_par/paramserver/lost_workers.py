@@ -245,13 +245,16 @@ def _in_order(parts: dict[int, torch.Tensor]) -> torch.Tensor:
 
 
 # ---- a silent worker (frozen): ended, so that its connections close --------------------------
-def let_go_silent(beat: Heartbeat, num_workers: int, peer: int, report: str) -> bool:
-    """``fault_tolerant``: the job goes on without silent ``peer`` (a server, or a worker,
-    which is killed first where it runs on this machine, so that its connections close and
-    the others' messages to it fail at once)."""
-    if peer < num_workers:
+def let_go_silent(
+    beat: Heartbeat, num_workers: int, zero: bool, peer: int, report: str
+) -> bool:  # fmt: skip
+    """``fault_tolerant``: whether the job goes on without silent ``peer``: a server; a
+    worker other than 0, or worker 0 too if ``zero`` (its servers outlive it), killed first
+    where it runs on this machine, so that its connections close and the others' messages
+    to it fail at once."""
+    if (peer > 0 or zero) and peer < num_workers:
         end_silent_worker(beat, peer, report)
-    return True
+    return peer != 0 or zero
 
 
 #: Who found a silent worker first (``fault_tolerant``): the one process that says so.

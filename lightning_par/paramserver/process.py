@@ -132,7 +132,7 @@ def server_main(launch: ServerLaunch, parent: ParentState | None = None) -> None
         # fault_tolerant: a silent server is killed by its starter and its copy takes over; a
         # silent worker is ended (here, if it runs on this machine) and let go
         if launch.fault_tolerant:
-            beat.survive = partial(let_go_silent, beat, num_workers)
+            beat.survive = partial(let_go_silent, beat, num_workers, launch.outlive)
         # (asynchronous: no worker watches the workers other than 0, which it may lose)
         beat.on_dead = partial(_peer_silent, beat, num_workers if launch.asynchronous else 0)
         beat.start()
@@ -264,15 +264,15 @@ def watch_servers(
     return stopping
 
 
-def fence(procs: list[mp.process.BaseProcess], num_workers: int):
+def fence(procs: list[mp.process.BaseProcess], num_workers: int, zero: bool = False):
     """A worker's answer to a silent peer (``fault_tolerant``): the job goes on without a
     server (``survive`` of :class:`~lightning_par.launch.liveness.Heartbeat`), killed first
     if this worker started it, so that its connections close and its copy takes over, and
-    without a worker (0 too: a survivor takes over), killed first where it runs here."""
+    without a worker (0 if ``zero``: its servers outlive it), killed first where it runs."""
 
     def survive(peer: int, report: str) -> bool:
         beat = current()
-        if peer < num_workers and beat is not None:  # a silent worker: ended, let go
+        if (peer > 0 or zero) and peer < num_workers and beat is not None:  # ended, let go
             end_silent_worker(beat, peer, report)
             return True
         for proc in procs:

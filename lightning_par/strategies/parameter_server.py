@@ -53,6 +53,7 @@ from typing import Any
 
 import lightning.pytorch as pl
 from lightning.pytorch.trainer.states import TrainerFn
+from lightning_utilities.core.rank_zero import rank_zero_only
 from typing_extensions import override
 
 from lightning_par import _compat
@@ -113,6 +114,9 @@ class ParameterServerStrategy(ServerGroupStrategy):
     @override
     def setup_distributed(self) -> None:
         self.set_world_ranks()  # (no reset_seed(): see ParStrategy.setup_distributed)
+        if self.servers.lost:  # a call after a loss: Lightning's rank 0 is the first survivor
+            members = self.servers.members(self.world_size)
+            rank_zero_only.rank = members.index(self.global_rank)
         self.start_servers({})  # the synchronous servers: no options
 
     @property
