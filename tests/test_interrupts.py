@@ -15,6 +15,8 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(Path(__file__).parent))
+from _script_runs import session_members  # noqa: E402
 
 SCRIPT = """
 import os, sys, time
@@ -40,7 +42,9 @@ class Slow(pl.LightningModule):
 if __name__ == "__main__":
     data = TensorDataset(torch.randn(4000, 4))
     trainer = pl.Trainer(
-        strategy=AllReduceStrategy("ring", start_method=sys.argv[2]), accelerator="cpu",
+        strategy=AllReduceStrategy("ring", start_method=sys.argv[2],
+                                   fault_tolerant="fault_tolerant" in sys.argv[3:]),
+        accelerator="cpu",
         devices=2, max_epochs=1, logger=False, enable_progress_bar=False,
         default_root_dir=sys.argv[1],
     )
@@ -67,16 +71,29 @@ def _alive(pid: int) -> bool:
         return False
 
 
+INTERRUPTS = [  # start method, signal, fault_tolerant (popen: rank 0 behind a keeper),
+    # to the whole process group (Ctrl-C in a terminal) or to the main process alone
+    ("fork", signal.SIGINT, False, False),
+    ("fork", signal.SIGTERM, False, False),
+    ("popen", signal.SIGTERM, False, False),
+    ("popen", signal.SIGTERM, True, False),
+    ("popen", signal.SIGINT, True, True),
+]
+
+
 @pytest.mark.parametrize(
-    "start_method, signum",
-    [("fork", signal.SIGINT), ("fork", signal.SIGTERM), ("popen", signal.SIGTERM)],
-)
-def test_an_interrupt_of_the_main_process_stops_every_rank(tmp_path, start_method, signum):
+    "start_method, signum, fault_tolerant, group", INTERRUPTS,
+    ids=[f"{m}-{s.name}" + "-fault_tolerant" * f + "-group" * g for m, s, f, g in INTERRUPTS],
+)  # fmt: skip
+def test_an_interrupt_of_the_main_process_stops_every_rank(
+    tmp_path, start_method, signum, fault_tolerant, group
+):
     script = tmp_path / "train.py"
     script.write_text(textwrap.dedent(SCRIPT))
     env = {**os.environ, "PYTHONPATH": str(ROOT), "LIGHTNING_PAR_TIMEOUT": "60"}
+    tolerant = "fault_tolerant" if fault_tolerant else "-"
     proc = subprocess.Popen(
-        [sys.executable, str(script), str(tmp_path), start_method], env=env,
+        [sys.executable, str(script), str(tmp_path), start_method, tolerant], env=env,
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True,
         preexec_fn=_as_a_shell_starts_it,
     )  # fmt: skip
@@ -87,13 +104,21 @@ def test_an_interrupt_of_the_main_process_stops_every_rank(tmp_path, start_metho
             assert time.monotonic() < deadline, "the ranks never started training"
             time.sleep(0.2)
         pids = [int(p.read_text()) for p in tmp_path.glob("rank*.pid")]
-        proc.send_signal(signum)  # the main process only, as Jupyter does
+        if group:  # every process of the script's group, as a terminal's Ctrl-C
+            os.killpg(proc.pid, signum)
+        else:  # the main process only, as Jupyter or a scheduler does
+            proc.send_signal(signum)
         start = time.monotonic()
         out = proc.communicate(timeout=30)[0]
         while any(_alive(p) for p in pids) and time.monotonic() - start < 10:
             time.sleep(0.1)
         assert not [p for p in pids if _alive(p)], f"ranks still running:\n{out[-3000:]}"
+        while session_members(proc.pid) and time.monotonic() - start < 10:
+            time.sleep(0.1)  # (the job's store host ends as its launcher did)
+        assert session_members(proc.pid) == [], out[-3000:]
         assert time.monotonic() - start < 10
+        assert "Traceback" not in out, out[-3000:]
+        assert "go on without it" not in out, out[-3000:]  # (no rank was lost)
         assert "lightning_par: stopped every rank" in out, out[-3000:]
         assert "no checkpoint was saved" in out  # the epoch never ended
     finally:

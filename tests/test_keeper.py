@@ -92,3 +92,36 @@ def test_the_keeper_serving_the_store_stays_until_every_rank_ended():
         assert keeper.returncode == 0 and out == "rank ends\n" and err == "", (out, err)
     finally:
         host.close()
+
+
+# ---- popen: the script's process keeps rank 0 (lightning_par.launch.script_keeper) ----------
+_POPEN_KEEPER = """
+import sys
+from lightning_par.launch.script_keeper import run_rank_0_behind_keeper
+run_rank_0_behind_keeper("rank 0", [sys.executable, "-c", sys.argv[1]], None)
+"""
+#: rank 0 starts a rank that ends a moment after it (as popen's scripts outlive a lost rank 0)
+_RANK_0 = """
+import os, signal, subprocess, sys
+subprocess.Popen([sys.executable, "-c", "import sys, time; time.sleep(1.5); "
+                  "print('survivor ends', flush=True); sys.exit({survivor})"])
+{end}
+"""
+
+
+@pytest.mark.parametrize(
+    "end, survivor, code, line",
+    [  # (a survivor that ends well, exit code 0: tests/test_fault_tolerance.py)
+        ("os.kill(os.getpid(), signal.SIGKILL)", 4, 4, True),  # lost; a survivor fails
+        ("sys.exit(3)", 0, 3, False),  # rank 0's own end, after its ranks'
+    ],
+    ids=["rank-0-killed-survivor-fails", "rank-0-exits"],
+)
+def test_the_popen_keeper_waits_for_every_rank_and_ends_as_the_job_did(end, survivor, code, line):
+    rank_0 = _RANK_0.format(survivor=survivor, end=end)
+    done = subprocess.run([sys.executable, "-c", _POPEN_KEEPER, rank_0], cwd=ROOT,
+                          capture_output=True, text=True, timeout=60)  # fmt: skip
+    assert done.returncode == code, done
+    assert done.stdout == "survivor ends\n", done  # (waited for the rank rank 0 started)
+    named = "lightning_par: rank 0 was killed by SIGKILL; the other ranks go on without it\n"
+    assert done.stderr == (named if line else ""), done.stderr

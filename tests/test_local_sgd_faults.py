@@ -248,6 +248,8 @@ LOST = [  # fault, launch, period, extra, host, steps replayed
     ("kill:rank=1:step=5", "fork", 4, "", 2, 4),  # mid-period: steps 4-7 replayed by rank 2
     ("kill:rank=2:step=7", "fork", 4, "", 0, 4),  # as the step ending a period begins
     ("kill:rank=2:step=9", "popen", 4, "", 0, 4),  # rank 2's right neighbour is rank 0
+    # rank 0, the script's own run behind its keeper: the survivors go on and end the script
+    ("kill:rank=0:step=5", "popen", 4, "", 1, 4),
     ("kill:rank=1:step=11", "fork", 5, "", 2, 2),  # found by the last averaging, at fit's end
     ("freeze:rank=2:step=6", "fork", 4, "", 0, 4),  # silent: ended after dead_peer_timeout
     ("kill:rank=2:step=5", "fork", 4, "sync", 0, 2),  # found by step 5's sync_dist: 4, 5
@@ -271,7 +273,10 @@ def test_a_rank_lost_mid_period_leaves_the_weights_of_the_run_without_it(
     assert run.session == [] and run.left == [], (run.session, run.left)
     lost = int(fault.split(":")[1].split("=")[1])
     survivors = [r for r in range(3) if r != lost]
-    assert f"rank {lost} was killed by SIGKILL; the other workers go on without it" in text
+    # (rank 0 under popen: its keeper says so, as under torchrun, of the other "ranks")
+    assert f"rank {lost} was killed by SIGKILL; the other workers go on without it" in text or (
+        lost == 0 and "rank 0 was killed by SIGKILL; the other ranks go on without it" in text
+    ), text
     frozen = fault.startswith("freeze")
     assert (f"rank {lost} stopped responding for" in text) == frozen, text
     assert (

@@ -163,17 +163,20 @@ def test_a_forkserver_launch_with_parameter_servers_leaves_no_folder_and_no_serv
     print("seconds from fault to line:", waited)
 
 
-def test_a_killed_launcher_leaves_no_rank_and_no_temporary_folder(tmp_path):
+@pytest.mark.parametrize("launch", ["fork", "popen fault_tolerant"])
+def test_a_killed_launcher_leaves_no_rank_and_no_temporary_folder(tmp_path, launch):
+    """``popen fault_tolerant``: the launcher is rank 0's keeper, which serves the store."""
     from test_interrupts import SCRIPT as TRAINS_SLOWLY
     from test_interrupts import _alive
 
     script, private_tmp = tmp_path / "train.py", tmp_path / "tmp"
     script.write_text(textwrap.dedent(TRAINS_SLOWLY))
     private_tmp.mkdir()
-    env = {**os.environ, "PYTHONPATH": str(HERE.parent), "TMPDIR": str(private_tmp)}
+    env = {**os.environ, "PYTHONPATH": str(HERE.parent), "TMPDIR": str(private_tmp),
+           "LIGHTNING_PAR_TIMEOUT": "60"}  # fmt: skip
     proc = subprocess.Popen(
-        [sys.executable, str(script), str(tmp_path), "fork"], env=env, start_new_session=True,
-        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+        [sys.executable, str(script), str(tmp_path), *launch.split()], env=env,
+        start_new_session=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
     )  # fmt: skip
     try:
         deadline = time.monotonic() + 120

@@ -4,7 +4,13 @@ from __future__ import annotations
 
 import pytest
 
-from lightning_par.simulate.cores import capacity, lightning_threads, stretches
+from lightning_par.simulate.cores import (
+    balanced_placements,
+    capacity,
+    lightning_threads,
+    place,
+    stretches,
+)
 from lightning_par.simulate.engine import simulate
 from lightning_par.simulate.links import Link, Topology
 from lightning_par.simulate.ops import Comm, Compute, Graph, Msg, Post, Wait
@@ -48,6 +54,43 @@ def test_stretch_is_the_time_averaged_threads_over_cores():
     assert out[(lane0, 0)] == pytest.approx(1.5) and out[(lane1, 0)] == pytest.approx(2.0)
     with pytest.raises(ValueError, match="cores must be >= 1"):
         stretches({}, {}, cores=0)
+
+
+def test_ranks_of_unequal_work_are_placed_whole_the_busiest_first():
+    # the pipeline's four stages on two cores: each heavy stage beside a light one
+    work = {0: 17.0, 1: 46.0, 2: 44.0, 3: 10.0}
+    assert place(work, cores=2) == {1: 0, 2: 1, 0: 1, 3: 0}
+    # a run lands on either heavy stage beside either light one; never the two heavy
+    # stages on one core; the better balanced way round weighs more
+    ways = balanced_placements(work, cores=2)
+    assert sum(w for w, _ in ways) == pytest.approx(1.0)
+    pairs = {frozenset(r for r, c in at.items() if c == at[1]): w for w, at in ways}
+    assert set(pairs) == {frozenset({1, 0}), frozenset({1, 3})}
+    assert pairs[frozenset({1, 3})] > pairs[frozenset({1, 0})] > 0.3
+    # a stage's timing moved by a few per cent moves the weights a little, not to 0
+    nudged = dict(balanced_placements({**work, 0: 19.0}, cores=2))
+    assert min(nudged) > 0.3
+    lane0, lane1 = (0, "main"), (1, "main")
+    spans = {(lane0, 0): (0.0, 2.0, 2.0), (lane1, 0): (0.0, 2.0, 2.0)}
+    # two ranks on one core take turns; on two cores neither waits, though both run at once
+    apart = stretches(spans, {}, cores=2, placed={0: 0, 1: 1})
+    together = stretches(spans, {}, cores=2, placed={0: 0, 1: 0})
+    assert apart[(lane0, 0)] == pytest.approx(1.0) and together[(lane0, 0)] == pytest.approx(2.0)
+
+
+def test_stages_placed_whole_take_turns_on_their_core_alone():
+    # three stages at once on two cores (3, 2, 2 s): placed whole, the busiest has a core
+    # to itself and the two others take turns on the second, ending at 4 s; shared evenly
+    # over both cores (the data-parallel rule) all would end by 3.5 s
+    g = Graph(placed=True)
+    for r, seconds in enumerate((3.0, 2.0, 2.0)):
+        g.lane(r).append(Compute(seconds))
+    assert simulate(g, FREE, cores=2).max_step_s == pytest.approx(4.0)
+    # beside other processes' load the balancer moves them among its tasks: even sharing
+    busy = simulate(g, FREE, cores=2, other_load=0.5).max_step_s
+    g.placed = False
+    assert simulate(g, FREE, cores=2).max_step_s < 4.0
+    assert busy == pytest.approx(simulate(g, FREE, cores=2, other_load=0.5).max_step_s)
 
 
 def test_lightning_gives_each_rank_its_share_of_the_cores():
@@ -150,3 +193,25 @@ def test_the_allreduce_family_pays_its_measured_communication_cpu_on_shared_core
     assert predict_step(prof, 4, LATENCY_ONLY, cores=2) == pytest.approx(10 + 6 + 2)
     # on other hardware (no cores to share) the link's cost says it all
     assert predict_step(prof, 4, LATENCY_ONLY) == pytest.approx(5 + 6)
+
+
+def test_the_steps_own_overhead_pays_no_cost_of_taking_turns():
+    # four ranks on two cores, a cost of 1.2 where they share them twice over: the model's
+    # work pays it, the loop's per-step overhead (timed apart from it) does not
+    def four(turns: bool) -> Graph:
+        g = Graph()
+        for r in range(4):
+            g.lane(r).append(Compute(1.0, turns=turns))
+        return g
+
+    model = simulate(four(True), FREE, cores=2, turn_cost=(1.2, 2.0)).max_step_s
+    overhead = simulate(four(False), FREE, cores=2, turn_cost=(1.2, 2.0)).max_step_s
+    assert model == pytest.approx(2.4) and overhead == pytest.approx(2.0)
+    # the data-parallel graph draws the per-step part apart where ranks share cores
+    from lightning_par.simulate.builders import build
+
+    prof = Profile("ring_allreduce", "allreduce", 2, 2, 8, 0.0, compute_s=0.03,
+                   backward_s=0.01, batch_s=0.02, grad_bytes=4, cpu_based=True)  # fmt: skip
+    ops = build(prof, 4, FREE, cores=2).lanes[(0, "main")]
+    assert [op.turns for op in ops if isinstance(op, Compute)][0] is False
+    assert ops[0].seconds == pytest.approx(0.01)

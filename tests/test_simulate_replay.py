@@ -50,6 +50,14 @@ def test_tensor_parallel_traces_its_model_apart_from_the_steps_overhead(report):
     assert 0 < prof.model_s < prof.compute_s
 
 
+def test_a_pipelines_profile_holds_each_stages_forward_and_backward(report):
+    run = load_run(report / "runs" / "gpipe")
+    prof = profile(run)
+    # one figure per stage, in rank order, summing to the whole model's per micro-batch
+    assert len(prof.stage_s) == prof.world and min(prof.stage_s) > 0
+    assert sum(prof.stage_s) == pytest.approx(prof.fwd_s + prof.bwd_s)
+
+
 def test_a_faster_network_and_device_shorten_the_replayed_step(report):
     run = load_run(report / "runs" / "gpipe")
     link = run.loopback()

@@ -187,7 +187,7 @@ def test_pipeline_stages_hold_the_layers_the_strategys_cut_gives_them():
     from lightning_par.pipeline.partition import balance_by_params
     from lightning_par.simulate.builders import build
     from lightning_par.simulate.ops import Compute
-    from lightning_par.simulate.stage_share import cut_bytes, stage_shares
+    from lightning_par.simulate.stage_share import cut_bytes, layer_weights, stage_shares
 
     prof = Profile("gpipe", "pipeline", 2, 2, 8, 0.0, compute_s=6.0, chunks=2, fwd_s=1.0,
                    bwd_s=2.0, act_bytes=1, max_devices=4, limit="4 layers",
@@ -204,6 +204,14 @@ def test_pipeline_stages_hold_the_layers_the_strategys_cut_gives_them():
     # each cut sends the activation the model has there (a micro-batch of 8 / 2 images)
     sizes = sorted({m.nbytes for m in graph.messages})
     assert sizes == sorted(set(cut_bytes("CifarCNN", balance, 4)))
+    # the measured run's stages, where the profile holds them, set each layer's weight:
+    # the layers of its stage take its time in the ratio their timings give
+    weights = layer_weights("CifarCNN")
+    base = balance_by_params(make_model("CifarCNN").net, 2)
+    measured = stage_shares("CifarCNN", balance, 0, (base, (1.0, 3.0)))
+    first = weights[0] / (weights[0] + weights[1])
+    assert measured[0] == pytest.approx(0.25 * first) and sum(measured) == pytest.approx(1.0)
+    assert measured[2] + measured[3] == pytest.approx(0.75)
     # a user's own run (no compare model to cut): an even split, the measured activations
     even = build(replace(prof, model=""), 4, LATENCY_ONLY)
     assert {m.nbytes for m in even.messages} == {1}

@@ -42,6 +42,7 @@ from lightning_par._compat.processes import (
     patched_start_processes,
     replaced_process_observer,
     rng_states,
+    script_command,
     set_rng_states,
 )
 from lightning_par._compat.step import (
@@ -96,6 +97,7 @@ __all__ = [
     "replace_sigterm_broadcast",
     "reset_combined_loader",
     "rng_states",
+    "script_command",
     "scaler_found_inf",
     "set_ddp_kwargs",
     "set_process_group_backend",

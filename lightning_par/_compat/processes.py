@@ -77,6 +77,19 @@ SubprocessScriptLauncher = private_class(
 )
 
 
+def script_command(local_rank: int) -> tuple[list[str], str | None]:
+    """The command (and working folder, under Hydra) that Lightning's ``popen`` launch runs
+    a script's rank ``local_rank`` with: this script again, with its arguments."""
+    module, needed_by = "lightning.fabric.strategies.launchers.subprocess_script", "popen"
+    if private(module, "_HYDRA_AVAILABLE", needed_by):
+        from hydra.core.hydra_config import HydraConfig
+
+        if HydraConfig.initialized():
+            command, cwd = private(module, "_hydra_subprocess_cmd", needed_by)(local_rank)
+            return list(command), cwd
+    return list(private(module, "_basic_subprocess_cmd", needed_by)()), None
+
+
 #: Lightning's fork/spawn launcher (its ``_wrapping_function`` is overridden) and the type
 #: of what it returns from rank 0.
 MultiProcessingLauncher = private_class(

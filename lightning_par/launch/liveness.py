@@ -39,7 +39,12 @@ from typing import Any
 from lightning_par.launch import peer_loss
 from lightning_par.launch.lost import LAUNCHER_RANK_ENV, leave_report
 from lightning_par.launch.process_id import ProcessId, this_process
-from lightning_par.launch.rendezvous import DEAD_PEER_ENV, dead_peer_timeout, store_host_rank
+from lightning_par.launch.rendezvous import (
+    DEAD_PEER_ENV,
+    KEPT_STORE_ENV,
+    dead_peer_timeout,
+    store_host_rank,
+)
 
 #: Added to a rank's count when it finished a stage (counts stay far below it).
 _DONE = 1 << 40
@@ -83,8 +88,11 @@ class Heartbeat:
         self.peers: dict[int, ProcessId] = {}
         self.seen: dict[int, tuple[int, float]] = {}  # peer -> (count, when it last moved)
         owner = os.environ.get(LAUNCHER_RANK_ENV, "")
-        # the rank whose end ends the store: popen's launching rank, or rank 0 under SLURM
+        # the rank whose end ends the store: popen's launching rank (unless its keeper
+        # serves the store), or rank 0 under SLURM
         self._store_owner = int(owner) if owner.isdigit() else store_host_rank()
+        if os.environ.get(KEPT_STORE_ENV):
+            self._store_owner = None
         self._owner_killed = False  # this process killed the store's rank (see killing)
         self._stop = threading.Event()
         self._finished = False

@@ -68,6 +68,20 @@ def die_with_parent() -> None:
         pass
 
 
+def become_subreaper() -> bool:
+    """Ask Linux to make this process the parent of every orphan among its descendants (so
+    that it can wait for the ranks of a child that died); whether it did (False elsewhere)."""
+    if not sys.platform.startswith("linux"):
+        return False
+    import ctypes
+
+    PR_SET_CHILD_SUBREAPER = 36
+    try:
+        return ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_CHILD_SUBREAPER, 1) == 0
+    except OSError:
+        return False
+
+
 _forkserver_owner: int | None = None  # the process that registered _end_forkserver
 
 

@@ -59,6 +59,10 @@ DEAD_PEER_S = 60.0
 DEAD_PEER_ENV = "LIGHTNING_PAR_DEAD_PEER_S"
 #: The store a launch of this project holds for its ranks: ``host:port/launch-id``.
 STORE_ENV = "LIGHTNING_PAR_STORE"
+#: Set (to ``1``) where the store of a ``popen`` launch is served by its keeper, which
+#: outlives rank 0 (:mod:`~lightning_par.launch.script_keeper`): rank 0's end is not the
+#: store's.
+KEPT_STORE_ENV = "LIGHTNING_PAR_KEPT_STORE"
 
 
 def default_timeout(default_s: float = DEFAULT_TIMEOUT_S) -> timedelta:
@@ -182,7 +186,8 @@ def store_host_rank() -> int | None:
     under SLURM and other launchers (its store host dies with it). None where a process
     that outlives every rank serves it (a launch of this project, torchrun's agent, rank
     0's keeper: :func:`serve_job_store_outliving_rank_0`); a
-    ``popen`` launch's scripts say their launching rank in ``LIGHTNING_PAR_LAUNCHER_RANK``."""
+    ``popen`` launch's scripts say their launching rank in ``LIGHTNING_PAR_LAUNCHER_RANK``,
+    unless its keeper serves the store (:data:`KEPT_STORE_ENV`)."""
     return _host_rank
 
 

@@ -102,6 +102,7 @@ def cpu_profile(run: Run, graph: Graph) -> Profile:
     # process): the share of a core the ranks had while they computed
     scaled = {name: getattr(prof, name) * (1.0 if own and name != "server_s" else ratio)
               for name in SPANS}  # fmt: skip
+    scaled["stage_s"] = tuple(s * (1.0 if own else ratio) for s in prof.stage_s)
     compute = statistics.fmean(cpu.values())
     scaled["batch_s"] = min(scaled["batch_s"], compute)
     comm = statistics.fmean(max(process[r] - cpu[r], 0.0) for r in cpu) if process else 0.0
@@ -133,6 +134,9 @@ def base_profile(runs: list[Run], link: Link) -> Base:
     best = min(quiet or range(len(runs)), key=lambda i: noise.steps_s[i] or float("inf"))
     same = [p for p in profiles if p.cpu_based == profiles[best].cpu_based]
     least = {name: min(getattr(p, name) for p in same) for name in (*SPANS, "compute_s")}
+    stages = {len(p.stage_s) for p in same}
+    if len(stages) == 1:  # each stage at its best round
+        least["stage_s"] = tuple(map(min, zip(*(p.stage_s for p in same))))
     # a rank's communication CPU swings by half between rounds of one run, beside no other
     # load as beside some (1.0 to 2.2 ms, 1.6 to 3.4): the median round, not the least
     least["comm_cpu_s"] = statistics.median(p.comm_cpu_s for p in same)

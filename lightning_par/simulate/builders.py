@@ -19,7 +19,8 @@ from the measured run:
 * **gpipe / layerwise**: ``K = p`` stage lanes running
   :func:`lightning_par.pipeline.schedule.gpipe_steps` for ``M`` micro-batches (layerwise: 1),
   activations and gradients as messages between neighbours; each stage computes its share
-  of the measured model under the strategy's own cut at ``p`` (:mod:`.stage_share`).
+  of the measured model under the strategy's own cut at ``p`` (:mod:`.stage_share`), and
+  on shared cores each stage is placed whole on one (:func:`.cores.place`).
 * **tensor_parallel**: the busiest rank computes its slice of every layer the automatic plan
   cuts at ``p`` and every other layer whole (:mod:`.tp_share`); the step's overhead outside
   forward and backward is not split; the plan's allreduces at ``p``, each a ring allreduce.
@@ -97,7 +98,12 @@ def data_parallel_graph(prof: Profile, p: int, topo: Topology, cores: int | None
                          "average / period"))  # fmt: skip
         return g
     buckets = prof.buckets if bwd > 0 else 1
-    main.append(Compute(work - bwd, "forward"))
+    # the step's per-step part (loop, hooks, logging) pays no cost of taking turns: that
+    # cost was timed on the model's own step (:mod:`.sharing_cost`)
+    fixed = min(max(prof.compute_s - prof.batch_s, 0.0), work - bwd) if cores else 0.0
+    if fixed > 0:
+        main.append(Compute(fixed, "overhead", turns=False))
+    main.append(Compute(work - bwd - fixed, "forward"))
     bg = g.lane(0, "bg")
     each = _allreduce_s(prof.algorithm, prof.grad_bytes // buckets, p, topo)
     cpu = communication_cpu(prof, cores) / buckets
@@ -135,7 +141,7 @@ def ps_graph(prof: Profile, p: int, topo: Topology, cores: int | None,
     for w in range(p):
         lane = g.lane(w)
         lane.extend([*map(Post, push[w]), *map(Post, pull[w]), *map(Wait, push[w])])
-        lane.extend([Compute(between, "between steps"), *map(Wait, pull[w])])
+        lane.extend([Compute(between, "between steps", turns=False), *map(Wait, pull[w])])
         lane.append(Compute(prof.compute_s * scale - between))
     serve = Compute(prof.server_s, "update")
     for s in range(s_count):
@@ -164,7 +170,7 @@ def pipeline_graph(prof: Profile, p: int, topo: Topology, cores: int | None,
     # a stage's messages cost it CPU where ranks share this machine's cores: the measured
     # stage's (one neighbour) per message it sends
     per_send = communication_cpu(prof, cores) / chunks
-    g = Graph()
+    g = Graph(placed=True)
     act = {(s, i): g.message(Msg(s, s + 1, cuts[s])) for s in range(p - 1)
            for i in range(chunks)}  # fmt: skip
     grad = {(s, i): g.message(Msg(s + 1, s, cuts[s])) for s in range(p - 1)

@@ -26,9 +26,15 @@ GPUs per node on NVLink, nodes on InfiniBand; ``"pcie"``: one link class everywh
 
 from __future__ import annotations
 
+import bisect
+from collections import defaultdict
 from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING
 
 from lightning_par.collectives.cost_model import fit_alpha_beta
+
+if TYPE_CHECKING:
+    from lightning_par.simulate.ops import Graph
 
 
 @dataclass(frozen=True)
@@ -112,3 +118,26 @@ def fit_link(samples: list[tuple[int, float]], name: str = "loopback") -> Link:
         alpha = max(0.0, sum(s - beta * n for n, s in samples) / max(len(samples), 1))
     return replace(PRESETS["loopback"], name=name, alpha=alpha, beta=beta,
                    source=f"fitted to {len(samples)} traced transfers on this machine")  # fmt: skip
+
+
+def transfers_at_once(graph: Graph, topo: Topology,
+                      transfers: dict[int, tuple[float, float]]) -> dict[int, float]:  # fmt: skip
+    """Most transfers at once on either end of each transfer over a shared link."""
+    ports: dict[tuple[int, str], list[int]] = defaultdict(list)
+    for i, m in enumerate(graph.messages):
+        link = topo.link(m.src, m.dst)
+        if link.shared and i in transfers:
+            ports[(m.src, link.name)].append(i)
+            ports[(m.dst, link.name)].append(i)
+    share: dict[int, float] = {}
+    for users in ports.values():
+        # transfers at once just after each start (a sweep over the sorted starts and ends)
+        starts = sorted(transfers[i][0] for i in users)
+        ends = sorted(transfers[i][1] for i in users)
+        level = [bisect.bisect_right(starts, x) - bisect.bisect_right(ends, x) for x in starts]
+        for i in users:
+            a, b = transfers[i]
+            lo, hi = bisect.bisect_left(starts, a), bisect.bisect_left(starts, b)
+            most = max(level[lo:hi], default=1)
+            share[i] = max(share.get(i, 1.0), float(most))
+    return share

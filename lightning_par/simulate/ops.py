@@ -26,6 +26,9 @@ class Msg:
 class Compute:
     seconds: float
     name: str = "compute"
+    #: whether it pays the cost of taking turns on the cores (:func:`~.cores.turn_factor`):
+    #: the model's own work does, whose data the ranks evict from each other's caches
+    turns: bool = True
 
 
 @dataclass(frozen=True)
@@ -82,6 +85,9 @@ class Graph:
     #: How many identical ranks a rank's lanes stand for (default 1), for core sharing (a
     #: fraction where the ranks it stands for do less than it in all).
     weight: dict[int, float] = field(default_factory=dict)
+    #: Whether its ranks, of unequal work, share the cores as whole ranks placed on them
+    #: (:func:`~.cores.place`: pipeline stages) rather than evenly over all of them.
+    placed: bool = False
 
     def message(self, msg: Msg) -> int:
         self.messages.append(msg)

@@ -46,6 +46,9 @@ class Profile:
     chunks: int = 1
     fwd_s: float = 0.0  # per micro-batch, all stages together
     bwd_s: float = 0.0
+    #: each stage's forward + backward per micro-batch, in the measured run's order
+    #: (:func:`~.stage_share.stages_at` splits them over the layers each stage held)
+    stage_s: tuple[float, ...] = ()
     act_bytes: int = 0
     collectives: int = 0  # tensor parallel: allreduces per step
     collective_bytes: int = 0
@@ -145,6 +148,11 @@ def profile(run: Run, graph: Graph | None = None, cpu: bool = False) -> Profile:
         prof.chunks = max(1, len(micro))
         prof.fwd_s = sum(fwd) / steps / prof.chunks
         prof.bwd_s = sum(bwd) / steps / prof.chunks
+        per_rank = [sum(_took(e, cpu) for e in t.events if e.name in ("fwd", "bwd")
+                        and _in_window(run, t, e.start))
+                    for t in sorted(run.traces, key=lambda t: t.rank)]  # fmt: skip
+        if family != "hybrid" and len(per_rank) == world:
+            prof.stage_s = tuple(s / steps / prof.chunks for s in per_rank)
         acts = [m.nbytes for m in messages if m.tag == "act" and m.op == "send"]
         prof.act_bytes = int(statistics.median(acts)) if acts else 0
         prof.max_devices, prof.limit = layers or None, f"{layers} layers in module.net"

@@ -11,6 +11,13 @@ traced stages of a 4-stage run read 12 %, 46 %, 38 %, 4 %), where an even split 
 the busiest stage a third and a quarter. So a stage's forward and backward at ``p`` are the
 whole model's (the measured stages summed) times its share of the layers it holds.
 
+Where the profile holds each measured stage's time (``Profile.stage_s``), a layer's weight is
+its stage's measured time split over the stage's layers by their timings: the layers timed
+alone moved a stage's share by a quarter between two timings on a busy machine (stage 2 of
+4: 31 % once, 45 % the next time, the gpipe 2 -> 4 prediction from 69 to 82 ms), while the
+measured stages hold most of it and the cost of a stage in the training loop. The timing
+warms the network up first: its first pass allocates.
+
 Layers are weighed by their forward + backward time on this machine (thread CPU time, best
 of several, one thread: :func:`~lightning_par.pipeline.partition.layer_times`) when the
 simulator predicts this machine, else by their forward FLOPs (torch's ``FlopCounterMode``;
@@ -52,7 +59,8 @@ def layer_weights(model_name: str, micro_batch: int = 0) -> tuple[float, ...]:
         torch.set_num_threads(1)
         try:
             x = torch.randn(micro_batch, *one.shape[1:], generator=torch.Generator())
-            return tuple(layer_times(net, x, REPEATS, clock=time.thread_time))
+            net(x.requires_grad_()).sum().backward()  # warm: the first pass allocates
+            return tuple(layer_times(net, x.detach(), REPEATS, clock=time.thread_time))
         finally:
             torch.set_num_threads(threads)
     from torch.utils.flop_counter import FlopCounterMode  # only needed here
@@ -80,13 +88,35 @@ def stage_balance(model_name: str, p: int, options: dict, micro_batch: int = 0) 
     return balance_by_params(net, p)
 
 
-def stage_shares(model_name: str, balance: list[int], micro_batch: int = 0) -> list[float]:
+Measured = tuple[list[int], tuple[float, ...]]
+
+
+def stage_shares(model_name: str, balance: list[int], micro_batch: int = 0,
+                 measured: Measured | None = None) -> list[float]:  # fmt: skip
     """Each stage of ``balance``'s share of the whole model's compute (they sum to 1),
-    weighed by :func:`layer_weights`."""
-    weights = layer_weights(model_name, micro_batch)
+    weighed by :func:`layer_weights`. ``measured``: a run's own cut and each of its stages'
+    measured time, which each layer of a stage takes its :func:`layer_weights` part of
+    (timing a layer alone moves by a quarter between two timings on a busy machine; the
+    measured stages hold their layers' ratio, and a stage's cost in the training loop)."""
+    weights = list(layer_weights(model_name, micro_batch))
+    if measured is not None:
+        weights = _anchored(weights, *measured)
     edges = [0, *itertools.accumulate(balance)]
     total = sum(weights) or 1.0
     return [sum(weights[a:b]) / total for a, b in itertools.pairwise(edges)]
+
+
+def _anchored(weights: list[float], balance: list[int], stage_s: tuple[float, ...]
+              ) -> list[float]:  # fmt: skip
+    """``weights`` with each stage of ``balance`` scaled to its measured ``stage_s``."""
+    if len(balance) != len(stage_s) or sum(balance) != len(weights):
+        return weights
+    out, edges = list(weights), [0, *itertools.accumulate(balance)]
+    for (a, b), took in zip(itertools.pairwise(edges), stage_s):
+        held = sum(weights[a:b])
+        for i in range(a, b):
+            out[i] = took * (weights[i] / held if held else 1 / (b - a))
+    return out
 
 
 @functools.cache
@@ -122,6 +152,9 @@ def stages_at(prof: Profile, p: int, chunks: int, here: bool) -> tuple[list[floa
     measure = micro if here else 0
     try:
         balance = stage_balance(prof.model, p, prof.options, measure)
+        base = stage_balance(prof.model, prof.world, prof.options, measure)
     except ValueError:  # no module.net to cut: the strategy cut at split points of its own
         return even
-    return stage_shares(prof.model, balance, measure), cut_bytes(prof.model, balance, micro)
+    measured = (base, prof.stage_s) if len(prof.stage_s) == len(base) else None
+    shares = stage_shares(prof.model, balance, measure, measured)
+    return shares, cut_bytes(prof.model, balance, micro)

@@ -7,6 +7,8 @@
 * runs the strategy's ``check_before_launch(trainer)`` in the main process, so a bad
   configuration fails once, with its own message, before any process starts;
 * warns when more ranks than cores (or GPUs) are asked for;
+* ``popen`` with ``fault_tolerant``: this process keeps rank 0, one more run of the script
+  (:func:`~._lost_peers.keep_popen_rank_0`), and never returns;
 * on one machine, binds the job's rendezvous store on a port the OS gives it before any
   rank starts (:func:`~lightning_par.launch.rendezvous.host_job_store`), so two jobs started
   at once never meet in one store;
@@ -69,7 +71,7 @@ from lightning_par.launch.processes import die_with_parent, forkserver_context
 from lightning_par.launch.rendezvous import STORE_ENV, host_job_store
 from lightning_par.strategies._carry_back import output_for_script, recover_in_script
 from lightning_par.strategies._interrupts import lost_rank_message, sigterm_as_interrupt, stop_ranks
-from lightning_par.strategies._lost_peers import LostPeers, keep_from_launcher
+from lightning_par.strategies._lost_peers import LostPeers, keep_from_launcher, keep_popen_rank_0
 from lightning_par.strategies._lost_ranks import ScriptRanks, joined_by_us
 from lightning_par.strategies._rank_errors import RankErrors
 
@@ -134,6 +136,7 @@ class PolicyLauncher(_compat.MultiProcessingLauncher):
             device, strategy.num_processes, requested=self.requested, state=state
         )
         strategy.launch_plan = self.plan
+        keep_popen_rank_0(strategy, self.plan.method)  # (popen, fault_tolerant: never returns)
         if strategy.num_nodes == 1:  # a store bound now: no other job can take its port
             if self.plan.method != "popen":
                 strategy.store_spec = host_job_store()  # new ranks each launch

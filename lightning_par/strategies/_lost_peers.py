@@ -45,7 +45,8 @@ from typing import Any
 
 from lightning.fabric.plugins.environments import SLURMEnvironment, TorchElasticEnvironment
 
-from lightning_par.launch import keeper, liveness, peer_loss, rendezvous
+from lightning_par import _compat
+from lightning_par.launch import keeper, liveness, peer_loss, rendezvous, script_keeper
 from lightning_par.launch.lost import (
     RankLost,
     launcher_names,
@@ -56,6 +57,8 @@ from lightning_par.strategies._interrupts import checkpoint_clause
 
 log = logging.getLogger("lightning_par")
 
+#: Whether this process launched ranks already (:func:`keep_popen_rank_0`).
+_launched = False
 #: Seconds this rank's collective gets to fail once a silent peer was killed, before this
 #: rank says so and ends by itself (its main thread computes alone, say).
 FAIL_WITHIN_S = 5.0
@@ -172,6 +175,28 @@ def keep_from_launcher(strategy: Any) -> None:
         world = strategy.world_size if rank == 0 else None
         after = partial(keeper.count_end, *address, world)
     keeper.keep(strategy.rank_name(rank), tolerated=rank != 0 or takes_over, after=after)
+
+
+def keep_popen_rank_0(strategy: Any, method: str) -> None:
+    """At a launch by ``method``: under ``popen`` (this process is the user's script and
+    would be rank 0), where the strategy survives rank 0's loss (``fault_tolerant``,
+    ``survives_lost_rank_zero``), become rank 0's keeper, which never returns
+    (:mod:`lightning_par.launch.script_keeper`); rank 0 and the scripts it starts return.
+    Only at this process's first launch: rank 0, a run of the script, would launch again
+    what this process launched before (a later ``popen`` launch finds its ranks started)."""
+    global _launched
+    first, _launched = not _launched, True
+    if method != "popen" or not first:
+        return
+    resilience = getattr(strategy, "resilience", None)
+    if resilience is None or not resilience.enabled:
+        return
+    if not getattr(strategy, "survives_lost_rank_zero", False) or strategy.num_nodes != 1:
+        return  # (several nodes: each node's first rank holds its own scripts)
+    if script_keeper.runs_behind_keeper() or not script_keeper.can_keep():
+        return
+    command, cwd = _compat.script_command(0)
+    script_keeper.run_rank_0_behind_keeper(strategy.rank_name(0), command, cwd)
 
 
 class _HeldSigterm:

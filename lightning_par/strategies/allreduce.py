@@ -58,8 +58,9 @@ class AllReduceStrategy(ParStrategy):
             step again and train the lost ranks' shards themselves, so the weights stay
             those of one process on the whole batch
             (:mod:`~lightning_par.components.fault_tolerance`); a lost rank 0's loggers,
-            checkpoints and results are taken over by the first survivor (not under
-            ``popen``, where rank 0 is the script: :mod:`._leader`).
+            checkpoints and results are taken over by the first survivor
+            (:mod:`._leader`; under ``popen`` the script's process keeps rank 0:
+            :mod:`lightning_par.launch.script_keeper`).
         **kwargs: ``trace``, ``trace_dir``, ``start_method``, ``process_group_backend``,
             ``timeout`` (see :class:`~lightning_par.strategies._base.ParStrategy`) and the
             arguments Lightning passes. With ``trace`` the trace also holds a
@@ -147,7 +148,8 @@ class AllReduceStrategy(ParStrategy):
 
     @property
     def survives_lost_rank_zero(self) -> bool:
-        """Rank 0's loss too, where the job's store outlives it (not under ``popen``)."""
+        """Rank 0's loss too (the job's store outlives it: under ``popen`` the script's
+        process keeps it and rank 0)."""
         return self.resilience.enabled
 
     @property

@@ -30,8 +30,8 @@ runs each rank's own replica, and a checkpoint saved then holds rank 0's. Every 
 make the same number of optimiser steps (Lightning's ``DistributedSampler`` gives equal
 shards), since each averaging is a collective.
 
-**fault_tolerant=True** keeps every replica past a lost rank (rank 0 too, but under
-``popen``, where it is the script: the first survivor takes over its share): at each
+**fault_tolerant=True** keeps every replica past a lost rank (rank 0 too: the first
+survivor takes over its share; under ``popen`` the script's process keeps rank 0): at each
 averaging each rank keeps the mean and receives its left neighbour's optimiser state; the
 next averaging finds the loss (or a metric synced with ``sync_dist=True``, or a barrier,
 which then run again over the survivors; Lightning's per-step SIGTERM broadcast, whose
@@ -216,7 +216,8 @@ class LocalSGDStrategy(ParStrategy):
 
     @property
     def survives_lost_rank_zero(self) -> bool:
-        """Rank 0's loss too, where the job's store outlives it (not under ``popen``)."""
+        """Rank 0's loss too (the job's store outlives it: under ``popen`` the script's
+        process keeps it and rank 0)."""
         return self.resilience.enabled
 
     @property
