@@ -11,7 +11,6 @@ a step by ``LIGHTNING_PAR_FAULT``, then ``save_checkpoint`` and ``validate``.
 
 from __future__ import annotations
 
-import json
 import sys
 from pathlib import Path
 from types import SimpleNamespace
@@ -157,18 +156,14 @@ def test_what_a_lost_parameter_server_worker_would_leave_inexact_is_refused_befo
         trainer.fit(model(), DataLoader(data(), batch_size=4))
 
 
-def test_worker_0_lost_under_popen_ends_the_run_naming_it(tmp_path):
-    """Under popen worker 0 is the user's script itself, which holds the job's store: the
-    servers end with it (they outlive it only where the store does) and the other workers
-    end, naming it, with no traceback and nothing left behind."""
+def test_worker_0_lost_under_popen_is_taken_over_by_the_first_survivor(tmp_path):
+    """Under popen worker 0 runs behind the script's keeper, which holds the job's store:
+    the servers outlive worker 0 there too, worker 1 takes over its share, and the run
+    ends with one process's weights, no traceback and nothing left."""
     run = run_script(tmp_path, "parameter_server", 3, "kill:rank=0:step=4",
                      LIGHTNING_PAR_START_METHOD="popen")  # fmt: skip
     text = "".join(line for _, line in run.lines)
-    said = text[text.index("RESULT ") + len("RESULT ") :]  # (both survivors say it, at once)
-    result, _ = json.JSONDecoder().raw_decode(said)
-    assert run.code == -9, text[-4000:]  # (the script: killed by the fault)
-    assert result["raised"]["type"] == "RankLost", text[-4000:]
-    assert result["raised"]["message"].startswith("worker 0 (rank 0), process "), result
-    assert "the job ends" in result["raised"]["message"], result
-    assert "Traceback" not in text and "TCPStore" not in text, text[-4000:]
-    assert run.session == [] and run.left == [], (run.session, run.left)
+    said = "worker 0 (rank 0) was killed by SIGKILL; the other ranks go on without it"
+    assert text.count(said) == 1, text[-4000:]
+    assert text.count("worker 0 (rank 0) lost; worker 1 pushed its gradient") == 1, text
+    _assert_one_process(run, 3)

@@ -44,6 +44,7 @@ from lightning_par import _compat
 from lightning_par.comm.buckets import GradientBuckets
 from lightning_par.components.server_group import ServerGroup
 from lightning_par.components.worker_context import WorkerContext
+from lightning_par.launch import script_keeper
 from lightning_par.paramserver.process import role_name
 from lightning_par.strategies._base import ParStrategy
 from lightning_par.strategies._late_params import refuse_frozen_in_optimizer
@@ -96,10 +97,12 @@ class ServerGroupStrategy(ParStrategy):
             outlives_the_call=not getattr(self.launcher, "carries_back", False),
             dead_peer_s=self.dead_peer_timeout,
         )
-        # (fault_tolerant: they outlive worker 0, whose share the first survivor takes over;
-        # not under popen, where worker 0 is the user's script, which holds the job's store)
+        # (fault_tolerant: they outlive worker 0, whose share the first survivor takes over,
+        # where the job's store does: under popen only behind the script's keeper, else
+        # worker 0 is the user's script itself, which holds the store)
         popen = getattr(self.launch_plan, "method", None) == "popen"
-        outlive = {"outlive": True} if self.servers.fault_tolerant and not popen else {}
+        kept = not popen or script_keeper.runs_behind_keeper()
+        outlive = {"outlive": True} if self.servers.fault_tolerant and kept else {}
         self.servers.start(context, {**server_options, **outlive}, self.watched_ranks(),
                            self.lightning_module)  # fmt: skip
         name = f"{self.strategy_name} ({self.num_servers} server(s))"

@@ -35,9 +35,9 @@ worker 0 is lost) pushes its gradient of the step it was lost in, then trains it
 beside its own, pushing that gradient in the lost worker's slot, so the weights stay those
 of one process on the whole batch, bit for bit those of the run without the loss
 (:mod:`lightning_par.paramserver.lost_workers`, :mod:`._ps_stand_in`). Worker 0's loss is
-survived where the job's store outlives it (a fork launch, torchrun, srun; not ``popen``,
-where it is the user's script): its servers outlive it, and the first survivor takes over
-its loggers and checkpoints (:mod:`._leader`).
+survived where the job's store outlives it (a fork launch, ``popen`` behind the script's
+keeper, torchrun, srun): its servers outlive it, and the first survivor takes over its
+loggers and checkpoints (:mod:`._leader`).
 
 Gradient clipping (by norm: the servers exchange their shards' squared norms) and
 ``bf16-mixed`` are exact against one process (:mod:`~lightning_par.strategies._ps_features`).
@@ -80,7 +80,7 @@ class ParameterServerStrategy(ServerGroupStrategy):
         fault_tolerant: copy each server's shard in the next server process (one server: in
             a standby process), so that the job goes on, exactly, when a server dies; and go
             on without a lost worker, whose batches the first live worker then trains
-            (worker 0 too, but under ``popen``: the first survivor takes over its share).
+            (worker 0 too: the first survivor takes over its share).
         **kwargs: ``trace``, ``trace_dir``, ``start_method``, ``timeout`` (see
             :class:`~lightning_par.strategies._base.ParStrategy`). The process group is
             always gloo (servers run on CPU; CUDA tensors are staged through pinned memory).
@@ -126,8 +126,8 @@ class ParameterServerStrategy(ServerGroupStrategy):
 
     @property
     def survives_lost_rank_zero(self) -> bool:
-        """Worker 0's loss too, where the job's store outlives it (not under ``popen``):
-        the servers outlive it and the first survivor takes over its share."""
+        """Worker 0's loss too, where the job's store outlives it (under ``popen``: behind
+        the script's keeper): the servers outlive it and the first survivor takes over."""
         return self.fault_tolerant
 
     @property
