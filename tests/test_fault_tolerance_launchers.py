@@ -14,6 +14,7 @@ process or temporary file.
 
 from __future__ import annotations
 
+import csv
 import json
 import subprocess
 import sys
@@ -86,6 +87,27 @@ def test_rank_0_lost_under_torchrun_is_taken_over_by_the_first_survivor(tmp_path
     assert_logged_whole(tmp_path, 12)  # (rank 0 wrote steps 0-5 before it was lost)
 
 
+def test_parameter_server_worker_0_lost_under_torchrun_is_taken_over_by_the_first_survivor(
+    tmp_path,
+):
+    """The servers outlive worker 0 (their starter), worker 1 pushes its gradient of the
+    step and trains its batches, and takes over its loggers and checkpoints."""
+    run, out = _torchrun(tmp_path, "parameter_server", "kill:rank=0:step=5", "logged")
+    assert run.code == 0, run.text[-4000:]
+    said = "lightning_par: worker 0 (rank 0) was killed by SIGKILL; the other ranks go on"
+    assert run.text.count(said) == 1, run.text[-4000:]
+    assert run.text.count("worker 0 (rank 0) lost; worker 1 pushed its gradient") == 1
+    assert _result(run.text)["raised"] is None and "Traceback" not in run.text, run.text
+    assert _worst(one_process(3), torch.load(out, weights_only=True)) < 1e-5
+    assert_logged_whole(tmp_path, 12)
+    # the script's validate after fit, in the same processes, logs from the first survivor
+    validated = []
+    for metrics in (tmp_path / "logs").rglob("metrics.csv"):
+        with open(metrics, newline="") as f:
+            validated += [row for row in csv.DictReader(f) if row.get("val_loss")]
+    assert len(validated) == 1, validated
+
+
 def test_local_sgd_losing_rank_0_under_torchrun_ends_as_the_run_without_it(tmp_path):
     (tmp_path / "a").mkdir()
     (tmp_path / "b").mkdir()
@@ -121,12 +143,13 @@ def _clean_env() -> dict[str, str]:
     return {**clean_env(), "PYTHONPATH": str(HERE.parent)}
 
 
-def _srun(tmp_path: Path, fault: str, variant: str = "tiny") -> tuple[list[int], list[str], Path]:
+def _srun(tmp_path: Path, fault: str, variant: str = "tiny", name: str = "ring_allreduce"
+          ) -> tuple[list[int], list[str], Path]:  # fmt: skip
     job, out = free_job_id(), tmp_path / "weights.pt"
     procs = []
     for task in range(3):
         env = {**srun_env(job, task, 1, 3), "LIGHTNING_PAR_TIMEOUT": "90"}
-        args = [sys.executable, "-u", str(SCRIPT), "ring_allreduce", "3", fault, str(out), variant]
+        args = [sys.executable, "-u", str(SCRIPT), name, "3", fault, str(out), variant]
         procs.append(subprocess.Popen(
             args, cwd=tmp_path, env={**env, "PYTHONPATH": str(HERE.parent)},
             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
@@ -177,3 +200,19 @@ def test_a_rank_frozen_after_rank_0s_loss_under_srun_is_found_and_survived(tmp_p
     assert _result(outputs[1])["raised"] is None, outputs[1][-3000:]
     assert "Traceback" not in "".join(outputs), outputs
     assert _worst(one_process(3), torch.load(out, weights_only=True)) < 1e-5
+
+
+def test_parameter_server_worker_0_lost_under_srun_is_taken_over_by_the_first_survivor(
+    tmp_path,
+):
+    """Worker 0's keeper serves the job's store instead of it; the servers outlive it and
+    worker 1 takes over its share (its batches, loggers and checkpoints)."""
+    codes, outputs, out = _srun(tmp_path, "kill:rank=0:step=5", "logged", "parameter_server")
+    assert codes == [0, 0, 0], outputs
+    said = "lightning_par: worker 0 (rank 0) was killed by SIGKILL; the other ranks go on"
+    assert said in outputs[0], outputs[0]
+    assert "worker 0 (rank 0) lost; worker 1 pushed its gradient" in outputs[1], outputs[1]
+    assert "Traceback" not in "".join(outputs), outputs
+    assert _result(outputs[1])["raised"] is None, outputs[1]
+    assert _worst(one_process(3), torch.load(out, weights_only=True)) < 1e-5
+    assert_logged_whole(tmp_path, 12)

@@ -1,6 +1,7 @@
-"""``parameter_server(fault_tolerant=True)``: a lost worker other than 0 is survived with one
-process's weights, whatever Lightning features the grid switches on; what it cannot keep
-exact is refused before launch.
+"""``parameter_server(fault_tolerant=True)``: a lost worker is survived with one process's
+weights, whatever Lightning features the grid switches on (worker 0 too: the servers outlive
+it and the first survivor takes over its share); what it cannot keep exact is refused
+before launch.
 
 The product as users run it, as in :mod:`test_fault_tolerance` (whose script, runner and
 one-process reference this file shares): ``python _fault_tolerant_script.py
@@ -18,8 +19,13 @@ import pytest
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
-from _fault_tolerant_script import DEAD_PEER_S, Tiny, data  # noqa: E402
-from test_fault_tolerance import _assert_one_process, _at, run_script  # noqa: E402
+from _fault_tolerant_script import DEAD_PEER_S, VARIANTS, Tiny, data  # noqa: E402
+from test_fault_tolerance import (  # noqa: E402
+    _assert_one_process,
+    _at,
+    assert_logged_whole,
+    run_script,
+)
 
 PS_SURVIVED = [  # (workers, fault, launch, what the script switches on): one server + standby
     # worker 0's BatchNorm statistics stay its own batches' (the lost worker's batches it
@@ -31,11 +37,17 @@ PS_SURVIVED = [  # (workers, fault, launch, what the script switches on): one se
     (2, "freeze:rank=1:step=5", "fork", "bf16_schedulers"),
     (2, "kill:rank=1:step=11", "popen", "tiny"),  # the last step
     (2, "kill:rank=1:step=1", "fork", "torchvision"),  # shufflenet (BatchNorm) as self.model
+    # worker 0: the servers outlive it, worker 1 pushes its gradient and trains its batches,
+    # takes over its CSV rows and checkpoints, and sends the results to the script
+    (2, "kill:rank=0:step=5", "fork", "logged"),
+    (2, "kill:rank=0:step=11", "fork", "logged"),  # the last step: last.ckpt at step 12
+    (3, "kill:rank=0:step=11", "fork", "tiny"),
+    (3, "freeze:rank=0:step=5", "fork", "tiny"),  # ended by a peer's heartbeat, then the same
 ]
 
 
 @pytest.mark.parametrize("world, fault, launch, variant", PS_SURVIVED, ids=["-".join(
-    (str(w), f.split(":")[0], f.split(":")[2], la, v)) for w, f, la, v in PS_SURVIVED])  # fmt: skip
+    (str(w), *f.split(":"), la, v)) for w, f, la, v in PS_SURVIVED])  # fmt: skip
 def test_a_lost_parameter_server_worker_is_survived_with_one_process_weights(
     tmp_path, world, fault, launch, variant
 ):
@@ -49,12 +61,16 @@ def test_a_lost_parameter_server_worker_is_survived_with_one_process_weights(
     lost = fault.split(":")[1].split("=")[1]
     said = f"worker {lost} (rank {lost}) was killed by SIGKILL; the other workers go on without it"
     assert text.count(said) == 1, text[-4000:]
-    assert text.count(f"worker {lost} (rank {lost}) lost; worker 0 pushed its gradient") == 1, text
+    leader = 1 if lost == "0" else 0  # (the first survivor)
+    pushed = f"worker {lost} (rank {lost}) lost; worker {leader} pushed its gradient"
+    assert text.count(pushed) == 1, text
     frozen = fault.startswith("freeze")
     assert text.count("it is ended and the others go on without it") == frozen, text[-4000:]
     detect_s = _at(run, "the other workers go on") - _at(run, "LIGHTNING_PAR_FAULT: ")
     assert detect_s < (DEAD_PEER_S + 8 if frozen else 8), detect_s
     worst = _assert_one_process(run, world, variant)
+    if VARIANTS[variant].logged:
+        assert_logged_whole(tmp_path, VARIANTS[variant].steps)
     print(f"parameter_server W={world} {fault} {launch} {variant}: went on {detect_s:.2f} s "
           f"after it; weights within {worst:.1e} of one process")  # fmt: skip
 
@@ -67,13 +83,14 @@ def three_workers_unharmed(tmp_path_factory) -> dict[str, torch.Tensor]:
     return torch.load(run.out, weights_only=True)
 
 
-@pytest.mark.parametrize("lost", [1, 2], ids=["middle", "last"])
+@pytest.mark.parametrize("lost", [0, 1, 2], ids=["first", "middle", "last"])
 def test_three_parameter_server_workers_losing_one_end_with_the_weights_of_none_lost_bit_for_bit(
     tmp_path, three_workers_unharmed, lost
 ):
-    """With three workers or more, the order of the servers' sums shows: worker 0 pushes the
-    lost worker's gradient in that worker's slot (the interrupted step's, and every one
-    after), and each server sums the slots in worker order, as without the loss. Summing
+    """With three workers or more, the order of the servers' sums shows: the first survivor
+    (worker 0, or worker 1 when worker 0 is lost) pushes the lost worker's gradient in that
+    worker's slot (the interrupted step's, and every one after), after its own, and each
+    server sums the slots in worker order, as without the loss. Summing
     the lost worker's gradient into worker 0's push, or adding it last, gave other last
     bits from the step after the loss on (3e-8 apart after 12 steps of this net)."""
     run = run_script(tmp_path, "parameter_server", 3, f"kill:rank={lost}:step=5")
@@ -137,3 +154,16 @@ def test_what_a_lost_parameter_server_worker_would_leave_inexact_is_refused_befo
     )  # fmt: skip
     with pytest.raises(ValueError, match=refused):
         trainer.fit(model(), DataLoader(data(), batch_size=4))
+
+
+def test_worker_0_lost_under_popen_is_taken_over_by_the_first_survivor(tmp_path):
+    """Under popen worker 0 runs behind the script's keeper, which holds the job's store:
+    the servers outlive worker 0 there too, worker 1 takes over its share, and the run
+    ends with one process's weights, no traceback and nothing left."""
+    run = run_script(tmp_path, "parameter_server", 3, "kill:rank=0:step=4",
+                     LIGHTNING_PAR_START_METHOD="popen")  # fmt: skip
+    text = "".join(line for _, line in run.lines)
+    said = "worker 0 (rank 0) was killed by SIGKILL; the other ranks go on without it"
+    assert text.count(said) == 1, text[-4000:]
+    assert text.count("worker 0 (rank 0) lost; worker 1 pushed its gradient") == 1, text
+    _assert_one_process(run, 3)

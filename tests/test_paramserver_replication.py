@@ -127,9 +127,9 @@ def _loss(model: nn.Module, data: tuple, step: int, worker: int) -> torch.Tensor
     return F.cross_entropy(model(x[lo : lo + BATCH]), y[lo : lo + BATCH])
 
 
-def _lose_worker_1(point: str, at: int) -> None:
-    """In worker 1: die at step ``at``, once its second bucket's push went (``mid-push``)
-    or once every push went (``pushed``)."""
+def _lose_worker(point: str, at: int, worker: int = 1) -> None:
+    """In the worker lost (``worker``): die at step ``at``, once its second bucket's push
+    went (``mid-push``) or once every push went (``pushed``)."""
     push = ReplicatedClient._push
 
     def pushed(self, bucket):
@@ -145,20 +145,23 @@ def _lose_worker_1(point: str, at: int) -> None:
 def _train(comm: Communicator, rank: int, servers: int, clip: GradClip | None, lose: tuple | None):
     model = _model()
     opt = torch.optim.Adam(model.parameters(), lr=0.05)
-    if lose is not None and rank == 1:
-        _lose_worker_1(*lose)
+    lost = [lose[2] if len(lose) > 2 else 1] if lose is not None else []
+    if rank in lost:
+        _lose_worker(*lose)
     client = ReplicatedClient(model, opt, comm, WORKERS, servers, bucket_cap_mb=1e-4,
                               split_mb=2e-4, clip=clip)  # fmt: skip
     g, n = torch.Generator().manual_seed(1), STEPS * WORKERS * BATCH
     data = torch.randn(n, 6, generator=g), torch.randint(0, 3, (n,), generator=g)
     params = list(model.parameters())
-    client.missing.fill = lambda step, lost: {  # worker 0 pushes a lost worker's gradient
+    client.missing.fill = lambda step, lost: {  # the leader pushes a lost worker's gradient
         w: list(torch.autograd.grad(_loss(model, data, step, w), params, allow_unused=True))
         for w in lost
     }  # fmt: skip
     for step in range(STEPS):
-        if step == READ_AT_STEP:  # a checkpoint's read, and loading it (as a resume would)
-            client.load_state(client.gather_state())  # (complete on worker 0, which sends it)
+        # a checkpoint's read, and loading it (as a resume would); after a loss too (the
+        # leader sends the state: worker 1 if worker 0 was lost)
+        if step == READ_AT_STEP or (lost and step == STEPS - 1):
+            client.load_state(client.gather_state())  # (complete everywhere; the leader sends it)
         client.settle()  # (a lost worker is known from here; the strategy settles there too)
         loss = _loss(model, data, step, rank)
         if client.lost_workers:  # and trains its batches beside its own, pushed in its slot
@@ -167,11 +170,11 @@ def _train(comm: Communicator, rank: int, servers: int, clip: GradClip | None, l
         client.finish_backward()
         opt.zero_grad()
     state = client.gather_state()  # (which reads the last step's answers)
-    assert client.lost_workers == ([1] if lose is not None else []), client.lost_workers
+    assert client.lost_workers == lost, client.lost_workers
     client.close()
     weights = torch.cat([p.detach().flatten() for p in model.parameters()]).numpy()
     return weights, {k: {n: v.numpy() if torch.is_tensor(v) else v for n, v in s.items()}
-                     for k, s in state["state"].items()} if rank == 0 else None  # fmt: skip
+                     for k, s in state["state"].items()}  # fmt: skip
 
 
 def _rank(rank, world, port, servers, kills, clip, lose, queue, threads) -> None:
@@ -195,7 +198,7 @@ def _rank(rank, world, port, servers, kills, clip, lose, queue, threads) -> None
 
 def _run(servers: int, *kills: tuple, clip: GradClip | None = None, lose: tuple | None = None):
     """Train on two workers and ``servers`` shards; each kill: ``(server, point, request)``;
-    ``lose``: worker 1 dies (:func:`_lose_worker_1`). The parent plays the worker that
+    ``lose``: a worker dies (:func:`_lose_worker`). The parent plays the worker that
     started the servers: it says which one died."""
     workers = WORKERS - (lose is not None)
     world = WORKERS + server_processes(servers, True)
@@ -239,9 +242,10 @@ def _same(run, reference) -> None:
     for w in results:  # (every worker, or the one left: _run counts them)
         torch.testing.assert_close(torch.from_numpy(results[w][0]),
                                    torch.from_numpy(expected[w][0]), atol=1e-6, rtol=0)  # fmt: skip
+    first = min(results)  # (every worker reads the whole optimiser state)
     for key, state in expected[0][1].items():
         for name, value in state.items():
-            got = results[0][1][key][name]
+            got = results[first][1][key][name]
             assert (got == value).all() if hasattr(value, "shape") else got == value, name
 
 
@@ -299,13 +303,15 @@ def test_a_server_without_parameters_is_refused_naming_the_option_and_the_fix():
     assert "server(s) [2] hold none" in message and "lower num_servers or split_mb" in message
 
 
+@pytest.mark.parametrize("worker", [1, 0])
 @pytest.mark.parametrize("point", ["mid-push", "pushed"])
-def test_a_lost_workers_pushes_come_from_worker_0_and_the_weights_stay_the_same(point):
-    """Worker 1 dies at step 3 after pushing part of its gradient (the shards complete the
-    rest from worker 0, which computes it on worker 1's batch) or all of it (the servers
-    find it lost only at the next step, which worker 0 already trains for it): worker 0's
-    weights and the optimiser state equal a run in which no worker was lost."""
+def test_a_lost_workers_pushes_come_from_the_leader_and_the_weights_stay_the_same(point, worker):
+    """Worker 1 (or 0) dies at step 3 after pushing part of its gradient (the shards
+    complete the rest from the leader, worker 0 or else 1, which computes it on the lost
+    worker's batch) or all of it (the servers find it lost only at the next step, which the
+    leader already trains for it): the survivor's weights and the optimiser state (read
+    and loaded again after the loss: the leader sends it) equal a run with no worker lost."""
     reference = _run(2)
-    run = _run(2, lose=(point, 3))
-    assert list(run[0]) == [0]
+    run = _run(2, lose=(point, 3, worker))
+    assert list(run[0]) == [1 - worker]
     _same(run, reference)

@@ -133,7 +133,8 @@ class ServerGroup:
         )
         procs, ft = self.processes, self.fault_tolerant
         self._watch = servers.watch_servers(procs, ctx.workers, ft) if procs else None
-        survive = servers.fence(procs, ctx.workers) if ft else None  # lost servers: survived
+        zero = server_options.get("outlive", False)  # (worker 0 too: its servers outlive it)
+        survive = servers.fence(procs, ctx.workers, zero) if ft else None  # lost servers too
         liveness.watch_group(store, ctx.rank, watched, ctx.timeout, ctx.rank_name, ctx.dead_peer_s,
                              survive)  # fmt: skip
         self.workers.create(ctx.workers)
@@ -265,4 +266,4 @@ class ServerGroup:
             dist.destroy_process_group()
             if ctx.outlives_the_call:  # the script's next call needs a group: the workers'
                 keep_workers_group(ctx, beat, alive)
-                self.workers.group = None  # the default group holds the workers alone
+                self.workers.group = self.workers.members = None  # (the survivors alone)

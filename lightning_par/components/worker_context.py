@@ -21,7 +21,8 @@ class WorkerContext:
     Args:
         strategy_name: the strategy, as error messages name it.
         workers: ``W``, the training processes (the servers are ranks ``W .. W+S-1``).
-        rank, local_rank, node_rank, num_nodes: where this worker stands.
+        rank, local_rank, node_rank, num_nodes: where this worker stands among this call's
+            workers (after a loss, local rank 0 is the first survivor on its node).
         timeout: how long a collective or a receive may wait.
         group_store: a new ``(store, address)`` for each process group the workers join.
         outlives_the_call: the user's script goes on in this rank after ``fit`` (popen,

@@ -67,16 +67,23 @@ class WorkerGroup:
     def __init__(self) -> None:
         self.group: Any = None
         self._metrics: list[Metric] = []  # the model's, syncing over ``group``
+        #: the group's workers after a loss (``regroup``); a broadcast's ``src`` is an index
+        #: into it, so that worker 0's broadcasts come from the first survivor once it is lost
+        self.members: list[int] | None = None
+
+    def _source(self, src: int) -> int:
+        return src if self.members is None else self.members[src]
 
     def create(self, workers: int) -> None:
         """Make the workers' group (every rank of the default group must call this)."""
-        self.group = dist.new_group(list(range(workers)))
+        self.group, self.members = dist.new_group(list(range(workers))), None
 
     def regroup(self, survivors: list[int]) -> None:
         """The workers' group holds ``survivors`` from now (``fault_tolerant``, a worker
         lost; only they call this), torchmetrics' syncs at the epoch's end included: on the
         old group they would wait for the lost worker."""
         self.group = dist.new_group(survivors, use_local_synchronization=True)
+        self.members = list(survivors)
         for metric in self._metrics:
             metric.process_group = self.group
 
@@ -97,7 +104,7 @@ class WorkerGroup:
         if not dist.is_initialized():
             return obj
         box = [obj]
-        dist.broadcast_object_list(box, src, group=self.group)
+        dist.broadcast_object_list(box, self._source(src), group=self.group)
         return box[0]
 
     def sync_model_states(self, model: torch.nn.Module) -> None:
@@ -114,7 +121,7 @@ class WorkerGroup:
         """Lightning's per-step SIGTERM flag from worker 0, among the workers only."""
         flag = torch.tensor([int(bool(getattr(trainer, "received_sigterm", False)))])
         try:
-            dist.broadcast(flag, 0, group=self.group)
+            dist.broadcast(flag, self._source(0), group=self.group)
         except RuntimeError as err:
             raise CommError(explain(
                 f"worker {rank}: the workers' per-step broadcast (from worker 0) "

@@ -1,9 +1,12 @@
 """Workers lost during a fault-tolerant synchronous run: the servers' side.
 
-With ``fault_tolerant=True`` a worker other than 0 may be lost (killed, or frozen and then
-killed by the heartbeat of a peer): every receive from it fails at once, as its connections
-close. The weights must still be those of one process on the whole batch, so every step's
-update still averages the gradients of all ``W`` shards of the batch, each exactly once:
+With ``fault_tolerant=True`` a worker may be lost (killed, or frozen and then killed by the
+heartbeat of a peer): every receive from it fails at once, as its connections close. *The
+leader* below is the first live worker: worker 0, or the first survivor once worker 0 is
+lost (:attr:`LostWorkers.leader`; the workers agree,
+:attr:`~.missing_pushes.MissingPushes.leader`). The weights must still be those of one
+process on the whole batch, so every step's update still averages the gradients of all
+``W`` shards of the batch, each exactly once:
 
 * a server keeps the pushes it received: a bucket every worker pushed is applied and sent
   back as usual (a worker lost after pushing it cost nothing there);
@@ -11,21 +14,21 @@ update still averages the gradients of all ``W`` shards of the batch, each exact
   pushes it lacks (``MISSING``, empty when nothing is missing); no worker writes any pulled
   weight before it has every shard's ``MISSING``, so the weights it holds are still those
   the step began with, the lost worker's own;
-* worker 0 then computes each missing worker's gradient on that worker's batch (Lightning's
+* the leader then computes each missing worker's gradient on that worker's batch (Lightning's
   ``DistributedSampler`` read again with the lost rank's number) and pushes it in its place,
   bucket by bucket; the shard completes the buckets that lacked it, applies them and sends
   them back;
 * a frozen worker is found silent by a peer's heartbeat and ended where it runs on the
   same machine (:func:`let_go_silent`), so that its connections close as a killed one's;
-* from the next step on, worker 0 trains the lost worker's batch beside its own and pushes
-  that gradient in the lost worker's slot, a push of its own after worker 0's, bucket by
+* from the next step on, the leader trains the lost worker's batch beside its own and pushes
+  that gradient in the lost worker's slot, a push of its own after the leader's, bucket by
   bucket; it says so in the job's store before it sends that step's header
   (:func:`~.faults.record_covered`), so a server that finds the worker lost only then takes
-  that slot's push from worker 0. The servers still divide by ``W``: no loss is rescaled.
+  that slot's push from the leader. The servers still divide by ``W``: no loss is rescaled.
 
 Every bucket's pushes are summed in worker order, whoever sent them, as
 :func:`~.server.synchronous_step` sums them without a loss: float addition is not
-associative, so worker 0 pushing the sum of its own and a lost worker's gradient, or a
+associative, so the leader pushing the sum of its own and a lost worker's gradient, or a
 server adding a missing push last, would give other last bits (with three workers, the
 weights of the CIFAR CNN drifted to 3e-5 of the run without the loss in 25 steps), where
 this keeps them equal, bit for bit.
@@ -47,6 +50,7 @@ from lightning_par.comm import CommError, Communicator, Handle
 from lightning_par.launch.liveness import Heartbeat
 from lightning_par.paramserver import protocol
 from lightning_par.paramserver.faults import covered_since
+from lightning_par.paramserver.messages import recv_object_bytes
 from lightning_par.paramserver.protocol import Header, Kind
 from lightning_par.paramserver.server import ShardOptimizer, apply_averaged
 
@@ -64,7 +68,7 @@ class _Failed:
 
 
 class LostWorkers:
-    """The workers one shard's server found lost, and the step from which worker 0 trains
+    """The workers one shard's server found lost, and the step from which the leader trains
     each one's batch (see the module docstring)."""
 
     def __init__(self, num_workers: int) -> None:
@@ -76,14 +80,20 @@ class LostWorkers:
     def live(self) -> list[int]:
         return [w for w in range(self.num_workers) if w not in self.lost]
 
+    @property
+    def leader(self) -> int:
+        """The worker that stands in for the lost ones: the first live one (worker 0 until
+        it is lost; the workers agree, :attr:`~.missing_pushes.MissingPushes.leader`)."""
+        return self.live[0]
+
     def lose(self, worker: int, error: CommError) -> None:
-        """A message from or to ``worker`` failed: it is lost (worker 0: the job ends)."""
-        if worker == 0:
+        """A message from or to ``worker`` failed: it is lost (the last one: the job ends)."""
+        if self.live == [worker]:
             raise error
         self.lost.add(worker)
 
     def covered(self, worker: int, step: int) -> bool:
-        """Whether worker 0 pushes lost ``worker``'s gradient of ``step`` in its slot."""
+        """Whether the leader pushes lost ``worker``'s gradient of ``step`` in its slot."""
         first = self._covered_from.get(worker)
         if first is None:
             first = covered_since(worker)
@@ -92,27 +102,29 @@ class LostWorkers:
         return first is not None and first <= step
 
     def headers(self, comm: Communicator, num_hyper: int, idle, tag) -> Header:
-        """The next header of every live worker (worker 0's waited for up to ``idle``, as
+        """The next header of every live worker (the first's waited for up to ``idle``, as
         :func:`~.messages.recv_headers` does); a worker whose header fails is lost.
-        Returns worker 0's."""
+        Returns the first live one's."""
         live = self.live
         buffers = {w: Header.buffer(num_hyper) for w in live}
         handles = {w: self._post(comm, buffers[w], w, tag=tag) for w in live}
-        handles[0].wait(idle)
-        first = Header.decode(buffers[0], num_hyper, "worker 0 (rank 0)")
-        for w in live[1:]:
+        first = None
+        for w in live:
             try:
-                handles[w].wait()
+                handles[w].wait(idle if first is None else None)
             except CommError as err:
                 self.lose(w, err)
                 continue
             header = Header.decode(buffers[w], num_hyper, f"worker {w} (rank {w})")
-            if header.command != first.command:
+            if first is None:
+                first = header
+            elif header.command != first.command:
                 raise RuntimeError(
                     f"parameter server rank {comm.rank}: workers disagree on the command "
                     f"({first.command.name}, {header.command.name}); they must call the same "
                     "hooks in step"
                 )
+        assert first is not None  # (losing the last live worker raised)
         return first
 
     def _post(self, comm: Communicator, buffer: torch.Tensor, worker: int, **kw) -> Handle:
@@ -122,9 +134,18 @@ class LostWorkers:
         try:
             return comm.irecv(buffer, worker, **kw)
         except CommError as err:
-            if worker == 0:
-                raise
             return _Failed(err)
+
+    def object_bytes(self, comm: Communicator, tag) -> tuple[torch.Tensor, torch.Tensor]:
+        """The object every live worker sends (a state to load: the same in each), the first
+        one's: each sends it, so that none waits on a leader it has not found lost yet."""
+        received = []
+        for w in self.live:
+            try:
+                received.append(recv_object_bytes(comm, w, tag=tag))
+            except CommError as err:
+                self.lose(w, err)
+        return received[0]
 
     def wait_sends(self, sends: list[tuple[int, Handle]]) -> None:
         """Wait for messages to workers; one to a worker lost meanwhile is let go."""
@@ -143,15 +164,18 @@ class LostWorkers:
         replicate: Replicate | None = None, applied: frozenset[int] = frozenset(),
     ) -> None:  # fmt: skip
         """:func:`~.server.synchronous_step` over every worker's slot, a lost worker's push
-        taken from worker 0 (see the module docstring); each bucket's pushes summed in worker
-        order, whoever sent them, so the sum is the one without the loss, bit for bit."""
+        taken from the leader (worker 0 until it is lost; see the module docstring); each
+        bucket's pushes summed in worker order, whoever sent them, so the sum is the one
+        without the loss, bit for bit."""
         tag = shard.tag(Kind.PUSH)
-        covered = {w for w in self.lost if self.covered(w, step)}  # pushed by worker 0
+        covered = {w for w in self.lost if self.covered(w, step)}  # pushed by the leader
         # from which bucket (its position in shard.active) each lost worker's push is missing
         missing = {w: 0 for w in sorted(self.lost - covered)}
-        slots = [w for w in range(shard.spec.num_workers) if w not in missing]
-        sender = {w: 0 if w in covered else w for w in slots}
-        # (from worker 0: bucket by bucket, its own push, then the covered workers' in order)
+        sender = {w: self.leader if w in covered else w
+                  for w in range(shard.spec.num_workers) if w not in missing}  # fmt: skip
+        # (from the leader: bucket by bucket, its own push, then the covered workers' in
+        # order: the receives from one sender are matched in the order they are posted)
+        slots = sorted(sender, key=lambda w: (sender[w], w != sender[w], w))
         recvs = {
             b: {w: self._post(comm, shard.push_buffer(b), sender[w], step=step, chunk=b, tag=tag)
                 for w in slots}
@@ -175,9 +199,10 @@ class LostWorkers:
         status = protocol.encode_missing(list(missing), shard.spec.num_workers)
         for w in self.live:
             self.send(comm, status, w, shard.tag(Kind.MISSING), step=step)
-        for w in sorted(missing):  # worker 0 sends each one's gradient, every bucket
+        leader = self.leader  # sends each one's gradient, every bucket
+        for w in sorted(missing):
             for i, b in enumerate(shard.active):
-                part = comm.recv(shard.push_buffer(b), 0, step=step, chunk=b, tag=tag)
+                part = comm.recv(shard.push_buffer(b), leader, step=step, chunk=b, tag=tag)
                 if i >= missing[w]:
                     parts[b][w] = part
             self._covered_from[w] = step + 1
@@ -220,13 +245,16 @@ def _in_order(parts: dict[int, torch.Tensor]) -> torch.Tensor:
 
 
 # ---- a silent worker (frozen): ended, so that its connections close --------------------------
-def let_go_silent(beat: Heartbeat, num_workers: int, peer: int, report: str) -> bool:
-    """``fault_tolerant``: whether the job goes on without silent ``peer`` (a server, or a
-    worker other than 0, which is killed first where it runs on this machine, so that its
-    connections close and the others' messages to it fail at once)."""
-    if 0 < peer < num_workers:
+def let_go_silent(
+    beat: Heartbeat, num_workers: int, zero: bool, peer: int, report: str
+) -> bool:  # fmt: skip
+    """``fault_tolerant``: whether the job goes on without silent ``peer``: a server; a
+    worker other than 0, or worker 0 too if ``zero`` (its servers outlive it), killed first
+    where it runs on this machine, so that its connections close and the others' messages
+    to it fail at once."""
+    if (peer > 0 or zero) and peer < num_workers:
         end_silent_worker(beat, peer, report)
-    return peer != 0
+    return peer != 0 or zero
 
 
 #: Who found a silent worker first (``fault_tolerant``): the one process that says so.

@@ -4,8 +4,9 @@ scheme: :mod:`.lost_workers`).
 After each step's pushes every shard tells every live worker which lost workers' pushes it
 lacks (``MISSING``). :class:`MissingPushes` reads every shard's answer before the worker
 writes any pulled weight, so the weights it holds are still those the step began with; then
-worker 0 computes each missing worker's gradient on that worker's batch (``fill``, given by
-the strategy, which alone can read a batch) and pushes it in its place, bucket by bucket,
+the leader (the first live worker: worker 0, or the first survivor once worker 0 is lost)
+computes each missing worker's gradient on that worker's batch (``fill``, given by the
+strategy, which alone can read a batch) and pushes it in its place, bucket by bucket,
 and from the next step on trains those workers' batches beside its own (:attr:`lost`),
 pushing each one's gradient in that worker's slot right after its own push of the bucket
 (:meth:`MissingPushes.keep`, :meth:`MissingPushes.push_kept`): the servers sum every slot
@@ -30,7 +31,7 @@ Fill = Callable[[int, list[int]], dict[int, list[torch.Tensor | None]]]
 
 
 class MissingPushes:
-    """One worker's reading of the shards' ``MISSING`` answers, and worker 0's pushes in
+    """One worker's reading of the shards' ``MISSING`` answers, and the leader's pushes in
     the lost workers' place (see the module docstring).
 
     Args:
@@ -50,20 +51,26 @@ class MissingPushes:
         self.fill: Fill | None = None
         #: the workers lost so far, in the order this worker learned of them
         self.lost: list[int] = []
-        #: while worker 0 computes the lost workers' gradients (no pull is waited for then)
+        #: while the leader computes the lost workers' gradients (no pull is waited for then)
         self.filling = False
         self._due: set[int] = set()  # shards whose MISSING of the step is unread
         self._read: dict[int, list[int]] = {}  # read as a moved shard answered again
         self._step = 0
-        #: worker 0: the lost workers' gradients of the step it trains their batches in
+        #: the leader: the lost workers' gradients of the step it trains their batches in
         self._kept: tuple[int, dict[int, list[torch.Tensor | None]]] | None = None
+
+    @property
+    def leader(self) -> int:
+        """The worker that stands in for the lost ones: the first live one (the servers
+        agree, :attr:`~.lost_workers.LostWorkers.leader`)."""
+        return next(w for w in range(self.num_workers) if w not in self.lost)
 
     def expect(self, shards: int, step: int) -> None:
         """Step ``step``'s header went to the ``shards``: each will answer ``MISSING``."""
         self._due, self._read, self._step = set(range(shards)), {}, step
 
     def read(self, next_step: int) -> None:
-        """Every shard's ``MISSING`` of the step (once); worker 0 pushes what is missing,
+        """Every shard's ``MISSING`` of the step (once); the leader pushes what is missing,
         which it trains itself from ``next_step`` on."""
         if not self._due:
             return
@@ -87,9 +94,9 @@ class MissingPushes:
             links.waiting = False
         missing.update(self._read)
         lost = sorted({w for ws in missing.values() for w in ws})
-        if lost and self.rank == 0:
-            self._push_in_place(lost, missing, next_step)
         self.lost += [w for w in lost if w not in self.lost]
+        if lost and self.rank == self.leader:  # (worker 0, or the first survivor)
+            self._push_in_place(lost, missing, next_step)
 
     def read_again(self, s: int, holder: int) -> None:
         """Shard ``s`` moved to ``holder``, whose answer to the step ends with a ``MISSING``
@@ -127,7 +134,8 @@ class MissingPushes:
         in :attr:`lost`), pushed in their slots as its own push of each bucket goes."""
         if sorted(grads) != sorted(self.lost):
             raise RuntimeError(
-                f"{self.name}: worker 0 computed the gradients of workers {sorted(grads)}, "
+                f"{self.name}: worker {self.rank} computed the gradients of workers "
+                f"{sorted(grads)}, "
                 f"but workers {sorted(self.lost)} are lost"
             )
         self._kept = (step, grads)
@@ -135,12 +143,13 @@ class MissingPushes:
     def push_kept(self, b: int, step: int) -> list:
         """Worker 0, right after its own push of bucket ``b`` of ``step``: each lost worker's
         gradient of it, in that worker's slot (the sends, not waited for). Every shard takes
-        them from worker 0 in this order: its own push, then the lost workers' in order."""
-        if self.rank != 0 or not self.lost:
+        them from the leader in this order: its own push, then the lost workers' in order."""
+        if self.rank != self.leader or not self.lost:
             return []
         if self._kept is None or self._kept[0] != step:
-            raise RuntimeError(f"{self.name}: worker 0 trains lost workers {self.lost}, but no "
-                               f"gradient of theirs was computed for step {step}")  # fmt: skip
+            raise RuntimeError(f"{self.name}: worker {self.rank} trains lost workers "
+                               f"{self.lost}, but no gradient of theirs was computed for step "
+                               f"{step}")  # fmt: skip
         grads, plan = self._kept[1], self.links.plan
         return [(s, self.links.send(self._push_of(grads[w], b, s), s, Kind.PUSH, step, b))
                 for w in sorted(grads) for s in plan.servers_of(b)]  # fmt: skip

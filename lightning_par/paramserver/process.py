@@ -10,18 +10,15 @@ servers with :func:`~lightning_par.comm.plan_launch` for processes of its own
 the workers in the job's store (:mod:`lightning_par.launch.rendezvous`), under the group's
 own key prefix; gloo then connects every pair directly, on ports the OS gives each process.
 
-Ending with the job: a server is a daemon child of the worker that started it (killed
-when that worker exits), asks Linux to kill it when its parent dies, and watches that
-worker's process id (a forkserver's child has the forkserver as parent), so no server
-outlives a failed run. The starting worker watches its servers in turn: one that dies
-(killed by the OOM killer, say) is reported within a second in the group's store, naming
-the server, so every worker's error names it (:mod:`lightning_par.paramserver.faults`).
+A server is a daemon child of the worker that started it, asks Linux to kill it when its
+parent dies and watches that worker's pid (a forkserver's child has the forkserver as
+parent); one that ``outlive``-s it (fault-tolerant, the store not its starter's) ends at the
+survivors' goodbye or as its connections to them all close. The starter watches its servers:
+one that dies is reported in the group's store, so every worker's error names it.
 
-With ``fault_tolerant`` a server's death does not end the job: the starting worker records
-how it ended in the store (the others take a failed message for its loss only then), a
-server silent for ``dead_peer_timeout`` (frozen) is killed by the worker that started it
-(:func:`fence`), so that its connections close and its shard's copy takes over
-(:mod:`lightning_par.paramserver.shard_server`), and a lone server gets a standby.
+With ``fault_tolerant`` a server's death does not end the job: the starter records how it
+ended in the store, a server silent for ``dead_peer_timeout`` is killed by its starter
+(:func:`fence`) so that its copy takes over (:mod:`.shard_server`); a lone one has a standby.
 """
 
 from __future__ import annotations
@@ -98,6 +95,7 @@ class ServerLaunch:
     remedies: Any = None  # a lightning_par.paramserver.remedies.Remedies (asynchronous)
     dead_peer_s: float | None = None  # the strategy's dead_peer_timeout (None: the default)
     fault_tolerant: bool = False
+    outlive: bool = False  # outlive its starter (fault_tolerant, where the store outlives it)
 
     @property
     def rank(self) -> int:
@@ -107,14 +105,15 @@ class ServerLaunch:
 def server_main(launch: ServerLaunch, parent: ParentState | None = None) -> None:
     """A server process: join the group as rank ``W + server`` and serve until told to stop.
     ``parent``: the starting worker's state, restored in a forkserver's child."""
-    die_with_parent()
+    if not launch.outlive:  # (else it outlives worker 0, whose share a survivor takes)
+        die_with_parent()
+        threading.Thread(target=_watch, args=(launch.owner,), daemon=True).start()
     # a server ends with its worker: a SIGTERM to the worker's process group (torchrun's
     # agent stopping the job) is the worker's to handle; a server it killed would be taken
     # for the process the job lost
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     if parent is not None:
         parent.restore()
-    threading.Thread(target=_watch, args=(launch.owner,), daemon=True).start()
     limit_threads_after_fork(max(1, launch.threads))
     server, num_workers, rank = launch.server, launch.num_workers, launch.rank
     timeout = launch.timeout
@@ -131,9 +130,9 @@ def server_main(launch: ServerLaunch, parent: ParentState | None = None) -> None
         limit = dead_peer_timeout(timeout, launch.dead_peer_s)
         beat = Heartbeat(store, rank, watched, limit, partial(role_name, num_workers))
         # fault_tolerant: a silent server is killed by its starter and its copy takes over; a
-        # silent worker other than 0 is ended (here, if it runs on this machine) and let go
+        # silent worker is ended (here, if it runs on this machine) and let go
         if launch.fault_tolerant:
-            beat.survive = partial(let_go_silent, beat, num_workers)
+            beat.survive = partial(let_go_silent, beat, num_workers, launch.outlive)
         # (asynchronous: no worker watches the workers other than 0, which it may lose)
         beat.on_dead = partial(_peer_silent, beat, num_workers if launch.asynchronous else 0)
         beat.start()
@@ -187,6 +186,7 @@ def start_servers(
     servers: list[int], num_workers: int, num_servers: int, address: StoreAddress,
     timeout: timedelta, asynchronous: bool = False, staleness: int | None = None,
     remedies: Any = None, dead_peer_s: float | None = None, fault_tolerant: bool = False,
+    outlive: bool = False,
 ) -> list[mp.process.BaseProcess]:  # fmt: skip
     """Start ``servers`` (indices out of ``num_servers``) from this worker, before it joins
     the group at ``address``; with ``asynchronous`` they run
@@ -205,7 +205,7 @@ def start_servers(
         launch = ServerLaunch(
             s, num_workers, num_servers, address, timeout, os.getpid(), threads=1,
             asynchronous=asynchronous, staleness=staleness, remedies=remedies,
-            dead_peer_s=dead_peer_s, fault_tolerant=fault_tolerant,
+            dead_peer_s=dead_peer_s, fault_tolerant=fault_tolerant, outlive=outlive,
         )  # fmt: skip
         proc = ctx.Process(
             target=server_main,
@@ -264,15 +264,15 @@ def watch_servers(
     return stopping
 
 
-def fence(procs: list[mp.process.BaseProcess], num_workers: int):
+def fence(procs: list[mp.process.BaseProcess], num_workers: int, zero: bool = False):
     """A worker's answer to a silent peer (``fault_tolerant``): the job goes on without a
     server (``survive`` of :class:`~lightning_par.launch.liveness.Heartbeat`), killed first
     if this worker started it, so that its connections close and its copy takes over, and
-    without a worker other than 0, killed first where it runs on this machine."""
+    without a worker (0 if ``zero``: its servers outlive it), killed first where it runs."""
 
     def survive(peer: int, report: str) -> bool:
         beat = current()
-        if 0 < peer < num_workers and beat is not None:  # a silent worker: ended, let go
+        if (peer > 0 or zero) and peer < num_workers and beat is not None:  # ended, let go
             end_silent_worker(beat, peer, report)
             return True
         for proc in procs:

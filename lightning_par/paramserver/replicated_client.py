@@ -5,19 +5,22 @@ Three things change for a worker (the servers' side: :mod:`.shard_server`):
 * each shard is talked to on its own tags, at whichever process holds it now, and the
   messages of the current request to each shard are kept until the next request
   (:mod:`.replicated_links`);
-* every request (a step's header and pushes, a command, worker 0's initial slices or
-  optimiser state) is answered by every shard (``DONE`` where nothing comes back), so the
-  worker waits on every server at every request;
+* every request (a step's header and pushes, a command, worker 0's initial slices or an
+  optimiser state to load, which every worker sends) is answered by every shard (``DONE``
+  where nothing comes back; a read: the state slices, to every worker, so that whichever
+  worker leads once it comes has the whole state), so the worker waits on every server at
+  every request;
 * an answer from a lost server that fails moves its shard to the next server on the ring,
   which kept a copy of it, and the two agree where the request stands (:mod:`.takeover`):
   the answer comes again, or the kept request goes again.
 
-A lost **worker** other than 0 is survived too (:mod:`.lost_workers`): after each step's
-pushes every shard says which lost workers' pushes it lacks (``MISSING``); the worker reads
-every shard's answer before it writes any pulled weight, so worker 0 still holds the
-weights the step began with and pushes each missing worker's gradient in its place
-(:mod:`.missing_pushes`), then trains those workers' batches beside its own
-(:attr:`ReplicatedClient.lost_workers`), each one's gradient pushed in its slot.
+A lost **worker** is survived too (:mod:`.lost_workers`): after each step's pushes every
+shard says which lost workers' pushes it lacks (``MISSING``); the worker reads every
+shard's answer before it writes any pulled weight, so the leader (the first live worker:
+worker 0, or the first survivor once worker 0 is lost) still holds the weights the step
+began with and pushes each missing worker's gradient in its place (:mod:`.missing_pushes`),
+then trains those workers' batches beside its own (:attr:`ReplicatedClient.lost_workers`),
+each one's gradient pushed in its slot.
 
 Clipping by norm ties the servers together: none answers a step before it has every
 shard's squared norm, so a worker waiting for a live server's answer would wait forever
@@ -104,22 +107,24 @@ class ReplicatedClient(ParameterClient):
                 for s in range(len(self.servers))]  # fmt: skip
 
     def _command(self, command: Command, obj: Any = None) -> None:
-        """Send ``command`` (worker 0: and ``obj``) to every shard."""
+        """Send ``command`` (and ``obj``: from every worker, so that none waits on the
+        leader, which a shard may have found lost before the workers) to every shard."""
         self.settle()
         self._new_request(command)
         messages = [(Kind.HEADER, self.header(command).encode())]
-        if command == Command.SET_STATE and self.rank == 0:
+        if command == Command.SET_STATE:
             messages += [(Kind.OBJECT, m) for m in protocol.encode_object(obj)]
         shards = range(len(self.servers))
         self.links.wait_sends([(s, self.links.send(m, s, k)) for s in shards for k, m in messages])
 
     def _answer(self, s: int) -> Any:
-        """Shard ``s``'s answer to the current command (worker 0's read: its state slices),
-        from whichever process holds the shard once it comes."""
+        """Shard ``s``'s answer to the current command (a read: its state slices, to every
+        worker, whichever leads by then), from whichever process holds the shard once it
+        comes."""
         while True:
             holder = self.links.servers[s]
             try:
-                if self.command == Command.GET_STATE and self.rank == 0:
+                if self.command == Command.GET_STATE:
                     return recv_object(self.comm, holder, protocol.decode_state,
                                        tag=ShardTag(Kind.OBJECT, s))  # fmt: skip
                 buffer = protocol.count_buffer()
@@ -131,8 +136,7 @@ class ReplicatedClient(ParameterClient):
     def gather_state(self) -> dict[str, Any]:
         self._command(Command.GET_STATE)
         answers = [self._answer(s) for s in range(len(self.servers))]
-        result = self.optimizer.state_dict()
-        return self.full_state(result, answers) if self.rank == 0 else result
+        return self.full_state(self.optimizer.state_dict(), answers)
 
     def load_state(self, state_dict: dict[str, Any]) -> None:
         self.settle()

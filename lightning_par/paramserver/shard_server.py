@@ -12,8 +12,8 @@ three differences:
   tells the new holder what the worker misses (:mod:`.takeover`);
 * each record goes to the shard's backup, and is acknowledged, before any worker hears
   anything (:mod:`.replication`);
-* a lost worker other than 0 is let go: its pushes come from worker 0 instead
-  (:mod:`.lost_workers`).
+* a lost worker is let go: its pushes come from the first live worker instead, worker 0
+  unless that is the one lost (:mod:`.lost_workers`).
 
 :func:`serve_replicated` is what a server process runs: a thread answering for its shard,
 a thread keeping the copy of its predecessor's shard, which becomes that shard's server when
@@ -30,14 +30,13 @@ from datetime import timedelta
 from functools import partial
 from typing import Any
 
-from lightning_par.comm import Communicator
+from lightning_par.comm import CommError, Communicator
 from lightning_par.paramserver import protocol
 from lightning_par.paramserver.faults import fault_of
 from lightning_par.paramserver.lost_workers import LostWorkers
 from lightning_par.paramserver.messages import (
     exchange_norms_in_store,
     recv_object,
-    recv_object_bytes,
     send_object,
 )
 from lightning_par.paramserver.protocol import IDLE_TIMEOUT, Command, Header, Kind, server_rank
@@ -96,7 +95,7 @@ class ShardServer:
             self.workers.step(self.comm, shard, header.step, update, applied)
             return True
         if command == Command.SET_STATE:
-            size, data = recv_object_bytes(self.comm, 0, tag=shard.tag(Kind.OBJECT))
+            size, data = self.workers.object_bytes(self.comm, shard.tag(Kind.OBJECT))
             self._record(header, (size, data))
             shard.load_full(protocol.decode_state(data))
         elif command in (Command.GET_STATE, Command.STOP):
@@ -117,8 +116,9 @@ class ShardServer:
     def answer(self, worker: int, count: int, command: Command | None) -> None:
         """Send ``worker`` the answer to request ``count`` of ``command`` (``None``: the
         initial weights) as this shard stands: every bucket's slices (a step's: then that
-        nothing is missing), the state (worker 0's read), or ``DONE``; a worker lost
-        meanwhile is let go."""
+        nothing is missing), the state (a read: to every worker, so that whichever leads
+        when it comes writes the checkpoint), or ``DONE``; a worker lost meanwhile is let
+        go."""
         shard, comm, workers = self.shard, self.comm, self.workers
         if command in (None, Command.STEP):
             kind = Kind.INIT if command is None else Kind.PULL
@@ -127,8 +127,11 @@ class ShardServer:
             if command == Command.STEP:
                 missing = protocol.encode_missing([], shard.spec.num_workers)
                 workers.send(comm, missing, worker, shard.tag(Kind.MISSING))
-        elif command == Command.GET_STATE and worker == 0:
-            send_object(comm, shard.state_slices(), 0, tag=shard.tag(Kind.OBJECT))
+        elif command == Command.GET_STATE:
+            try:
+                send_object(comm, shard.state_slices(), worker, tag=shard.tag(Kind.OBJECT))
+            except CommError as err:
+                workers.lose(worker, err)
         else:
             workers.send(comm, protocol.encode_count(count), worker, shard.tag(Kind.DONE))
 

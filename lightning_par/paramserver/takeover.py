@@ -42,7 +42,7 @@ def resume_workers(
 ) -> None:  # fmt: skip
     """The new holder of ``shard``: agree with every worker where it resumes
     (``answer_again(worker, n, command)`` sends the answer to request ``n`` again), then
-    ``announce`` the takeover. A worker other than 0 lost too (in the same step, say) is
+    ``announce`` the takeover. A worker lost too (in the same step, say) is
     let go into ``lost``: the holder's requests then go on without it, as any shard's do
     (:mod:`.lost_workers`)."""
     errors: list[BaseException] = []
@@ -54,7 +54,7 @@ def resume_workers(
             if progress.last == Command.STOP:
                 return  # the lost primary answered its stop: that worker has ended
             try:
-                lost.lose(worker, err)  # (worker 0: raised again, the job ends)
+                lost.lose(worker, err)  # (the last live one: raised again, the job ends)
             except BaseException as again:
                 errors.append(again)
         except BaseException as err:

@@ -1,23 +1,27 @@
 """``ParameterServerStrategy(fault_tolerant=True)``: the batches of a lost worker, trained by
-worker 0 so that the weights stay those of one process on the whole batch.
+the leader (worker 0, or the first survivor once worker 0 is lost) so that the weights stay
+those of one process on the whole batch.
 
 The servers' side and the protocol are :mod:`lightning_par.paramserver.lost_workers`; what
 the strategy adds, through :class:`LostWorkerStandIn`:
 
 * the gradient of the step a worker was lost in, computed on that worker's batch (its shard
   of Lightning's ``DistributedSampler`` read again, :class:`~._stand_ins.LostShards`) with
-  the weights the step began with, which worker 0 pushes in its place
+  the weights the step began with, which the leader pushes in its place
   (:meth:`LostWorkerStandIn.gradients`, the client's ``fill``);
-* from the next step on, worker 0 trains the lost workers' batches beside its own: each
+* from the next step on, the leader trains the lost workers' batches beside its own: each
   one's gradient computed apart (:meth:`LostWorkerStandIn.train_lost_batches`) and pushed in
   that worker's slot, so the servers sum every slot in worker order as without the loss
   (the sum of the losses, one push, would round otherwise from three workers on); the
   servers still divide by the first number of workers, so nothing is rescaled;
 * Lightning's collectives among the workers (the per-step SIGTERM flag, ``sync_dist``,
-  barriers) run over a group of the survivors, met once the loss is known (before the next
-  batch, or before the epoch's metrics are synced, :class:`SettleBeforeEpochMetrics`: a
-  worker lost in the last step of ``fit``), and a loader built after it (a validation)
-  shards its data over them.
+  barriers) run over a group of the survivors, met once the loss is known (before the
+  step's row is logged and before the epoch's metrics are synced,
+  :class:`SettleBeforeMetrics`), and a loader built after it (a validation) shards its data
+  over them;
+* worker 0 lost: the first survivor stands in for it (the servers and the client take it
+  for the leader, :attr:`~lightning_par.paramserver.missing_pushes.MissingPushes.leader`)
+  and takes over its loggers and checkpoints (:func:`~._leader.take_over`).
 
 The allreduce strategies do the same with :mod:`lightning_par.components.fault_tolerance`,
 which re-forms their one process group; here the group of workers and servers stays (gloo
@@ -37,6 +41,7 @@ from typing_extensions import override
 
 from lightning_par import _compat
 from lightning_par.paramserver.replicated_client import ReplicatedClient
+from lightning_par.strategies._leader import take_over
 from lightning_par.strategies._stand_ins import (
     LostShards,
     in_modes,
@@ -48,7 +53,7 @@ Step = Callable[..., Any]
 
 
 class LostWorkerStandIn:
-    """Worker 0 in the place of lost workers (see the module docstring); ``strategy``: a
+    """The leader in the place of lost workers (see the module docstring); ``strategy``: a
     ``ParameterServerStrategy``, ``step``: its ``training_step`` below the one recording
     the batches (the user's step in Lightning's precision context)."""
 
@@ -58,7 +63,7 @@ class LostWorkerStandIn:
         # client step -> (epoch, batch_idx, each module's training flag)
         self._batches: dict[int, tuple[int, int, list[bool]]] = {}
         self._grouped_for: list[int] = []  # the lost workers the validation loader knows
-        #: when (wall time) this fit's first loss was found (``lost``, on worker 0: its push
+        #: when (wall time) this fit's first loss was found (``lost``, on the leader: its push
         #: sent in the lost worker's place) and the survivors met in their group (``regrouped``)
         self.events: list[tuple[str, float]] = []
 
@@ -74,7 +79,7 @@ class LostWorkerStandIn:
         return list(client.lost_workers) if client is not None else list(self._grouped_for)
 
     def connect(self) -> None:
-        """A ``fit``'s client is connected: worker 0 computes the lost workers' gradients."""
+        """A ``fit``'s client is connected: the leader computes the lost workers' gradients."""
         self._shards, self._batches, self._grouped_for = LostShards(), {}, []
         self.events = []
         if self._client is not None:
@@ -90,6 +95,10 @@ class LostWorkerStandIn:
             self._grouped_for = lost
             self.events.append(("regrouped", time.time()))
             _compat.reset_combined_loader(trainer.fit_loop.epoch_loop.val_loop)
+            # (worker 0 lost: the first survivor takes over its loggers and checkpoints)
+            strategy = self._strategy
+            take_over(trainer, strategy.servers.members(strategy.world_size).index(
+                strategy.global_rank))  # fmt: skip
 
     def record(self, step: int, epoch: int, batch_idx: int) -> None:
         """The batch client step ``step`` trains (a lost worker's is read again from it),
@@ -112,19 +121,20 @@ class LostWorkerStandIn:
         with torch.inference_mode(False), torch.enable_grad(), in_modes(module, modes):
             grads = self._gradients_of(workers, batches, batch_idx)
         names = ", ".join(f"worker {w} (rank {w})" for w in workers)
+        leader = self._client.missing.leader if self._client is not None else 0
         print(
-            f"lightning_par: {names} lost; worker 0 pushed its gradient of step {step} in its "
-            "place and trains its batches from now on (the weights stay one process's)",
+            f"lightning_par: {names} lost; worker {leader} pushed its gradient of step {step} "
+            "in its place and trains its batches from now on (the weights stay one process's)",
             file=sys.stderr, flush=True,
         )  # fmt: skip
         return grads
 
     def train_lost_batches(self, output: Any, batch_idx: int) -> Any:
-        """Worker 0, in the training step: each lost worker's gradient on its batch of this
+        """The leader, in the training step: each lost worker's gradient on its batch of this
         step, handed to the client, which pushes it in that worker's slot after its own
-        push of each bucket; ``output`` is returned as it is (its backward: worker 0's own)."""
+        push of each bucket; ``output`` is returned as it is (its backward: the leader's own)."""
         lost, client = self.lost, self._client
-        if not lost or self._strategy.global_rank != 0 or client is None:
+        if not lost or client is None or client.rank != client.missing.leader:
             return output
         loader = self._strategy.lightning_module.trainer.train_dataloader
         batches = self._shards.batches(loader, lost, batch_idx)
@@ -156,14 +166,21 @@ class LostWorkerStandIn:
         return {**first, "num_replicas": len(survivors), "rank": rank}
 
 
-class SettleBeforeEpochMetrics(pl.Callback):
-    """At the end of a training epoch, before Lightning computes (and syncs) its metrics:
-    the last step's lost workers are known and the survivors meet in their own group.
-    Otherwise a worker lost in the last step of ``fit`` (no next batch to settle before)
-    would leave torchmetrics' gather waiting for it on the old group."""
+class SettleBeforeMetrics(pl.Callback):
+    """At the end of each training batch and epoch, before Lightning logs the step's row
+    and computes (and syncs) the epoch's metrics: the step's lost workers are known, the
+    survivors meet in their own group, and the first survivor leads if worker 0 was lost.
+    Otherwise the row of the step worker 0 was lost in would be logged by no one, and a
+    worker lost in the last step of ``fit`` (no next batch to settle before) would leave
+    torchmetrics' gather waiting for it on the old group."""
 
     def __init__(self, stand_in: LostWorkerStandIn) -> None:
         self.stand_in = stand_in
+
+    @override
+    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule,
+                           outputs: Any, batch: Any, batch_idx: int) -> None:  # fmt: skip
+        self.stand_in.before_batch(trainer)
 
     @override
     def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:

@@ -44,6 +44,7 @@ from lightning_par import _compat
 from lightning_par.comm.buckets import GradientBuckets
 from lightning_par.components.server_group import ServerGroup
 from lightning_par.components.worker_context import WorkerContext
+from lightning_par.launch import script_keeper
 from lightning_par.paramserver.process import role_name
 from lightning_par.strategies._base import ParStrategy
 from lightning_par.strategies._late_params import refuse_frozen_in_optimizer
@@ -82,11 +83,13 @@ class ServerGroupStrategy(ParStrategy):
         ``server_options``, and the process group of workers and servers."""
         # (fault_tolerant: a call after one that lost workers goes on without them)
         members = self.servers.call_members = self.servers.members(self.world_size)
+        # (the first member on this node starts its servers: local rank 0 may be lost)
+        node = [m for m in members if m // self.num_processes == self.node_rank]
         context = WorkerContext(
             strategy_name=self.strategy_name,
             workers=len(members),
             rank=members.index(self.global_rank),
-            local_rank=self.local_rank,
+            local_rank=node.index(self.global_rank),
             node_rank=self.node_rank,
             num_nodes=self.num_nodes,
             timeout=self.timeout,
@@ -94,7 +97,14 @@ class ServerGroupStrategy(ParStrategy):
             outlives_the_call=not getattr(self.launcher, "carries_back", False),
             dead_peer_s=self.dead_peer_timeout,
         )
-        self.servers.start(context, server_options, self.watched_ranks(), self.lightning_module)
+        # (fault_tolerant: they outlive worker 0, whose share the first survivor takes over,
+        # where the job's store does: under popen only behind the script's keeper, else
+        # worker 0 is the user's script itself, which holds the store)
+        popen = getattr(self.launch_plan, "method", None) == "popen"
+        kept = not popen or script_keeper.runs_behind_keeper()
+        outlive = {"outlive": True} if self.servers.fault_tolerant and kept else {}
+        self.servers.start(context, {**server_options, **outlive}, self.watched_ranks(),
+                           self.lightning_module)  # fmt: skip
         name = f"{self.strategy_name} ({self.num_servers} server(s))"
         log_startup(name, self.world_size, self.launch_plan, "gloo")
 

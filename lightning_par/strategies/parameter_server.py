@@ -30,10 +30,14 @@ optimiser state) is copied in the next server process after every update (a stan
 for a lone server), and a server that dies is taken over by that copy: the job goes on and
 its weights equal those of a run without the loss
 (:mod:`lightning_par.paramserver.replication`, :mod:`~lightning_par.paramserver.takeover`).
-A lost worker other than 0 is survived too: worker 0 pushes its gradient of the step it was
-lost in, then trains its batches beside its own, pushing that gradient in the lost worker's
-slot, so the weights stay those of one process on the whole batch, bit for bit those of the
-run without the loss (:mod:`lightning_par.paramserver.lost_workers`, :mod:`._ps_stand_in`).
+A lost worker is survived too: the first live worker (worker 0, or the first survivor once
+worker 0 is lost) pushes its gradient of the step it was lost in, then trains its batches
+beside its own, pushing that gradient in the lost worker's slot, so the weights stay those
+of one process on the whole batch, bit for bit those of the run without the loss
+(:mod:`lightning_par.paramserver.lost_workers`, :mod:`._ps_stand_in`). Worker 0's loss is
+survived where the job's store outlives it (a fork launch, ``popen`` behind the script's
+keeper, torchrun, srun): its servers outlive it, and the first survivor takes over its
+loggers and checkpoints (:mod:`._leader`).
 
 Gradient clipping (by norm: the servers exchange their shards' squared norms) and
 ``bf16-mixed`` are exact against one process (:mod:`~lightning_par.strategies._ps_features`).
@@ -49,6 +53,7 @@ from typing import Any
 
 import lightning.pytorch as pl
 from lightning.pytorch.trainer.states import TrainerFn
+from lightning_utilities.core.rank_zero import rank_zero_only
 from typing_extensions import override
 
 from lightning_par import _compat
@@ -58,8 +63,9 @@ from lightning_par.paramserver.replicated_client import ReplicatedClient
 from lightning_par.paramserver.worker import ParameterClient
 from lightning_par.strategies._base import ParStrategy
 from lightning_par.strategies._late_params import refuse_late_parameters
+from lightning_par.strategies._leader import share_versions
 from lightning_par.strategies._ps_features import trainer_clip
-from lightning_par.strategies._ps_stand_in import LostWorkerStandIn, SettleBeforeEpochMetrics
+from lightning_par.strategies._ps_stand_in import LostWorkerStandIn, SettleBeforeMetrics
 from lightning_par.strategies._resilience import Resilience
 from lightning_par.strategies._server_group import ServerGroupStrategy
 
@@ -73,7 +79,8 @@ class ParameterServerStrategy(ServerGroupStrategy):
         split_mb: tensors larger than this (MiB) are split over all servers.
         fault_tolerant: copy each server's shard in the next server process (one server: in
             a standby process), so that the job goes on, exactly, when a server dies; and go
-            on without a lost worker other than 0, whose batches worker 0 then trains.
+            on without a lost worker, whose batches the first live worker then trains
+            (worker 0 too: the first survivor takes over its share).
         **kwargs: ``trace``, ``trace_dir``, ``start_method``, ``timeout`` (see
             :class:`~lightning_par.strategies._base.ParStrategy`). The process group is
             always gloo (servers run on CPU; CUDA tensors are staged through pinned memory).
@@ -107,12 +114,28 @@ class ParameterServerStrategy(ServerGroupStrategy):
     @override
     def setup_distributed(self) -> None:
         self.set_world_ranks()  # (no reset_seed(): see ParStrategy.setup_distributed)
+        if self.servers.lost:  # a call after a loss: Lightning's rank 0 is the first survivor
+            members = self.servers.members(self.world_size)
+            rank_zero_only.rank = members.index(self.global_rank)
         self.start_servers({})  # the synchronous servers: no options
 
     @property
     def survives_lost_workers(self) -> bool:
-        """The launcher goes on when a worker other than 0 is lost (``fault_tolerant``)."""
+        """The launcher goes on when a worker is lost (``fault_tolerant``)."""
         return self.fault_tolerant
+
+    @property
+    def survives_lost_rank_zero(self) -> bool:
+        """Worker 0's loss too, where the job's store outlives it (under ``popen``: behind
+        the script's keeper): the servers outlive it and the first survivor takes over."""
+        return self.fault_tolerant
+
+    @property
+    @override
+    def is_global_zero(self) -> bool:
+        """Worker 0, or the first survivor once worker 0 was lost (``fault_tolerant``)."""
+        members = self.servers.members(self.world_size)
+        return bool(members) and self.global_rank == members[0]
 
     @override
     def watched_ranks(self) -> list[int]:
@@ -129,12 +152,13 @@ class ParameterServerStrategy(ServerGroupStrategy):
         self.servers.watch_sigterm(trainer)
         self.connect_servers({"clip": trainer_clip(trainer)})  # the servers clip the mean
         if self.fault_tolerant:  # before each batch: a lost worker's push, the survivors' group
+            share_versions(trainer)  # (a survivor may take over worker 0's loggers)
             self.stand_in.connect()
             _compat.replace_sigterm_broadcast(trainer, partial(self._before_batch, trainer))
             # (first: the user's epoch-end hooks may sync too; once, however many fits)
             trainer.callbacks[:] = [
-                SettleBeforeEpochMetrics(self.stand_in),
-                *(c for c in trainer.callbacks if not isinstance(c, SettleBeforeEpochMetrics)),
+                SettleBeforeMetrics(self.stand_in),
+                *(c for c in trainer.callbacks if not isinstance(c, SettleBeforeMetrics)),
             ]
 
     def _before_batch(self, trainer: pl.Trainer) -> None:
