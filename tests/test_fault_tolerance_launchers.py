@@ -85,6 +85,16 @@ def test_rank_0_lost_under_torchrun_is_taken_over_by_the_first_survivor(tmp_path
     assert "will be deleted" not in run.text, run.text
     assert _worst(one_process(3), torch.load(out, weights_only=True)) < 1e-5
     assert_logged_whole(tmp_path, 12)  # (rank 0 wrote steps 0-5 before it was lost)
+    assert len(_validated(tmp_path)) == 1  # the script's validate after fit: the survivor's
+
+
+def _validated(folder: Path) -> list[dict]:
+    """The rows of the script's ``validate`` after ``fit`` in every CSV file of its logs."""
+    validated = []
+    for metrics in (folder / "logs").rglob("metrics.csv"):
+        with open(metrics, newline="") as f:
+            validated += [row for row in csv.DictReader(f) if row.get("val_loss")]
+    return validated
 
 
 def test_parameter_server_worker_0_lost_under_torchrun_is_taken_over_by_the_first_survivor(
@@ -101,11 +111,7 @@ def test_parameter_server_worker_0_lost_under_torchrun_is_taken_over_by_the_firs
     assert _worst(one_process(3), torch.load(out, weights_only=True)) < 1e-5
     assert_logged_whole(tmp_path, 12)
     # the script's validate after fit, in the same processes, logs from the first survivor
-    validated = []
-    for metrics in (tmp_path / "logs").rglob("metrics.csv"):
-        with open(metrics, newline="") as f:
-            validated += [row for row in csv.DictReader(f) if row.get("val_loss")]
-    assert len(validated) == 1, validated
+    assert len(_validated(tmp_path)) == 1
 
 
 def test_local_sgd_losing_rank_0_under_torchrun_ends_as_the_run_without_it(tmp_path):

@@ -42,6 +42,13 @@ def share_versions(trainer: Any) -> None:
         setattr(logger, _compat.logger_version_field(logger), version)
 
 
+def lead_again(rank: int) -> None:
+    """A later call in the same processes (``validate`` after ``fit``): Lightning's
+    ``set_world_ranks`` gave ``rank_zero_only`` each process's first rank back; this
+    survivor's ``rank`` among the survivors again, so the first one logs."""
+    rank_zero_only.rank = rank
+
+
 def take_over(trainer: Any, rank: int) -> None:
     """After a loss: this survivor's ``rank`` among the survivors; the first one takes over
     rank 0's share, if it did not have it (see the module docstring)."""

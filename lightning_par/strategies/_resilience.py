@@ -24,7 +24,7 @@ from lightning.pytorch.trainer.states import TrainerFn
 from lightning_par import _compat
 from lightning_par.components.fault_tolerance import FaultTolerance
 from lightning_par.launch.rendezvous import dead_peer_timeout
-from lightning_par.strategies._leader import share_versions, take_over
+from lightning_par.strategies._leader import lead_again, share_versions, take_over
 from lightning_par.strategies._stand_ins import LostShards, stand_in_outputs, with_stand_ins
 
 
@@ -81,8 +81,9 @@ class Resilience:
         if not self.enabled:
             return
         strategy = self._strategy
-        if self.tolerance.membership is not None:
-            return  # fit, then validate: the same members
+        if self.tolerance.membership is not None:  # fit, then validate: the same members
+            lead_again(self.tolerance.membership.rank)
+            return
         # a member slow to answer is waited for as long as a collective would wait for it
         # (a frozen one is found by the heartbeat after dead_peer_timeout, and ended)
         limit = strategy.timeout.total_seconds()
