@@ -71,7 +71,8 @@ def run_rank_0_behind_keeper(name: str, command: list[str], cwd: str | None) -> 
     os.environ[STORE_ENV] = host_job_store()
     os.environ[KEPT_STORE_ENV] = "1"
     folder = os.environ.setdefault(REPORTS_ENV, new_folder_name())
-    store_host = job_store_host().process.pid
+    host = job_store_host()
+    store_host = host.process.pid
     become_subreaper()
     sys.stdout.flush()
     sys.stderr.flush()
@@ -95,6 +96,7 @@ def run_rank_0_behind_keeper(name: str, command: list[str], cwd: str | None) -> 
         code = os.WEXITSTATUS(status)
         _wait_for_ranks(store_host, EXIT_WAIT_S)
     shutil.rmtree(folder, ignore_errors=True)
+    host.close()  # (its parent-death signal would end it too, but only after this exit)
     os._exit(code)
 
 
