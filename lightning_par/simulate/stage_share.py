@@ -36,6 +36,7 @@ from torch import nn
 from lightning_par.measure.run import make_model, sample_shape
 from lightning_par.pipeline.partition import balance_by_params, layer_times
 from lightning_par.simulate.profile import Profile
+from lightning_par.simulate.timings import cached_from_here, timed
 from lightning_par.split import balance_by_cost
 
 REPEATS = 5
@@ -55,14 +56,18 @@ def layer_weights(model_name: str, micro_batch: int = 0) -> tuple[float, ...]:
     ``micro_batch`` here (one thread), or its forward FLOPs where ``micro_batch`` is 0."""
     net, one = _net(model_name)
     if micro_batch:
-        threads = torch.get_num_threads()
-        torch.set_num_threads(1)
-        try:
-            x = torch.randn(micro_batch, *one.shape[1:], generator=torch.Generator())
-            net(x.requires_grad_()).sum().backward()  # warm: the first pass allocates
-            return tuple(layer_times(net, x.detach(), REPEATS, clock=time.thread_time))
-        finally:
-            torch.set_num_threads(threads)
+
+        def measure() -> list[float]:
+            threads = torch.get_num_threads()
+            torch.set_num_threads(1)
+            try:
+                x = torch.randn(micro_batch, *one.shape[1:], generator=torch.Generator())
+                net(x.requires_grad_()).sum().backward()  # warm: the first pass allocates
+                return list(layer_times(net, x.detach(), REPEATS, clock=time.thread_time))
+            finally:
+                torch.set_num_threads(threads)
+
+        return tuple(timed(f"layer_weights/{model_name}/{micro_batch}", measure))
     from torch.utils.flop_counter import FlopCounterMode  # only needed here
 
     weights, x = [], one
@@ -73,6 +78,9 @@ def layer_weights(model_name: str, micro_batch: int = 0) -> tuple[float, ...]:
                 x = layer(x)
             weights.append(float(counter.get_total_flops()))
     return tuple(weights)
+
+
+cached_from_here(layer_weights.cache_clear)
 
 
 def stage_balance(model_name: str, p: int, options: dict, micro_batch: int = 0) -> list[int]:

@@ -28,6 +28,7 @@ from torch import nn
 from lightning_par.measure.run import make_model, sample_shape
 from lightning_par.simulate.ops import NotApplicable
 from lightning_par.simulate.profile import Profile
+from lightning_par.simulate.timings import cached_from_here, timed
 from lightning_par.tensorparallel.cost import busiest_rank_share, step_ops
 from lightning_par.tensorparallel.plan import Plan, resolve_plan
 
@@ -117,8 +118,12 @@ def busiest_share(model_name: str, p: int, measure_batch: int = 0) -> float:
         raise NotApplicable(f"{model_name} has no layer the automatic plan cuts {p} ways")
     if measure_batch:
         batch = torch.randn(measure_batch, *example.shape[1:], generator=torch.Generator())
-        return measured_busiest_share(model, plan, batch)
+        key = f"busiest_share/{model_name}/{p}/{measure_batch}"
+        return timed(key, lambda: measured_busiest_share(model, plan, batch))
     return busiest_rank_share(model, plan, example)
+
+
+cached_from_here(busiest_share.cache_clear)
 
 
 @functools.cache
