@@ -117,12 +117,12 @@ def test_threads_the_ranks_were_given_override_lightnings_choice():
     from lightning_par.simulate.machine import recorded_machine
     from lightning_par.simulate.replay import Run
 
-    runs = [Run("ring", [], None, row={"cores": 16, "threads": 1, "delay_s": 0.004})]
-    assert recorded_machine(runs) == (16, 1, 0.004, {}, {}, ())
-    assert recorded_machine(runs, cores=2, threads=2, delay_s=0.0) == (2, 2, 0.0, {}, {}, ())
-    # runs that recorded nothing, from a machine with other cores: no delay measured here
+    runs = [Run("ring", [], None, row={"cores": 16, "threads": 1, "sharing_cost": {"3": 1.1}})]
+    assert recorded_machine(runs) == (16, 1, {3: 1.1}, {}, ())
+    assert recorded_machine(runs, cores=2, threads=2) == (2, 2, {3: 1.1}, {}, ())
+    # runs that recorded nothing, from a machine with other cores: nothing measured here
     old = [Run("old", [], None)]
-    assert recorded_machine(old, cores=999) == (999, measured_threads(999), 0.0, {}, {}, ())
+    assert recorded_machine(old, cores=999) == (999, measured_threads(999), {}, {}, ())
 
 
 def test_scale_out_on_two_cores_slows_data_parallel_compute_by_p_over_cores():

@@ -9,7 +9,6 @@ from dataclasses import replace
 import pytest
 
 from lightning_par.simulate import sharing_cost
-from lightning_par.simulate.cores import placement_wait
 from lightning_par.simulate.links import Link, Topology
 from lightning_par.simulate.machine import Machine
 from lightning_par.simulate.ops import Msg, Post, Wait
@@ -22,24 +21,17 @@ LATENCY_ONLY = Topology(Link("a", alpha=1.0, beta=0.0), Link("a", alpha=1.0, bet
 ALONE = {24: 0.0295, 16: 0.0191, 12: 0.0155}
 
 
-def fake_ranks(crowded_cpu: list[dict[int, float]], other: list[float], delay: float = 0.0):
-    """A ``run_on_ranks``: a rank a core each takes :data:`ALONE` and meets in 1 ms; ``world``
-    ranks taking turns take ``crowded_cpu[trial][batch]``, and meet fair sharing's lap and
-    the placement's wait at ``delay``; each trial ran beside ``other[trial]`` cores' worth
-    of other load."""
+def fake_ranks(crowded_cpu: list[dict[int, float]], other: list[float]):
+    """A ``run_on_ranks``: a rank a core each takes :data:`ALONE`; ``world`` ranks taking
+    turns take ``crowded_cpu[trial][batch]``; each trial ran beside ``other[trial]`` cores'
+    worth of other load."""
     calls = []
 
     def run_on_ranks(fn, world, model, batches, steps, threads, timeout):
         calls.append((world, tuple(batches)))
         trial = sum(1 for w, _ in calls if w == 2) - 1
-        if world == 2:
-            cpu = [ALONE[b] for b in batches]
-            laps = [c + 0.001 for c in cpu]
-        else:
-            cpu = [crowded_cpu[trial][batches[0]]]
-            wait = placement_wait(cpu[0], world, 2, delay_s=delay)
-            laps = [world / 2 * cpu[0] + wait + 0.001]
-        ranks = [{"step_cpu": cpu, "lap": laps, "cpu": 1.0, "wall": 1.0, "busy": None}] * world
+        cpu = [ALONE[b] for b in batches] if world == 2 else [crowded_cpu[trial][batches[0]]]
+        ranks = [{"step_cpu": cpu, "cpu": 1.0, "wall": 1.0, "busy": None}] * world
         ranks[0] = {**ranks[0], "busy": world + (other[trial] if world == 2 else 0.0)}
         return ranks
 
@@ -48,41 +40,35 @@ def fake_ranks(crowded_cpu: list[dict[int, float]], other: list[float], delay: f
 
 def test_each_sizes_step_is_timed_alone_and_taking_turns(monkeypatch):
     crowded = [{16: 0.0215, 12: 0.0150}, {16: 0.0225, 12: 0.0152}]
-    calls, fake = fake_ranks(crowded, [0.0, 0.0], delay=0.004)
+    calls, fake = fake_ranks(crowded, [0.0, 0.0])
     monkeypatch.setattr(sharing_cost, "run_on_ranks", fake)
-    alone, cost, delay = measure_step_cpu("CifarCNN", 48, (2, 3, 4), cores=2, trials=2)
+    alone, cost = measure_step_cpu("CifarCNN", 48, (2, 3, 4), cores=2, trials=2)
     assert alone == pytest.approx({2: 0.0295, 3: 0.0191, 4: 0.0155})
     # 2 ranks have a core each: nothing to pay; a cost below 1 is noise, not a gain
     assert cost == pytest.approx({3: 0.022 / 0.0191, 4: 1.0})
-    # read off the 3 ranks' laps: 3 on 2 cores cannot be placed evenly (4 on 2 can)
-    assert delay == pytest.approx(0.004, rel=1e-6)
     assert calls == [(2, (24, 16, 12)), (3, (16,)), (4, (12,))] * 2
-    monkeypatch.setattr(sharing_cost, "run_on_ranks", fake_ranks([{12: 0.016}], [0.0])[1])
-    _, _, even = measure_step_cpu("CifarCNN", 48, (2, 4), cores=2, trials=1)
-    assert even == 0.0  # every size places its ranks evenly: nothing waits
 
 
 def test_a_trial_beside_other_load_is_run_again(monkeypatch):
     crowded = [{16: 0.030}, {16: 0.021}, {16: 0.022}]
     calls, fake = fake_ranks(crowded, [1.0, 0.0, 0.1])
     monkeypatch.setattr(sharing_cost, "run_on_ranks", fake)
-    alone, cost, delay = measure_step_cpu("CifarCNN", 48, (2, 3), cores=2, trials=2)
+    alone, cost = measure_step_cpu("CifarCNN", 48, (2, 3), cores=2, trials=2)
     assert cost == pytest.approx({3: 0.0215 / 0.0191})
     assert len(calls) == 6
     # never quiet: not measured (beside a busy core the cost read 1.40 at 4 ranks)
     calls, fake = fake_ranks([{16: 0.030}, {16: 0.025}], [1.0, 0.5])
     monkeypatch.setattr(sharing_cost, "run_on_ranks", fake)
-    assert measure_step_cpu("CifarCNN", 48, (3,), cores=2, trials=1) == ({}, {}, None)
+    assert measure_step_cpu("CifarCNN", 48, (3,), cores=2, trials=1) == ({}, {})
 
 
 def test_the_model_step_is_measured_with_real_ranks():
-    alone, cost, delay = measure_step_cpu("CifarCNN", 48, (2, 3), cores=2, steps=4, trials=1)
+    alone, cost = measure_step_cpu("CifarCNN", 48, (2, 3), cores=2, steps=4, trials=1)
     if not alone:  # both tries ran beside other processes' load: not measured, as documented
-        assert cost == {} and delay is None
+        assert cost == {}
         return
     assert set(alone) == {2, 3} and alone[2] > alone[3] > 0
     assert set(cost) == {3} and 1.0 <= cost[3] < 3.0
-    assert 0.0 <= delay < 0.2
 
 
 def test_a_ranks_per_sample_work_follows_the_models_step_timed_on_both_batches():
@@ -105,7 +91,7 @@ def test_a_ranks_per_sample_work_follows_the_models_step_timed_on_both_batches()
 
 
 def test_data_parallel_ranks_pay_the_timed_batch_and_the_cost_of_taking_turns():
-    machine = Machine(2, 1, 0.0, {4: 1.5}, {2: 8.0, 4: 3.0})
+    machine = Machine(2, 1, {4: 1.5}, {2: 8.0, 4: 3.0})
     dp = Profile("x", "allreduce", 2, 2, 8, 10.0, compute_s=10.0, batch_s=10.0,
                  cpu_based=True)  # fmt: skip
     # 4 ranks: the 10 s per sample times 3 / 8 (the model's step timed on both batches), 1.5
@@ -113,11 +99,11 @@ def test_data_parallel_ranks_pay_the_timed_batch_and_the_cost_of_taking_turns():
     guess, split, offset = scaled(dp, 4, LATENCY_ONLY, machine=machine)
     assert guess - offset == pytest.approx(2 * 10 * 3 / 8 * 1.5 + 6)
     # a model whose step at 4 ranks' batch is 5 s, not half of 8: 10 x 5 / 8 s each
-    timed = Machine(2, 1, 0.0, {}, {2: 8.0, 4: 5.0})
+    timed = Machine(2, 1, {}, {2: 8.0, 4: 5.0})
     assert scaled(dp, 4, LATENCY_ONLY, machine=timed)[0] - offset == pytest.approx(
         2 * 10 * 5 / 8 + 6
     )
-    untimed = Machine(2, 1, 0.0, {}, {})  # older runs: the per-sample part as profiled
+    untimed = Machine(2, 1, {}, {})  # older runs: the per-sample part as profiled
     assert scaled(dp, 4, LATENCY_ONLY, machine=untimed)[0] - offset == pytest.approx(2 * 5 + 6)
 
 

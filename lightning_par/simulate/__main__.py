@@ -24,6 +24,7 @@ import sys
 from pathlib import Path
 
 from lightning_par.quiet import quiet_lightning
+from lightning_par.simulate import timings
 from lightning_par.simulate.engine import simulate
 from lightning_par.simulate.links import PRESETS, parse_topology
 from lightning_par.simulate.machine import kept_machine
@@ -237,17 +238,19 @@ def validation(work: str | None, reuse: str | None, rounds: int,
     quiet_lightning()
     load = os.getloadavg()[0]
     with tempfile.TemporaryDirectory(prefix="lightning_par-simulate-") as tmp:
+        folder = Path(reuse or work or tmp)
         if reuse:
-            found = kept_rounds(Path(reuse))
+            found = kept_rounds(folder)
         else:
-            found = measure(Path(work or tmp), tuple(strategies), rounds=rounds, steps=steps)
+            found = measure(folder, tuple(strategies), rounds=rounds, steps=steps)
         machine = kept_machine(found)
+        write_timings = timings.keep_in(folder)  # (a rescoring reads the first one's)
         table = rows(found, machine)
+        write_timings()
     return {"rows": table, "load_1m_start": round(load, 2),
             "load_1m_end": round(os.getloadavg()[0], 2), "cores": machine.cores,
-            "threads": machine.threads, "scheduler_delay_s": machine.delay_s,
-            "sharing_cost": machine.sharing_cost, "step_cpu": machine.step_cpu,
-            "unmeasured": list(machine.unmeasured)}  # fmt: skip
+            "threads": machine.threads, "sharing_cost": machine.sharing_cost,
+            "step_cpu": machine.step_cpu, "unmeasured": list(machine.unmeasured)}  # fmt: skip
 
 
 def _sharing(cost: dict) -> str:
@@ -262,14 +265,13 @@ def _unmeasured(doc: dict) -> str:
     if not missing:
         return ""
     return (f"\nnot measured, every trial ran beside other processes' load: {', '.join(missing)}"
-            " (taken as 0 / in proportion to the batch / no cost of taking turns)")  # fmt: skip
+            " (taken as in proportion to the batch / no cost of taking turns)")  # fmt: skip
 
 
 def validation_report(doc: dict) -> str:
     return (
-        f"measured on {doc['cores']} cores, {doc['threads']} thread(s) per rank, scheduler "
-        f"delay {doc['scheduler_delay_s'] * 1e3:.1f} ms (the delay matters where ranks cannot "
-        f"share the cores evenly), {_sharing(doc.get('sharing_cost') or {})}, load "
+        f"measured on {doc['cores']} cores, {doc['threads']} thread(s) per rank, "
+        f"{_sharing(doc.get('sharing_cost') or {})}, load "
         f"{doc['load_1m_start']} -> {doc['load_1m_end']}{_unmeasured(doc)}\n\n"
         f"{validation_table(doc['rows'])}\n\nWhat the scale rows started from (each "
         "strategy's 2-worker rounds; compute is CPU time, each traced span its best round, "

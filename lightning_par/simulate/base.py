@@ -33,9 +33,9 @@ from dataclasses import dataclass, field, replace
 from lightning_par.simulate.graph import transfer_samples
 from lightning_par.simulate.links import Link, fit_link
 from lightning_par.simulate.ops import Compute, Graph
+from lightning_par.simulate.other_load import QUIET_LOAD
 from lightning_par.simulate.profile import Profile, profile
 from lightning_par.simulate.replay import Run
-from lightning_par.simulate.scheduler import QUIET_LOAD
 
 #: Profile figures that are time spent computing (the least over rounds is kept).
 SPANS = ("backward_s", "batch_s", "fwd_s", "bwd_s", "model_s", "server_s")

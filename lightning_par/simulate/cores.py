@@ -20,11 +20,14 @@ given where every compute span ran, how much longer each one takes. A lane may s
 several identical ranks (``Graph.weight``: the data-parallel scale-out graphs draw one rank
 for all ``p``); its spans then count that many times.
 
-Processor sharing is fair only on average. The scheduler runs each thread on one core, so
-3 equal ranks on 2 cores start as one alone and two sharing; when the lone rank blocks at the
-step's allreduce, its core stays idle until the load balancer moves one of the pair there,
-``delay_s`` later. :func:`placement_wait` prices what that costs the slowest rank;
-:mod:`.scheduler` reads ``delay_s`` off ranks that train and meet on this machine.
+Processor sharing is fair only on average: the scheduler runs each thread on one core, so
+3 equal ranks on 2 cores start as one alone and two sharing, and a core the lone rank leaves
+idle at the allreduce could stay idle until the load balancer moves one of the pair there.
+An earlier model charged that wait, with a delay read off ranks that meet once a step; the
+data-parallel training runs showed none of it (issue #42: on two quiet validations of a
+2-core machine, every 3-worker row a step as short as fair sharing and the cost of turns
+predict, -0.6 to +9 %, while the delay of 5.4 and 9.5 ms predicted them 6 to 20 % long).
+What placement does cost a data-parallel rank shows in its CPU, and is in the cost of turns.
 
 Pipeline stages do unequal work, and there where whole ranks run decides the step: the
 compare's CifarCNN at 4 stages is two heavy stages (46 and 42 ms of CPU a step here) and two
@@ -52,7 +55,6 @@ What fair sharing of the ranks' compute alone missed (issue #42), and is here no
 from __future__ import annotations
 
 import itertools
-import math
 
 
 def lightning_threads(ranks: int, cores: int) -> int:
@@ -164,28 +166,3 @@ def capacity(cores: int, other_load: float = 0.0) -> float:
     scheduler sharing fairly gives the rest to the ranks. Never below a tenth of a core:
     a rank that ran at all got some."""
     return max(cores - max(other_load, 0.0), 0.1)
-
-
-def placement_wait(work_s: float, ranks: int, cores: int, threads: int = 1,
-                   delay_s: float = 0.0) -> float:  # fmt: skip
-    """Seconds the last of ``ranks`` equal ranks (``work_s`` each, ``threads`` threads each)
-    finishes after fair processor sharing would finish them all (``n / cores * work_s``,
-    ``n`` threads in all) when the scheduler places whole threads on cores, as evenly as it
-    can, and moves a waiting thread to a core that fell idle only ``delay_s`` later.
-
-    Placed evenly (``n`` a multiple of ``cores``, or ``n <= cores``) nothing is lost. Else
-    the lighter cores' threads finish at ``floor(n / cores) * work_s``; the heavier cores'
-    threads, ``ceil(n / cores)`` to a core, have ``work_s * (1 - lo / hi)`` left, go on at
-    ``1 / hi`` for ``delay_s``, then share every core. Example: 3 ranks on 2 cores finish
-    at ``1.5 * work_s + delay_s / 2`` (``delay_s < work_s``), fair sharing at ``1.5 * work_s``.
-    """
-    n = ranks * threads
-    if n <= cores or n % cores == 0 or work_s <= 0 or delay_s <= 0:
-        return 0.0
-    lo, hi = n // cores, math.ceil(n / cores)
-    heavy = (n - lo * cores) * hi  # threads on the heavier cores
-    left = work_s * (1 - lo / hi)  # each heavy thread's work when the light ones finish
-    stuck = min(delay_s, left * hi)  # time before a freed core is taken
-    left -= stuck / hi
-    finish = lo * work_s + stuck + left / min(1.0, cores / heavy)
-    return max(0.0, finish - n / cores * work_s)

@@ -13,8 +13,7 @@ a background thread, ``(rank, "bg")``), an ordered list of operations (:mod:`.op
 * :class:`Join` another lane: wait until its first ``upto`` operations are done (the main
   thread's ``wait for buckets``);
 * :class:`After`: not before another lane has run ``frac`` of its operation ``op`` (the
-  communication thread cannot start a bucket before backward has filled it), plus
-  ``delay_s`` of waiting.
+  communication thread cannot start a bucket before backward has filled it).
 
 Each lane runs its operations in order as soon as their inputs are known, so the schedule is
 the one the program would follow on the modelled machine (a dataflow replay in the manner of
@@ -191,8 +190,7 @@ class _Replay:
                 return None
             a, b = self.starts[op.lane][op.op], self.ends[op.lane][op.op]
             ready = a + op.frac * (b - a)
-            new = max(t, ready + op.delay_s)
-            self.record(lane, max(t, ready), new, "waiting", "slowest rank")
+            new = max(t, ready)
         return new
 
     def run(self) -> Result:

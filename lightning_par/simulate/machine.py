@@ -1,7 +1,6 @@
 """The machine a validation measured on: its cores, the threads each rank computed on, and,
 read off ranks that train the model and meet (:mod:`.sharing_cost`), the model's step at
-each size's batch, what taking turns on a core costs it and the scheduler's delay
-(:mod:`.scheduler`).
+each size's batch and what taking turns on a core costs it.
 
 :func:`measure_machine` reads them before the validation trains;
 :mod:`lightning_par.simulate.validate` records them in each run's ``row.json``, so
@@ -24,7 +23,6 @@ from lightning_par.simulate.sharing_cost import measure_step_cpu
 class Machine(NamedTuple):
     cores: int
     threads: int  # intra-op threads per rank
-    delay_s: float  # the scheduler's, where some size cannot place its ranks evenly
     #: per size whose ranks outnumber the cores: CPU per step over a core each's
     sharing_cost: dict[int, float] = {}  # a NamedTuple's default, never changed
     #: per size: the model's training step on that size's batch, a core each (CPU seconds)
@@ -34,7 +32,7 @@ class Machine(NamedTuple):
 
     def as_row(self) -> dict:
         """What :mod:`lightning_par.simulate.validate` records in each ``row.json``."""
-        return {"cores": self.cores, "threads": self.threads, "delay_s": self.delay_s,
+        return {"cores": self.cores, "threads": self.threads,
                 "sharing_cost": {str(p): c for p, c in self.sharing_cost.items()},
                 "step_cpu": {str(p): c for p, c in self.step_cpu.items()},
                 "unmeasured": list(self.unmeasured)}  # fmt: skip
@@ -45,8 +43,8 @@ def measure_machine(sizes: tuple[int, ...], model: str, global_batch: int) -> Ma
     cores = os.cpu_count() or 1
     threads = measured_threads(cores, sizes[0])
     steps = measure_step_cpu(model, global_batch, sizes, cores, threads)
-    unmeasured = () if steps.alone else ("scheduler delay, step CPU at each size, cost of turns",)
-    return Machine(cores, threads, steps.delay_s or 0.0, steps.cost, steps.alone, unmeasured)
+    unmeasured = () if steps.alone else ("step CPU at each size, cost of turns",)
+    return Machine(cores, threads, steps.cost, steps.alone, unmeasured)
 
 
 def kept_machine(found: dict[tuple[str, int], list[Path]]) -> Machine:
@@ -58,20 +56,16 @@ def kept_machine(found: dict[tuple[str, int], list[Path]]) -> Machine:
 
 
 def recorded_machine(runs: list[Run], cores: int | None = None, threads: int | None = None,
-                     delay_s: float | None = None, sizes: tuple[int, ...] = (2, 3, 4)
-                     ) -> Machine:  # fmt: skip
+                     sizes: tuple[int, ...] = (2, 3, 4)) -> Machine:  # fmt: skip
     """The machine that measured ``runs``: as given, else as :func:`measure_machine`
     recorded it in the runs' ``row.json``, else this machine's cores and threads now (no
-    delay, timed step or cost of sharing cores: runs from before they were measured)."""
+    timed step or cost of sharing cores: runs from before they were measured)."""
     recorded = next((run.row for run in runs if "cores" in run.row), {})
     cores = cores or recorded.get("cores") or os.cpu_count() or 1
     threads = threads or recorded.get("threads") or measured_threads(cores, sizes[0])
-    if delay_s is None:
-        delay_s = recorded.get("delay_s")
     cost = {int(p): c for p, c in (recorded.get("sharing_cost") or {}).items()}
     alone = {int(p): c for p, c in (recorded.get("step_cpu") or {}).items()}
-    return Machine(cores, threads, delay_s or 0.0, cost, alone,
-                   tuple(recorded.get("unmeasured") or ()))  # fmt: skip
+    return Machine(cores, threads, cost, alone, tuple(recorded.get("unmeasured") or ()))
 
 
 def measured_threads(cores: int, first: int = 2, env: dict | None = None) -> int:

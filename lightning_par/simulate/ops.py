@@ -65,8 +65,6 @@ class After:
     lane: Lane
     op: int
     frac: float = 0.0
-    #: and ``delay_s`` more (waiting: the slowest of the ranks a lane stands for is late)
-    delay_s: float = 0.0
 
 
 Op = Compute | Comm | Post | Wait | Join | After

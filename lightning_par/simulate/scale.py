@@ -9,10 +9,10 @@ graph with processor sharing (:mod:`.cores`), so only ranks that compute *at the
 slow each other (a pipeline's idle stages and the servers' waits take no core), a lane that
 stands for ``p`` data-parallel ranks counts ``p`` times, and the measured compute is first
 divided by the sharing the same model finds in the measured run (its own ``world`` ranks on
-``cores``). Data-parallel replicas that cannot be placed evenly on the cores (3 on 2) also
-wait for the slowest of them at every bucket (:func:`.cores.placement_wait`, with the
-scheduler's ``delay_s`` that :mod:`.scheduler` measures). ``None`` gives every device its own
-processor (the ``--from`` tables).
+``cores``). Ranks that cannot be placed evenly on the cores (3 on 2) are not made to wait
+for a core the scheduler leaves idle: the data-parallel training runs of the validation
+showed no such wait (:mod:`.cores`). ``None`` gives every device its own processor (the
+``--from`` tables).
 """
 
 from __future__ import annotations
@@ -20,33 +20,30 @@ from __future__ import annotations
 from dataclasses import replace
 
 from lightning_par.simulate.builders import NotApplicable, build
-from lightning_par.simulate.cores import lightning_threads, placement_wait
+from lightning_par.simulate.cores import lightning_threads
 from lightning_par.simulate.engine import simulate
 from lightning_par.simulate.links import Topology
 from lightning_par.simulate.memory import state_bytes_per_rank
-from lightning_par.simulate.ops import After, Compute, Graph
 from lightning_par.simulate.profile import Profile
 
 
 def predict_step(prof: Profile, p: int, topo: Topology, speed: float = 1.0,
                  cores: int | None = None, weak: bool = False,
-                 threads: int | None = None, delay_s: float = 0.0,
-                 other_load: float = 0.0) -> float:  # fmt: skip
+                 threads: int | None = None, other_load: float = 0.0) -> float:  # fmt: skip
     """Predicted step seconds of ``prof``'s strategy at ``p`` devices (workers)."""
-    return predict_split(prof, p, topo, speed, cores, weak, threads, delay_s, other_load)[0]
+    return predict_split(prof, p, topo, speed, cores, weak, threads, other_load)[0]
 
 
 def predict_split(prof: Profile, p: int, topo: Topology, speed: float = 1.0,
                   cores: int | None = None, weak: bool = False, threads: int | None = None,
-                  delay_s: float = 0.0, other_load: float = 0.0,
-                  turn_cost: float = 1.0) -> tuple[float, dict[str, float]]:  # fmt: skip
+                  other_load: float = 0.0, turn_cost: float = 1.0
+                  ) -> tuple[float, dict[str, float]]:  # fmt: skip
     """:func:`predict_step` and the per-step split, mean over the worker lanes (a lane that
     stands for ``p`` ranks counts once): ``compute``, ``communication``, ``waiting`` (they
     sum to the step) and, of compute and communication, the seconds spent waiting for a
     core (``core_compute``, ``core_communication``). ``threads``: intra-op threads per
     rank, at every size (``OMP_NUM_THREADS``); default: what Lightning picks for ``p``
-    ranks on ``cores``. ``delay_s``: the scheduler's, for :func:`late_replicas`
-    (:mod:`.scheduler` measures it). ``other_load``: cores' worth other processes take
+    ranks on ``cores``. ``other_load``: cores' worth other processes take
     (:func:`.cores.capacity`). ``turn_cost``: how many times its CPU a rank's step takes
     where ``p`` ranks all compute at once on ``cores`` (:mod:`.sharing_cost`), paid by each
     compute span as far as it shares the cores (:func:`.cores.turn_factor`)."""
@@ -58,8 +55,6 @@ def predict_split(prof: Profile, p: int, topo: Topology, speed: float = 1.0,
     if cores is not None and not prof.cpu_based:  # wall spans hold the sharing of world ranks
         speed = speed * measured_sharing(prof, topo, cores, threads)
     threads = threads or (lightning_threads(p, cores) if cores else 1)
-    if cores is not None and delay_s > 0:
-        late_replicas(graph, p, cores, threads, delay_s, speed, other_load)
     turns = (turn_cost, p * threads / cores) if cores is not None and turn_cost > 1 else None
     result = simulate(graph, topo, speed, contention, cores=cores, threads=threads,
                       other_load=other_load, turn_cost=turns)  # fmt: skip
@@ -72,26 +67,6 @@ def predict_split(prof: Profile, p: int, topo: Topology, speed: float = 1.0,
         waited = (result.per_step_core_wait(w)[kind] for w in workers)
         split[f"core_{kind}"] = sum(waited) / len(workers)
     return step, split
-
-
-def late_replicas(graph: Graph, p: int, cores: int, threads: int, delay_s: float,
-                  speed: float = 1.0, other_load: float = 0.0) -> float:  # fmt: skip
-    """Make every bucket of a data-parallel graph (:func:`data_parallel_graph`: the lane of
-    ``p`` replicas and its allreduce lane) start as late as the slowest replica reaches it
-    when ``p`` ranks of ``threads`` threads are placed on ``cores`` (the wait of
-    :func:`.cores.placement_wait` for the step's own compute). A core the lone replica
-    leaves idle is taken by other processes where there are any: ``other_load`` cores' worth
-    of them fill that much of it (and count as such in :func:`.cores.capacity`), so the
-    wait shrinks by that fraction. Other graphs are left as they are: their ranks are
-    drawn one by one, or do unequal work. Returns the wait (s)."""
-    bg = graph.lanes.get((0, "bg"))
-    if not bg:
-        return 0.0
-    own = sum(op.seconds for op in graph.lanes[(0, "main")] if isinstance(op, Compute)) / speed
-    wait = placement_wait(own, p, cores, threads, delay_s) * max(0.0, 1.0 - other_load)
-    graph.lanes[(0, "bg")] = [replace(op, delay_s=wait) if isinstance(op, After) else op
-                              for op in bg]  # fmt: skip
-    return wait
 
 
 def measured_sharing(prof: Profile, topo: Topology, cores: int,

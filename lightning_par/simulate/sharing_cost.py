@@ -21,13 +21,11 @@ the 2-worker runs' CPU scaled to 16 images, its 4-worker ranks 0-7 % (``cost``).
 
 :func:`measure_step_cpu` times both: ``cores`` ranks (a core each) run the step on every
 size's batch, then, for each size whose ranks outnumber the cores, that many ranks run it
-on their batch, the ranks meeting after each step as data-parallel ranks do (the laps of
-the sizes that cannot place their ranks evenly also give the scheduler's delay:
-:mod:`.scheduler`); medians of the steps, of the ranks and of the trials. A trial beside other
-processes' load (which costs CPU the same way, and more so on the larger batch: beside one
-busy core the cost at 4 ranks read 1.40) is run again, as :mod:`.scheduler` does; without a
-quiet trial neither is measured, and the scale-out scales the per-sample work by the batch
-and pays no cost.
+on their batch, the ranks meeting after each step as data-parallel ranks do; medians of
+the steps, of the ranks and of the trials. One trial's cost reads anywhere from 0.9 to 1.4
+on this machine, so each trial runs 60 steps and three quiet trials are kept. A trial beside
+other processes' load (:mod:`.other_load`) is run again; without a quiet trial neither is
+measured, and the scale-out scales the per-sample work by the batch and pays no cost.
 """
 
 from __future__ import annotations
@@ -42,7 +40,7 @@ import torch.distributed as dist
 from lightning_par.launch import run_on_ranks
 from lightning_par.measure.probe import machine_busy_s
 from lightning_par.measure.run import make_model, sample_shape
-from lightning_par.simulate.scheduler import QUIET_LOAD, delay_from_laps, loop_other_load
+from lightning_par.simulate.other_load import QUIET_LOAD, loop_other_load
 
 
 def _train_steps(rank: int, world: int, model_name: str, batches: list[int], steps: int,
@@ -50,33 +48,30 @@ def _train_steps(rank: int, world: int, model_name: str, batches: list[int], ste
     """``steps`` training steps of ``model_name`` on each of ``batches`` random images, the
     ranks meeting after each (as data-parallel ranks do: a rank that waits sleeps, and its
     core goes to another): per batch, the median CPU seconds per step of this thread
-    (``step_cpu``) and the median wall seconds from a step's start to the end of its meeting
-    (``lap``); and what :func:`.scheduler.loop_other_load` reads."""
+    (``step_cpu``); and what :func:`.other_load.loop_other_load` reads."""
     torch.set_num_threads(threads)
     token = torch.zeros(1)
     torch.manual_seed(rank)
     model = make_model(model_name)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
     wall, cpu, busy = time.perf_counter(), time.process_time(), machine_busy_s()
-    out, laps = [], []
+    out = []
     for batch in batches:
         images = torch.randn(batch, *sample_shape(model))
         labels = torch.randint(0, 10, (batch,))
-        seconds, lap = [], []
+        seconds = []
         dist.all_reduce(token)  # start together
         for _ in range(steps):
-            start, began = time.thread_time(), time.perf_counter()
+            start = time.thread_time()
             loss = torch.nn.functional.cross_entropy(model(images), labels)
             optimizer.zero_grad()
             loss.backward()
             optimizer.step()
             seconds.append(time.thread_time() - start)
             dist.all_reduce(token)
-            lap.append(time.perf_counter() - began)
         out.append(statistics.median(seconds[2:] or seconds))
-        laps.append(statistics.median(lap[2:] or lap))
     after = machine_busy_s()
-    return {"step_cpu": out, "lap": laps, "cpu": time.process_time() - cpu,
+    return {"step_cpu": out, "cpu": time.process_time() - cpu,
             "wall": time.perf_counter() - wall,
             "busy": after - busy if rank == 0 and after is not None and busy is not None
             else None}  # fmt: skip
@@ -87,51 +82,41 @@ def _median(ranks: list[dict], key: str, i: int) -> float:
 
 
 def _trial(model_name: str, global_batch: int, sizes: tuple[int, ...], cores: int,
-           threads: int, steps: int, timeout: float) -> tuple[float, dict, dict, dict]:  # fmt: skip
-    """One trial: the other load beside it; each size's step alone, its cost with turns, and
-    the scheduler's delay read off each size whose ranks cannot be placed evenly."""
+           threads: int, steps: int, timeout: float) -> tuple[float, dict, dict]:  # fmt: skip
+    """One trial: the other load beside it; each size's step alone, and its cost with turns."""
     batches = [max(global_batch // p, 1) for p in sizes]
     each = max(cores // threads, 1)
     alone = run_on_ranks(_train_steps, each, model_name, batches, steps, threads,
                          timeout=timeout)  # fmt: skip
     other = loop_other_load(alone)
     timed = {p: _median(alone, "step_cpu", i) for i, p in enumerate(sizes)}
-    meet = {p: _median(alone, "lap", i) - timed[p] for i, p in enumerate(sizes)}
-    turns, delays = {}, {}
+    turns = {}
     for p, batch in zip(sizes, batches):
         if p * threads > cores:
             crowded = run_on_ranks(_train_steps, p, model_name, [batch], steps, threads,
                                    timeout=timeout)  # fmt: skip
             other = max(other, loop_other_load(crowded))
-            cpu = _median(crowded, "step_cpu", 0)
-            turns[p] = cpu / timed[p]
-            delay = delay_from_laps(_median(crowded, "lap", 0), cpu, meet[p], p, cores, threads)
-            if delay is not None:
-                delays[p] = delay
-    return other, timed, turns, delays
+            turns[p] = _median(crowded, "step_cpu", 0) / timed[p]
+    return other, timed, turns
 
 
 class Steps(NamedTuple):
     """What :func:`measure_step_cpu` read: per size, the model's step a core each
-    (``alone``, CPU seconds) and the cost of taking turns (``cost``); the scheduler's delay
-    (``delay_s``: 0 where every size places its ranks evenly); ``None`` and empty where no
-    trial was quiet."""
+    (``alone``, CPU seconds) and the cost of taking turns (``cost``); empty where no trial
+    was quiet."""
 
     alone: dict[int, float]
     cost: dict[int, float]
-    delay_s: float | None
 
 
 def measure_step_cpu(model_name: str, global_batch: int, sizes: tuple[int, ...], cores: int,
-                     threads: int = 1, steps: int = 30, trials: int = 3,
+                     threads: int = 1, steps: int = 60, trials: int = 3,
                      timeout: float = 120) -> Steps:  # fmt: skip
     """Per size in ``sizes``: the CPU seconds of ``model_name``'s training step on the batch
     a rank of that size reads, a core each (``alone``); per size whose ranks (``threads``
     each) outnumber ``cores``, how many times that its step takes when they take turns on
-    the cores (``cost``, at least 1); and the scheduler's delay read off the sizes that
-    cannot place their ranks evenly (:func:`.scheduler.delay_from_laps`). Medians over
-    ``trials`` quiet trials (a trial beside other load is run again, ``trials`` more times
-    at most). See the module docstring."""
+    the cores (``cost``, at least 1). Medians over ``trials`` quiet trials (a trial beside
+    other load is run again, ``trials`` more times at most). See the module docstring."""
     quiet = []
     for _ in range(2 * trials):
         found = _trial(model_name, global_batch, sizes, cores, threads, steps, timeout)
@@ -140,8 +125,7 @@ def measure_step_cpu(model_name: str, global_batch: int, sizes: tuple[int, ...],
         if len(quiet) == trials:
             break
     if not quiet:
-        return Steps({}, {}, None)
+        return Steps({}, {})
     alone = {p: statistics.median(t[1][p] for t in quiet) for p in sizes}
     cost = {p: max(statistics.median(t[2][p] for t in quiet), 1.0) for p in quiet[0][2]}
-    delays = [d for t in quiet for d in t[3].values()]
-    return Steps(alone, cost, statistics.median(delays) if delays else 0.0)
+    return Steps(alone, cost)

@@ -20,9 +20,9 @@ counts.
   cores, so 3 or 4 workers oversubscribe it: the prediction replays the graph with its
   ranks sharing this machine's cores (:mod:`~.cores`: only ranks computing or moving bytes
   at the same time share, with the threads Lightning gives each rank, less the cores'
-  worth other processes took while the measured run ran, its ``other_load``; data-parallel
-  replicas that the cores cannot hold evenly, 3 on 2, also wait for the slowest, with the
-  scheduler delay :mod:`~.scheduler` measures before the runs and records with them). Each
+  worth other processes took while the measured run ran, its ``other_load``; the model's
+  step at each size's batch and the cost of taking turns on the cores,
+  :mod:`~.sharing_cost` measures before the runs and records with them). Each
   scale row also carries the predicted per-step split (:func:`~.scale.predict_split`: the
   CPU the ranks compute and communicate, the time they wait for a core, for messages and
   for each other) and the measured one (:func:`measured_split`), which say where a miss
@@ -51,10 +51,10 @@ from lightning_par.simulate.base import (
 from lightning_par.simulate.graph import transfer_samples
 from lightning_par.simulate.links import Link, Topology, fit_link
 from lightning_par.simulate.machine import Machine, measure_machine, recorded_machine
+from lightning_par.simulate.other_load import QUIET_LOAD
 from lightning_par.simulate.profile import Profile
 from lightning_par.simulate.replay import Run, load_run, replay
 from lightning_par.simulate.scale import on_this_machine, predict_split, predict_step
-from lightning_par.simulate.scheduler import QUIET_LOAD
 
 #: The strategies the issue asks to validate: the allreduce family, servers, pipeline, tensor.
 VALIDATED = ("ring_allreduce", "tree_allreduce", "butterfly_allreduce", "round_robin_allreduce",
@@ -154,7 +154,7 @@ def scaled(start: Base | Profile, p: int, topo: Topology, other_load: float = 0.
     server beside a busy core, predicting its quiet 3-worker run 38 % short). A bare
     :class:`~.profile.Profile` is its own fastest round, beside no other load.
     ``other_load``: the cores' worth other processes took beside the run at ``p``
-    (:func:`.cores.capacity`). ``machine``: the cores, threads, scheduler delay and the cost
+    (:func:`.cores.capacity`). ``machine``: the cores, threads, timed steps and the cost
     of taking turns on the cores the prediction replays the graph with (``None``: every
     rank a processor of its own)."""
     if isinstance(start, Profile):
@@ -163,8 +163,7 @@ def scaled(start: Base | Profile, p: int, topo: Topology, other_load: float = 0.
     else:
         prof, fastest = start.profile, start.fastest
         measured_s, base_load = start.fastest_run.measured_step_s, start.fastest_run.other_load
-    on = {} if machine is None else {"cores": machine.cores, "threads": machine.threads,
-                                     "delay_s": machine.delay_s}  # fmt: skip
+    on = {} if machine is None else {"cores": machine.cores, "threads": machine.threads}
     offset = 0.0  # what the model leaves out: read where it holds, beside no other load
     if (base_load or 0.0) <= QUIET_LOAD:
         model = predict_step(fastest, fastest.world, topo, other_load=base_load or 0.0, **on)
