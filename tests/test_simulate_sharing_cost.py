@@ -130,3 +130,18 @@ def test_a_span_pays_the_cost_of_turns_as_far_as_it_shares_the_cores():
     apart.lane(0).extend([Compute(1.0), Post(m), Wait(m)])
     apart.lane(1).extend([Post(m), Wait(m), Compute(1.0)])
     assert simulate(apart, free, cores=1, turn_cost=(1.2, 2.0)).max_step_s == pytest.approx(2.0)
+
+
+def test_tensor_parallel_ranks_pay_no_cost_of_taking_turns():
+    # the cost is timed on the data-parallel step; tensor-parallel ranks showed none of it
+    tp = Profile("t", "tp", 2, 2, 8, 10.0, compute_s=4.0, batch_s=4.0, collectives=1,
+                 collective_bytes=40, cpu_based=True)  # fmt: skip
+    costly = Machine(2, 1, {3: 1.5, 4: 1.5}, {})
+    free = Machine(2, 1, {}, {})
+    for p in (3, 4):
+        assert scaled(tp, p, LATENCY_ONLY, machine=costly)[0] == pytest.approx(
+            scaled(tp, p, LATENCY_ONLY, machine=free)[0]
+        )
+    dp = Profile("x", "allreduce", 2, 2, 8, 10.0, compute_s=10.0, batch_s=10.0, cpu_based=True)
+    assert scaled(dp, 4, LATENCY_ONLY, machine=costly)[0] > scaled(dp, 4, LATENCY_ONLY,
+                                                                   machine=free)[0]  # fmt: skip
