@@ -16,12 +16,13 @@ strategy claims they are the same:
 * ``parameter_server``, a server lost: the next server holds its shard's copy, weights and
   optimiser state after every step (:mod:`~lightning_par.paramserver.replication`), and the
   workers send it the same messages: the same weights (to 1e-6, as its tests);
-* ``parameter_server``, a worker lost: worker 0 pushes the lost worker's share of the
-  interrupted step in its slot and trains its batches beside its own from then on, their
-  gradient pushed in that slot too (:mod:`~lightning_par.paramserver.lost_workers`): the
-  servers sum the same gradients in the same worker order, so the same weights, bit for bit
-  (tolerance 0; with worker 0 pushing the sum of its own and the lost worker's gradient,
-  three workers ended 3.3e-5 apart after 25 steps, ``benchmarks/faults.md``).
+* ``parameter_server``, a worker lost: the first live worker (the leader; worker 1 when
+  worker 0 is the one lost) pushes the lost worker's share of the interrupted step in its
+  slot and trains its batches beside its own from then on, their gradient pushed in that
+  slot too (:mod:`~lightning_par.paramserver.lost_workers`): the servers sum the same
+  gradients in the same worker order, so the same weights, bit for bit (tolerance 0; with
+  the leader pushing the sum of its own and the lost worker's gradient, three workers ended
+  3.3e-5 apart after 25 steps, ``benchmarks/faults.md``).
 
 Float rounding grows as training goes on (each step's differences feed the next): with the
 CIFAR CNN of width 32 on 3 ranks, the largest difference was about 2e-7 with 7 steps after
