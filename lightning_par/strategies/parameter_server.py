@@ -53,7 +53,6 @@ from typing import Any
 
 import lightning.pytorch as pl
 from lightning.pytorch.trainer.states import TrainerFn
-from lightning_utilities.core.rank_zero import rank_zero_only
 from typing_extensions import override
 
 from lightning_par import _compat
@@ -63,7 +62,7 @@ from lightning_par.paramserver.replicated_client import ReplicatedClient
 from lightning_par.paramserver.worker import ParameterClient
 from lightning_par.strategies._base import ParStrategy
 from lightning_par.strategies._late_params import refuse_late_parameters
-from lightning_par.strategies._leader import share_versions
+from lightning_par.strategies._leader import lead_again, share_versions
 from lightning_par.strategies._ps_features import trainer_clip
 from lightning_par.strategies._ps_stand_in import LostWorkerStandIn, SettleBeforeMetrics
 from lightning_par.strategies._resilience import Resilience
@@ -115,8 +114,7 @@ class ParameterServerStrategy(ServerGroupStrategy):
     def setup_distributed(self) -> None:
         self.set_world_ranks()  # (no reset_seed(): see ParStrategy.setup_distributed)
         if self.servers.lost:  # a call after a loss: Lightning's rank 0 is the first survivor
-            members = self.servers.members(self.world_size)
-            rank_zero_only.rank = members.index(self.global_rank)
+            lead_again(self.servers.members(self.world_size).index(self.global_rank))
         self.start_servers({})  # the synchronous servers: no options
 
     @property
