@@ -1,12 +1,13 @@
-"""The keeper a fault-tolerant rank forks under torchrun or srun
+"""The keeper a fault-tolerant rank runs behind under torchrun or srun
 (:mod:`lightning_par.launch.keeper`): what the launcher sees of its rank's end.
 
-Each case runs a small script in a subprocess (the keeper forks and ends the process it
-runs in): the rank (the child) ends one way, and the script's exit status, its output and
-what ran after ``keep`` are checked."""
+Each case runs a small script in a subprocess, as the launcher would: at ``keep`` the
+process becomes the keeper and starts the rank as one more run of the script; the rank
+ends one way, and the script's exit status, its output and what ran where are checked."""
 
 from __future__ import annotations
 
+import os
 import signal
 import subprocess
 import sys
@@ -19,29 +20,31 @@ ROOT = Path(__file__).parent.parent
 
 _SCRIPT = """
 import atexit, os, signal, sys
-from lightning_par.launch.keeper import keep
-atexit.register(lambda: print("atexit in", "parent" if os.getpid() == {pid} else "child"))
-keep("rank 1", tolerated={tolerated})
-keep("rank 1", tolerated={tolerated})  # (a later trainer call: no second fork)
-print("rank runs", os.getpid() != {pid}, flush=True)
+from lightning_par.launch.keeper import KEPT_ENV, keep
+where = "rank" if os.environ.get(KEPT_ENV) else "keeper"
+print("before keep in", where, flush=True)
+{before}
+atexit.register(lambda: print("atexit in", where, flush=True))
+command = [sys.executable, "-c", sys.argv[1], sys.argv[1]]
+keep("rank 1", {tolerated}, command)
+keep("rank 1", {tolerated}, command)  # (a later trainer call: no second keeper)
+print("after keep in", where, flush=True)
 {end}
 """
 
 
-def _run(end: str, tolerated: bool) -> subprocess.CompletedProcess:
-    code = textwrap.dedent(
-        "import os\nPID = os.getpid()\n"
-        + _SCRIPT.replace("{pid}", "PID").format(tolerated=tolerated, end=end)
-    )
-    return subprocess.run(
-        [sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=60
-    )
+def _run(end: str, tolerated: bool, before: str = "", **env: str) -> subprocess.CompletedProcess:
+    code = textwrap.dedent(_SCRIPT.format(tolerated=tolerated, end=end, before=before))
+    return subprocess.run([sys.executable, "-c", code, code], cwd=ROOT, capture_output=True,
+                          text=True, timeout=60, env={**os.environ, **env})  # fmt: skip
 
 
 def test_a_rank_killed_where_the_job_goes_on_without_it_ends_well_with_one_line():
     done = _run("os.kill(os.getpid(), signal.SIGKILL)", tolerated=True)
     assert done.returncode == 0, done
-    assert done.stdout.splitlines() == ["rank runs True"], done.stdout  # once, in the child
+    # the script's lines before keep run once more, in the rank; after it, only there
+    assert done.stdout.splitlines() == ["before keep in keeper", "before keep in rank",
+                                        "after keep in rank"], done.stdout  # fmt: skip
     assert done.stderr == (
         "lightning_par: rank 1 was killed by SIGKILL; the other ranks go on without it\n"
     )
@@ -50,8 +53,18 @@ def test_a_rank_killed_where_the_job_goes_on_without_it_ends_well_with_one_line(
 def test_a_rank_that_exits_passes_its_code_and_runs_the_scripts_atexit_once():
     done = _run("sys.exit(3)", tolerated=True)
     assert done.returncode == 3, done
-    assert done.stdout.splitlines() == ["rank runs True", "atexit in child"], done.stdout
-    assert done.stderr == ""
+    assert done.stdout.splitlines()[-2:] == ["after keep in rank", "atexit in rank"], done
+    assert "atexit in keeper" not in done.stdout and done.stderr == ""
+
+
+def test_a_rank_that_computed_on_several_threads_before_its_keeper_computes_on_them_after():
+    """A fork of a process that ran a multi-threaded OpenMP region hangs in its next one
+    (GNU OpenMP's thread pool is not in the child): the rank is a run of its own."""
+    warm = "import torch; x = torch.randn(600, 600); y = x @ x"
+    done = _run("print('computed', float((x @ x).sum()) != 0.0, torch.get_num_threads())",
+                tolerated=True, before=warm, OMP_NUM_THREADS="2")  # fmt: skip
+    assert done.returncode == 0, done
+    assert "computed True 2" in done.stdout.splitlines(), done.stdout
 
 
 @pytest.mark.parametrize("signum", [signal.SIGKILL, signal.SIGTERM])
@@ -74,12 +87,14 @@ def test_the_keeper_serving_the_store_stays_until_every_rank_ended():
     host = StoreHost()
     try:
         code = textwrap.dedent(f"""
+            import sys
             from functools import partial
             from lightning_par.launch.keeper import count_end, keep
-            keep("rank 0", tolerated=True, after=partial(count_end, "127.0.0.1", {host.port}, 2))
+            ended = partial(count_end, "127.0.0.1", {host.port}, 2)
+            keep("rank 0", True, [sys.executable, "-c", sys.argv[1], sys.argv[1]], after=ended)
             print("rank ends", flush=True)
         """)
-        keeper = subprocess.Popen([sys.executable, "-c", code], cwd=ROOT, text=True,
+        keeper = subprocess.Popen([sys.executable, "-c", code, code], cwd=ROOT, text=True,
                                   stdout=subprocess.PIPE, stderr=subprocess.PIPE)  # fmt: skip
         store = dist.TCPStore("127.0.0.1", host.port, is_master=False, wait_for_workers=False)
         deadline = time.monotonic() + 60

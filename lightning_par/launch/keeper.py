@@ -6,34 +6,41 @@ or a signal makes it stop every other worker (SIGTERM to each one's process grou
 survivors of a fault-tolerant run would be stopped while they went on. ``srun`` may end a
 job step for a task killed by a signal as well, depending on the cluster's settings.
 
-So under a launcher that is not ours, a rank of a strategy that survives lost ranks forks
-once, as its first ``Trainer`` call begins (:func:`keep`, before any process group or
-thread of ours exists). The child is the rank: it goes on with the script from where it
-stands, in a copy-on-write copy of the memory. The parent is the process the launcher
-watches. It only waits for the child, then ends as follows:
+So under a launcher that is not ours, the process the launcher started becomes the rank's
+keeper at its first ``Trainer`` call (:func:`keep`): it starts the rank as one more run of
+the script, with the same command and environment (and :data:`KEPT_ENV`, so that the run
+knows it is the rank and goes on), then only waits for it, and ends as follows:
 
-* the child exited: the parent exits with the same code;
-* the child was ended by a signal (killed, or frozen and then ended by a peer's
-  heartbeat) and the job goes on without it: the parent prints one line naming the rank
-  and exits with 0, so the launcher leaves the survivors alone;
-* the child was ended by a signal and the job cannot go on without it (rank 0): the parent
+* the rank exited: the keeper exits with the same code;
+* the rank was ended by a signal (killed, or frozen and then ended by a peer's heartbeat)
+  and the job goes on without it: the keeper prints one line naming the rank and exits
+  with 0, so the launcher leaves the survivors alone;
+* the rank was ended by a signal and the job cannot go on without it (rank 0): the keeper
   ends by the same signal, so the launcher sees what it would have seen without a keeper.
 
+Not a fork of this process: a forked child hangs in its first multi-threaded OpenMP region
+when its parent computed on several threads before (GNU OpenMP keeps a pool of threads the
+child does not have; under ``srun`` a rank computes on every core of its allocation unless
+``OMP_NUM_THREADS`` says otherwise), and it cannot use CUDA initialised in its parent. As
+under Lightning's ``popen`` launch, the script's lines before its first ``Trainer`` call run
+once more, in the rank.
+
 Under SLURM rank 0 serves the job's store. Where the job goes on without rank 0, rank 0's
-keeper serves it instead (started before the fork), and stays until every rank has ended:
+keeper serves it instead (started before the rank), and stays until every rank has ended:
 each keeper counts its rank's end in the store (:func:`count_end`).
 
 torchrun and ``scancel`` signal the whole process group (torch's ``SubprocessHandler``
-starts each worker in a session of its own and ends it with ``killpg``). The child is in
-that group, so it receives and handles those signals itself, and the parent ignores
-SIGINT and SIGTERM. The parent never returns to the script and leaves with ``os._exit``:
-the script's ``atexit`` handlers run once, in the child.
+starts each worker in a session of its own and ends it with ``killpg``). The rank is in
+that group, so it receives and handles those signals itself, and the keeper ignores SIGINT
+and SIGTERM. The keeper never returns to the script and leaves with ``os._exit``: the
+script's ``atexit`` handlers run once, in the rank.
 """
 
 from __future__ import annotations
 
 import os
 import signal
+import subprocess
 import sys
 import time
 from collections.abc import Callable
@@ -41,34 +48,39 @@ from datetime import timedelta
 from typing import NoReturn
 
 from lightning_par.launch.lost import how_it_ended
+from lightning_par.launch.processes import die_with_parent
 
-#: Whether this process forked its keeper already (the first ``Trainer`` call did).
+#: Set in the rank a keeper started: it is the rank, and keeps nothing itself.
+KEPT_ENV = "LIGHTNING_PAR_KEPT_RANK"
+#: Whether this process is behind its keeper already (the first ``Trainer`` call did it).
 _kept = False
 #: The key of the job's store each keeper adds 1 to when its rank ended (:func:`count_end`).
 ENDED_KEY = "lightning_par/keepers/ended"
 
 
-def keep(name: str, tolerated: bool, after: Callable[[], None] | None = None) -> None:
-    """Fork this rank once (later calls return at once); return in the child, which is
-    the rank from now on, and end the parent when the child ends (see the module
-    docstring). ``name``: how the rank is named (``"rank 1"``); ``tolerated``: whether
-    the job goes on without it; ``after``: run in the parent once the child ended, before
-    it ends (:func:`count_end`)."""
+def keep(name: str, tolerated: bool, command: list[str], cwd: str | None = None,
+         after: Callable[[], None] | None = None) -> None:  # fmt: skip
+    """Become this rank's keeper once: start the rank by ``command`` (in ``cwd``; the
+    script again) and end when it ends (see the module docstring). Returns at once in the
+    rank a keeper started, and at later calls. ``name``: how the rank is named
+    (``"rank 1"``); ``tolerated``: whether the job goes on without it; ``after``: run in
+    the keeper once the rank ended, before it ends (:func:`count_end`)."""
     global _kept
-    if _kept:
+    if kept():
+        _kept = True
         return
     _kept = True
     sys.stdout.flush()
     sys.stderr.flush()
-    child = os.fork()
-    if child == 0:
-        return
-    _wait_and_end(child, name, tolerated, after)
+    rank = subprocess.Popen(command, cwd=cwd, env={**os.environ, KEPT_ENV: "1"},
+                            preexec_fn=die_with_parent)  # fmt: skip
+    _wait_and_end(rank.pid, name, tolerated, after)
 
 
 def kept() -> bool:
-    """Whether this process forked behind its keeper already (at its first call)."""
-    return _kept
+    """Whether this process is behind its keeper (the rank a keeper started, or a process
+    whose first call made it one)."""
+    return _kept or bool(os.environ.get(KEPT_ENV))
 
 
 def count_end(host: str, port: int, world: int | None = None) -> None:
@@ -92,7 +104,7 @@ def _wait_and_end(
     child: int, name: str, tolerated: bool, after: Callable[[], None] | None
 ) -> NoReturn:
     for signum in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(signum, signal.SIG_IGN)  # the child, in this group, gets them too
+        signal.signal(signum, signal.SIG_IGN)  # the rank, in this group, gets them too
     _, status = os.waitpid(child, 0)  # (retried on EINTR by Python)
     signum = os.WTERMSIG(status) if os.WIFSIGNALED(status) else None
     if signum is not None and tolerated:

@@ -59,9 +59,9 @@ DEAD_PEER_S = 60.0
 DEAD_PEER_ENV = "LIGHTNING_PAR_DEAD_PEER_S"
 #: The store a launch of this project holds for its ranks: ``host:port/launch-id``.
 STORE_ENV = "LIGHTNING_PAR_STORE"
-#: Set (to ``1``) where the store of a ``popen`` launch is served by its keeper, which
-#: outlives rank 0 (:mod:`~lightning_par.launch.script_keeper`): rank 0's end is not the
-#: store's.
+#: Set (to ``1``) where the job's store is served by a keeper that outlives rank 0 (a
+#: ``popen`` launch's, :mod:`~lightning_par.launch.script_keeper`; rank 0's under SLURM,
+#: :mod:`~lightning_par.launch.keeper`): rank 0's end is not the store's.
 KEPT_STORE_ENV = "LIGHTNING_PAR_KEPT_STORE"
 
 
@@ -101,7 +101,6 @@ _joined: dict[tuple[int, str, int], dist.Store] = {}  # (pid, host, port) -> thi
 _served: list = []  # store hosts this rank started (global rank 0 outside our launches)
 _groups = itertools.count()  # groups this process has joined: the next group's prefix
 _host_rank: int | None = None  # the rank whose process serves the job's store (see below)
-_kept_host = False  # rank 0's keeper serves the store (see serve_job_store_outliving_rank_0)
 
 
 def _release_stores() -> None:
@@ -149,7 +148,7 @@ def _job_store(
     else:
         (host, port), launch = _cluster_main(main), "job"
         agent = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
-        served_by_rank_0 = not agent and not _kept_host
+        served_by_rank_0 = not agent and not os.environ.get(KEPT_STORE_ENV)
         master = rank == 0 and served_by_rank_0
         global _host_rank
         _host_rank = 0 if served_by_rank_0 else None
@@ -173,19 +172,19 @@ def _job_store(
 
 
 def serve_job_store_outliving_rank_0(host: str, port: int) -> None:
-    """Rank 0, before it forks behind its keeper (:mod:`.keeper`): start the job's store
-    host now, so that it is the keeper's and outlives the rank (a fault-tolerant run under
+    """Rank 0, before it becomes its keeper (:mod:`.keeper`): start the job's store host
+    now, so that it is the keeper's and outlives the rank (a fault-tolerant run under
     SLURM goes on without rank 0). The rank then joins the store as a client."""
-    global _kept_host
     _served.append(StoreHost(host, port, bind=""))
-    _kept_host = True
+    job_store_outlives_rank_0()
 
 
 def job_store_outlives_rank_0() -> None:
     """Every other rank of such a job: rank 0's keeper serves the store, so rank 0's end is
-    not the store's (its heartbeat goes on watching the others, and the survivors regroup)."""
-    global _kept_host
-    _kept_host = True
+    not the store's (its heartbeat goes on watching the others, and the survivors regroup).
+    Said in the environment (:data:`KEPT_STORE_ENV`), which the run of the script that the
+    rank's keeper starts inherits (:mod:`.keeper`)."""
+    os.environ[KEPT_STORE_ENV] = "1"
 
 
 def store_host_rank() -> int | None:

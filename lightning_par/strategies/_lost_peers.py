@@ -135,7 +135,7 @@ class LostPeers:
 
 
 def keep_from_launcher(strategy: Any) -> None:
-    """Under torchrun or SLURM, fork this rank once behind a keeper
+    """Under torchrun or SLURM, run this rank behind a keeper once
     (:mod:`lightning_par.launch.keeper`) if the strategy is ``fault_tolerant``. The keeper
     tells the launcher that a lost rank ended well if the job goes on without it: a rank
     other than 0, or rank 0 of a strategy whose first survivor takes over rank 0's share
@@ -147,22 +147,6 @@ def keep_from_launcher(strategy: Any) -> None:
         return  # (async_sgd's lost worker ends the job under these launchers, as it did)
     if not isinstance(strategy.cluster_environment, external):
         return
-    import torch
-
-    name = strategy.strategy_name
-    if not hasattr(os, "fork"):
-        raise ValueError(
-            f"{name} goes on without a lost rank under torchrun or srun by forking each "
-            "rank at its first Trainer call, and this system has no os.fork: launch with "
-            "`python script.py`, or set fault_tolerant=False"
-        )
-    if torch.cuda.is_initialized():
-        raise ValueError(
-            f"{name} goes on without a lost rank under torchrun or srun by forking each "
-            "rank at its first Trainer call, and CUDA was initialised before it (a fork "
-            "cannot use it then): create GPU tensors inside the LightningModule's hooks, "
-            "not before trainer.fit, or set fault_tolerant=False"
-        )
     rank, env = strategy.global_rank, strategy.cluster_environment
     takes_over = getattr(strategy, "survives_lost_rank_zero", False)
     after = None
@@ -176,7 +160,8 @@ def keep_from_launcher(strategy: Any) -> None:
             rendezvous.job_store_outlives_rank_0()
         world = strategy.world_size if rank == 0 else None
         after = partial(keeper.count_end, *address, world)
-    keeper.keep(strategy.rank_name(rank), tolerated=rank != 0 or takes_over, after=after)
+    command, cwd = _compat.script_command(strategy.local_rank)
+    keeper.keep(strategy.rank_name(rank), rank != 0 or takes_over, command, cwd, after)
 
 
 def keep_popen_rank_0(strategy: Any, method: str) -> None:
