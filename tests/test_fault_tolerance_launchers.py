@@ -60,7 +60,7 @@ def _worst(expected: dict, got: dict) -> float:
 
 TORCHRUN = [  # (strategy, fault, the line of the keeper of the lost rank)
     ("ring_allreduce", "kill:rank=1:step=5", "rank 1 was killed by SIGKILL"),
-    ("ring_allreduce", "freeze:rank=2:step=4", "rank 2 was killed by SIGKILL"),
+    # (a frozen rank: after rank 0's loss, below)
     ("parameter_server", "kill:rank=2:step=5", "worker 2 (rank 2) was killed by SIGKILL"),
 ]
 
@@ -76,15 +76,21 @@ def test_a_lost_rank_is_survived_under_torchrun(tmp_path, name, fault, line):
 
 def test_rank_0_lost_under_torchrun_is_taken_over_by_the_first_survivor(tmp_path):
     """Its loggers and checkpoints too: every step's row in the CSV file once (rank 0's
-    rows kept), the last checkpoint at the last step, the final weights one process's."""
-    run, out = _torchrun(tmp_path, "ring_allreduce", "kill:rank=0:step=6", "logged")
+    rows kept), the last checkpoint at the last step, the final weights one process's.
+    Rank 2 frozen later in the same run is found by a survivor's heartbeat and ended, its
+    keeper telling the agent it ended well (one run for both: each has its own lines)."""
+    fault = "kill:rank=0:step=3,freeze:rank=2:step=7"
+    run, out = _torchrun(tmp_path, "ring_allreduce", fault, "logged")
     assert run.code == 0, run.text[-4000:]
     assert "lightning_par: rank 0 was killed by SIGKILL; the other ranks go on" in run.text
     assert "rank(s) 0 lost; 2 of 3 ranks go on (ranks [1, 2])" in run.text, run.text
+    assert "rank 2 stopped responding for 2 s" in run.text, run.text[-4000:]
+    assert "lightning_par: rank 2 was killed by SIGKILL; the other ranks go on" in run.text
+    assert "rank(s) 2 lost; 1 of 2 ranks go on (ranks [1])" in run.text, run.text[-4000:]
     assert _result(run.text)["raised"] is None and "Traceback" not in run.text, run.text
     assert "will be deleted" not in run.text, run.text
     assert _worst(one_process(3), torch.load(out, weights_only=True)) < 1e-5
-    assert_logged_whole(tmp_path, 12)  # (rank 0 wrote steps 0-5 before it was lost)
+    assert_logged_whole(tmp_path, 12)  # (rank 0 wrote steps 0-2 before it was lost)
     assert len(_validated(tmp_path)) == 1  # the script's validate after fit: the survivor's
 
 
