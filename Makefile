@@ -76,8 +76,8 @@ $(OLD_VENV)/.installed: pyproject.toml tests/smoke/requirements.py
 	$(PYTHON) -m venv $(OLD_VENV)
 	$(PYTHON) -m tests.smoke.requirements --pin $(OLD_TORCH_PINS) \
 		--leave-out $(OLD_TORCH_LEAVE_OUT) > $(OLD_VENV)/requirements.txt
-	$(OLD_VENV)/bin/pip install -qq --no-compile -r $(OLD_VENV)/requirements.txt
-	$(OLD_VENV)/bin/pip install -qq --no-compile --no-deps -e . --config-settings editable_mode=compat
+	$(OLD_VENV)/bin/pip install -qq -r $(OLD_VENV)/requirements.txt
+	$(OLD_VENV)/bin/pip install -qq --no-deps -e . --config-settings editable_mode=compat
 	touch $@
 
 old-torch-venv: $(OLD_VENV)/.installed
