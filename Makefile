@@ -86,7 +86,11 @@ smoke-old-torch: $(OLD_VENV)/.installed
 	$(OLD_VENV)/bin/python -m tests.smoke.run $(SMOKE_ARGS)
 
 # (tests/test_old_torch_smoke.py runs the smoke, making the old venv if missing)
+# The package and the tests' helpers are byte-compiled first: where Python may not write
+# bytecode (PYTHONDONTWRITEBYTECODE=1 in the environment), every script, popen and
+# torchrun rank would compile them again (about 0.6 s an interpreter, hundreds of them).
 test: lint browser
+	$(PY) -m compileall -q lightning_par tests >/dev/null
 	$(VENV)/bin/pytest tests course --nbval-lax --nbval-current-env \
 		--nbval-cell-timeout=$(NB_TIMEOUT) --durations=15 --junitxml=runs/test-times.xml \
 		--numprocesses=$(TEST_WORKERS) --dist=loadfile

@@ -7,7 +7,7 @@ _fault_tolerant_script.py STRATEGY DEVICES FAULT OUT [VARIANT]``:
 ``RESULT {json}`` line says how it went. ``VARIANT`` (a key of :data:`VARIANTS`, default
 ``tiny``) switches on Lightning's features beside it: BatchNorm; ``bf16-mixed`` with
 learning-rate schedulers stepped per step and per epoch; a torchvision network; a CSV
-logger and a checkpoint callback."""
+logger and a checkpoint callback; BatchNorm with those."""
 
 from __future__ import annotations
 
@@ -80,6 +80,8 @@ VARIANTS = {
         torchvision_net, (3, 32, 32), samples=64, batch=16, steps=3, lr=1e-3, attribute="model"
     ),
     "logged": Variant(logged=True),
+    # both at once, for a run that checks both claims of a lost rank 0
+    "batchnorm_logged": Variant(batchnorm_net, samples=48, logged=True),
 }
 
 

@@ -1,4 +1,7 @@
-"""Run by test_one_worker_failures: one worker (devices=1) fails in the way argv names."""
+"""Run by test_one_worker_failures as ``python _one_worker_failure_script.py KIND:WHERE ...``:
+for each case one worker (devices=1) fails in the way it names, in this one interpreter; a
+``CASE`` line says what it raised. Exit code 7 when every case raised (the test then finds
+no process of the script's session left: a server a fit left would still be there)."""
 
 from __future__ import annotations
 
@@ -30,9 +33,9 @@ class LBFGSAtSetup(CNN):
 
 MODELS = {"step": RaisesInStep, "interrupt": InterruptedInStep, "setup": LBFGSAtSetup}
 
-if __name__ == "__main__":
-    kind, where = sys.argv[1], sys.argv[2]
-    print(f"pid {os.getpid()}", flush=True)
+
+def fail(kind: str, where: str) -> bool:
+    """One fit that fails at ``where``; prints how it ended, and says whether it raised."""
     torch.manual_seed(0)
     model = MODELS[where](width=8, num_blocks=2, scheduler=None)
     model.global_batch = 8
@@ -41,6 +44,15 @@ if __name__ == "__main__":
     try:
         fit(model, cls(num_servers=1), 1)
     except BaseException as err:
-        print(f"raised after {time.monotonic() - start:.1f} s: {err}", flush=True)
-        sys.exit(7)
-    print("no error", flush=True)
+        said = f"raised after {time.monotonic() - start:.1f} s: {err}".replace("\n", " ")
+    else:
+        said = "no error"
+    print(f"CASE {kind}:{where} {said}", flush=True)
+    return said != "no error"
+
+
+if __name__ == "__main__":
+    # (one interpreter for every case: each fit starts and ends its own servers)
+    print(f"pid {os.getpid()}", flush=True)
+    raised = [fail(*case.split(":")) for case in sys.argv[1:]]
+    sys.exit(7 if all(raised) else 0)
