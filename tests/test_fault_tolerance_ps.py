@@ -175,3 +175,23 @@ def test_worker_0_lost_under_popen_is_taken_over_by_the_first_survivor(tmp_path)
     assert text.count(said) == 1, text[-4000:]
     assert text.count("worker 0 (rank 0) lost; worker 1 pushed its gradient") == 1, text
     _assert_one_process(run, 3)
+
+
+def test_worker_0_lost_then_another_leaves_the_last_survivor_the_weights_of_none_lost(
+    tmp_path, three_workers_unharmed
+):
+    """Worker 0 lost at step 4, then worker 2 at step 8: worker 1, the leader since the
+    first loss, pushes both lost workers' gradients in their slots and ends alone with the
+    weights of the run that lost none, bit for bit; save_checkpoint and validate after."""
+    run = run_script(tmp_path, "parameter_server", 3, "kill:rank=0:step=4,kill:rank=2:step=8")
+    text = "".join(line for _, line in run.lines)
+    for lost, step in ((0, 4), (2, 8)):
+        pushed = f"worker {lost} (rank {lost}) lost; worker 1 pushed its gradient of step {step}"
+        assert text.count(pushed) == 1, text[-4000:]
+        said = f"worker {lost} (rank {lost}) was killed by SIGKILL; the other workers go on"
+        assert text.count(said) == 1, text[-4000:]
+    _assert_one_process(run, 3)
+    got = torch.load(run.out, weights_only=True)
+    apart = {k: (got[k] - v).abs().max().item() for k, v in three_workers_unharmed.items()
+             if not torch.equal(got[k], v)}  # fmt: skip
+    assert apart == {}, apart
