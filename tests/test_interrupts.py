@@ -125,3 +125,33 @@ def test_an_interrupt_of_the_main_process_stops_every_rank(
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
+
+
+def test_a_command_ended_by_sigterm_leaves_no_temporary_folder_and_no_process(tmp_path):
+    """``python -m lightning_par.compare`` ended by ``kill`` (SIGTERM) as its runs train, as
+    ``timeout`` or a scheduler ends it: it stops the runs it started the same way, and its
+    temporary folders and theirs go with them, as on Ctrl-C."""
+    private = tmp_path / "tmp"
+    private.mkdir()
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "TMPDIR": str(private)}
+    cmd = [sys.executable, "-m", "lightning_par.compare", "--strategies", "ring_allreduce",
+           "--rounds", "20", "--data", "synthetic", "--out", str(tmp_path / "out")]  # fmt: skip
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True, start_new_session=True)  # fmt: skip
+    try:
+        deadline = time.monotonic() + 120
+        while not any(p.name.startswith("lightning_par-weights-") for p in private.rglob("*")):
+            assert proc.poll() is None, proc.communicate()[0][-3000:]
+            assert time.monotonic() < deadline, "no run started training"
+            time.sleep(0.2)
+        proc.send_signal(signal.SIGTERM)  # the command's own process, as `kill PID`
+        out, _ = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    assert proc.returncode == 128 + signal.SIGTERM, out[-3000:]
+    assert "Traceback" not in out, out[-3000:]
+    assert session_members(proc.pid) == []
+    left = sorted(p.name for p in private.iterdir() if not p.name.startswith("torchinductor"))
+    assert left == [], left

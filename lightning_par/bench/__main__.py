@@ -13,7 +13,7 @@ import pkgutil
 import sys
 
 import lightning_par.bench as bench_pkg
-from lightning_par.launch.processes import time_limit
+from lightning_par.launch.processes import exit_on_sigterm, time_limit
 from lightning_par.quiet import quiet_report
 
 
@@ -40,4 +40,5 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
+    exit_on_sigterm()  # (its temporary folders go on kill or timeout, as on Ctrl-C)
     sys.exit(main())

@@ -23,6 +23,7 @@ from lightning_par.cli_help import DefaultsFormatter, plain
 from lightning_par.compare import report
 from lightning_par.compare.predicted import predicted_section
 from lightning_par.compare.rows import build_row, combine
+from lightning_par.launch.processes import exit_on_sigterm
 from lightning_par.measure.run import MODELS, describe_model, run_all
 from lightning_par.quiet import quiet_lightning
 from lightning_par.strategies.registry import parse_choice, spec, strategy_specs
@@ -178,4 +179,5 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
+    exit_on_sigterm()  # (its temporary folders go on kill or timeout, as on Ctrl-C)
     sys.exit(main())

@@ -54,6 +54,18 @@ def stop_process_groups(procs) -> None:
             kill_tree(proc.pid)
 
 
+def exit_on_sigterm() -> None:
+    """A command's main process: SIGTERM (``kill``, ``timeout``, the end of a SLURM job) ends
+    it as Ctrl-C does, by an exception in the main thread, so that its ``finally`` blocks and
+    ``with`` blocks run: its temporary folders go, and the commands it runs through
+    :func:`run_bounded` are stopped the same way first."""
+
+    def end(signum: int, frame: object) -> None:
+        raise SystemExit(128 + signum)
+
+    signal.signal(signal.SIGTERM, end)
+
+
 def die_with_parent() -> None:
     """Ask Linux to SIGKILL this process when its parent dies (a rank must not outlive the
     process that started it, e.g. one killed by a timeout); no-op elsewhere."""
@@ -156,9 +168,24 @@ def run_bounded(cmd: list[str], timeout: float, **popen_kwargs: Any) -> Complete
         return Completed(proc.returncode, out, err, True)
     finally:
         if proc.poll() is None:  # interrupted: leave nothing behind
-            kill_tree(proc.pid)
-            _kill_group(proc.pid)
-            proc.wait()
+            _stop_group(proc)
+
+
+#: Seconds an interrupted command has to end on SIGTERM (removing its temporary folders).
+STOP_GRACE_S = 10.0
+
+
+def _stop_group(proc: Any) -> None:
+    """SIGTERM ``proc``'s process group, then SIGKILL what is left after
+    :data:`STOP_GRACE_S` (what a command left for not ending in time is lost)."""
+    try:
+        os.killpg(proc.pid, signal.SIGTERM)
+        proc.wait(timeout=STOP_GRACE_S)
+    except Exception:  # (no group any more, or still running)
+        pass
+    kill_tree(proc.pid)
+    _kill_group(proc.pid)
+    proc.wait()
 
 
 def _kill_group(pgid: int) -> None:

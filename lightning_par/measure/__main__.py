@@ -9,6 +9,7 @@ import argparse
 import json
 import sys
 
+from lightning_par.launch.processes import exit_on_sigterm
 from lightning_par.measure.run import run_rows
 from lightning_par.quiet import quiet_lightning
 
@@ -23,4 +24,5 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
+    exit_on_sigterm()  # (its temporary folders go on kill or timeout, as on Ctrl-C)
     sys.exit(main())

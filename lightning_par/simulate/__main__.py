@@ -23,6 +23,7 @@ import os
 import sys
 from pathlib import Path
 
+from lightning_par.launch.processes import exit_on_sigterm
 from lightning_par.quiet import quiet_lightning
 from lightning_par.simulate import timings
 from lightning_par.simulate.engine import simulate
@@ -300,4 +301,5 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
+    exit_on_sigterm()  # (its temporary folders go on kill or timeout, as on Ctrl-C)
     sys.exit(main())

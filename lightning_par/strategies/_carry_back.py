@@ -44,6 +44,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 
 from lightning_par import _compat
 from lightning_par.comm.trace import trace_from_dict, trace_to_dict
+from lightning_par.launch.lost import REPORTS_ENV, make_private_folder
 
 #: Keys of a checkpoint the script's own dump writes better than the rank's (its module's
 #: state dict, which the user may have changed since, and hyper-parameters it already holds).
@@ -171,7 +172,11 @@ def output_for_script(
     took_over = strategy.local_rank != 0 and strategy.is_global_zero
     if strategy.local_rank != 0 and not took_over:
         return None
-    folder = tempfile.mkdtemp(prefix=WEIGHTS_PREFIX)
+    # inside the launch's own folder where there is one: the launcher removes it on the way
+    # out, however it ends (killed or interrupted before it read this one, too)
+    reports = os.environ.get(REPORTS_ENV)
+    within = reports if reports and make_private_folder(reports) else None
+    folder = tempfile.mkdtemp(prefix=WEIGHTS_PREFIX, dir=within)
     trace = getattr(strategy, "trace", None)
     weights_path = save_for_script(
         folder, checkpoint, trace_to_dict(trace) if trace is not None else None
