@@ -5,8 +5,8 @@ A trial of :mod:`.sharing_cost` times ranks taking turns on the cores; other pro
 compute meanwhile slow it as more ranks would (beside one busy core the cost of turns at 4
 ranks read 1.40, against 1.03-1.22 quiet). Each trial measures the cores' worth of CPU other
 processes took while it ran (:func:`loop_other_load`), and only trials beside less than
-:data:`QUIET_LOAD` of it count; :mod:`.base` and :mod:`.validate` hold measured runs to the
-same bound.
+:data:`QUIET_LOAD` of it count; :mod:`.base` and :mod:`lightning_par.simulate.validate`
+hold measured runs to the same bound.
 """
 
 from __future__ import annotations
