@@ -254,6 +254,8 @@ class ScriptRanks:
             failed = self._failed()
             code = None if failed is None else self.procs[failed.rank - self.first - 1].poll()
             if failed is not None and self.survive and code is not None and code < 0:
+                if self.handled.is_set():  # rank 0 stopped it: the job ends, nothing is lost
+                    return
                 print(f"lightning_par: {failed}; the other workers go on without it",
                       file=sys.stderr, flush=True)  # fmt: skip
                 self.left_behind.add(failed.rank)
@@ -286,7 +288,8 @@ class ScriptRanks:
     def cause_of(self, error: BaseException) -> RankLost | None:
         """The lost rank that made rank 0 fail with ``error``, if one did (with ``error``
         in its details)."""
-        if isinstance(error, KeyboardInterrupt):
+        if isinstance(error, KeyboardInterrupt):  # (Ctrl-C or SIGTERM: rank 0 stops every
+            self.handled.set()  # script itself, and one it kills is not a lost one)
             return None
         lost = self.cause()
         if lost is not None:
