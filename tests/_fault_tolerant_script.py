@@ -67,6 +67,8 @@ class Variant:
     attribute: str = "net"
     #: a CSVLogger in ``logs/`` and a ModelCheckpoint keeping the last one, as users have
     logged: bool = False
+    #: seconds each training step sleeps (a run long enough for a replacement to join)
+    pause_s: float = 0.0
 
 
 VARIANTS = {
@@ -80,6 +82,9 @@ VARIANTS = {
         torchvision_net, (3, 32, 32), samples=64, batch=16, steps=3, lr=1e-3, attribute="model"
     ),
     "logged": Variant(logged=True),
+    # 3 epochs of 20 steps over 3 ranks, each a quarter second: a replacement started a few
+    # seconds after a loss joins in the middle of one and goes on into the next
+    "slow": Variant(steps=60, pause_s=0.25, logged=True),
     # both at once, for a run that checks both claims of a lost rank 0
     "batchnorm_logged": Variant(batchnorm_net, samples=48, logged=True),
 }
@@ -100,6 +105,7 @@ class Tiny(pl.LightningModule):
 
     def training_step(self, batch, batch_idx):
         x, y = batch
+        time.sleep(self.variant.pause_s)
         logits = self(x)
         loss = nn.functional.cross_entropy(logits, y)
         self.train_acc.update(logits, y)
@@ -157,7 +163,10 @@ def main(name: str, devices: int, fault: str, out: str, variant: str = "tiny") -
     metrics = trainer.validate(model, val, verbose=False)
     if trainer.is_global_zero:  # (under popen every rank runs this script)
         torch.save({k: v.detach().clone() for k, v in model.state_dict().items()}, out)
-        result = {"raised": None, "fit_s": fit_s, "val_loss": metrics[0]["val_loss"]}
+        members = getattr(trainer.strategy, "resilience", None)
+        members = members.members if members is not None else None
+        result = {"raised": None, "fit_s": fit_s, "val_loss": metrics[0]["val_loss"],
+                  "members": members}  # fmt: skip
         print("RESULT " + json.dumps(result), flush=True)
 
 

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import csv
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -37,11 +38,12 @@ from lightning_par.launch.rendezvous import find_free_port  # noqa: E402
 AGENT_FILES = ("torchelastic_",)
 
 
-def _torchrun(tmp_path: Path, name: str, fault: str, variant: str = "tiny", nodes: str = ""):
-    """``torchrun --standalone --nproc-per-node=3`` of the script."""
+def _torchrun(tmp_path: Path, name: str, fault: str, variant: str = "tiny", restarts: int = 0):
+    """``torchrun --standalone --nproc-per-node=3 --max-restarts=RESTARTS`` of the script."""
     out = tmp_path / "weights.pt"
     cmd = [sys.executable, "-u", "-m", "torch.distributed.run", "--standalone",
-           "--nproc-per-node=3", str(SCRIPT), name, "3", fault, str(out), variant]  # fmt: skip
+           f"--max-restarts={restarts}", "--nproc-per-node=3", str(SCRIPT), name, "3", fault,
+           str(out), variant]  # fmt: skip
     run = run_script(cmd, tmp_path, 240, {"LIGHTNING_PAR_TIMEOUT": "90"}, settle_s=5)
     left = [n for n in run.left if not n.startswith(AGENT_FILES)]
     assert run.session == [] and left == [], (run.session, left, run.text[-3000:])
@@ -92,6 +94,35 @@ def test_rank_0_lost_under_torchrun_is_taken_over_by_the_first_survivor(tmp_path
     assert _worst(one_process(3), torch.load(out, weights_only=True)) < 1e-5
     assert_logged_whole(tmp_path, 12)  # (rank 0 wrote steps 0-2 before it was lost)
     assert len(_validated(tmp_path)) == 1  # the script's validate after fit: the survivor's
+
+
+def test_lost_ranks_replacements_join_under_torchrun_with_the_state_of_a_healthy_peer(tmp_path):
+    """``torchrun --max-restarts=1``: rank 0 killed at step 3, rank 2 at step 5. Each one's
+    keeper starts a replacement, which joins the survivors at a step boundary with the
+    training state of a healthy peer (no checkpoint read) and trains its place's shard
+    again, taking it back from the survivor that stood in for it; the first replacement
+    stands in for rank 2's shard until the second one joins. The run ends with one
+    process's weights and every step logged once (the ``slow`` variant: 3 epochs of 20
+    steps of a quarter second, so that the replacements join mid-epoch and go on into the
+    next ones)."""
+    fault = "kill:rank=0:step=3,kill:rank=2:step=5"
+    run, out = _torchrun(tmp_path, "ring_allreduce", fault, "slow", restarts=1)
+    assert run.code == 0, run.text[-4000:]
+    for rank in (0, 2):
+        line = (f"rank {rank} was killed by SIGKILL; the other ranks go on without it, and its "
+                "replacement starts to join them (0 more restart(s) allowed)")  # fmt: skip
+        assert line in run.text, run.text[-4000:]
+    joined = re.findall(r"rank (\d)'s replacement joined as rank (\d) \(the members waited "
+                        r"[0-9.]+ s\); (\d) ranks go on", run.text)  # fmt: skip
+    assert joined == [("0", "3", "2"), ("2", "4", "3")], run.text[-4000:]
+    result = _result(run.text)
+    assert result["raised"] is None and "Traceback" not in run.text, run.text[-4000:]
+    assert result["members"] == [1, 3, 4]
+    assert _worst(one_process(3, "slow"), torch.load(out, weights_only=True)) < 1e-5
+    assert_logged_whole(tmp_path, 60)
+    # each epoch's validation once (the replacements validate their shards), and the
+    # script's validate after fit
+    assert [row["step"] for row in _validated(tmp_path)] == ["19", "39", "59", "60"]
 
 
 def _validated(folder: Path) -> list[dict]:

@@ -67,6 +67,31 @@ def test_a_rank_that_computed_on_several_threads_before_its_keeper_computes_on_t
     assert "computed True 2" in done.stdout.splitlines(), done.stdout
 
 
+_LOST_UNLESS_REPLACEMENT = (
+    "print('replacement ran', flush=True) if os.environ.get('LIGHTNING_PAR_JOIN') "
+    "else os.kill(os.getpid(), signal.{signal})"
+)
+
+
+def test_a_lost_rank_is_replaced_as_often_as_torchruns_max_restarts_allow():
+    """torchrun's agent would restart every worker of the node from the start; the keeper
+    starts the lost one again, as a replacement that joins (``LIGHTNING_PAR_JOIN``)."""
+    end = _LOST_UNLESS_REPLACEMENT.format(signal="SIGKILL")
+    done = _run(end, tolerated=True, TORCHELASTIC_MAX_RESTARTS="1")
+    assert done.returncode == 0, done
+    assert done.stdout.splitlines()[-3:] == ["after keep in rank", "replacement ran",
+                                             "atexit in rank"], done  # fmt: skip
+    assert done.stderr == (
+        "lightning_par: rank 1 was killed by SIGKILL; the other ranks go on without it, and "
+        "its replacement starts to join them (0 more restart(s) allowed)\n"
+    ), done.stderr
+    # no restart allowed, or a rank stopped on purpose: not replaced
+    stopped = _LOST_UNLESS_REPLACEMENT.format(signal="SIGTERM")
+    for ending, env in ((end, {}), (stopped, {"LIGHTNING_PAR_MAX_RESTARTS": "1"})):
+        done = _run(ending, tolerated=True, **env)
+        assert done.returncode == 0 and "replacement" not in done.stdout + done.stderr, done
+
+
 @pytest.mark.parametrize("signum", [signal.SIGKILL, signal.SIGTERM])
 def test_a_rank_the_job_cannot_lose_ends_its_keeper_by_the_same_signal(signum):
     done = _run(f"os.kill(os.getpid(), {int(signum)})", tolerated=False)

@@ -23,9 +23,11 @@ Written against torch 2.4-2.14 and lightning 2.5-2.6.
 from lightning_par._compat.lookup import WRITTEN_FOR, CompatError, private, private_class
 from lightning_par._compat.loops import (
     barrier_around_prepare_data,
+    batches_that_stepped,
     epoch_loop_broadcasts,
     first_batch,
     num_ready_batches_reached,
+    preload_checkpoint,
     replace_sigterm_broadcast,
     reset_combined_loader,
     set_use_distributed_sampler,
@@ -75,6 +77,7 @@ __all__ = [
     "after_closure",
     "attached_trainer",
     "barrier_around_prepare_data",
+    "batches_that_stepped",
     "default_process_group_backend",
     "default_store",
     "disable_module_memory_sharing",
@@ -90,6 +93,7 @@ __all__ = [
     "optimizers_to_device",
     "patched_start_processes",
     "replaced_process_observer",
+    "preload_checkpoint",
     "private",
     "private_class",
     "process_group_backend",

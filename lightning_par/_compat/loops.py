@@ -142,3 +142,27 @@ def set_use_distributed_sampler(trainer: Any, value: bool) -> None:
         "strategies whose ranks must all read the same batches",
     )  # fmt: skip
     connector.use_distributed_sampler = value
+
+
+def preload_checkpoint(trainer: Any, checkpoint: dict[str, Any]) -> None:
+    """Make the trainer's running call restore ``checkpoint`` (weights, optimisers,
+    schedulers, loops, callbacks) as if read from a ``ckpt_path``: Lightning loads a path's
+    checkpoint into ``_loaded_checkpoint`` after ``setup_environment`` and restores from it;
+    with no path it keeps the one found there."""
+    needed_by = "a joiner's training state, received from a peer (fault_tolerant)"
+    require(trainer, "_checkpoint_connector", "Trainer._checkpoint_connector", needed_by)
+    connector = trainer._checkpoint_connector
+    require(connector, "_loaded_checkpoint", "_CheckpointConnector._loaded_checkpoint", needed_by)
+    connector._loaded_checkpoint = checkpoint
+
+
+def batches_that_stepped(trainer: Any, value: int | None = None) -> int:
+    """The training loop's count of batches that stepped (the loggers' step); set to
+    ``value`` if given. Lightning counts one more when it restores a checkpoint saved in the
+    middle of a batch."""
+    loop = trainer.fit_loop.epoch_loop
+    needed_by = "a joiner's logging step (fault_tolerant)"
+    require(loop, "_batches_that_stepped", "_TrainingEpochLoop._batches_that_stepped", needed_by)
+    if value is not None:
+        loop._batches_that_stepped = value
+    return loop._batches_that_stepped

@@ -203,13 +203,13 @@ def choose(group: dist.ProcessGroup | None, ranks_on_host: int, *,
     else:
         tuning = rule(ranks_on_host)
         source = f"{ranks_on_host} ranks on {usable_cores()} cores"
-    index = torch.tensor([_index_of(tuning)])
+    index = torch.tensor([index_of(tuning)])
     root = dist.get_global_rank(group, 0) if group is not None else 0
     dist.broadcast(index, src=root, group=group)
     return Choice(CANDIDATES[int(index)], source, medians)
 
 
-def _index_of(tuning: RingTuning) -> int:
+def index_of(tuning: RingTuning) -> int:
     """Where ``tuning``'s choices are in :data:`CANDIDATES` (a cache written by another
     version may name none of them: then :data:`SHARED_CORES`)."""
     same = [i for i, t in enumerate(CANDIDATES) if t.options() == tuning.options()]

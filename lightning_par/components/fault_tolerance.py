@@ -39,6 +39,7 @@ import torch.distributed as dist
 
 from lightning_par.comm import CommError
 from lightning_par.launch import liveness
+from lightning_par.launch.joining import FITTING_KEY
 from lightning_par.launch.membership import PREFIX, REDO, Membership
 
 
@@ -46,7 +47,8 @@ class StepLost(RuntimeError):
     """A member died before every member finished the step's gradient exchange."""
 
 
-def _kill(pid: int) -> None:
+def end_process(pid: int) -> None:
+    """SIGKILL process ``pid`` of this machine (a member found silent), if it still runs."""
     try:
         os.kill(pid, signal.SIGKILL)
     except OSError:
@@ -99,6 +101,8 @@ class FaultTolerance:
         self._dead_after_s = 0.0
         #: whether training runs (the watcher asks the store only then)
         self.watching = False
+        #: the processes that join at the next step's start (:mod:`.rejoin`)
+        self.joining: list[int] = []
         #: ``(what, wall time)``: when a step was found lost and when the group re-formed
         #: (``python -m lightning_par.bench faults`` reads them)
         self.events: list[tuple[str, float]] = []
@@ -127,7 +131,7 @@ class FaultTolerance:
         self._init = {"backend": backend, "timeout": timeout}
         if device is not None and getattr(device, "type", "cpu") != "cpu":
             self._init["device_id"] = device
-        self.membership = Membership(store, rank, list(range(world_size)), limit_s, _kill)
+        self.membership = Membership(store, rank, list(range(world_size)), limit_s, end_process)
         heartbeat = liveness.current()
         if heartbeat is not None:
             heartbeat.hand_silent_peers_to(self._silent)
@@ -170,16 +174,30 @@ class FaultTolerance:
 
     # ---- the step ------------------------------------------------------------------------
     def begin_fit(self) -> None:
-        """A ``fit`` begins: its data is sharded over the members there are now."""
+        """A ``fit`` begins: its data is sharded over the members there are now, and
+        replacements may join until it ends (:meth:`end_fit`)."""
         if self.membership is not None:
             self.fit_members = list(self.membership.members)
+            self.membership.places.clear()  # (every member holds its own shard again)
+            self._store.set(FITTING_KEY, "1")
+
+    def end_fit(self) -> None:
+        """The ``fit`` ended: a replacement asking to join now is turned away."""
+        if self.membership is not None and not liveness.store_gone():
+            try:
+                self._store.delete_key(FITTING_KEY)
+            except Exception:
+                pass  # the store is gone: the job ends
 
     @property
     def lost(self) -> list[int]:
-        """The members lost since this ``fit`` began (their first ranks)."""
+        """The members of this ``fit`` lost since it began (their first ranks) whose place
+        no joiner took: their shards are trained by stand-ins."""
         if self.membership is None:
             return []
-        return [m for m in self.fit_members if m not in self.membership.members]
+        places = self.membership.places
+        held = {places.get(m, m) for m in self.membership.members}
+        return [m for m in self.fit_members if m not in held]
 
     def stands_in_for(self) -> list[int]:
         """The shards (sampler ranks of this ``fit``) of the lost members that this member
@@ -201,18 +219,28 @@ class FaultTolerance:
             return 1.0
         return len(self.membership.members) / len(self.fit_members)
 
-    def sampler_kwargs(self, first: dict[str, Any]) -> dict[str, Any]:
+    def sampler_kwargs(self, first: dict[str, Any], training: bool = False) -> dict[str, Any]:
         """How a data loader built now shards its data: over the members there are
-        (``first``: Lightning's, over every rank, while none was lost)."""
-        if self.membership is None or not self.membership.lost:
+        (``first``: Lightning's, over every rank, while none was lost); a joiner's training
+        loader reads the shard of the member whose place it took."""
+        membership = self.membership
+        if membership is None:
             return first
-        return {**first, "num_replicas": len(self.membership.members), "rank": self.membership.rank}
+        if training and membership.me not in self.fit_members:
+            place = self.fit_members.index(membership.places[membership.me])
+            return {**first, "num_replicas": len(self.fit_members), "rank": place}
+        if not membership.lost:
+            return first
+        return {**first, "num_replicas": len(membership.members), "rank": membership.rank}
 
     def settle(self, step: int) -> None:
         """After this rank's gradient exchange: return once every member finished it, else
         raise :class:`StepLost`."""
-        if self.membership is not None and self.membership.settle(step) == REDO:
+        if self.membership is None:
+            return
+        if self.membership.settle(step) == REDO:
             raise StepLost(f"a member was lost before step {step}'s gradients were averaged")
+        self.joining = self.membership.joining(step)
 
     def retrying(self, closure: Callable[[], Any], regrouped: Callable[[], None]) -> Callable:
         """``closure`` run again after each loss of members (``regrouped()`` rebuilds what
@@ -252,36 +280,44 @@ class FaultTolerance:
             time.sleep(_WATCH_S)
 
     # ---- the next membership -------------------------------------------------------------
-    def regroup(self, error: BaseException) -> None:
+    def regroup(self, error: BaseException | None, places: dict[int, int] | None = None) -> None:
         """Destroy the default group (its survivors' blocked messages fail at once), agree
-        on the survivors and meet them in a new default group; re-raise ``error`` if no
-        member was lost (it was not a loss)."""
+        on the survivors (and the joiners of ``places`` that are ready: :mod:`.rejoin`) and
+        meet them in a new default group; re-raise ``error`` if no member was lost (it was
+        not a loss)."""
         assert self.membership is not None
         before = list(self.membership.members)
         with self._lock:
             self._regrouping = True
             if dist.is_initialized():
-                break_default_group()
+                if places is None:  # (at a join every member is at the step's start)
+                    break_default_group()
                 dist.destroy_process_group()
         try:
-            members = self.membership.regroup()
+            members = self.membership.regroup(places)
         finally:
             self._regrouping = False
-        if members == before:
+        if members == before and error is not None:
             raise error
         heartbeat = liveness.current()
         for rank in before:
             if rank not in members and heartbeat is not None:
                 heartbeat.forget(rank)
-        generation = self.membership.generation
-        group_store = dist.PrefixStore(f"{PREFIX}/{generation}/group", self._store)
-        dist.init_process_group(
-            rank=self.membership.rank, world_size=len(members), store=group_store, **self._init
-        )
+        self.meet()
         gone = ", ".join(str(r) for r in before if r not in members)
-        if self.membership.rank == 0:  # one line for the job
+        if gone and self.membership.rank == 0:  # one line for the job
             print(
                 f"lightning_par: rank(s) {gone} lost; {len(members)} of {len(before)} ranks "
                 f"go on (ranks {members}), {self.recovery}",
                 file=sys.stderr, flush=True,
             )  # fmt: skip
+
+    def meet(self) -> None:
+        """Meet the members of the current membership in a new default group."""
+        assert self.membership is not None
+        generation = self.membership.generation
+        group_store = dist.PrefixStore(f"{PREFIX}/{generation}/group", self._store)
+        dist.init_process_group(
+            rank=self.membership.rank, world_size=len(self.membership.members),
+            store=group_store, **self._init,
+        )  # fmt: skip

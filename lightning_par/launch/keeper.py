@@ -14,7 +14,12 @@ knows it is the rank and goes on), then only waits for it, and ends as follows:
 * the rank exited: the keeper exits with the same code;
 * the rank was ended by a signal (killed, or frozen and then ended by a peer's heartbeat)
   and the job goes on without it: the keeper prints one line naming the rank and exits
-  with 0, so the launcher leaves the survivors alone;
+  with 0, so the launcher leaves the survivors alone. If restarts are allowed
+  (torchrun's ``--max-restarts``, or :data:`RESTARTS_ENV` under SLURM), it first starts a
+  replacement, the script again with :data:`~.joining.JOIN_ENV`, which joins the
+  survivors at a step boundary with the training state of a healthy peer
+  (:mod:`.joining`), and waits for that one instead. torchrun would restart every worker of
+  the node from the script's start; this restarts the lost one only;
 * the rank was ended by a signal and the job cannot go on without it (rank 0): the keeper
   ends by the same signal, so the launcher sees what it would have seen without a keeper.
 
@@ -47,11 +52,17 @@ from collections.abc import Callable
 from datetime import timedelta
 from typing import NoReturn
 
+from lightning_par.launch.joining import JOIN_ENV
 from lightning_par.launch.lost import how_it_ended
 from lightning_par.launch.processes import die_with_parent
 
 #: Set in the rank a keeper started: it is the rank, and keeps nothing itself.
 KEPT_ENV = "LIGHTNING_PAR_KEPT_RANK"
+#: How many times a lost rank is replaced where torchrun's ``--max-restarts`` does not say
+#: (under SLURM).
+RESTARTS_ENV = "LIGHTNING_PAR_MAX_RESTARTS"
+#: Signals that stop a rank on purpose (the launcher's or a user's): never replaced.
+_STOPS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 #: Whether this process is behind its keeper already (the first ``Trainer`` call did it).
 _kept = False
 #: The key of the job's store each keeper adds 1 to when its rank ended (:func:`count_end`).
@@ -70,11 +81,40 @@ def keep(name: str, tolerated: bool, command: list[str], cwd: str | None = None,
         _kept = True
         return
     _kept = True
-    sys.stdout.flush()
-    sys.stderr.flush()
-    rank = subprocess.Popen(command, cwd=cwd, env={**os.environ, KEPT_ENV: "1"},
-                            preexec_fn=die_with_parent)  # fmt: skip
-    _wait_and_end(rank.pid, name, tolerated, after)
+    for signum in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(signum, signal.SIG_IGN)  # the rank, in this group, gets them too
+    restarts = restarts_allowed() if tolerated else 0
+    env = {**os.environ, KEPT_ENV: "1"}
+    while True:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        rank = subprocess.Popen(command, cwd=cwd, env=env, preexec_fn=_in_the_rank)
+        _, status = os.waitpid(rank.pid, 0)  # (retried on EINTR by Python)
+        stopped = os.WIFSIGNALED(status) and os.WTERMSIG(status) in _STOPS
+        if not os.WIFSIGNALED(status) or stopped or restarts == 0:
+            _end(status, name, tolerated, after)
+        restarts -= 1
+        print(
+            f"lightning_par: {name} {how_it_ended(-os.WTERMSIG(status))}; the other ranks go "
+            f"on without it, and its replacement starts to join them ({restarts} more "
+            "restart(s) allowed)", file=sys.stderr, flush=True,
+        )  # fmt: skip
+        env = {**env, JOIN_ENV: "1"}
+
+
+def _in_the_rank() -> None:
+    """In the rank, before the script starts: it ends with its keeper, and handles the
+    signals its keeper ignores (an ignored signal stays ignored across ``exec``)."""
+    for signum in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(signum, signal.SIG_DFL)
+    die_with_parent()
+
+
+def restarts_allowed() -> int:
+    """How many times a lost rank is replaced: torchrun's ``--max-restarts`` (its agent
+    says it to its workers), else :data:`RESTARTS_ENV`; 0 by default."""
+    text = os.environ.get("TORCHELASTIC_MAX_RESTARTS") or os.environ.get(RESTARTS_ENV) or "0"
+    return int(text) if text.isdigit() else 0
 
 
 def kept() -> bool:
@@ -100,12 +140,7 @@ def count_end(host: str, port: int, world: int | None = None) -> None:
         return  # (torch's DistNetworkError is a RuntimeError)
 
 
-def _wait_and_end(
-    child: int, name: str, tolerated: bool, after: Callable[[], None] | None
-) -> NoReturn:
-    for signum in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(signum, signal.SIG_IGN)  # the rank, in this group, gets them too
-    _, status = os.waitpid(child, 0)  # (retried on EINTR by Python)
+def _end(status: int, name: str, tolerated: bool, after: Callable[[], None] | None) -> NoReturn:
     signum = os.WTERMSIG(status) if os.WIFSIGNALED(status) else None
     if signum is not None and tolerated:
         print(

@@ -143,6 +143,11 @@ class Heartbeat:
         if report:
             peer_loss.hand_over(self, rank, report)
 
+    def watch(self, rank: int) -> None:
+        """A process joined the group (a lost rank's replacement): watch it too."""
+        if rank != self.rank and rank not in self.watched:
+            self.watched.append(rank)
+
     def hand_silent_peers_to(self, handler: Callable[[int, str], bool]) -> None:
         """From now on a silent peer is asked about first (``survive``): a fault-tolerant
         group goes on without it, the others still watched."""

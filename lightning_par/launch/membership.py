@@ -22,6 +22,11 @@ their name; a generation number keeps each membership's keys apart.
 A member is *dead* when its process is gone on this machine (its pid absent or a zombie:
 killed, ``os._exit``), or when a peer found it silent for ``dead_peer_timeout``
 (:mod:`.liveness`) and recorded it with :meth:`Membership.declare_dead`.
+
+A process can also **join** a running group (a lost rank's replacement: :mod:`.joining`).
+It asks in the store; the last member to count itself into a step lists the processes that
+asked (:meth:`Membership.joining`), so every member admits them at the same step boundary:
+the next membership is then agreed as after a loss, with the joiners that are ready in it.
 """
 
 from __future__ import annotations
@@ -40,6 +45,8 @@ PREFIX = "lightning_par/ft"
 POLL_S = (0.0002, 0.01)
 
 COMMIT, REDO = "commit", "redo"
+#: A joiner's outcome once it is ready to meet the members (else: why it was turned away).
+READY = "ready"
 
 
 class Excluded(RuntimeError):
@@ -87,8 +94,12 @@ class Membership:
         self.members = sorted(members)
         self.generation = 0
         self.lost: list[int] = []  # every member lost so far, in the order they were
+        #: the first member whose place each joiner took (its shard of the data)
+        self.places: dict[int, int] = {}
         self._host = socket.gethostname()
         self.store.set(f"{PREFIX}/proc/{me}", f"{self._host} {os.getpid()}")
+        # the first members' count: joiners are named after them (the first call sets it)
+        self.store.compare_set(f"{PREFIX}/world", "", str(len(members)))
 
     @property
     def rank(self) -> int:
@@ -127,8 +138,48 @@ class Membership:
         member's did, else ``REDO`` (a member died first)."""
         key = f"{PREFIX}/{self.generation}/step/{step}"
         if self.store.add(f"{key}/in", 1) == len(self.members):
+            joining = self.pending_joiners()  # (written first: read once COMMIT is)
+            if joining:
+                self.store.set(f"{key}/joining", json.dumps(joining))
             self.store.compare_set(f"{key}/outcome", "", COMMIT)
         return self._outcome(f"{key}/outcome")
+
+    def joining(self, step: int) -> list[int]:
+        """After ``COMMIT`` of ``step``: the processes every member admits at the next
+        step's start (listed by the last member to count itself in)."""
+        key = f"{PREFIX}/{self.generation}/step/{step}/joining"
+        return json.loads(self.store.get(key).decode()) if self.store.check([key]) else []
+
+    def pending_joiners(self) -> list[int]:
+        """The processes that asked to join and were neither admitted nor turned away."""
+        first = int(self.store.get(f"{PREFIX}/world").decode())
+        names = range(first, first + self.store.add(f"{PREFIX}/join/names", 0))
+        return [
+            n for n in names
+            if n not in self.members and self.store.check([f"{PREFIX}/join/{n}/asks"])
+            and not self.store.check([f"{PREFIX}/join/{n}/outcome"])
+        ]  # fmt: skip
+
+    def asked_place(self, joiner: int) -> int | None:
+        """The member whose place ``joiner`` asked to take (a restarted rank's), if any."""
+        asks = json.loads(self.store.get(f"{PREFIX}/join/{joiner}/asks").decode())
+        return asks.get("place")
+
+    def turn_away(self, joiner: int, why: str) -> str:
+        """Decide ``joiner``'s outcome as ``why`` unless it said it is ready first; the
+        outcome stored (``READY`` or the reason it was turned away)."""
+        key = f"{PREFIX}/join/{joiner}/outcome"
+        return self.store.compare_set(key, "", why).decode()
+
+    def _join_outcome(self, joiner: int, deadline: float) -> str | None:
+        key = f"{PREFIX}/join/{joiner}/outcome"
+        if self.store.check([key]):
+            return self.store.get(key).decode()
+        if self.is_dead(joiner):
+            return self.turn_away(joiner, "its process ended before it was ready")
+        if time.monotonic() > deadline:
+            return self.turn_away(joiner, f"it was not ready within {self.limit_s:g} s")
+        return None
 
     def _outcome(self, key: str) -> str:
         deadline, pause = time.monotonic() + self.limit_s, POLL_S[0]
@@ -150,12 +201,16 @@ class Membership:
         """Whether a member began agreeing on the next membership (this one should too)."""
         return self.store.check([f"{PREFIX}/{self.generation + 1}/begun"])
 
-    def regroup(self) -> list[int]:
+    def regroup(self, places: dict[int, int] | None = None) -> list[int]:
         """Agree on the survivors (this one among them, else :class:`Excluded`); the
-        members lost since the last membership are appended to :attr:`lost`."""
+        members lost since the last membership are appended to :attr:`lost`. ``places``:
+        the joiners admitted at this step boundary and the first member whose place each
+        takes; those ready in time are members too (every member passes the same)."""
         generation = self.generation + 1
         key = f"{PREFIX}/{generation}"
-        self.store.set(f"{key}/begun", "1")
+        places = places or {}
+        if not places:  # (a loss: wake every member; a join is known to all at once)
+            self.store.set(f"{key}/begun", "1")
         self.store.set(f"{key}/alive/{self.me}", "1")
         deadline = time.monotonic() + self.limit_s
         while not self.store.check([f"{key}/members"]):
@@ -165,8 +220,10 @@ class Membership:
                 for member in pending:  # alive but stuck: the others go on without it
                     self.declare_dead(member)
                 pending = []
-            if not pending:
-                self.store.compare_set(f"{key}/members", "", json.dumps(alive))
+            joined = {n: self._join_outcome(n, deadline) for n in places}
+            if not pending and None not in joined.values():
+                ready = [n for n, outcome in joined.items() if outcome == READY]
+                self.store.compare_set(f"{key}/members", "", json.dumps(alive + ready))
                 break
             time.sleep(POLL_S[1])
         chosen = json.loads(self.store.get(f"{key}/members").decode())
@@ -176,5 +233,6 @@ class Membership:
                 f"(generation {generation})"
             )
         self.lost += [m for m in self.members if m not in chosen]
+        self.places.update({n: place for n, place in places.items() if n in chosen})
         self.members, self.generation = chosen, generation
         return chosen

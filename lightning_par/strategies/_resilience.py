@@ -16,14 +16,19 @@ rank 0, the first survivor takes over rank 0's share (:mod:`._leader`).
 
 from __future__ import annotations
 
+import os
+import sys
 from typing import Any
 
 import torch
 from lightning.pytorch.trainer.states import TrainerFn
 
 from lightning_par import _compat
+from lightning_par.components import rejoin
 from lightning_par.components.fault_tolerance import FaultTolerance
+from lightning_par.launch.joining import JOIN_ENV, Admission, NotAdmitted, withdraw
 from lightning_par.launch.rendezvous import dead_peer_timeout
+from lightning_par.strategies import _joiner
 from lightning_par.strategies._leader import lead_again, share_versions, take_over
 from lightning_par.strategies._stand_ins import LostShards, stand_in_outputs, with_stand_ins
 
@@ -39,6 +44,8 @@ class Resilience:
         self._strategy, self.enabled = strategy, enabled
         self.tolerance = FaultTolerance() if recovery is None else FaultTolerance(recovery)
         self._shards = LostShards()
+        #: in a replacement that joins a running fit: its admission, until its first step
+        self.admission: Admission | None = None
 
     @property
     def members(self) -> list[int] | None:
@@ -98,17 +105,105 @@ class Resilience:
         """After the strategy's setup: a ``fit`` shards its data over the members now."""
         if self.enabled and trainer.state.fn == TrainerFn.FITTING:
             self.check_before_launch(trainer)
+            if self.admission is not None:  # a joiner: it has the leader's (and no peers yet)
+                return
             share_versions(trainer)  # (a survivor may take over rank 0's loggers)
             self.tolerance.begin_fit()
             self.tolerance.watching = True
+
+    def train_ended(self) -> None:
+        """The ``fit`` ended (every member ends it at the same step): no replacement joins
+        until the next one."""
+        if self.enabled:
+            self.tolerance.end_fit()
 
     def teardown(self) -> None:
         """The end of a trainer call: nothing to watch until the next ``fit``."""
         self.tolerance.watching = False
 
+    # ---- a replacement joining the running fit (:mod:`._joiner`) --------------------------
+    def joins_running_job(self) -> bool:
+        """Whether this process is a lost rank's replacement (started with
+        ``LIGHTNING_PAR_JOIN``, by its keeper) that has not joined yet."""
+        return self.enabled and bool(os.environ.get(JOIN_ENV)) and self.tolerance.membership is None
+
+    def join_running_job(self) -> None:
+        """Instead of meeting the first ranks: ask to join the running ``fit`` and receive
+        its training state, which Lightning then restores (see :mod:`._joiner`). Turned
+        away, the replacement says why and its script ends (exit code 0)."""
+        strategy = self._strategy
+        strategy.set_world_ranks()
+        backend = strategy._get_process_group_backend()
+        _compat.set_process_group_backend(strategy, backend)
+        store, _ = strategy.group_store()
+        strategy.process_group_store = store
+        silent = dead_peer_timeout(strategy.timeout, strategy.dead_peer_timeout)
+        limit = strategy.timeout.total_seconds()
+        try:
+            self.admission, state = rejoin.join(
+                self.tolerance, store, strategy.global_rank, backend, strategy.timeout,
+                limit, silent,
+            )  # fmt: skip
+            trainer = strategy.lightning_module.trainer
+            _joiner.take_extras(trainer, self.admission.extras)  # (before callbacks resolve)
+            try:
+                _joiner.restore_in_joiner(trainer, state)
+            except Exception as err:  # (weights_only refuses a type: say which, and go)
+                why = f"its training state could not be read ({str(err).splitlines()[0]})"
+                withdraw(store, self.tolerance.membership.me, why)
+                raise NotAdmitted(why) from err
+        except NotAdmitted as why:
+            self._turned_away(why)
+        strategy.take_extras(self.admission.extras)
+
+    def _turned_away(self, why: BaseException) -> None:
+        name = self._strategy.rank_name(self._strategy.global_rank)
+        print(f"lightning_par: the replacement of {name} did not join the running fit: "
+              f"{why}; it ends", file=sys.stderr, flush=True)  # fmt: skip
+        raise SystemExit(0)
+
+    def process_dataloader(self, loader: Any) -> Any:
+        """A joiner's training loader reads on from the members' batch."""
+        admission = self.admission
+        if admission is not None and self._strategy.lightning_module.trainer.training:
+            try:
+                _joiner.resume_at(loader, admission.epoch, admission.batch)
+            except ValueError as err:
+                assert self.tolerance.membership is not None
+                withdraw(self.tolerance.membership.store, self.tolerance.membership.me, str(err))
+                self._turned_away(err)
+        return loader
+
+    def at_step_start(self, regrouped: Any) -> None:
+        """As a training step begins: the members admit the replacements that asked (the
+        leader sends them the state); a replacement meets the members. ``regrouped()``
+        rebuilds what held the old group."""
+        if not self.enabled:
+            return
+        trainer = self._strategy.lightning_module.trainer
+        if self.admission is not None:
+            try:
+                rejoin.enter(self.tolerance, self.admission, self._strategy.rank_name)
+            except (NotAdmitted, RuntimeError) as why:
+                self._turned_away(why)
+            _compat.batches_that_stepped(trainer, self.admission.extras["stepped"])
+            self.admission = None
+            regrouped()
+            return
+        if rejoin.admit(self.tolerance, lambda: self._offer(trainer)):
+            regrouped()
+
+    def _offer(self, trainer: Any) -> rejoin.Offer:
+        extras = {**_joiner.extras_for_joiner(trainer), **self._strategy.extras_for_joiners()}
+        epoch, batch = trainer.current_epoch, trainer.fit_loop.epoch_loop.batch_idx
+        return rejoin.Offer(_joiner.state_for_joiner(trainer), epoch, batch, extras)
+
     def sampler_kwargs(self, first: dict[str, Any]) -> dict[str, Any]:
         """A loader built after a loss shards over the survivors (``first``: Lightning's)."""
-        return self.tolerance.sampler_kwargs(first) if self.enabled else first
+        if not self.enabled:
+            return first
+        trainer = self._strategy.lightning_module.trainer
+        return self.tolerance.sampler_kwargs(first, training=bool(trainer and trainer.training))
 
     def leads(self) -> bool:
         """Whether this rank does rank 0's share for Lightning (loggers, checkpoints,

@@ -22,6 +22,7 @@ import torch
 from torch.utils.data import BatchSampler, DataLoader, DistributedSampler
 
 from lightning_par.strategies._async_loader import rebuild_loader, user_sampler_name
+from lightning_par.strategies._joiner import ResumedSampler
 
 
 class StandInError(RuntimeError):
@@ -60,6 +61,7 @@ def _loader_shard(loader: DataLoader, rank: int, epoch: int, batch_idx: int) -> 
     ``batch_idx`` on."""
     shard = copy.copy(loader.sampler)
     shard.rank, shard.epoch = rank, epoch
+    shard.resume_at = None  # (a replacement's own sampler starts its first epoch late)
     size = loader.batch_size or 1
     batches = BatchSampler(list(shard)[batch_idx * size :], size, loader.drop_last)
     return iter(rebuild_loader(loader, batches))
@@ -99,7 +101,8 @@ def check_loader(loader: Any) -> None:
 
     if isinstance(loader, DeviceBatches):
         return
-    if not isinstance(loader, DataLoader) or type(loader.sampler) is not DistributedSampler:
+    lightnings = (DistributedSampler, ResumedSampler)
+    if not isinstance(loader, DataLoader) or type(loader.sampler) not in lightnings:
         own = user_sampler_name(loader) if isinstance(loader, DataLoader) else None
         what = f"your sampler {own}" if own else f"a {type(loader).__name__} training loader"
         raise StandInError(

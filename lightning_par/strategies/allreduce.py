@@ -164,7 +164,10 @@ class AllReduceStrategy(ParStrategy):
 
     @override
     def setup_distributed(self) -> None:
-        super().setup_distributed()
+        if self.resilience.joins_running_job():  # a lost rank's replacement
+            self.resilience.join_running_job()
+        else:
+            super().setup_distributed()
         self.resilience.start()
 
     @override
@@ -178,7 +181,12 @@ class AllReduceStrategy(ParStrategy):
         return self.resilience.sampler_kwargs(super().distributed_sampler_kwargs)
 
     @override
+    def process_dataloader(self, dataloader: Any) -> Any:
+        return self.resilience.process_dataloader(super().process_dataloader(dataloader))
+
+    @override
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
+        self.resilience.at_step_start(self.regrouped)  # (replacements join here)
         output = super().training_step(*args, **kwargs)
         step = super().training_step
         return self.resilience.with_lost_shards(output, step, *args, **kwargs)
@@ -188,12 +196,30 @@ class AllReduceStrategy(ParStrategy):
         closure = self.resilience.retrying(closure, self.regrouped, self.lightning_module)
         return super().optimizer_step(optimizer, closure, model, **kw)
 
+    def extras_for_joiners(self) -> dict[str, Any]:
+        """What a replacement needs to send as the members do: the ring's message sizes."""
+        if self.ring_choice is None:
+            return {}
+        return {"ring": ring_tuning.index_of(self.ring_choice.tuning)}
+
+    def take_extras(self, extras: dict[str, Any]) -> None:
+        """In a replacement: the members' ring message sizes."""
+        if "ring" in extras:
+            tuning = ring_tuning.CANDIDATES[extras["ring"]]
+            self.ring_choice = ring_tuning.Choice(tuning, "the members' choice")
+            self.grad_sync.allreduce = partial(ring_allreduce, **tuning.options())
+
     def regrouped(self) -> None:
         """The survivors met in a new default group: communicate over it."""
         assert self.model is not None
         self.comm = Communicator(trace=self.trace, names=self.resilience.members)
         self.grad_sync.attach(self.model, self.comm, self.trace)
         self.resilience.regrouped(self.lightning_module.trainer)
+
+    @override
+    def on_train_end(self) -> None:
+        super().on_train_end()
+        self.resilience.train_ended()
 
     @override
     def teardown(self) -> None:

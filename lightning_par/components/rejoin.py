@@ -1,0 +1,145 @@
+"""A lost rank's replacement joining a fault-tolerant group: the members' side and its own.
+
+The protocol is :mod:`lightning_par.launch.joining`; this is what each side of a
+:class:`~.fault_tolerance.FaultTolerance` does with it:
+
+* the members (:func:`admit`), at the start of the step after the one whose settlement
+  listed joiners: each joiner is given the place of a lost member (the one it asked for,
+  the rank it was started as, if that place is free; else the first free one), the leading
+  member offers it the training state, and every member waits at that step's start while
+  the joiners restore it and agree on the next membership with those ready in it. A joiner
+  takes back its place's shard of the data from the survivor that stood in for it;
+* the joiner (:func:`join`, then :func:`enter`): it asks, waits for its admission and the
+  state, computes alone in a process group of its own while Lightning restores the state
+  and sets up, and at its first training step meets the members in their new group.
+"""
+
+from __future__ import annotations
+
+import atexit
+import sys
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any
+
+import torch.distributed as dist
+
+from lightning_par.components.fault_tolerance import FaultTolerance, end_process
+from lightning_par.components.process_group import destroy_process_group
+from lightning_par.launch import joining, liveness
+from lightning_par.launch.joining import Admission
+from lightning_par.launch.membership import PREFIX, Membership
+
+
+@dataclass
+class Offer:
+    """What the leading member sends each joiner: the training state (bytes of
+    ``torch.save``), the epoch and batch of the step it joins at, and the strategy's
+    extras (:class:`~lightning_par.launch.joining.Admission`)."""
+
+    state: bytes
+    epoch: int
+    batch: int
+    extras: dict[str, Any]
+
+
+def places_for(tolerance: FaultTolerance, joiners: list[int]) -> dict[int, int | None]:
+    """The lost member whose place (shard) each joiner takes; None: no place is free. Every
+    member computes the same from the same store."""
+    membership = tolerance.membership
+    assert membership is not None
+    free, places = list(tolerance.lost), {}
+    for joiner in joiners:
+        asked = membership.asked_place(joiner)
+        place = asked if asked in free else (free[0] if free else None)
+        if place is not None:
+            free.remove(place)
+        places[joiner] = place
+    return places
+
+
+def admit(tolerance: FaultTolerance, offer: Callable[[], Offer]) -> list[int]:
+    """At a step's start, every member: admit the joiners the last step listed (the leader
+    sends them ``offer()``); the joiners now members."""
+    joiners, tolerance.joining = tolerance.joining, []
+    membership = tolerance.membership
+    if not joiners or membership is None:
+        return []
+    places: dict[int, int] = {}
+    for joiner, place in places_for(tolerance, joiners).items():
+        if place is None:
+            membership.turn_away(joiner, "no lost rank's place was free for it")
+        else:
+            places[joiner] = place
+    if not places:
+        return []
+    started = time.monotonic()
+    if membership.rank == 0:
+        sent = offer()
+        for joiner in places:
+            admission = Admission(
+                membership.generation + 1, [*membership.members, *places],
+                tolerance.fit_members, membership.lost, {**membership.places, **places},
+                sent.epoch, sent.batch, sent.extras,
+            )  # fmt: skip
+            joining.offer(membership.store, joiner, admission, sent.state)
+    tolerance.regroup(None, places)
+    admitted = [j for j in places if j in membership.members]
+    heartbeat = liveness.current()
+    for joiner in admitted:
+        if heartbeat is not None:
+            heartbeat.watch(joiner)
+    if admitted:
+        tolerance.events.append(("joined", time.time()))
+    if admitted and membership.rank == 0:
+        taken = ", ".join(f"rank {places[j]}'s replacement joined as rank {j}" for j in admitted)
+        print(
+            f"lightning_par: {taken} (the members waited "
+            f"{time.monotonic() - started:.1f} s); {len(membership.members)} ranks go on "
+            f"(ranks {membership.members})", file=sys.stderr, flush=True,
+        )  # fmt: skip
+    return admitted
+
+
+def join(
+    tolerance: FaultTolerance, store: Any, place: int | None, backend: str,
+    timeout: timedelta, limit_s: float, dead_after_s: float,
+) -> tuple[Admission, bytes]:  # fmt: skip
+    """This process joins the running group in ``store`` in ``place``'s place: its admission
+    and the training state. Until :func:`enter` it computes alone (a process group of its
+    own), so that what Lightning runs while it sets up involves no member."""
+    name = joining.ask(store, place)
+    admission, state = joining.await_admission(store, name, limit_s)
+    tolerance._store, tolerance._dead_after_s = store, dead_after_s
+    tolerance._init = {"backend": backend, "timeout": timeout}
+    tolerance.fit_members = list(admission.fit_members)
+    membership = Membership(store, name, admission.members, limit_s, end_process)
+    membership.lost, membership.places = list(admission.lost), dict(admission.places)
+    membership.generation = admission.generation - 1  # (entered at its first step)
+    tolerance.membership = membership
+    alone = dist.PrefixStore(f"{PREFIX}/join/{name}/alone", store)
+    dist.init_process_group(backend, rank=0, world_size=1, store=alone, timeout=timeout)
+    atexit.register(destroy_process_group)  # (before the interpreter's shutdown, as members)
+    atexit.register(tolerance._stop.set)
+    return admission, state
+
+
+def enter(tolerance: FaultTolerance, admission: Admission, name: Callable[[int], str]) -> None:
+    """The joiner, at its first training step: meet the members in their new group and be
+    watched by them (and watch them) as any member."""
+    membership = tolerance.membership
+    assert membership is not None
+    joining.enter(membership, admission.generation)
+    dist.destroy_process_group()
+    tolerance.meet()
+    others = [m for m in membership.members if m != membership.me]
+    heartbeat = liveness.watch_group(
+        membership.store, membership.me, others, tolerance._init["timeout"], name,
+        tolerance._dead_after_s,
+    )  # fmt: skip
+    heartbeat.hand_silent_peers_to(tolerance._silent)
+    threading.Thread(target=tolerance._watch, daemon=True, name="lp-regroup-watch").start()
+    tolerance.watching = True
