@@ -92,7 +92,7 @@ def test_survivors_read_one_outcome_when_a_member_died_after_counting_in():
 def test_lost_shards_go_round_robin_to_the_survivors_and_the_loss_is_rescaled():
     tolerance = FaultTolerance()
     tolerance.fit_members = [0, 1, 2, 3, 4]
-    tolerance.membership = SimpleNamespace(members=[0, 2, 3], me=2, lost=[1, 4], rank=1)
+    tolerance.membership = SimpleNamespace(members=[0, 2, 3], me=2, lost=[1, 4], rank=1, places={})
     assert tolerance.lost == [1, 4]
     assert tolerance.stands_in_for() == [4]  # 1 -> survivor 0, 4 -> survivor 2
     tolerance.membership.me, tolerance.membership.rank = 0, 0

@@ -112,8 +112,8 @@ def test_lost_ranks_replacements_join_under_torchrun_with_the_state_of_a_healthy
         line = (f"rank {rank} was killed by SIGKILL; the other ranks go on without it, and its "
                 "replacement starts to join them (0 more restart(s) allowed)")  # fmt: skip
         assert line in run.text, run.text[-4000:]
-    joined = re.findall(r"rank (\d)'s replacement joined as rank (\d) \(the members waited "
-                        r"[0-9.]+ s\); (\d) ranks go on", run.text)  # fmt: skip
+    joined = re.findall(r"rank (\d)'s replacement joined as rank (\d) at step \d+ \(the members "
+                        r"waited [0-9.]+ s\); (\d) ranks go on", run.text)  # fmt: skip
     assert joined == [("0", "3", "2"), ("2", "4", "3")], run.text[-4000:]
     result = _result(run.text)
     assert result["raised"] is None and "Traceback" not in run.text, run.text[-4000:]

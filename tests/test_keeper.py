@@ -26,7 +26,7 @@ print("before keep in", where, flush=True)
 {before}
 atexit.register(lambda: print("atexit in", where, flush=True))
 command = [sys.executable, "-c", sys.argv[1], sys.argv[1]]
-keep("rank 1", {tolerated}, command)
+keep("rank 1", {tolerated}, command, replaceable=True)
 keep("rank 1", {tolerated}, command)  # (a later trainer call: no second keeper)
 print("after keep in", where, flush=True)
 {end}

@@ -61,9 +61,9 @@ def places_for(tolerance: FaultTolerance, joiners: list[int]) -> dict[int, int |
     return places
 
 
-def admit(tolerance: FaultTolerance, offer: Callable[[], Offer]) -> list[int]:
-    """At a step's start, every member: admit the joiners the last step listed (the leader
-    sends them ``offer()``); the joiners now members."""
+def admit(tolerance: FaultTolerance, offer: Callable[[], Offer], step: int) -> list[int]:
+    """At the start of ``step``, every member: admit the joiners the last step listed (the
+    leader sends them ``offer()``); the joiners now members."""
     joiners, tolerance.joining = tolerance.joining, []
     membership = tolerance.membership
     if not joiners or membership is None:
@@ -97,7 +97,7 @@ def admit(tolerance: FaultTolerance, offer: Callable[[], Offer]) -> list[int]:
     if admitted and membership.rank == 0:
         taken = ", ".join(f"rank {places[j]}'s replacement joined as rank {j}" for j in admitted)
         print(
-            f"lightning_par: {taken} (the members waited "
+            f"lightning_par: {taken} at step {step} (the members waited "
             f"{time.monotonic() - started:.1f} s); {len(membership.members)} ranks go on "
             f"(ranks {membership.members})", file=sys.stderr, flush=True,
         )  # fmt: skip

@@ -70,12 +70,13 @@ ENDED_KEY = "lightning_par/keepers/ended"
 
 
 def keep(name: str, tolerated: bool, command: list[str], cwd: str | None = None,
-         after: Callable[[], None] | None = None) -> None:  # fmt: skip
+         after: Callable[[], None] | None = None, replaceable: bool = False) -> None:  # fmt: skip
     """Become this rank's keeper once: start the rank by ``command`` (in ``cwd``; the
     script again) and end when it ends (see the module docstring). Returns at once in the
     rank a keeper started, and at later calls. ``name``: how the rank is named
     (``"rank 1"``); ``tolerated``: whether the job goes on without it; ``after``: run in
-    the keeper once the rank ended, before it ends (:func:`count_end`)."""
+    the keeper once the rank ended, before it ends (:func:`count_end`); ``replaceable``:
+    whether a replacement can join the job in its place (:func:`restarts_allowed`)."""
     global _kept
     if kept():
         _kept = True
@@ -83,7 +84,7 @@ def keep(name: str, tolerated: bool, command: list[str], cwd: str | None = None,
     _kept = True
     for signum in (signal.SIGINT, signal.SIGTERM):
         signal.signal(signum, signal.SIG_IGN)  # the rank, in this group, gets them too
-    restarts = restarts_allowed() if tolerated else 0
+    restarts = restarts_allowed() if tolerated and replaceable else 0
     env = {**os.environ, KEPT_ENV: "1"}
     while True:
         sys.stdout.flush()

@@ -161,7 +161,9 @@ def keep_from_launcher(strategy: Any) -> None:
         world = strategy.world_size if rank == 0 else None
         after = partial(keeper.count_end, *address, world)
     command, cwd = _compat.script_command(strategy.local_rank)
-    keeper.keep(strategy.rank_name(rank), rank != 0 or takes_over, command, cwd, after)
+    replaceable = getattr(strategy, "admits_replacements", False)  # (see .keeper)
+    keeper.keep(strategy.rank_name(rank), rank != 0 or takes_over, command, cwd, after,
+                replaceable)  # fmt: skip
 
 
 def keep_popen_rank_0(strategy: Any, method: str) -> None:

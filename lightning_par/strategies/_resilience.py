@@ -190,7 +190,7 @@ class Resilience:
             self.admission = None
             regrouped()
             return
-        if rejoin.admit(self.tolerance, lambda: self._offer(trainer)):
+        if rejoin.admit(self.tolerance, lambda: self._offer(trainer), trainer.global_step):
             regrouped()
 
     def _offer(self, trainer: Any) -> rejoin.Offer:

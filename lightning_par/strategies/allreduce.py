@@ -153,6 +153,12 @@ class AllReduceStrategy(ParStrategy):
         return self.resilience.enabled
 
     @property
+    def admits_replacements(self) -> bool:
+        """A lost rank's replacement joins the running fit (``fault_tolerant``; started by
+        its keeper under torchrun's ``--max-restarts``: :mod:`lightning_par.launch.keeper`)."""
+        return self.resilience.enabled
+
+    @property
     def survives_lost_workers(self) -> bool:
         """The launcher goes on when a rank other than 0 is lost (``fault_tolerant``)."""
         return self.resilience.enabled
