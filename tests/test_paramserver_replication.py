@@ -7,44 +7,21 @@ worker 0 pushes in its place and trains its batches, and its weights stay the sa
 
 from __future__ import annotations
 
-import multiprocessing as mp
-import os
-import pickle
-import signal
-import time
-import traceback
-from datetime import timedelta
-
 import pytest
 import torch
-import torch.distributed as dist
-import torch.nn.functional as F
+from _replicated_run import assert_same, run_replicated
 from torch import nn
 
 from lightning_par.comm import Communicator, run_on_ranks
-from lightning_par.launch.lost import how_it_ended
-from lightning_par.launch.policy import limit_threads_after_fork, plan_launch
-from lightning_par.launch.rendezvous import find_free_port
-from lightning_par.paramserver import faults, protocol
+from lightning_par.paramserver import protocol
 from lightning_par.paramserver.clipping import GradClip
-from lightning_par.paramserver.faults import LOST_KEY
 from lightning_par.paramserver.protocol import NONE, Kind, ShardTag
 from lightning_par.paramserver.replicated_client import ReplicatedClient
 from lightning_par.paramserver.replication import (
-    Backup,
-    Replica,
     backup_of,
     copy_held_by,
     server_processes,
 )
-from lightning_par.paramserver.server import ShardOptimizer
-from lightning_par.paramserver.shard_server import ShardServer, serve_replicated
-
-WORKERS, STEPS, BATCH = 2, 5, 4
-TIMEOUT = timedelta(seconds=30)
-#: requests: 0 the initial weights, 1-2 steps 0-1, 3 a checkpoint's read and 4 its load,
-#: 5-7 steps 2-4 (step = request - 3), 8 the last read, 9 the stop
-READ_AT_STEP = 2
 
 
 # ---- the ring and the messages, without processes --------------------------------------------
@@ -72,183 +49,7 @@ def test_recovery_messages_round_trip_and_refuse_another_layout():
         protocol.decode_ack(protocol.encode_count(1))
 
 
-# ---- a kill at a point of the protocol -------------------------------------------------------
-def _die() -> None:
-    os.kill(os.getpid(), signal.SIGKILL)
-
-
-def _arm(point: str, request: int) -> None:
-    """In a server process: die at ``point`` of ``request``: before its backup has the
-    ``initial`` weights; as it ``begin``s; once its backup
-    acknowledged its first ``update``; after its ``answer`` went to worker 0 only; as the
-    ``copy`` of another shard, after applying that request's first update, before the ack."""
-    if point == "initial":  # before its backup got the initial weights
-        Backup.initial = lambda self: _die()
-    elif point == "begin":
-        serve = ShardServer.serve_request
-        ShardServer.serve_request = lambda self, h, n, a: (
-            (n == request and _die()) or serve(self, h, n, a)
-        )
-    elif point == "update":
-        update = Backup.update
-
-        def updated(self, bucket, grad, used):
-            update(self, bucket, grad, used)
-            if self.record_count == request:
-                _die()
-
-        Backup.update = updated
-    elif point == "answer":  # (requests 5-7 are steps 2-4)
-        send = ShardOptimizer.send_slices
-
-        def send_slices(self, comm, bucket, workers, step):
-            if step != request - 3:
-                return send(self, comm, bucket, workers, step)
-            send(self, comm, bucket, [0], step)[0].wait()
-            if bucket == self.active[-1]:
-                _die()
-            return []
-
-        ShardOptimizer.send_slices = send_slices
-    elif point == "copy":
-        ack = Replica._ack
-        Replica._ack = lambda self, b: (
-            (self.done + 1 == request and b != NONE and _die()) or ack(self, b)
-        )
-
-
-def _model() -> nn.Module:
-    torch.manual_seed(0)
-    return nn.Sequential(nn.Linear(6, 12), nn.Tanh(), nn.Linear(12, 3))
-
-
-def _loss(model: nn.Module, data: tuple, step: int, worker: int) -> torch.Tensor:
-    (x, y), lo = data, (step * WORKERS + worker) * BATCH
-    return F.cross_entropy(model(x[lo : lo + BATCH]), y[lo : lo + BATCH])
-
-
-def _lose_worker(point: str, at: int, worker: int = 1) -> None:
-    """In the worker lost (``worker``): die at step ``at``, once its second bucket's push
-    went (``mid-push``) or once every push went (``pushed``)."""
-    push = ReplicatedClient._push
-
-    def pushed(self, bucket):
-        push(self, bucket)
-        if self.step == at and bucket.index == (
-            1 if point == "mid-push" else len(self.buckets.buckets) - 1
-        ):
-            _die()
-
-    ReplicatedClient._push = pushed
-
-
-def _train(comm: Communicator, rank: int, servers: int, clip: GradClip | None, lose: tuple | None):
-    model = _model()
-    opt = torch.optim.Adam(model.parameters(), lr=0.05)
-    lost = [lose[2] if len(lose) > 2 else 1] if lose is not None else []
-    if rank in lost:
-        _lose_worker(*lose)
-    client = ReplicatedClient(model, opt, comm, WORKERS, servers, bucket_cap_mb=1e-4,
-                              split_mb=2e-4, clip=clip)  # fmt: skip
-    g, n = torch.Generator().manual_seed(1), STEPS * WORKERS * BATCH
-    data = torch.randn(n, 6, generator=g), torch.randint(0, 3, (n,), generator=g)
-    params = list(model.parameters())
-    client.missing.fill = lambda step, lost: {  # the leader pushes a lost worker's gradient
-        w: list(torch.autograd.grad(_loss(model, data, step, w), params, allow_unused=True))
-        for w in lost
-    }  # fmt: skip
-    for step in range(STEPS):
-        # a checkpoint's read, and loading it (as a resume would); after a loss too (the
-        # leader sends the state: worker 1 if worker 0 was lost)
-        if step == READ_AT_STEP or (lost and step == STEPS - 1):
-            client.load_state(client.gather_state())  # (complete everywhere; the leader sends it)
-        client.settle()  # (a lost worker is known from here; the strategy settles there too)
-        loss = _loss(model, data, step, rank)
-        if client.lost_workers:  # and trains its batches beside its own, pushed in its slot
-            client.missing.keep(step, client.missing.fill(step, client.lost_workers))
-        loss.backward()
-        client.finish_backward()
-        opt.zero_grad()
-    state = client.gather_state()  # (which reads the last step's answers)
-    assert client.lost_workers == lost, client.lost_workers
-    client.close()
-    weights = torch.cat([p.detach().flatten() for p in model.parameters()]).numpy()
-    return weights, {k: {n: v.numpy() if torch.is_tensor(v) else v for n, v in s.items()}
-                     for k, s in state["state"].items()}  # fmt: skip
-
-
-def _rank(rank, world, port, servers, kills, clip, lose, queue, threads) -> None:
-    limit_threads_after_fork(threads)
-    try:
-        store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=TIMEOUT)
-        dist.init_process_group("gloo", store=store, rank=rank, world_size=world, timeout=TIMEOUT)
-        faults._store = lambda: store  # where the parent says which server died
-        if rank >= WORKERS:
-            for server, point, request in kills:
-                if server == rank - WORKERS:
-                    _arm(point, request)
-            serve_replicated(Communicator(), rank - WORKERS, world - WORKERS, store, TIMEOUT)
-        else:
-            queue.put((rank, pickle.dumps(_train(Communicator(), rank, servers, clip, lose))))
-        dist.destroy_process_group()
-    except BaseException:
-        queue.put((rank, traceback.format_exc()))
-    os._exit(0)
-
-
-def _run(servers: int, *kills: tuple, clip: GradClip | None = None, lose: tuple | None = None):
-    """Train on two workers and ``servers`` shards; each kill: ``(server, point, request)``;
-    ``lose``: a worker dies (:func:`_lose_worker`). The parent plays the worker that
-    started the servers: it says which one died."""
-    workers = WORKERS - (lose is not None)
-    world = WORKERS + server_processes(servers, True)
-    port = find_free_port()
-    plan = plan_launch("cpu", world, can_exec=False)
-    ctx = mp.get_context(plan.method)
-    queue = ctx.SimpleQueue()
-    args = (world, port, servers, kills, clip, lose, queue, plan.threads_per_rank or 1)
-    procs = [ctx.Process(target=_rank, args=(r, *args), daemon=True) for r in range(world)]
-    for proc in procs:
-        proc.start()
-    # (the store's server thread starts after the forks: a fork copies no thread's locks)
-    store = dist.TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False,
-                          timeout=TIMEOUT)  # fmt: skip
-    results, said, deadline = {}, set(), time.monotonic() + 90
-    try:
-        while len(results) < workers and time.monotonic() < deadline:
-            while not queue.empty():
-                rank, result = queue.get()  # (an error: its traceback)
-                assert rank < WORKERS, f"server {rank - WORKERS} failed:\n{result}"
-                results[rank] = pickle.loads(result) if isinstance(result, bytes) else result
-            for r, proc in enumerate(procs[WORKERS:]):
-                if r not in said and proc.exitcode not in (None, 0):
-                    store.set(LOST_KEY.format(r), how_it_ended(proc.exitcode))
-                    said.add(r)
-            time.sleep(0.05)
-    finally:
-        for proc in procs:
-            proc.join(timeout=10)
-            if proc.is_alive():
-                proc.kill()
-        del store
-    assert len(results) == workers, "the workers did not finish"
-    assert not [p for p in procs if p.is_alive()]
-    return results, said
-
-
-def _same(run, reference) -> None:
-    (results, _), (expected, _) = run, reference
-    assert all(isinstance(r, tuple) for r in results.values()), results
-    for w in results:  # (every worker, or the one left: _run counts them)
-        torch.testing.assert_close(torch.from_numpy(results[w][0]),
-                                   torch.from_numpy(expected[w][0]), atol=1e-6, rtol=0)  # fmt: skip
-    first = min(results)  # (every worker reads the whole optimiser state)
-    for key, state in expected[0][1].items():
-        for name, value in state.items():
-            got = results[first][1][key][name]
-            assert (got == value).all() if hasattr(value, "shape") else got == value, name
-
-
+# ---- a kill at a point of the protocol (_replicated_run.py) ----------------------------------
 @pytest.mark.parametrize("kill", [
     (1, "begin", 5),  # lost as a step begins: every worker sends it again (redone)
     (1, "update", 6),  # the copy applied its first bucket: not applied again
@@ -258,28 +59,28 @@ def _same(run, reference) -> None:
     (0, "begin", 4),  # lost as a checkpoint's load begins: worker 0 sends the state again
 ], ids=lambda k: f"server{k[0]}-{k[1]}-request{k[2]}")  # fmt: skip
 def test_two_servers_one_lost_at_a_point_of_the_protocol(kill):
-    reference = _run(2)
-    run = _run(2, kill)
+    reference = run_replicated(2)
+    run = run_replicated(2, kill)
     assert run[1] == {kill[0]}
-    _same(run, reference)
+    assert_same(run, reference)
 
 
 def test_a_lone_server_is_taken_over_by_its_standby_and_a_lost_standby_is_survived():
-    reference = _run(1)
-    _same(_run(1, (0, "update", 5)), reference)
-    _same(_run(1, (0, "initial", 0)), reference)  # even before the first step
-    _same(_run(1, (1, "copy", 6)), reference)
+    reference = run_replicated(1)
+    assert_same(run_replicated(1, (0, "update", 5)), reference)
+    assert_same(run_replicated(1, (0, "initial", 0)), reference)  # even before the first step
+    assert_same(run_replicated(1, (1, "copy", 6)), reference)
 
 
 def test_clipping_by_norm_survives_a_lost_server():
     clip = GradClip(0.05, "norm")
-    reference = _run(2, clip=clip)
-    _same(_run(2, (1, "update", 5), clip=clip), reference)
+    reference = run_replicated(2, clip=clip)
+    assert_same(run_replicated(2, (1, "update", 5), clip=clip), reference)
 
 
 def test_a_shard_lost_with_its_copy_ends_the_job_naming_both():
     # server 1 dies as step 2 begins, server 0 (then holding both shards) as step 3 begins
-    results, said = _run(2, (1, "begin", 5), (0, "begin", 6))
+    results, said = run_replicated(2, (1, "begin", 5), (0, "begin", 6))
     assert said == {0, 1}
     for error in results.values():
         assert isinstance(error, str) and "parameter server 0 (rank 2) was killed" in error
@@ -311,7 +112,7 @@ def test_a_lost_workers_pushes_come_from_the_leader_and_the_weights_stay_the_sam
     worker's batch) or all of it (the servers find it lost only at the next step, which the
     leader already trains for it): the survivor's weights and the optimiser state (read
     and loaded again after the loss: the leader sends it) equal a run with no worker lost."""
-    reference = _run(2)
-    run = _run(2, lose=(point, 3, worker))
+    reference = run_replicated(2)
+    run = run_replicated(2, lose=(point, 3, worker))
     assert list(run[0]) == [1 - worker]
-    _same(run, reference)
+    assert_same(run, reference)

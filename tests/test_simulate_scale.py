@@ -8,11 +8,12 @@ import pytest
 import torch
 from torch import nn
 
-from lightning_par.simulate.builders import NotApplicable, busiest_share
+from lightning_par.simulate.builders import NotApplicable
 from lightning_par.simulate.links import Link, Topology
 from lightning_par.simulate.profile import Profile
 from lightning_par.simulate.report import MEMORY_NOTE, scaling_table
 from lightning_par.simulate.scale import predict_step, scaling_row
+from lightning_par.simulate.tp_share import busiest_share
 from lightning_par.tensorparallel.cost import busiest_rank_share
 from lightning_par.tensorparallel.plan import Plan, resolve_plan
 

@@ -72,8 +72,8 @@ def test_the_model_step_is_measured_with_real_ranks():
 
 
 def test_a_ranks_per_sample_work_follows_the_models_step_timed_on_both_batches():
-    from lightning_par.simulate.builders import batch_share
     from lightning_par.simulate.scale import on_this_machine
+    from lightning_par.simulate.step_costs import batch_share
 
     alone = {2: 0.0295, 3: 0.0191, 4: 0.0155}
     # 35 ms at 2 ranks, 29 ms of it per sample: 6 ms of framework stays

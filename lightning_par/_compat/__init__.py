@@ -5,9 +5,9 @@ launch needs (a per-step broadcast among some ranks only, the barrier around
 ``prepare_data``, a launch join that tolerates a dead rank), so a few private names are
 used. Each is reached through a function here that raises :class:`CompatError`, naming
 the name, the versions it was written for and what depends on it, if the name has moved;
-``tests/test_compat.py`` checks every one against the installed versions, so an upgrade
-that moves one fails there rather than degrading silently in a run. Callers write
-``_compat.<name>``; the names live by concern:
+``tests/test_compat.py`` and ``tests/test_compat_loops.py`` check every one against the
+installed versions, so an upgrade that moves one fails there rather than degrading
+silently in a run. Callers write ``_compat.<name>``; the names live by concern:
 
 * :mod:`.lookup`: how a private name is reached, and :class:`CompatError`;
 * :mod:`.processes`: starting ranks (torch's process context, Lightning's launchers, a

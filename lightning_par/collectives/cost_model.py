@@ -38,6 +38,7 @@ step's collectives, are costed beside its algorithm, in :mod:`lightning_par.tens
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 from torch import nn
@@ -84,6 +85,14 @@ def zero_cost(algorithm: str, numel: int, p: int, element_size: int) -> Cost:
     return Cost(algorithm, p, numel, element_size, (0,) * p, (0,) * p, 0, 0.0, 0.0)
 
 
+def _cost(algorithm: str, p: int, numel: int, element_size: int, bytes_sent: Iterable[int],
+          messages: Iterable[int], steps: int, critical_bytes: float) -> Cost:  # fmt: skip
+    """A :class:`Cost` whose critical path is ``steps`` steps of one message (one alpha)
+    each, carrying ``critical_bytes`` in all: every algorithm here has that shape."""
+    return Cost(algorithm, p, numel, element_size, tuple(bytes_sent), tuple(messages), steps,
+                float(steps), float(critical_bytes))  # fmt: skip
+
+
 def ring_cost(numel: int, world_size: int, element_size: int = 4,
               segment_bytes: int | None = DEFAULT_SEGMENT_BYTES,
               min_split_bytes: int = MIN_SPLIT_BYTES) -> Cost:  # fmt: skip
@@ -122,9 +131,8 @@ def _pipelined_ring_cost(name: str, phases: tuple[str, ...], numel: int, p: int,
         elems.append(sum(sent))
         messages.append(sum(min(size, k) for size in sent))
     steps = len(phases) * (p - 1)
-    return Cost(name, p, numel, element_size, tuple(e * element_size for e in elems),
-                tuple(messages), steps, float(steps),
-                float(steps * max(sizes) * element_size))  # fmt: skip
+    return _cost(name, p, numel, element_size, (e * element_size for e in elems), messages,
+                 steps, steps * max(sizes) * element_size)  # fmt: skip
 
 
 def tree_cost(numel: int, world_size: int, element_size: int = 4) -> Cost:
@@ -135,17 +143,8 @@ def tree_cost(numel: int, world_size: int, element_size: int = 4) -> Cost:
     depth = tree_depth(p)
     fan_out = max(len(tree_children(r, p)) for r in range(p))
     nbytes = numel * element_size
-    return Cost(
-        "tree",
-        p,
-        numel,
-        element_size,
-        tuple(m * nbytes for m in messages),
-        messages,
-        2 * depth,
-        float(2 * depth),
-        float(2 * depth * fan_out * nbytes),
-    )
+    return _cost("tree", p, numel, element_size, (m * nbytes for m in messages), messages,
+                 2 * depth, 2 * depth * fan_out * nbytes)  # fmt: skip
 
 
 def butterfly_cost(numel: int, world_size: int, element_size: int = 4) -> Cost:
@@ -156,17 +155,8 @@ def butterfly_cost(numel: int, world_size: int, element_size: int = 4) -> Cost:
     messages = tuple(1 if r >= q else rounds + (r < extra) for r in range(p))
     steps = rounds + (2 if extra else 0)
     nbytes = numel * element_size
-    return Cost(
-        "butterfly",
-        p,
-        numel,
-        element_size,
-        tuple(m * nbytes for m in messages),
-        messages,
-        steps,
-        float(steps),
-        float(steps * nbytes),
-    )
+    return _cost("butterfly", p, numel, element_size, (m * nbytes for m in messages), messages,
+                 steps, steps * nbytes)  # fmt: skip
 
 
 def all_to_all_cost(numel: int, world_size: int, element_size: int = 4) -> Cost:
@@ -174,17 +164,8 @@ def all_to_all_cost(numel: int, world_size: int, element_size: int = 4) -> Cost:
     if p == 1 or numel == 0:
         return zero_cost("all_to_all", numel, p, element_size)
     nbytes = numel * element_size
-    return Cost(
-        "all_to_all",
-        p,
-        numel,
-        element_size,
-        ((p - 1) * nbytes,) * p,
-        (p - 1,) * p,
-        1,
-        1.0,
-        float((p - 1) * nbytes),
-    )
+    return _cost("all_to_all", p, numel, element_size, ((p - 1) * nbytes,) * p, (p - 1,) * p,
+                 1, (p - 1) * nbytes)  # fmt: skip
 
 
 def master_worker_cost(numel: int, world_size: int, element_size: int = 4) -> Cost:
@@ -193,17 +174,8 @@ def master_worker_cost(numel: int, world_size: int, element_size: int = 4) -> Co
         return zero_cost("master_worker", numel, p, element_size)
     nbytes = numel * element_size
     messages = (p - 1,) + (1,) * (p - 1)
-    return Cost(
-        "master_worker",
-        p,
-        numel,
-        element_size,
-        tuple(m * nbytes for m in messages),
-        messages,
-        2,
-        2.0,
-        float(2 * (p - 1) * nbytes),
-    )
+    return _cost("master_worker", p, numel, element_size, (m * nbytes for m in messages),
+                 messages, 2, 2 * (p - 1) * nbytes)  # fmt: skip
 
 
 def round_robin_cost(numel: int, world_size: int, element_size: int = 4) -> Cost:
@@ -218,17 +190,8 @@ def round_robin_cost(numel: int, world_size: int, element_size: int = 4) -> Cost
         others = sum(1 for j in range(p) if j != rank and sizes[j] > 0)
         messages.append(others + (p - 1 if sizes[rank] > 0 else 0))
     steps = 2 * (p - 1)
-    return Cost(
-        "round_robin",
-        p,
-        numel,
-        element_size,
-        tuple(e * element_size for e in elems),
-        tuple(messages),
-        steps,
-        float(steps),
-        float(steps * max(sizes) * element_size),
-    )
+    return _cost("round_robin", p, numel, element_size, (e * element_size for e in elems),
+                 messages, steps, steps * max(sizes) * element_size)  # fmt: skip
 
 
 COST_MODELS = {

@@ -36,6 +36,7 @@ from lightning_par.components.workers_between_calls import end_kept_group, keep_
 from lightning_par.launch import liveness
 from lightning_par.launch.lost import RankLost
 from lightning_par.paramserver import process as servers
+from lightning_par.paramserver import server_watch
 from lightning_par.paramserver.faults import explain
 from lightning_par.paramserver.replication import server_processes
 from lightning_par.paramserver.worker import ParameterClient
@@ -132,9 +133,9 @@ class ServerGroup:
             "gloo", store=store, rank=ctx.rank, world_size=world, timeout=ctx.timeout
         )
         procs, ft = self.processes, self.fault_tolerant
-        self._watch = servers.watch_servers(procs, ctx.workers, ft) if procs else None
+        self._watch = server_watch.watch_servers(procs, ctx.workers, ft) if procs else None
         zero = server_options.get("outlive", False)  # (worker 0 too: its servers outlive it)
-        survive = servers.fence(procs, ctx.workers, zero) if ft else None  # lost servers too
+        survive = server_watch.fence(procs, ctx.workers, zero) if ft else None  # lost servers too
         liveness.watch_group(store, ctx.rank, watched, ctx.timeout, ctx.rank_name, ctx.dead_peer_s,
                              survive)  # fmt: skip
         self.workers.create(ctx.workers)
@@ -240,7 +241,7 @@ class ServerGroup:
     def describe_failure(self, error: BaseException) -> None:
         """Name a server that died, if one did."""
         if dist.is_initialized() and self.context is not None:
-            servers.name_dead_server(error, self.context.rank)
+            server_watch.name_dead_server(error, self.context.rank)
 
     def close(self, comm: Communicator | None, interrupted: bool) -> None:
         """Say goodbye to the servers over ``comm`` (after a clean run: not ``interrupted``),
@@ -258,7 +259,7 @@ class ServerGroup:
         if self._watch is not None:
             self._watch.set()  # the servers end now: no longer news
         if self.processes:
-            servers.stop_servers(self.processes, wait_s=10.0 if clean else 0.0)
+            server_watch.stop_servers(self.processes, wait_s=10.0 if clean else 0.0)
             self.processes = []
         beat = liveness.current()
         liveness.stop_watching()

@@ -6,7 +6,8 @@
 * :mod:`.links` - link classes with their sources, topologies, the loopback fit;
 * :mod:`.replay` - load a run folder and replay it;
 * :mod:`.profile`, :mod:`.builders`, :mod:`.scale` - a small run's profile, each
-  strategy's graph at ``p``, its step and efficiency there;
+  strategy's graph at ``p`` (:mod:`.model_parallel_graphs`, costs in :mod:`.step_costs`),
+  its step and efficiency there;
 * :mod:`.cores` - ranks sharing a machine's cores (processor sharing);
 * :mod:`.validate`, :mod:`.report` - measured against predicted; tables and charts;
 * :mod:`.by_hand` - :func:`predict_step`: one data-parallel step, to check a hand prediction.

@@ -88,7 +88,7 @@ def on_this_machine(prof: Profile, p: int, step_cpu: dict[int, float]) -> Profil
     """``prof`` for predicting ``p`` ranks on the machine that timed ``step_cpu``
     (:func:`.sharing_cost.measure_step_cpu`): a data-parallel rank's per-sample work scaled
     by the model's step on ``p``'s batch over on the base batch, not by the batch alone
-    (:func:`.builders.sample_scale`). ``prof`` itself where they were not timed."""
+    (:func:`.step_costs.sample_scale`). ``prof`` itself where they were not timed."""
     world = prof.world
     if prof.family not in DATA_PARALLEL or not prof.cpu_based or p not in step_cpu:
         return prof

@@ -67,7 +67,7 @@ class ServerGroupStrategy(ParStrategy):
     survived), so one class would ask "asynchronous?" in most of its hooks. Why not the
     class decorator this replaces: it installed these hooks at import, out of a reader's
     sight. The cost is a third class of ours above Lightning's, the one exception
-    ``tests/test_architecture.py`` allows (``FAMILY_BASES``): registered under no name,
+    ``tests/test_strategy_classes.py`` allows (``FAMILY_BASES``): registered under no name,
     and neither strategy redefines a hook written here, so each hook is in one place.
     """
 

@@ -47,7 +47,6 @@ import lightning.pytorch as pl
 from lightning.pytorch.trainer.states import RunningStage, TrainerFn
 from lightning.pytorch.utilities import rank_zero_info
 from lightning.pytorch.utilities.exceptions import SIGTERMException
-from torchmetrics import Metric
 from typing_extensions import override
 
 from lightning_par import _compat
@@ -68,6 +67,7 @@ from lightning_par.paramserver.remedies import (
     for_workers,
 )
 from lightning_par.paramserver.work import SharedBatchSampler
+from lightning_par.strategies._async_apart import keep_metrics_local, workers_apart
 from lightning_par.strategies._async_loader import (
     count_shared_batches,
     hold_final_lr,
@@ -185,7 +185,9 @@ class AsyncSGDStrategy(ServerGroupStrategy):
                 show_own_progress(trainer)  # this worker's batches, no false total
             for config in trainer.lr_scheduler_configs if self.share_work else []:
                 hold_final_lr(config.scheduler)  # a worker may take a few more than its share
-        self._local_metrics(trainer.state.fn == TrainerFn.FITTING)
+        fitting = trainer.state.fn == TrainerFn.FITTING
+        assert self.model is not None
+        keep_metrics_local(self.model, self._metrics_available, local=fitting)
         self._logged = 0
 
     @override
@@ -232,14 +234,8 @@ class AsyncSGDStrategy(ServerGroupStrategy):
 
     # ---- no lock-step at epoch ends ----------------------------------------------------------
     def _apart(self) -> bool:
-        """Training or validating inside fit: the workers are not in step (one may be a
-        batch behind, or gone), so Lightning's collectives become local."""
-        trainer = _compat.attached_trainer(self.lightning_module)
-        return (
-            trainer is not None
-            and trainer.state.fn == TrainerFn.FITTING
-            and trainer.state.stage in (RunningStage.TRAINING, RunningStage.VALIDATING)
-        )
+        """While fitting, the workers are not in step (:func:`._async_apart.workers_apart`)."""
+        return workers_apart(self.lightning_module)
 
     @override
     def barrier(self, *args: Any, **kwargs: Any) -> None:
@@ -256,23 +252,6 @@ class AsyncSGDStrategy(ServerGroupStrategy):
     @override
     def reduce_boolean_decision(self, decision: bool, all: bool = True) -> bool:
         return decision if self._apart() else super().reduce_boolean_decision(decision, all)
-
-    def _local_metrics(self, local: bool) -> None:
-        """torchmetrics gather their states at ``compute`` (epoch end): not while fitting,
-        where each worker's epoch ends on its own (a gather would wait for a worker still
-        training, which may wait for the servers on it). ``sync_on_compute`` alone is not
-        enough: ``compute`` reads what the metric's last ``forward`` took from it, and a
-        metric only ``update``-d keeps syncing; whether the run is distributed is asked at
-        every ``compute``."""
-        assert self.model is not None
-        for sub in self.model.modules():
-            if isinstance(sub, Metric):
-                sub.sync_on_compute = not local
-                if local:
-                    self._metrics_available.setdefault(id(sub), sub.distributed_available_fn)
-                    sub.distributed_available_fn = _not_distributed
-                elif id(sub) in self._metrics_available:
-                    sub.distributed_available_fn = self._metrics_available.pop(id(sub))
 
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
@@ -296,11 +275,6 @@ class AsyncSGDStrategy(ServerGroupStrategy):
         if self.client is not None:
             self.client.refresh()  # the servers' newest weights, not this worker's last pull
         return super().lightning_module_state_dict()
-
-
-def _not_distributed() -> bool:
-    """A metric's ``distributed_available_fn`` while ``async_sgd`` fits: gather nothing."""
-    return False
 
 
 __all__ = ["AUTO_MOMENTUM", "AsyncSGDStrategy", "check_staleness", "staleness_histogram"]
