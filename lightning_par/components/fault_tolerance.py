@@ -25,8 +25,6 @@ ended, so that every connection to it closes and the survivors' collectives fail
 from __future__ import annotations
 
 import atexit
-import os
-import signal
 import sys
 import threading
 import time
@@ -34,10 +32,10 @@ from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
 
-import torch
 import torch.distributed as dist
 
 from lightning_par.comm import CommError
+from lightning_par.components.group_break import break_default_group, end_process
 from lightning_par.launch import liveness
 from lightning_par.launch.joining import FITTING_KEY
 from lightning_par.launch.membership import PREFIX, REDO, Membership
@@ -47,41 +45,8 @@ class StepLost(RuntimeError):
     """A member died before every member finished the step's gradient exchange."""
 
 
-def end_process(pid: int) -> None:
-    """SIGKILL process ``pid`` of this machine (a member found silent), if it still runs."""
-    try:
-        os.kill(pid, signal.SIGKILL)
-    except OSError:
-        pass  # gone already
-
-
 #: How often a rank looks whether another began regrouping (seconds).
 _WATCH_S = 0.05
-#: The tag of the receive that breaks a gloo group (no message ever carries it).
-_BREAKING_TAG = 0x7FFF_FFF0
-
-
-def break_default_group() -> None:
-    """Close every connection of this process's default group, at once: its own waits and
-    its peers' waits on it fail ("connection closed") instead of waiting for the timeout.
-    Dropping the group is not enough: a message still waited for keeps it open. NCCL has
-    ``abort``; gloo's does nothing, but a receive that times out closes every pair of the
-    group (gloo signals the timeout to all of them), which is what is wanted here."""
-    world = dist.group.WORLD
-    size, rank = world.size(), world.rank()
-    if size == 1:
-        return
-    if str(dist.get_backend()).lower() == "nccl":
-        world.abort()
-        return
-    for peer in range(size):  # (a receive from a peer already lost fails without closing)
-        if peer == rank:
-            continue
-        try:
-            world.recv([torch.zeros(1)], peer, _BREAKING_TAG).wait(timedelta(milliseconds=1))
-        except RuntimeError as err:
-            if "timed out" in str(err).lower() or "timeout" in str(err).lower():
-                return  # every connection of the group is closed now
 
 
 class FaultTolerance:

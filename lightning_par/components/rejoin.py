@@ -27,7 +27,8 @@ from typing import Any
 
 import torch.distributed as dist
 
-from lightning_par.components.fault_tolerance import FaultTolerance, end_process
+from lightning_par.components.fault_tolerance import FaultTolerance
+from lightning_par.components.group_break import end_process
 from lightning_par.components.process_group import destroy_process_group
 from lightning_par.launch import joining, liveness
 from lightning_par.launch.joining import Admission
