@@ -49,6 +49,8 @@ class Plan:
     launch: str = "lightning"
     #: the rank a rank case loses: ``last`` or ``first`` (rank 0)
     lost: str = "last"
+    #: under torchrun: ``--max-restarts=1``, the lost rank replaced by a process that joins
+    replace: bool = False
 
     @property
     def approaches(self) -> tuple[str, ...]:
@@ -74,6 +76,7 @@ def run_script(
     launch = [sys.executable, "-u"]
     if plan.launch == "torchrun":  # (one fit per script: a lost rank's process is gone)
         launch += ["-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={world}"]
+        launch += ["--max-restarts=1"] if plan.replace else []
     done = run_bounded([*launch, "-m", RUN, *args], LIMIT_S, env=env, cwd=folder)
     parts = re.split(r"^FIT (\S+) (\w+)\n", done.stderr, flags=re.M)
     fits = {(name, approach): out for name, approach, out in zip(*[iter(parts[1:])] * 3)}

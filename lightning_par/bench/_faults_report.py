@@ -42,6 +42,14 @@ def report(result: dict[str, Any]) -> str:
             lines.append(f"{head}failed: {row['failed']}")
             continue
         lines.append(head + "".join(_cell(row.get(k), w, f) for k, w, f in CELLS) + _equal(row))
+    for row in result["rows"]:
+        if row.get("joined_s") is not None:
+            pace = row.get("whole_steps_per_s")
+            lines.append(
+                f"{row['strategy']} p={row['world']}: the lost rank's replacement joined "
+                f"{row['joined_s']:.1f} s after the fault; "
+                + (f"{pace:.2f} steps/s after it" if pace else "no step after it")
+            )
     for ratio in result["ratios"]:
         lines.append(
             f"{ratio['strategy']} ({ratio['lost']} lost) p={ratio['world']}: restart loses "

@@ -2,7 +2,8 @@
 
     python -m lightning_par.bench faults [--strategies ring_allreduce,local_sgd,parameter_server]
         [--worlds 3,4] [--steps 40] [--fault-step 15] [--width 32] [--num-blocks 4]
-        [--batch-size 32] [--launch lightning|torchrun] [--lost-rank last|first] [--json]
+        [--batch-size 32] [--launch lightning|torchrun [--replace]] [--lost-rank last|first]
+        [--json]
 
 For each case of :data:`~lightning_par.bench._faults_cases.CASES` (a strategy and what it
 loses: a rank, or a parameter server) and each world size, the CIFAR CNN (``--width``,
@@ -17,6 +18,12 @@ runs alone there, each fit a script of its own):
 * **restart** (the peer, what TorchElastic and a user do today): the strategy as it is,
   with a checkpoint every 10 steps (``--checkpoint-every``); the run ends with the lost
   process named, and the script is run again from the newest checkpoint on as many ranks.
+
+With ``--replace`` (under torchrun) torchrun is given ``--max-restarts=1``: the lost rank's
+keeper starts a replacement, which joins the survivors at a step boundary
+(:mod:`lightning_par.launch.joining`); its row also says when it joined (``joined_s``, from
+the fault) and the pace after (``whole_steps_per_s``: every shard trained by its own rank
+again).
 
 Before them the strategy runs once as it is, without a fault: the reference weights.
 Reported per run: seconds from the fault to its detection (the survivors' first failed
@@ -101,6 +108,11 @@ def measure(
     if "lost" in events:
         row["detect_s"] = events["lost"] - done[_first(done, plan.fault)][1]
         row["regroup_s"] = events["regrouped"] - events["lost"]
+    if "joined" in events:  # (--replace)
+        row["joined_s"] = events["joined"] - done[_first(done, plan.fault)][1]
+        whole = [t for _, t in done if t > events["joined"]]
+        gaps = [b - a for a, b in zip(whole, whole[1:])]
+        row["whole_steps_per_s"] = 1 / statistics.median(gaps) if gaps else None
     if expected is not None:
         diff = max((weights[k] - v).abs().max().item() for k, v in expected.items())
         row["weights_max_diff"] = diff
@@ -120,7 +132,7 @@ def _timings(done: list[tuple[int, float]], fault: int, events: dict[str, float]
     last time) after the last of the ``events`` (the survivors' regroup, under ``local_sgd``
     at the averaging that finds the loss; the restart's script started again), less those
     steps at the pace before and the restart's wait between its two scripts."""
-    recovered = max(events.values(), default=0.0)
+    recovered = max((t for e, t in events.items() if e != "joined"), default=0.0)
     idle_s = events["launched"] - events["ended"] if "launched" in events else 0.0
     first = _first(done, fault)
     last_before = done[first][1]
@@ -222,8 +234,15 @@ def main(argv: list[str] | None = None) -> int:
         default="last",
         help="the rank a case that loses a rank kills: the last, or rank 0",
     )
+    parser.add_argument(
+        "--replace",
+        action="store_true",
+        help="under torchrun: --max-restarts=1, a replacement joins the survivors",
+    )
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args(argv)
+    if args.replace and args.launch != "torchrun":
+        parser.error("--replace needs --launch torchrun (its --max-restarts starts it)")
     if not 3 < args.fault_step < args.steps - 3:
         parser.error("--fault-step must leave 3 steps before it and 3 after it")
     restarts = args.launch == "lightning"  # (under torchrun the survivors alone are measured)
@@ -236,13 +255,12 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as err:
         parser.error(str(err))
     model = (args.width, args.num_blocks, args.batch_size)
-    plan = Plan(
-        args.steps, args.fault_step, args.checkpoint_every, model, args.launch, args.lost_rank
-    )
+    plan = Plan(args.steps, args.fault_step, args.checkpoint_every, model, args.launch,
+                args.lost_rank, args.replace)  # fmt: skip
     started = RunEnvironment.now()
     result = {
         "fault_step": args.fault_step, "steps": args.steps, "launch": args.launch,
-        "lost_rank": args.lost_rank,
+        "lost_rank": args.lost_rank, "replace": args.replace,
         **bench(cases, [int(w) for w in args.worlds.split(",")], plan),
         "model": dict(zip(("width", "num_blocks", "batch_size"), model)),
     }  # fmt: skip
