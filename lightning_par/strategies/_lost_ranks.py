@@ -48,7 +48,7 @@ from typing import Any
 
 from lightning_par import _compat
 from lightning_par.launch import liveness
-from lightning_par.launch.liveness import report_and_exit
+from lightning_par.launch.heartbeat import report_and_exit
 from lightning_par.launch.lost import LAUNCHER_RANK_ENV, RankLost, how_it_ended, read_reports
 from lightning_par.launch.processes import stop_process_groups
 
