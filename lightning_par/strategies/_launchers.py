@@ -129,7 +129,8 @@ class PolicyLauncher(_compat.MultiProcessingLauncher):
         strategy = self._strategy
         strategy.launch_arguments = launch_arguments(function, args, kw)
         strategy.check_before_launch(trainer)
-        device = strategy.root_device_type
+        devices = strategy.parallel_devices  # the kind of device the ranks will run on
+        device = devices[0].type if devices else "cpu"
         # Lightning creates these ranks (its environment said so), whatever SLURM_* or
         # torchrun variables an interactive allocation leaves in the environment
         state = replace(process_state(), external_ranks=False)
