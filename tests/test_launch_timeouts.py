@@ -157,7 +157,7 @@ def test_two_jobs_started_at_once_never_share_a_rendezvous(tmp_path):
 def _beats(dead_after: float):
     import torch.distributed as dist
 
-    from lightning_par.launch.liveness import Heartbeat
+    from lightning_par.launch.heartbeat import Heartbeat
 
     store, reports = dist.HashStore(), []
     beats = [

@@ -23,7 +23,7 @@ from _script_runs import session_members
 from test_lost_ranks import CHECKPOINT, DEAD_PEER_S, HERE, SCRIPT
 
 from lightning_par.launch.faults import FAULT_ENV
-from lightning_par.launch.liveness import Heartbeat
+from lightning_par.launch.heartbeat import Heartbeat
 from lightning_par.launch.lost import LAUNCHER_RANK_ENV, RankLost, _one_line
 from lightning_par.launch.peer_loss import lost_peer
 from lightning_par.launch.process_id import ProcessId, this_process

@@ -145,6 +145,18 @@ class ModelSplitter:
         """A clearer error for an optimiser that failed to build on this piece, or None."""
         return None
 
+    @contextmanager
+    def optimizer_errors_explained(self) -> Iterator[None]:
+        """While the optimisers are built: a ``ValueError`` raised again as
+        :meth:`explain_optimizer_error`'s clearer one, where it has one."""
+        try:
+            yield
+        except ValueError as err:
+            better = self.explain_optimizer_error(err)
+            if better is None:
+                raise
+            raise better from err
+
     # ---- steps ----------------------------------------------------------------------------
     def before_training_step(self, batch: Any) -> None:
         """Checks (and work such as 1F1B's whole schedule) before the user's step."""

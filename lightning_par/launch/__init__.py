@@ -3,7 +3,8 @@
 trees they run in (:mod:`~lightning_par.launch.processes`), the job's store
 (:mod:`~lightning_par.launch.store_host`) and the rendezvous in it
 (:mod:`~lightning_par.launch.rendezvous`), who is still alive
-(:mod:`~lightning_par.launch.liveness`, :mod:`~lightning_par.launch.process_id`), naming a
+(:mod:`~lightning_par.launch.liveness` over :mod:`~lightning_par.launch.heartbeat`,
+:mod:`~lightning_par.launch.process_id`), naming a
 rank the job lost
 (:mod:`~lightning_par.launch.lost`), injecting such a loss (:mod:`~lightning_par.launch.faults`)
 and running a function on a few local ranks (:mod:`~lightning_par.launch.run`)."""

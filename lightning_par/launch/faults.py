@@ -92,3 +92,11 @@ def planned_faults() -> list[Fault]:
     parameter server lost in the same step)."""
     text = os.environ.get(FAULT_ENV, "")
     return [parse_fault(part) for part in text.split(",") if part.strip()]
+
+
+def strike_due(faults: list[Fault], step: int, rank: int) -> None:
+    """As rank ``rank``'s training step ``step`` begins: strike it with each of ``faults``
+    due then (none, usually)."""
+    for fault in faults:
+        if fault.due(step, rank=rank):
+            fault.strike()

@@ -4,7 +4,7 @@
 A peer whose process *ended* closes its connections, and the collective waiting on it fails
 at once with gloo's "Connection reset by peer", which names no rank; its exit code goes only
 to its parent (torchrun's agent prints it in its table). Each rank's heartbeat
-(:class:`~lightning_par.launch.liveness.Heartbeat`) knows its peers' processes
+(:class:`~lightning_par.launch.heartbeat.Heartbeat`) knows its peers' processes
 (:mod:`.process_id`) and when each last beat, so :func:`lost_peer` names the peer that ended
 without finishing its stage: at once on the same machine, after a few missed beats on
 another. A process that finds a peer lost that no rank watches (a parameter server drops or

@@ -47,7 +47,7 @@ from collections.abc import Callable
 import torch
 
 from lightning_par.comm import CommError, Communicator, Handle
-from lightning_par.launch.liveness import Heartbeat
+from lightning_par.launch.heartbeat import Heartbeat
 from lightning_par.paramserver import protocol
 from lightning_par.paramserver.faults import covered_since
 from lightning_par.paramserver.messages import recv_object_bytes

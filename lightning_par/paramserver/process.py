@@ -42,7 +42,7 @@ import torch.distributed as dist
 
 from lightning_par.comm import CommError, Communicator
 from lightning_par.launch import peer_loss
-from lightning_par.launch.liveness import Heartbeat, report_and_exit
+from lightning_par.launch.heartbeat import Heartbeat, report_and_exit
 from lightning_par.launch.lost import REPORTS_ENV, leave_report
 from lightning_par.launch.parent_state import ParentState
 from lightning_par.launch.policy import FORKSERVER_PRELOAD, limit_threads_after_fork, plan_launch

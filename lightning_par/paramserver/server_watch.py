@@ -57,7 +57,7 @@ def watch_servers(
 
 def fence(procs: list[mp.process.BaseProcess], num_workers: int, zero: bool = False):
     """A worker's answer to a silent peer (``fault_tolerant``): the job goes on without a
-    server (``survive`` of :class:`~lightning_par.launch.liveness.Heartbeat`), killed first
+    server (``survive`` of :class:`~lightning_par.launch.heartbeat.Heartbeat`), killed first
     if this worker started it, so that its connections close and its copy takes over, and
     without a worker (0 if ``zero``: its servers outlive it), killed first where it runs."""
 

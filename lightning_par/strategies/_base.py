@@ -21,14 +21,15 @@ The pieces live in components: :mod:`~lightning_par.components.process_group`,
 :mod:`~lightning_par.components.strategy_options` and the model splitter
 (:mod:`~lightning_par.components.splitter`; the default one holds the whole model), which
 the four ``*_step`` hooks, ``backward``, the optimiser step and the checkpoint hooks below
-hand the model to.
+hand the model to; a fork launch's whole checkpoint goes back to the script through
+:mod:`._carry_back`.
 """
 
 from __future__ import annotations
 
 import os
 from collections.abc import Generator, Mapping
-from contextlib import contextmanager, nullcontext
+from contextlib import contextmanager
 from datetime import timedelta
 from pathlib import Path
 from typing import Any, ClassVar
@@ -48,10 +49,10 @@ from lightning_par.components.process_group import join_process_group, strategy_
 from lightning_par.components.splitter import ModelSplitter
 from lightning_par.components.strategy_options import check_options, plumbing_arguments
 from lightning_par.launch import default_timeout, liveness
-from lightning_par.launch.faults import Fault, planned_faults
+from lightning_par.launch.faults import Fault, planned_faults, strike_due
 from lightning_par.launch.policy import LaunchPlan
 from lightning_par.launch.rendezvous import StoreAddress
-from lightning_par.strategies._carry_back import dump_rank_checkpoint, with_training_state
+from lightning_par.strategies._carry_back import dump_for_script, with_training_state
 from lightning_par.strategies._launchers import log_startup, make_launcher
 
 
@@ -146,11 +147,6 @@ class ParStrategy(DDPStrategy):
         return module is not None and any(p.is_meta for p in module.parameters())
 
     # ---- launching --------------------------------------------------------------------------
-    @property
-    def root_device_type(self) -> str:
-        """The kind of device the ranks run on (the launch policy reads it)."""
-        return self.parallel_devices[0].type if self.parallel_devices else "cpu"
-
     @override
     def _configure_launcher(self) -> None:
         self._launcher = make_launcher(self, self._requested_start_method)
@@ -244,13 +240,8 @@ class ParStrategy(DDPStrategy):
 
     @override
     def setup_optimizers(self, trainer: pl.Trainer) -> None:
-        try:
+        with self.splitter.optimizer_errors_explained():
             super().setup_optimizers(trainer)
-        except ValueError as err:
-            better = self.splitter.explain_optimizer_error(err)
-            if better is None:
-                raise
-            raise better from err
 
     # ---- the model split over ranks: each hook hands its piece to the splitter ---------------
     @property
@@ -274,9 +265,7 @@ class ParStrategy(DDPStrategy):
 
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
-        for fault in self.faults:  # an injected fault strikes as its step begins
-            if fault.due(self.lightning_module.trainer.global_step, rank=self.global_rank):
-                fault.strike()
+        strike_due(self.faults, self.lightning_module.trainer.global_step, self.global_rank)
         self.splitter.before_training_step(args[0] if args else kwargs.get("batch"))
         with self.splitter.running():
             return super().training_step(*args, **kwargs)
@@ -319,10 +308,7 @@ class ParStrategy(DDPStrategy):
     @override
     def on_train_end(self) -> None:
         super().on_train_end()
-        if getattr(self.launcher, "carries_back", False) and not self.holds_whole_model:
-            # while every component (servers, stages) is still up: the script gets it
-            with self.trace.left_out() if self.trace is not None else nullcontext():
-                self.end_of_fit_checkpoint = dump_rank_checkpoint(self.lightning_module.trainer)
+        dump_for_script(self)  # a fork launch: the script gets the whole checkpoint
 
     @override
     def lightning_module_state_dict(self) -> dict[str, Any]:

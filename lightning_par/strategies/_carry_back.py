@@ -32,6 +32,7 @@ import pickle
 import shutil
 import tempfile
 from collections.abc import Mapping
+from contextlib import nullcontext
 from dataclasses import dataclass
 from typing import Any
 
@@ -77,6 +78,17 @@ def dump_rank_checkpoint(trainer: pl.Trainer) -> dict[str, Any]:
     """The whole checkpoint as ``trainer.save_checkpoint`` would write it (every rank calls
     this: model-split strategies gather their pieces in it)."""
     return trainer._checkpoint_connector.dump_checkpoint(weights_only=False)
+
+
+def dump_for_script(strategy: Any) -> None:
+    """At the end of ``fit``, in each rank of a launch that carries results back (a fork
+    launch's), while every component (servers, stages) is still up: keep the whole
+    checkpoint in ``strategy.end_of_fit_checkpoint`` (:func:`output_for_script` sends it;
+    the trace leaves the gathering out)."""
+    if getattr(strategy.launcher, "carries_back", False) and not strategy.holds_whole_model:
+        trace = strategy.trace
+        with trace.left_out() if trace is not None else nullcontext():
+            strategy.end_of_fit_checkpoint = dump_rank_checkpoint(strategy.lightning_module.trainer)
 
 
 def save_for_script(

@@ -21,8 +21,8 @@
   newest checkpoint is (:mod:`._interrupts`);
 * a rank lost (killed, ended without raising, or silent for ``dead_peer_timeout``) ends the
   job at once with :class:`~lightning_par.launch.lost.RankLost`, one line naming the rank,
-  how it was lost and the newest checkpoint (:mod:`._lost_ranks`), which a script that does
-  not catch it prints alone;
+  how it was lost and the newest checkpoint (:mod:`._lost_ranks`; a ``popen`` launch's
+  scripts: :mod:`._script_ranks`), which a script that does not catch it prints alone;
 * a rank's exception reaches the main process with its own type (``ValueError``, ...),
   chained to torch's report of the rank's traceback (:mod:`._rank_errors`);
 * after a fork ``fit`` the main process gets the FULL model and the training state
@@ -72,8 +72,9 @@ from lightning_par.launch.rendezvous import STORE_ENV, host_job_store
 from lightning_par.strategies._carry_back import output_for_script, recover_in_script
 from lightning_par.strategies._interrupts import lost_rank_message, sigterm_as_interrupt, stop_ranks
 from lightning_par.strategies._lost_peers import LostPeers, keep_from_launcher, keep_popen_rank_0
-from lightning_par.strategies._lost_ranks import ScriptRanks, joined_by_us
+from lightning_par.strategies._lost_ranks import joined_by_us
 from lightning_par.strategies._rank_errors import RankErrors
+from lightning_par.strategies._script_ranks import ScriptRanks
 
 
 def launch_arguments(function: Callable, args: tuple, kwargs: dict[str, Any]) -> dict[str, Any]:
@@ -128,7 +129,8 @@ class PolicyLauncher(_compat.MultiProcessingLauncher):
         strategy = self._strategy
         strategy.launch_arguments = launch_arguments(function, args, kw)
         strategy.check_before_launch(trainer)
-        device = strategy.root_device_type
+        devices = strategy.parallel_devices  # the kind of device the ranks will run on
+        device = devices[0].type if devices else "cpu"
         # Lightning creates these ranks (its environment said so), whatever SLURM_* or
         # torchrun variables an interactive allocation leaves in the environment
         state = replace(process_state(), external_ranks=False)
