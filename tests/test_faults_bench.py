@@ -11,11 +11,13 @@ import tempfile
 from pathlib import Path
 
 import pytest
+import torch
 
 from lightning_par.bench import _faults_fits
 from lightning_par.bench._faults_cases import CASES, cases_for
 from lightning_par.bench._faults_fits import LIMIT_S, Plan
-from lightning_par.bench.faults import bench, main
+from lightning_par.bench._faults_report import report
+from lightning_par.bench.faults import bench, main, measure
 from lightning_par.launch.processes import Completed
 
 ROOT = Path(__file__).parent.parent
@@ -144,3 +146,26 @@ def test_a_fit_that_fails_is_a_row_saying_so_and_the_cases_after_it_still_run(
         ("local_sgd", "fault_tolerant", "RuntimeError: lost"),
         ("local_sgd", "restart", "RuntimeError: lost"),  # (its resume: the script again)
     ], failed
+
+
+def test_a_replacements_join_is_read_from_the_fits_events_apart_from_the_recovery(tmp_path):
+    """``--replace``: when the replacement joined (from the fault) and the pace after it;
+    the time lost still ends at the survivors' regroup, not at the join."""
+    steps = [{"step": s, "t": 10.0 + s} for s in range(1, 6)]  # 1 step/s before the fault
+    steps += [{"step": s, "t": 15.5 + (s - 5) * 0.5} for s in range(6, 12)]  # 2 ranks: 2/s
+    steps += [{"step": s, "t": 18.6 + (s - 12) * 0.25} for s in range(12, 18)]  # joined: 4/s
+    events = [{"event": "lost", "t": 15.1}, {"event": "regrouped", "t": 15.2},
+              {"event": "joined", "t": 18.4}]  # fmt: skip
+    rows = "\n".join(json.dumps(row) for row in [*steps, *events])
+    (tmp_path / "steps.jsonl").write_text(rows + "\n")
+    torch.save({"w": torch.zeros(2)}, tmp_path / "weights.pt")
+    plan = Plan(17, 5, 3, launch="torchrun", replace=True)
+    row = measure(CASES[0], 3, "fault_tolerant", plan, tmp_path, "", {"w": torch.zeros(2)})
+    assert row["joined_s"] == pytest.approx(18.4 - 15.0)  # (step 4 done at 14.0: the fault)
+    assert row["whole_steps_per_s"] == pytest.approx(4.0)
+    assert row["after_steps_per_s"] == pytest.approx(2.0)  # (from the regroup to the join)
+    assert row["lost_s"] == pytest.approx(16.0 - 15.0 - 1.0, abs=0.01)  # (step 6 at 16.0)
+    assert "replacement joined 3.4 s after the fault; 4.00 steps/s" in report(
+        {"rows": [row], "ratios": [], "model": {"width": 1, "num_blocks": 1, "batch_size": 1},
+         "fault_step": 5}
+    )  # fmt: skip

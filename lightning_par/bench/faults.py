@@ -140,7 +140,8 @@ def _timings(done: list[tuple[int, float]], fault: int, events: dict[str, float]
     step_s = statistics.median(g for s, g in gaps[:first] if s > 2)
     finished = dict(done)  # each step's last time: a restart does them again
     back = next(s for s in sorted(finished) if s > fault and finished[s] > recovered)
-    going = [t for s, t in done if s > back and t > finished[back]]  # the pace after it
+    until = events.get("joined", float("inf"))  # (--replace: the pace with fewer ranks)
+    going = [t for s, t in done if s > back and finished[back] < t < until]  # the pace after
     after = [b - a for a, b in zip(going, going[1:])]
     return {
         "step_s": step_s,
