@@ -76,52 +76,41 @@ def test_a_lost_rank_is_survived_under_torchrun(tmp_path, name, fault, line):
     assert _worst(one_process(3), torch.load(out, weights_only=True)) < 1e-5
 
 
-def test_rank_0_lost_under_torchrun_is_taken_over_by_the_first_survivor(tmp_path):
-    """Its loggers and checkpoints too: every step's row in the CSV file once (rank 0's
-    rows kept), the last checkpoint at the last step, the final weights one process's.
-    Rank 2 frozen later in the same run is found by a survivor's heartbeat and ended, its
-    keeper telling the agent it ended well (one run for both: each has its own lines)."""
-    fault = "kill:rank=0:step=3,freeze:rank=2:step=7"
-    run, out = _torchrun(tmp_path, "ring_allreduce", fault, "logged")
-    assert run.code == 0, run.text[-4000:]
-    assert "lightning_par: rank 0 was killed by SIGKILL; the other ranks go on" in run.text
-    assert "rank(s) 0 lost; 2 of 3 ranks go on (ranks [1, 2])" in run.text, run.text
-    assert "rank 2 stopped responding for 2 s" in run.text, run.text[-4000:]
-    assert "lightning_par: rank 2 was killed by SIGKILL; the other ranks go on" in run.text
-    assert "rank(s) 2 lost; 1 of 2 ranks go on (ranks [1])" in run.text, run.text[-4000:]
-    assert _result(run.text)["raised"] is None and "Traceback" not in run.text, run.text
-    assert "will be deleted" not in run.text, run.text
-    assert _worst(one_process(3), torch.load(out, weights_only=True)) < 1e-5
-    assert_logged_whole(tmp_path, 12)  # (rank 0 wrote steps 0-2 before it was lost)
-    assert len(_validated(tmp_path)) == 1  # the script's validate after fit: the survivor's
+def test_lost_ranks_are_taken_over_found_and_replaced_under_torchrun(tmp_path):
+    """``torchrun --max-restarts=1``, one run for every claim (each has its own lines):
 
+    * rank 0 killed at step 3: the first survivor takes over its loggers and checkpoints
+      (every step's row in the CSV file once, rank 0's rows kept; the last checkpoint at
+      the last step; the script's validate after fit logged once, from it);
+    * rank 2 frozen at step 5: found by a survivor's heartbeat and ended, its keeper
+      telling the agent it ended well;
+    * each lost rank's keeper starts a replacement, which joins the survivors at a step
+      boundary with the training state of a healthy peer (no checkpoint read) and trains
+      its place's shard again, taking it back from the survivor that stood in for it.
 
-def test_lost_ranks_replacements_join_under_torchrun_with_the_state_of_a_healthy_peer(tmp_path):
-    """``torchrun --max-restarts=1``: rank 0 killed at step 3, rank 2 at step 5. Each one's
-    keeper starts a replacement, which joins the survivors at a step boundary with the
-    training state of a healthy peer (no checkpoint read) and trains its place's shard
-    again, taking it back from the survivor that stood in for it; the first replacement
-    stands in for rank 2's shard until the second one joins. The run ends with one
-    process's weights and every step logged once (the ``slow`` variant: 3 epochs of 20
-    steps of a quarter second, so that the replacements join mid-epoch and go on into the
-    next ones)."""
-    fault = "kill:rank=0:step=3,kill:rank=2:step=5"
+    The run ends with one process's weights (the ``slow`` variant: 3 epochs of 20 steps of
+    a quarter second, so that the replacements join mid-epoch and go on into the next)."""
+    fault = "kill:rank=0:step=3,freeze:rank=2:step=5"
     run, out = _torchrun(tmp_path, "ring_allreduce", fault, "slow", restarts=1)
     assert run.code == 0, run.text[-4000:]
+    assert "rank(s) 0 lost; 2 of 3 ranks go on (ranks [1, 2])" in run.text, run.text
+    assert "rank 2 stopped responding for 2 s" in run.text, run.text[-4000:]
+    assert "rank(s) 2 lost; 1 of 2 ranks go on (ranks [1])" in run.text, run.text[-4000:]
     for rank in (0, 2):
         line = (f"rank {rank} was killed by SIGKILL; the other ranks go on without it, and its "
                 "replacement starts to join them (0 more restart(s) allowed)")  # fmt: skip
         assert line in run.text, run.text[-4000:]
-    joined = re.findall(r"rank (\d)'s replacement joined as rank (\d) at step \d+ \(the members "
-                        r"waited [0-9.]+ s\); (\d) ranks go on", run.text)  # fmt: skip
-    assert joined == [("0", "3", "2"), ("2", "4", "3")], run.text[-4000:]
+    joined = re.findall(r"rank (\d)'s replacement joined as rank (\d)", run.text)
+    assert sorted(joined) == [("0", "3"), ("2", "4")], run.text[-4000:]
+    assert "3 ranks go on (ranks [1, 3, 4])" in run.text, run.text[-4000:]
     result = _result(run.text)
     assert result["raised"] is None and "Traceback" not in run.text, run.text[-4000:]
+    assert "will be deleted" not in run.text, run.text
     assert result["members"] == [1, 3, 4]
     assert _worst(one_process(3, "slow"), torch.load(out, weights_only=True)) < 1e-5
-    assert_logged_whole(tmp_path, 60)
+    assert_logged_whole(tmp_path, 60)  # (rank 0 wrote steps 0-2 before it was lost)
     # each epoch's validation once (the replacements validate their shards), and the
-    # script's validate after fit
+    # script's validate after fit, from the survivor that leads
     assert [row["step"] for row in _validated(tmp_path)] == ["19", "39", "59", "60"]
 
 
