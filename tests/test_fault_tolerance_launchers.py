@@ -175,12 +175,12 @@ def _clean_env() -> dict[str, str]:
     return {**clean_env(), "PYTHONPATH": str(HERE.parent)}
 
 
-def _srun(tmp_path: Path, fault: str, variant: str = "tiny", name: str = "ring_allreduce"
-          ) -> tuple[list[int], list[str], Path]:  # fmt: skip
+def _srun(tmp_path: Path, fault: str, variant: str = "tiny", name: str = "ring_allreduce",
+          **extra: str) -> tuple[list[int], list[str], Path]:  # fmt: skip
     job, out = free_job_id(), tmp_path / "weights.pt"
     procs = []
     for task in range(3):
-        env = {**srun_env(job, task, 1, 3), "LIGHTNING_PAR_TIMEOUT": "90"}
+        env = {**srun_env(job, task, 1, 3), "LIGHTNING_PAR_TIMEOUT": "90", **extra}
         args = [sys.executable, "-u", str(SCRIPT), name, "3", fault, str(out), variant]
         procs.append(subprocess.Popen(
             args, cwd=tmp_path, env={**env, "PYTHONPATH": str(HERE.parent)},
@@ -206,25 +206,31 @@ def test_a_lost_task_is_survived_under_srun(tmp_path):
     assert _worst(one_process(3), torch.load(out, weights_only=True)) < 1e-5
 
 
-def test_rank_0_lost_under_srun_is_taken_over_and_a_rank_frozen_later_is_found(tmp_path):
+def test_rank_0_lost_under_srun_is_taken_over_a_rank_frozen_later_is_found_and_both_replaced(
+    tmp_path,
+):
     """Under srun rank 0 would serve the job's store; its keeper serves it instead and
     stays until every task ended, so the first survivor takes over rank 0's share (its
     loggers and checkpoints too). The survivors still watch each other: the keeper, not
     rank 0, served the store, so its end is no store's end. Rank 2 frozen later is found by
-    rank 1's heartbeat, and rank 1 goes on alone. (One run for both: each claim has its own
-    lines and files.)"""
-    fault = "kill:rank=0:step=3,freeze:rank=2:step=7"
-    codes, outputs, out = _srun(tmp_path, fault, "logged")
+    rank 1's heartbeat, and rank 1 goes on alone until, with LIGHTNING_PAR_MAX_RESTARTS=1
+    (nothing restarts a task under srun), each lost task's keeper starts a replacement
+    that joins it. (One run for every claim: each has its own lines and files.)"""
+    fault = "kill:rank=0:step=3,freeze:rank=2:step=5"
+    codes, outputs, out = _srun(tmp_path, fault, "slow", LIGHTNING_PAR_MAX_RESTARTS="1")
     assert codes == [0, 0, 0], outputs
     assert "lightning_par: rank 0 was killed by SIGKILL; the other ranks go on" in outputs[0]
     assert "rank(s) 0 lost; 2 of 3 ranks go on (ranks [1, 2])" in outputs[1], outputs[1]
     # found by the heartbeat within dead_peer_timeout, not by a collective's timeout
     assert "rank 2 stopped responding for 2 s" in outputs[1], outputs[1][-3000:]
     assert "rank(s) 2 lost; 1 of 2 ranks go on (ranks [1])" in outputs[1], outputs[1][-3000:]
-    assert _result(outputs[1])["raised"] is None, outputs[1][-3000:]  # (now the leader)
+    joined = re.findall(r"rank (\d)'s replacement joined as rank (\d)", outputs[1])
+    assert sorted(joined) == [("0", "3"), ("2", "4")], outputs[1][-3000:]
+    result = _result(outputs[1])  # (now the leader)
+    assert result["raised"] is None and result["members"] == [1, 3, 4], outputs[1][-3000:]
     assert "Traceback" not in "".join(outputs) and "TCPStore" not in "".join(outputs), outputs
-    assert _worst(one_process(3), torch.load(out, weights_only=True)) < 1e-5
-    assert_logged_whole(tmp_path, 12)
+    assert _worst(one_process(3, "slow"), torch.load(out, weights_only=True)) < 1e-5
+    assert_logged_whole(tmp_path, 60)
 
 
 def test_parameter_server_worker_0_lost_under_srun_is_taken_over_by_the_first_survivor(
