@@ -86,6 +86,10 @@ def test_a_lost_rank_is_replaced_as_often_as_torchruns_max_restarts_allow():
         "its replacement starts to join them (0 more restart(s) allowed)\n"
     ), done.stderr
     # no restart allowed, or a rank stopped on purpose: not replaced
+    typo = _run(end, tolerated=True, LIGHTNING_PAR_MAX_RESTARTS="one")
+    assert typo.returncode == 1 and "LIGHTNING_PAR_MAX_RESTARTS='one': give how many" in (
+        typo.stderr
+    ), typo  # fmt: skip
     stopped = _LOST_UNLESS_REPLACEMENT.format(signal="SIGTERM")
     for ending, env in ((end, {}), (stopped, {"LIGHTNING_PAR_MAX_RESTARTS": "1"})):
         done = _run(ending, tolerated=True, **env)

@@ -114,8 +114,15 @@ def _in_the_rank() -> None:
 def restarts_allowed() -> int:
     """How many times a lost rank is replaced: torchrun's ``--max-restarts`` (its agent
     says it to its workers), else :data:`RESTARTS_ENV`; 0 by default."""
-    text = os.environ.get("TORCHELASTIC_MAX_RESTARTS") or os.environ.get(RESTARTS_ENV) or "0"
-    return int(text) if text.isdigit() else 0
+    if os.environ.get("TORCHELASTIC_MAX_RESTARTS", "").isdigit():
+        return int(os.environ["TORCHELASTIC_MAX_RESTARTS"])
+    text = os.environ.get(RESTARTS_ENV, "0").strip() or "0"
+    if not text.isdigit():
+        raise ValueError(
+            f"{RESTARTS_ENV}={text!r}: give how many times a lost rank may be replaced, a "
+            "whole number (0: never), e.g. 1"
+        )
+    return int(text)
 
 
 def kept() -> bool:
