@@ -16,6 +16,8 @@ from pathlib import Path
 
 import pytest
 
+from lightning_par.launch.keeper import RESTARTS_ENV, restarts_allowed
+
 ROOT = Path(__file__).parent.parent
 
 _SCRIPT = """
@@ -75,7 +77,9 @@ _LOST_UNLESS_REPLACEMENT = (
 
 def test_a_lost_rank_is_replaced_as_often_as_torchruns_max_restarts_allow():
     """torchrun's agent would restart every worker of the node from the start; the keeper
-    starts the lost one again, as a replacement that joins (``LIGHTNING_PAR_JOIN``)."""
+    starts the lost one again, as a replacement that joins (``LIGHTNING_PAR_JOIN``). With no
+    restart allowed nothing is replaced (the first test's lines), nor is a rank stopped on
+    purpose (SIGTERM)."""
     end = _LOST_UNLESS_REPLACEMENT.format(signal="SIGKILL")
     done = _run(end, tolerated=True, TORCHELASTIC_MAX_RESTARTS="1")
     assert done.returncode == 0, done
@@ -85,15 +89,23 @@ def test_a_lost_rank_is_replaced_as_often_as_torchruns_max_restarts_allow():
         "lightning_par: rank 1 was killed by SIGKILL; the other ranks go on without it, and "
         "its replacement starts to join them (0 more restart(s) allowed)\n"
     ), done.stderr
-    # no restart allowed, or a rank stopped on purpose: not replaced
-    typo = _run(end, tolerated=True, LIGHTNING_PAR_MAX_RESTARTS="one")
-    assert typo.returncode == 1 and "LIGHTNING_PAR_MAX_RESTARTS='one': give how many" in (
-        typo.stderr
-    ), typo  # fmt: skip
     stopped = _LOST_UNLESS_REPLACEMENT.format(signal="SIGTERM")
-    for ending, env in ((end, {}), (stopped, {"LIGHTNING_PAR_MAX_RESTARTS": "1"})):
-        done = _run(ending, tolerated=True, **env)
-        assert done.returncode == 0 and "replacement" not in done.stdout + done.stderr, done
+    done = _run(stopped, tolerated=True, LIGHTNING_PAR_MAX_RESTARTS="1")
+    assert done.returncode == 0 and "replacement" not in done.stdout + done.stderr, done
+
+
+def test_how_often_a_lost_rank_is_replaced_is_read_from_torchrun_or_the_variable(monkeypatch):
+    monkeypatch.delenv("TORCHELASTIC_MAX_RESTARTS", raising=False)
+    monkeypatch.delenv(RESTARTS_ENV, raising=False)
+    assert restarts_allowed() == 0
+    monkeypatch.setenv(RESTARTS_ENV, "2")
+    assert restarts_allowed() == 2
+    monkeypatch.setenv("TORCHELASTIC_MAX_RESTARTS", "1")  # (torchrun's says it first)
+    assert restarts_allowed() == 1
+    monkeypatch.delenv("TORCHELASTIC_MAX_RESTARTS")
+    monkeypatch.setenv(RESTARTS_ENV, "one")
+    with pytest.raises(ValueError, match="LIGHTNING_PAR_MAX_RESTARTS='one': give how many"):
+        restarts_allowed()
 
 
 @pytest.mark.parametrize("signum", [signal.SIGKILL, signal.SIGTERM])
