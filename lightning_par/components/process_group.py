@@ -18,7 +18,7 @@ from typing import Any
 import torch.distributed as dist
 
 from lightning_par.launch import liveness
-from lightning_par.launch.rendezvous import StoreAddress, group_store
+from lightning_par.launch.rendezvous import StoreAddress, group_store, wait_until_connected
 
 
 def strategy_store(host: Any) -> tuple[Any, StoreAddress]:
@@ -54,6 +54,7 @@ def join_process_group(host: Any, backend: str) -> Any | None:
         store, host.global_rank, host.watched_ranks(), host.timeout, host.rank_name,
         host.dead_peer_timeout,
     )  # fmt: skip
+    wait_until_connected(backend)
     return store
 
 

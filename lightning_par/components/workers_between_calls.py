@@ -23,6 +23,7 @@ from lightning_par.components.process_group import destroy_process_group
 from lightning_par.components.worker_context import WorkerContext
 from lightning_par.launch import peer_loss
 from lightning_par.launch.lost import RankLost
+from lightning_par.launch.rendezvous import wait_until_connected
 
 
 class _KeptGroup:
@@ -72,6 +73,7 @@ def keep_workers_group(ctx: WorkerContext, beat: Any, alive: list[int]) -> None:
         "gloo", store=store, rank=alive.index(ctx.rank), world_size=len(alive),
         timeout=ctx.timeout,
     )  # fmt: skip
+    wait_until_connected("gloo")  # (the next call may end this group at once)
     _kept.group = dist.group.WORLD
     atexit.register(destroy_process_group)  # (a gloo group alive at exit can abort it)
 

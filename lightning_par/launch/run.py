@@ -197,8 +197,9 @@ def _wait_for_results(procs: list, queue: Any, results: dict[int, Any], deadline
             dead = _dead_ranks(procs, results, failures)
             report = _failure_report(procs, dead, failures, world_size)
             # only a mesh that failed to connect, no rank dead: start again (a rank whose mesh
-            # failed never ran ``fn``, so what the others returned is dropped; seen under load:
-            # rank 1 "Connection closed by peer" while rank 0 ran a function that sent nothing)
+            # failed never ran ``fn``, so what the others returned is dropped; the race seen
+            # under load, rank 0 ending the group while rank 1 still connected, is closed by
+            # init_process_group's wait_until_connected)
             retry = not exited and all(k == "mesh" for _, k, _ in failures)
             raised = tuple(r for r, kind, _ in failures if kind == "error")
             raise (_MeshFailed if retry else RankFailed)(report, dead=dead, raised=raised)
