@@ -121,6 +121,20 @@ def test_stored_outputs_show_no_machine_paths_or_chatter(nb):
                 assert phrase not in text, f"{nb.name} cell {i}: Lightning chatter {phrase!r}"
 
 
+@pytest.mark.parametrize("nb", NOTEBOOKS, ids=lambda p: p.stem)
+def test_temporary_folders_go_when_the_notebook_ends(nb):
+    """A notebook's scratch folder is a ``tempfile.TemporaryDirectory`` (removed at the
+    kernel's exit even after a failed cell) that the last code cell cleans up: a
+    ``mkdtemp`` folder stayed in /tmp after every run."""
+    code = [_text(c["source"]) for c in _cells(nb) if c["cell_type"] == "code"]
+    for source in code:
+        found = re.search(r"\bmk[sd]temp\(", source)
+        assert not found, f"{nb.name}: {found.group(0)} leaves its file or folder behind"
+    kept = re.findall(r"^(\w+) = tempfile\.TemporaryDirectory\(", "\n".join(code), re.M)
+    for name in kept:
+        assert f"{name}.cleanup()" in code[-1], f"{nb.name}: the last cell keeps {name}"
+
+
 def test_checking_says_open_then_checks_for_real(tmp_path):
     script = """
 import sys; sys.path.insert(0, sys.argv[1])
