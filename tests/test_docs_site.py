@@ -13,8 +13,10 @@ which ``make test`` installs) through Selenium, and every image must have loaded
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import sys
+import tempfile
 from html.parser import HTMLParser
 from pathlib import Path
 from urllib.parse import unquote, urlsplit
@@ -97,7 +99,9 @@ def test_every_internal_link_resolves(site):
     assert not broken, "\n".join(broken[:40])
 
 
-def _browser():
+def _browser(scratch: Path):
+    """Headless Chromium whose profile and singleton socket live in ``scratch`` (by default
+    both go to /tmp, where ``org.chromium.Chromium.*`` folders outlived every run)."""
     from selenium import webdriver
     from selenium.webdriver.chrome.service import Service
 
@@ -108,7 +112,9 @@ def _browser():
     for arg in ("--headless=new", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage",
                 "--allow-file-access-from-files"):  # fmt: skip
         options.add_argument(arg)
-    return webdriver.Chrome(service=Service(CHROMEDRIVER), options=options)
+    options.add_argument(f"--user-data-dir={scratch / 'profile'}")
+    service = Service(CHROMEDRIVER, env={**os.environ, "TMPDIR": str(scratch)})
+    return webdriver.Chrome(service=service, options=options)
 
 
 IMAGES = """
@@ -118,7 +124,10 @@ return Array.from(document.images).map(i => ({src: i.getAttribute('src'),
 
 
 def test_a_browser_shows_every_figure_of_the_course(site):
-    driver = _browser()
+    # (a short folder of its own: Chromium's singleton socket in a test's tmp_path passes
+    # the 108 bytes a Unix socket's path may have, and Chromium exits at once)
+    scratch = Path(tempfile.mkdtemp(prefix="lpt-chromium-"))
+    driver = _browser(scratch)
     try:
         driver.set_page_load_timeout(60)
         seen = {}
@@ -128,6 +137,7 @@ def test_a_browser_shows_every_figure_of_the_course(site):
             seen[name] = driver.execute_script(IMAGES)
     finally:
         driver.quit()
+        shutil.rmtree(scratch, ignore_errors=True)
     figures = {name: [i for i in images if "_images/" in i["src"]] for name, images in seen.items()}
     assert sum(len(f) for f in figures.values()) >= len(NOTEBOOKS), json.dumps(seen)[:3000]
     assert all(figures.values()), {n: len(f) for n, f in figures.items()}
