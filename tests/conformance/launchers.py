@@ -210,10 +210,15 @@ def run_all(
     commands: list[tuple[list[str], dict[str, str]]], cwd: Path, limit: float, ok: bool = True
 ) -> list[str]:
     """Start every command in its own session; kill every group after ``limit`` seconds,
-    naming the command that hung; each must exit 0 (``ok``) or not (``ok=False``)."""
+    naming the command that hung; each must exit 0 (``ok``) or not (``ok=False``). Their
+    ``TMPDIR`` (unless given) is ``cwd/tmp``, which goes with the test's folder: torchrun's
+    agent leaves its ``torchelastic_*`` log folder behind."""
+    private_tmp = cwd / "tmp"
+    private_tmp.mkdir(exist_ok=True)
     procs = [
-        subprocess.Popen(cmd, cwd=cwd, env=env, stdout=subprocess.PIPE,
-                         stderr=subprocess.STDOUT, text=True, start_new_session=True)
+        subprocess.Popen(cmd, cwd=cwd, env=_private_tmp(env, private_tmp),
+                         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                         start_new_session=True)
         for cmd, env in commands
     ]  # fmt: skip
     outputs = [""] * len(procs)
@@ -241,6 +246,13 @@ def run_all(
         if (proc.returncode == 0) != ok:
             pytest.fail(_every_ending(commands, procs, outputs, cmd))
     return outputs
+
+
+def _private_tmp(env: dict[str, str], private: Path) -> dict[str, str]:
+    """``env`` with ``TMPDIR`` set to ``private``, unless the test chose one itself."""
+    if env.get("TMPDIR") not in (None, os.environ.get("TMPDIR")):
+        return env
+    return {**env, "TMPDIR": str(private)}
 
 
 def _every_ending(commands: list, procs: list, outputs: list[str], failed: list[str]) -> str:
