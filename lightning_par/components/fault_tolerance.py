@@ -37,7 +37,7 @@ import torch.distributed as dist
 from lightning_par.comm import CommError
 from lightning_par.components.group_break import break_default_group, end_process
 from lightning_par.launch import liveness
-from lightning_par.launch.joining import FITTING_KEY
+from lightning_par.launch.joining import count_fit, fit_begins, fit_ends
 from lightning_par.launch.membership import PREFIX, REDO, Membership
 
 
@@ -58,6 +58,8 @@ class FaultTolerance:
         self.membership: Membership | None = None
         #: the members when this ``fit`` began: their shards make each step's batch
         self.fit_members: list[int] = []
+        #: this ``fit``'s number in the script (:func:`~lightning_par.launch.joining.count_fit`)
+        self.fit_number = 0
         self._store: Any = None
         self._init: dict[str, Any] = {}
         self._lock = threading.Lock()  # the default group is swapped under it
@@ -140,17 +142,19 @@ class FaultTolerance:
     # ---- the step ------------------------------------------------------------------------
     def begin_fit(self) -> None:
         """A ``fit`` begins: its data is sharded over the members there are now, and
-        replacements may join until it ends (:meth:`end_fit`)."""
+        replacements that reached the same fit of the script (its number: every member
+        counts alike) may join until it ends (:meth:`end_fit`)."""
+        self.fit_number = count_fit()
         if self.membership is not None:
             self.fit_members = list(self.membership.members)
             self.membership.places.clear()  # (every member holds its own shard again)
-            self._store.set(FITTING_KEY, "1")
+            fit_begins(self.membership.store, self.fit_number)
 
     def end_fit(self) -> None:
         """The ``fit`` ended: a replacement asking to join now is turned away."""
         if self.membership is not None and not liveness.store_gone():
             try:
-                self._store.delete_key(FITTING_KEY)
+                fit_ends(self.membership.store)
             except Exception:
                 pass  # the store is gone: the job ends
 
