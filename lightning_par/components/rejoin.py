@@ -13,28 +13,23 @@ The protocol is :mod:`lightning_par.launch.joining`; this is what each side of a
   for it;
 * the joiner (:func:`join`, then :func:`enter`): it asks, waits for its admission and the
   state, computes alone in a process group of its own while Lightning restores the state
-  and sets up, and at its first training step meets the members in their new group.
+  and sets up, and at its first training step meets the members in their new group
+  (:class:`FaultTolerance`'s :meth:`~.FaultTolerance.start_as_joiner` and
+  :meth:`~.FaultTolerance.enter_group` hold its side of the group).
 """
 
 from __future__ import annotations
 
-import atexit
 import sys
-import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
 
-import torch.distributed as dist
-
 from lightning_par.components.fault_tolerance import FaultTolerance
-from lightning_par.components.group_break import end_process
-from lightning_par.components.process_group import destroy_process_group
 from lightning_par.launch import joining, liveness
 from lightning_par.launch.joining import Admission
-from lightning_par.launch.membership import PREFIX, Membership
 
 
 @dataclass
@@ -116,7 +111,7 @@ def admit(tolerance: FaultTolerance, offer: Callable[[], Offer], step: int) -> l
 
 def join(
     tolerance: FaultTolerance, store: Any, place: int | None, backend: str,
-    timeout: timedelta, limit_s: float, dead_after_s: float,
+    timeout: timedelta, limit_s: float, dead_after_s: float, device: Any = None,
 ) -> tuple[Admission, bytes]:  # fmt: skip
     """This process joins the running group in ``store`` in ``place``'s place, at the fit
     of the script it reached (its first: a replacement runs the script from its start): its
@@ -124,17 +119,9 @@ def join(
     group of its own), so that what Lightning runs while it sets up involves no member."""
     name = joining.ask(store, place, joining.count_fit())
     admission, state = joining.await_admission(store, name, limit_s)
-    tolerance._store, tolerance._dead_after_s = store, dead_after_s
-    tolerance._init = {"backend": backend, "timeout": timeout}
-    tolerance.fit_members, tolerance.fit_number = list(admission.fit_members), admission.fit
-    membership = Membership(store, name, admission.members, limit_s, end_process)
-    membership.lost, membership.places = list(admission.lost), dict(admission.places)
-    membership.generation = admission.generation - 1  # (entered at its first step)
-    tolerance.membership = membership
-    alone = dist.PrefixStore(f"{PREFIX}/join/{name}/alone", store)
-    dist.init_process_group(backend, rank=0, world_size=1, store=alone, timeout=timeout)
-    atexit.register(destroy_process_group)  # (before the interpreter's shutdown, as members)
-    atexit.register(tolerance._stop.set)
+    tolerance.start_as_joiner(
+        store, name, admission, backend, timeout, limit_s, dead_after_s, device
+    )
     return admission, state
 
 
@@ -144,13 +131,4 @@ def enter(tolerance: FaultTolerance, admission: Admission, name: Callable[[int],
     membership = tolerance.membership
     assert membership is not None
     joining.enter(membership, admission.generation)
-    dist.destroy_process_group()
-    tolerance.meet()
-    others = [m for m in membership.members if m != membership.me]
-    heartbeat = liveness.watch_group(
-        membership.store, membership.me, others, tolerance._init["timeout"], name,
-        tolerance._dead_after_s,
-    )  # fmt: skip
-    heartbeat.hand_silent_peers_to(tolerance._silent)
-    threading.Thread(target=tolerance._watch, daemon=True, name="lp-regroup-watch").start()
-    tolerance.watching = True
+    tolerance.enter_group(name)
