@@ -8,6 +8,7 @@ peer and ending with one process's weights) in ``test_fault_tolerance_launchers.
 
 from __future__ import annotations
 
+import re
 import sys
 from functools import partial
 from pathlib import Path
@@ -19,7 +20,7 @@ import torch.distributed as dist
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
 from lightning_par.components.fault_tolerance import FaultTolerance
-from lightning_par.components.rejoin import places_for
+from lightning_par.components.rejoin import admit, places_for
 from lightning_par.launch import joining
 from lightning_par.launch.joining import FITTING_KEY, Admission, NotAdmitted
 from lightning_par.launch.membership import COMMIT, REDO, Membership
@@ -35,10 +36,13 @@ def _client(host: StoreHost) -> dist.Store:
     return dist.PrefixStore("test", store)
 
 
-def _two_of_three(host: StoreHost, limit_s: float = 10.0) -> tuple[Membership, Membership]:
-    """Members 0 and 1 of a fit of three that lost member 2 and went on."""
+def _two_of_three(
+    host: StoreHost, limit_s: float = 10.0, fit: int = 1
+) -> tuple[Membership, Membership]:
+    """Members 0 and 1 of a fit of three (the script's fault-tolerant fit number ``fit``)
+    that lost member 2 and went on."""
     a, b, c = (Membership(_client(host), r, [0, 1, 2], limit_s) for r in range(3))
-    a.store.set(FITTING_KEY, "1")
+    joining.fit_begins(a.store, fit)
     assert a.store.check([FITTING_KEY])  # (see below: an answered call orders the set)
     c.declare_dead(2)
     assert _together([partial(m.settle, 0) for m in (a, b)]) == [REDO] * 2
@@ -82,10 +86,12 @@ def test_a_replacement_is_turned_away_with_the_reason_and_the_members_go_on():
             joining.ask(store, place=1)
         a, b = _two_of_three(host, limit_s=0.5)
         late = joining.ask(store, place=2)
-        a.store.delete_key(FITTING_KEY)  # the fit ends before any step lists it
+        joining.fit_ends(a.store)  # the fit ends before any step lists it
         with pytest.raises(NotAdmitted, match="the fit ended before the members admitted it"):
             joining.await_admission(store, late, limit_s=10)
-        a.store.set(FITTING_KEY, "1")
+        with pytest.raises(NotAdmitted, match="no fault-tolerant fit of the job is running"):
+            joining.ask(store, place=2)
+        joining.fit_begins(a.store, 1)
         # (TCPStore's set is not answered: a call that is orders it before the next client's)
         assert a.store.check([FITTING_KEY])
         slow = joining.ask(store, place=2)
@@ -98,6 +104,65 @@ def test_a_replacement_is_turned_away_with_the_reason_and_the_members_go_on():
         joiner = Membership(store, slow, [0, 1, slow], 0.5)
         with pytest.raises(NotAdmitted, match="it was not ready within 0.5 s"):
             joining.enter(joiner, a.generation)
+    finally:
+        host.close()
+
+
+def test_a_replacement_joins_only_the_fit_of_the_script_it_reached():
+    """A replacement runs the script from its start: its first fault-tolerant fit may not
+    join the members' second (another model, other data), whether it asks then, or asked as
+    the first one ended and looks again, or is listed by the members in the second."""
+    host = StoreHost()
+    try:
+        a, b = _two_of_three(host, limit_s=2.0)  # at the script's first fit
+        store = _client(host)
+        listed, looking = (joining.ask(store, place=2) for _ in range(2))
+        joining.fit_ends(a.store)
+        joining.fit_begins(a.store, 2)  # the script's next fault-tolerant fit
+        assert joining.running_fit(store) == 2
+        reason = re.escape(
+            "the members run fault-tolerant fit 2 of the script, this process reached fit 1 "
+            "(a replacement runs the script from its start and can join only the fit it "
+            "reaches: the first)"
+        )
+        with pytest.raises(NotAdmitted, match=reason):
+            joining.ask(store, place=2)  # (a replacement's first fit: fit 1)
+        with pytest.raises(NotAdmitted, match="the fit ended before the members admitted it"):
+            joining.await_admission(store, looking, limit_s=10)
+        # the members list the one that has not looked again: they turn it away
+        assert _together([partial(m.settle, 0) for m in (a, b)]) == [COMMIT] * 2
+        assert a.joining(0) == [listed]
+        tolerance = FaultTolerance()  # member 0's
+        tolerance.membership, tolerance.fit_members = a, [0, 1, 2]
+        tolerance.fit_number, tolerance.joining = 2, a.joining(0)
+        offered: list[int] = []
+        assert admit(tolerance, lambda: offered.append(1), step=1) == []
+        assert offered == [] and a.members == [0, 1]  # no state sent, nobody waited for
+        with pytest.raises(NotAdmitted, match=reason):
+            joining.await_admission(store, listed, limit_s=10)
+    finally:
+        host.close()
+
+
+def test_a_member_numbers_the_fault_tolerant_fits_of_its_process():
+    """Every member runs the same script, so all number its fits alike: counted in the
+    process, whichever strategy runs them; the number of the running one is in the store."""
+    host = StoreHost()
+    try:
+        member = FaultTolerance()
+        member.membership = Membership(_client(host), 0, [0, 1], 10.0)
+        store = _client(host)
+        member.begin_fit()
+        first = member.fit_number
+        assert first >= 1 and joining.running_fit(store) == first
+        member.end_fit()
+        assert joining.running_fit(store) == 0
+        member.begin_fit()
+        assert member.fit_number == joining.running_fit(store) == first + 1
+        another = FaultTolerance()  # (a new strategy's, in the same process)
+        another.membership = member.membership
+        another.begin_fit()
+        assert another.fit_number == joining.running_fit(store) == first + 2
     finally:
         host.close()
 

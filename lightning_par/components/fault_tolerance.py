@@ -15,7 +15,10 @@ going on with fewer replicas; here reduced to one job's store,
 * the batches of the lost members are not dropped: :meth:`FaultTolerance.stands_in_for`
   hands each lost member's shard to one survivor (round robin over the survivors in
   their order), which trains it beside its own, so that each step still averages the
-  gradients of every shard of the first world (:attr:`FaultTolerance.loss_scale`).
+  gradients of every shard of the first world (:attr:`FaultTolerance.loss_scale`;
+  :mod:`.fit_shards`);
+* a lost rank's replacement starts with :meth:`FaultTolerance.start_as_joiner` and meets
+  the members with :meth:`FaultTolerance.enter_group` (:mod:`.rejoin`).
 
 A silent peer (frozen, its machine gone) is found by the heartbeat
 (:mod:`lightning_par.launch.liveness`) after ``dead_peer_timeout`` and, on this machine,
@@ -35,9 +38,11 @@ from typing import Any
 import torch.distributed as dist
 
 from lightning_par.comm import CommError
+from lightning_par.components.fit_shards import FitShards
 from lightning_par.components.group_break import break_default_group, end_process
+from lightning_par.components.process_group import destroy_process_group
 from lightning_par.launch import liveness
-from lightning_par.launch.joining import FITTING_KEY
+from lightning_par.launch.joining import Admission, count_fit, fit_begins, fit_ends
 from lightning_par.launch.membership import PREFIX, REDO, Membership
 
 
@@ -49,7 +54,7 @@ class StepLost(RuntimeError):
 _WATCH_S = 0.05
 
 
-class FaultTolerance:
+class FaultTolerance(FitShards):
     """Keeps one data-parallel group going after lost members (module docstring)."""
 
     def __init__(self, recovery: str = "the step is run again on the same batches") -> None:
@@ -58,6 +63,8 @@ class FaultTolerance:
         self.membership: Membership | None = None
         #: the members when this ``fit`` began: their shards make each step's batch
         self.fit_members: list[int] = []
+        #: this ``fit``'s number in the script (:func:`~lightning_par.launch.joining.count_fit`)
+        self.fit_number = 0
         self._store: Any = None
         self._init: dict[str, Any] = {}
         self._lock = threading.Lock()  # the default group is swapped under it
@@ -90,16 +97,60 @@ class FaultTolerance:
     ) -> None:  # fmt: skip
         """This rank joined the default group of ``world_size`` ranks in ``store``;
         ``limit_s``: how long a live member may take to answer; ``dead_after_s``: the
-        heartbeat's limit for a silent one."""
-        self._dead_after_s = dead_after_s
-        self._store, self.fit_members = store, list(range(world_size))
-        self._init = {"backend": backend, "timeout": timeout}
-        if device is not None and getattr(device, "type", "cpu") != "cpu":
-            self._init["device_id"] = device
+        heartbeat's limit for a silent one; ``device``: the rank's (a CUDA one is passed to
+        each new group, as to the first)."""
+        self._hold(store, backend, timeout, dead_after_s, device)
+        self.fit_members = list(range(world_size))
         self.membership = Membership(store, rank, list(range(world_size)), limit_s, end_process)
         heartbeat = liveness.current()
         if heartbeat is not None:
             heartbeat.hand_silent_peers_to(self._silent)
+        self._start_watching()
+
+    def start_as_joiner(
+        self, store: Any, name: int, admission: Admission, backend: str, timeout: timedelta,
+        limit_s: float, dead_after_s: float, device: Any = None,
+    ) -> None:  # fmt: skip
+        """This process was admitted as ``name`` to the running group in ``store``
+        (:mod:`lightning_par.launch.joining`; the rest as for :meth:`start`). Until it
+        enters the group (:meth:`enter_group`) it computes alone, in a process group of its
+        own, so that what Lightning runs while it sets up involves no member."""
+        self._hold(store, backend, timeout, dead_after_s, device)
+        self.fit_members, self.fit_number = list(admission.fit_members), admission.fit
+        membership = Membership(store, name, admission.members, limit_s, end_process)
+        membership.lost, membership.places = list(admission.lost), dict(admission.places)
+        membership.generation = admission.generation - 1  # (entered at its first step)
+        self.membership = membership
+        alone = dist.PrefixStore(f"{PREFIX}/join/{name}/alone", store)
+        dist.init_process_group(rank=0, world_size=1, store=alone, **self._init)
+        atexit.register(destroy_process_group)  # (before the interpreter's shutdown, as members)
+        self._start_watching()  # (idle until it enters: not watching)
+
+    def enter_group(self, name: Callable[[int], str]) -> None:
+        """The joiner, once the members agreed on the membership with it in: leave its own
+        group, meet them in theirs, and be watched by them (and watch them) as any member
+        (``name``: how reports name a rank)."""
+        assert self.membership is not None
+        dist.destroy_process_group()
+        self.meet()
+        me = self.membership.me
+        others = [m for m in self.membership.members if m != me]
+        heartbeat = liveness.watch_group(
+            self._store, me, others, self._init["timeout"], name, self._dead_after_s
+        )
+        heartbeat.hand_silent_peers_to(self._silent)
+        self.watching = True
+
+    def _hold(
+        self, store: Any, backend: str, timeout: timedelta, dead_after_s: float, device: Any
+    ) -> None:
+        """Keep how the next groups meet: in ``store``, with these settings."""
+        self._store, self._dead_after_s = store, dead_after_s
+        self._init = {"backend": backend, "timeout": timeout}
+        if device is not None and getattr(device, "type", "cpu") != "cpu":
+            self._init["device_id"] = device
+
+    def _start_watching(self) -> None:
         threading.Thread(target=self._watch, daemon=True, name="lp-regroup-watch").start()
         atexit.register(self._stop.set)
 
@@ -140,63 +191,21 @@ class FaultTolerance:
     # ---- the step ------------------------------------------------------------------------
     def begin_fit(self) -> None:
         """A ``fit`` begins: its data is sharded over the members there are now, and
-        replacements may join until it ends (:meth:`end_fit`)."""
+        replacements that reached the same fit of the script (its number: every member
+        counts alike) may join until it ends (:meth:`end_fit`)."""
+        self.fit_number = count_fit()
         if self.membership is not None:
             self.fit_members = list(self.membership.members)
             self.membership.places.clear()  # (every member holds its own shard again)
-            self._store.set(FITTING_KEY, "1")
+            fit_begins(self.membership.store, self.fit_number)
 
     def end_fit(self) -> None:
         """The ``fit`` ended: a replacement asking to join now is turned away."""
         if self.membership is not None and not liveness.store_gone():
             try:
-                self._store.delete_key(FITTING_KEY)
+                fit_ends(self.membership.store)
             except Exception:
                 pass  # the store is gone: the job ends
-
-    @property
-    def lost(self) -> list[int]:
-        """The members of this ``fit`` lost since it began (their first ranks) whose place
-        no joiner took: their shards are trained by stand-ins."""
-        if self.membership is None:
-            return []
-        places = self.membership.places
-        held = {places.get(m, m) for m in self.membership.members}
-        return [m for m in self.fit_members if m not in held]
-
-    def stands_in_for(self) -> list[int]:
-        """The shards (sampler ranks of this ``fit``) of the lost members that this member
-        trains beside its own: the lost handed round robin over the survivors."""
-        if self.membership is None:
-            return []
-        survivors, me = self.membership.members, self.membership.me
-        return [
-            self.fit_members.index(m)
-            for i, m in enumerate(self.lost)
-            if survivors[i % len(survivors)] == me
-        ]  # fmt: skip
-
-    @property
-    def loss_scale(self) -> float:
-        """What each survivor's summed loss is multiplied by so that the survivors' average
-        of gradients is the average over every shard of this ``fit``."""
-        if self.membership is None:
-            return 1.0
-        return len(self.membership.members) / len(self.fit_members)
-
-    def sampler_kwargs(self, first: dict[str, Any], training: bool = False) -> dict[str, Any]:
-        """How a data loader built now shards its data: over the members there are
-        (``first``: Lightning's, over every rank, while none was lost); a joiner's training
-        loader reads the shard of the member whose place it took."""
-        membership = self.membership
-        if membership is None:
-            return first
-        if training and membership.me not in self.fit_members:
-            place = self.fit_members.index(membership.places[membership.me])
-            return {**first, "num_replicas": len(self.fit_members), "rank": place}
-        if not membership.lost:
-            return first
-        return {**first, "num_replicas": len(membership.members), "rank": membership.rank}
 
     def settle(self, step: int) -> None:
         """After this rank's gradient exchange: return once every member finished it, else

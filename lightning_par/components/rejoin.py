@@ -4,35 +4,32 @@ The protocol is :mod:`lightning_par.launch.joining`; this is what each side of a
 :class:`~.fault_tolerance.FaultTolerance` does with it:
 
 * the members (:func:`admit`), at the start of the step after the one whose settlement
-  listed joiners: each joiner is given the place of a lost member (the one it asked for,
-  the rank it was started as, if that place is free; else the first free one), the leading
-  member offers it the training state, and every member waits at that step's start while
-  the joiners restore it and agree on the next membership with those ready in it. A joiner
-  takes back its place's shard of the data from the survivor that stood in for it;
+  listed joiners: one that asked to join another fit of the script (as the last one ended)
+  is turned away; each other joiner is given the place of a lost member (the one it asked
+  for, the rank it was started as, if that place is free; else the first free one), the
+  leading member offers it the training state, and every member waits at that step's
+  start while the joiners restore it and agree on the next membership with those ready in
+  it. A joiner takes back its place's shard of the data from the survivor that stood in
+  for it;
 * the joiner (:func:`join`, then :func:`enter`): it asks, waits for its admission and the
   state, computes alone in a process group of its own while Lightning restores the state
-  and sets up, and at its first training step meets the members in their new group.
+  and sets up, and at its first training step meets the members in their new group
+  (:class:`FaultTolerance`'s :meth:`~.FaultTolerance.start_as_joiner` and
+  :meth:`~.FaultTolerance.enter_group` hold its side of the group).
 """
 
 from __future__ import annotations
 
-import atexit
 import sys
-import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
 
-import torch.distributed as dist
-
 from lightning_par.components.fault_tolerance import FaultTolerance
-from lightning_par.components.group_break import end_process
-from lightning_par.components.process_group import destroy_process_group
 from lightning_par.launch import joining, liveness
 from lightning_par.launch.joining import Admission
-from lightning_par.launch.membership import PREFIX, Membership
 
 
 @dataclass
@@ -69,8 +66,15 @@ def admit(tolerance: FaultTolerance, offer: Callable[[], Offer], step: int) -> l
     membership = tolerance.membership
     if not joiners or membership is None:
         return []
+    running, same_fit = tolerance.fit_number, []
+    for joiner in joiners:  # (it asked before the last fit ended: that fit's model and data)
+        reached = membership.asked_fit(joiner)
+        if reached == running:
+            same_fit.append(joiner)
+        else:
+            membership.turn_away(joiner, joining.other_fit(running, reached))
     places: dict[int, int] = {}
-    for joiner, place in places_for(tolerance, joiners).items():
+    for joiner, place in places_for(tolerance, same_fit).items():
         if place is None:
             membership.turn_away(joiner, "no lost rank's place was free for it")
         else:
@@ -84,7 +88,7 @@ def admit(tolerance: FaultTolerance, offer: Callable[[], Offer], step: int) -> l
             admission = Admission(
                 membership.generation + 1, [*membership.members, *places],
                 tolerance.fit_members, membership.lost, {**membership.places, **places},
-                sent.epoch, sent.batch, sent.extras,
+                sent.epoch, sent.batch, sent.extras, tolerance.fit_number,
             )  # fmt: skip
             joining.offer(membership.store, joiner, admission, sent.state)
     tolerance.regroup(None, places)
@@ -107,24 +111,17 @@ def admit(tolerance: FaultTolerance, offer: Callable[[], Offer], step: int) -> l
 
 def join(
     tolerance: FaultTolerance, store: Any, place: int | None, backend: str,
-    timeout: timedelta, limit_s: float, dead_after_s: float,
+    timeout: timedelta, limit_s: float, dead_after_s: float, device: Any = None,
 ) -> tuple[Admission, bytes]:  # fmt: skip
-    """This process joins the running group in ``store`` in ``place``'s place: its admission
-    and the training state. Until :func:`enter` it computes alone (a process group of its
-    own), so that what Lightning runs while it sets up involves no member."""
-    name = joining.ask(store, place)
+    """This process joins the running group in ``store`` in ``place``'s place, at the fit
+    of the script it reached (its first: a replacement runs the script from its start): its
+    admission and the training state. Until :func:`enter` it computes alone (a process
+    group of its own), so that what Lightning runs while it sets up involves no member."""
+    name = joining.ask(store, place, joining.count_fit())
     admission, state = joining.await_admission(store, name, limit_s)
-    tolerance._store, tolerance._dead_after_s = store, dead_after_s
-    tolerance._init = {"backend": backend, "timeout": timeout}
-    tolerance.fit_members = list(admission.fit_members)
-    membership = Membership(store, name, admission.members, limit_s, end_process)
-    membership.lost, membership.places = list(admission.lost), dict(admission.places)
-    membership.generation = admission.generation - 1  # (entered at its first step)
-    tolerance.membership = membership
-    alone = dist.PrefixStore(f"{PREFIX}/join/{name}/alone", store)
-    dist.init_process_group(backend, rank=0, world_size=1, store=alone, timeout=timeout)
-    atexit.register(destroy_process_group)  # (before the interpreter's shutdown, as members)
-    atexit.register(tolerance._stop.set)
+    tolerance.start_as_joiner(
+        store, name, admission, backend, timeout, limit_s, dead_after_s, device
+    )
     return admission, state
 
 
@@ -134,13 +131,4 @@ def enter(tolerance: FaultTolerance, admission: Admission, name: Callable[[int],
     membership = tolerance.membership
     assert membership is not None
     joining.enter(membership, admission.generation)
-    dist.destroy_process_group()
-    tolerance.meet()
-    others = [m for m in membership.members if m != membership.me]
-    heartbeat = liveness.watch_group(
-        membership.store, membership.me, others, tolerance._init["timeout"], name,
-        tolerance._dead_after_s,
-    )  # fmt: skip
-    heartbeat.hand_silent_peers_to(tolerance._silent)
-    threading.Thread(target=tolerance._watch, daemon=True, name="lp-regroup-watch").start()
-    tolerance.watching = True
+    tolerance.enter_group(name)

@@ -19,9 +19,13 @@ github.com/pytorch/torchft). At its first ``fit`` the joiner
    (:func:`enter`): the members, waiting at that step's start, agree on the membership with
    it in, and all meet in a new process group.
 
-It is turned away (:class:`NotAdmitted`, with the reason) if no fit is running, if the fit
-ends before the members admit it, if it is not ready within the limit, or if no lost
-member's place is free for it.
+Fits are numbered (:func:`count_fit`): every member runs the same script, so all number a
+fault-tolerant ``fit`` alike, and the members write the number of the one they run in the
+store (:func:`fit_begins`). A joiner runs the script from its start, so the fit it reaches
+is its first; it joins only a fit of the same number (another one's model and data are not
+its own). It is turned away (:class:`NotAdmitted`, with the reason) if no fit is running,
+if the members run another fit, if the fit ends before the members admit it, if it is not
+ready within the limit, or if no lost member's place is free for it.
 """
 
 from __future__ import annotations
@@ -38,8 +42,44 @@ from lightning_par.launch.membership import POLL_S, PREFIX, READY, Excluded, Mem
 #: Set in a process that joins a running group instead of starting one (a keeper sets it
 #: in the replacement it starts).
 JOIN_ENV = "LIGHTNING_PAR_JOIN"
-#: Present in the job's store while a fault-tolerant ``fit`` runs (joiners are admitted then).
+#: The number of the fault-tolerant ``fit`` the members run (:func:`count_fit`), "0" between
+#: fits, absent before the first (joiners are admitted while one runs). Never deleted: a
+#: store's ``get`` of an absent key waits for it (:func:`running_fit` reads it).
 FITTING_KEY = f"{PREFIX}/fitting"
+
+_fits_begun = 0
+
+
+def count_fit() -> int:
+    """Count a fault-tolerant ``fit`` this process begins, as a member or joining it: its
+    number in the script (1 for the first)."""
+    global _fits_begun
+    _fits_begun += 1
+    return _fits_begun
+
+
+def fit_begins(store: Any, fit: int) -> None:
+    """The members began fit number ``fit``: a joiner that reached the same may join it."""
+    store.set(FITTING_KEY, str(fit))
+
+
+def fit_ends(store: Any) -> None:
+    """The members' fit ended: a joiner asking now is turned away."""
+    store.set(FITTING_KEY, "0")
+
+
+def running_fit(store: Any) -> int:
+    """The number of the fault-tolerant fit the members run (0: none)."""
+    return int(store.get(FITTING_KEY).decode()) if store.check([FITTING_KEY]) else 0
+
+
+def other_fit(running: int, reached: int) -> str:
+    """Why a joiner that reached fit ``reached`` of its script may not join fit ``running``."""
+    return (
+        f"the members run fault-tolerant fit {running} of the script, this process reached "
+        f"fit {reached} (a replacement runs the script from its start and can join only the "
+        "fit it reaches: the first)"
+    )
 
 
 class NotAdmitted(RuntimeError):
@@ -69,6 +109,8 @@ class Admission:
     batch: int
     #: what the strategy adds (the ring's message sizes, the loggers' versions)
     extras: dict[str, Any]
+    #: the number of the fit it joins (:func:`count_fit`)
+    fit: int = 1
 
     def to_json(self) -> str:
         return json.dumps({**self.__dict__, "places": list(self.places.items())})
@@ -79,15 +121,19 @@ class Admission:
         return cls(**{**fields, "places": {int(n): p for n, p in fields["places"]}})
 
 
-def ask(store: Any, place: int | None) -> int:
-    """Ask to join the group in ``store``, taking ``place``'s shard (a first member's);
-    this process's name in the group."""
-    if not store.check([FITTING_KEY]):
+def ask(store: Any, place: int | None, fit: int = 1) -> int:
+    """Ask to join the group in ``store`` at fit number ``fit`` of the script (the one this
+    process reached), taking ``place``'s shard (a first member's); this process's name in
+    the group."""
+    running = running_fit(store)
+    if running == 0:
         raise NotAdmitted("no fault-tolerant fit of the job is running")
+    if running != fit:
+        raise NotAdmitted(other_fit(running, fit))
     first = int(store.get(f"{PREFIX}/world").decode())
     name = first + store.add(f"{PREFIX}/join/names", 1) - 1
     store.set(f"{PREFIX}/proc/{name}", f"{socket.gethostname()} {os.getpid()}")
-    store.set(_key(name, "asks"), json.dumps({"place": place}))
+    store.set(_key(name, "asks"), json.dumps({"place": place, "fit": fit}))
     return name
 
 
@@ -105,10 +151,11 @@ def await_admission(store: Any, name: int, limit_s: float) -> tuple[Admission, b
 
 def _await_admission(store: Any, name: int, limit_s: float) -> tuple[Admission, bytes]:
     deadline, pause = time.monotonic() + limit_s, POLL_S[0]
+    fit = json.loads(store.get(_key(name, "asks")).decode())["fit"]
     while not store.check([_key(name, "admission")]):
         if store.check([_key(name, "outcome")]):
             raise NotAdmitted(store.get(_key(name, "outcome")).decode())
-        if not store.check([FITTING_KEY]):
+        if running_fit(store) != fit:  # (ended; or ended and the next one began)
             why = "the fit ended before the members admitted it"
             raise NotAdmitted(store.compare_set(_key(name, "outcome"), "", why).decode())
         if time.monotonic() > deadline:

@@ -160,10 +160,17 @@ class Membership:
             and not self.store.check([f"{PREFIX}/join/{n}/outcome"])
         ]  # fmt: skip
 
+    def _asks(self, joiner: int) -> dict[str, Any]:
+        return json.loads(self.store.get(f"{PREFIX}/join/{joiner}/asks").decode())
+
     def asked_place(self, joiner: int) -> int | None:
         """The member whose place ``joiner`` asked to take (a restarted rank's), if any."""
-        asks = json.loads(self.store.get(f"{PREFIX}/join/{joiner}/asks").decode())
-        return asks.get("place")
+        return self._asks(joiner).get("place")
+
+    def asked_fit(self, joiner: int) -> int:
+        """The number of the fault-tolerant fit of its script that ``joiner`` asked to join
+        (the one it reached)."""
+        return self._asks(joiner)["fit"]
 
     def turn_away(self, joiner: int, why: str) -> str:
         """Decide ``joiner``'s outcome as ``why`` unless it said it is ready first; the

@@ -142,7 +142,7 @@ class Resilience:
         try:
             self.admission, state = rejoin.join(
                 self.tolerance, store, strategy.global_rank, backend, strategy.timeout,
-                limit, silent,
+                limit, silent, strategy.root_device,
             )  # fmt: skip
             trainer = strategy.lightning_module.trainer
             _joiner.take_extras(trainer, self.admission.extras)  # (before callbacks resolve)
