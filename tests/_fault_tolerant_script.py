@@ -69,6 +69,8 @@ class Variant:
     logged: bool = False
     #: seconds each training step sleeps (a run long enough for a replacement to join)
     pause_s: float = 0.0
+    #: fits, each by a new Trainer and a new strategy (the fault in the first one only)
+    fits: int = 1
 
 
 VARIANTS = {
@@ -87,6 +89,7 @@ VARIANTS = {
     "slow": Variant(steps=60, pause_s=0.25, logged=True),
     # both at once, for a run that checks both claims of a lost rank 0
     "batchnorm_logged": Variant(batchnorm_net, samples=48, logged=True),
+    "two_trainers": Variant(fits=2),
 }
 
 
@@ -134,29 +137,38 @@ def data(variant: str = "tiny") -> TensorDataset:
     )
 
 
-def main(name: str, devices: int, fault: str, out: str, variant: str = "tiny") -> None:
-    if fault != "-":
-        os.environ[FAULT_ENV] = fault  # read by the strategy's constructor
-    row, setting = spec(name), VARIANTS[variant]
+def trainer_for(name: str, devices: int, setting: Variant) -> pl.Trainer:
+    row = spec(name)
     strategy = row.cls(**row.options, fault_tolerant=True, dead_peer_timeout=DEAD_PEER_S)
     logged = setting.logged
-    trainer = pl.Trainer(
+    return pl.Trainer(
         strategy=strategy, accelerator="cpu", devices=devices, max_steps=setting.steps,
         precision=setting.precision, enable_progress_bar=False, enable_model_summary=False,
         logger=CSVLogger("logs") if logged else False, log_every_n_steps=1,
         callbacks=[ModelCheckpoint(save_last=True)] if logged else [],
         enable_checkpointing=logged,
     )  # fmt: skip
+
+
+def main(name: str, devices: int, fault: str, out: str, variant: str = "tiny") -> None:
+    if fault != "-":
+        os.environ[FAULT_ENV] = fault  # read by the strategy's constructor
+    setting = VARIANTS[variant]
+    trainer = trainer_for(name, devices, setting)
+    os.environ.pop(FAULT_ENV, None)  # (a later fit's strategy runs without it)
     torch.manual_seed(0)
     model = Tiny(variant)
     started = time.monotonic()
-    try:
-        train, val = (DataLoader(data(variant), batch_size=setting.batch) for _ in range(2))
-        trainer.fit(model, train, val)
-    except Exception as err:
-        raised = {"type": type(err).__name__, "message": str(err)}
-        print("RESULT " + json.dumps({"raised": raised}), flush=True)
-        return
+    for fit in range(setting.fits):
+        trainer = trainer if fit == 0 else trainer_for(name, devices, setting)
+        try:
+            train, val = (DataLoader(data(variant), batch_size=setting.batch) for _ in range(2))
+            trainer.fit(model, train, val)
+        except Exception as err:
+            if fit == 0 or trainer.is_global_zero:  # (a later fit: every survivor raises)
+                raised = {"type": type(err).__name__, "message": str(err), "fit": fit}
+                print("RESULT " + json.dumps({"raised": raised}), flush=True)
+            return
     fit_s = time.monotonic() - started
     trainer.save_checkpoint(os.path.join(os.path.dirname(out), "final.ckpt"))
     val = DataLoader(data(variant), batch_size=setting.batch)

@@ -125,21 +125,23 @@ def _one_process(world: int, variant: str, saved_by: int = 0) -> dict[str, torch
     setting = VARIANTS[variant]
     torch.manual_seed(0)
     model = Tiny(variant)
-    optimizers, schedulers = _optimizers(model.configure_optimizers())
     x, y = data(variant).tensors
     batch = setting.batch
     per_epoch = setting.samples // (world * batch)
-    for step in range(setting.steps):
-        epoch, at = divmod(step, per_epoch)
-        order = torch.randperm(setting.samples, generator=torch.Generator().manual_seed(epoch))
-        idx = order[at * world * batch : (at + 1) * world * batch]
-        optimizers[0].zero_grad()
-        sum(_rank_loss(model, setting, x[idx[r::world]], y[idx[r::world]], world,
-                       r == saved_by) for r in range(world)).backward()  # fmt: skip
-        optimizers[0].step()
-        for scheduler, interval in schedulers:
-            if interval == "step" or at == per_epoch - 1:
-                scheduler.step()
+    for _ in range(setting.fits):  # (each a new Trainer: its optimiser and epochs anew)
+        optimizers, schedulers = _optimizers(model.configure_optimizers())
+        for step in range(setting.steps):
+            epoch, at = divmod(step, per_epoch)
+            seed = torch.Generator().manual_seed(epoch)
+            order = torch.randperm(setting.samples, generator=seed)
+            idx = order[at * world * batch : (at + 1) * world * batch]
+            optimizers[0].zero_grad()
+            sum(_rank_loss(model, setting, x[idx[r::world]], y[idx[r::world]], world,
+                           r == saved_by) for r in range(world)).backward()  # fmt: skip
+            optimizers[0].step()
+            for scheduler, interval in schedulers:
+                if interval == "step" or at == per_epoch - 1:
+                    scheduler.step()
     return model.state_dict()
 
 

@@ -247,3 +247,24 @@ def test_parameter_server_worker_0_lost_under_srun_is_taken_over_by_the_first_su
     assert _result(outputs[1])["raised"] is None, outputs[1]
     assert _worst(one_process(3), torch.load(out, weights_only=True)) < 1e-5
     assert_logged_whole(tmp_path, 12)
+
+
+def test_a_new_trainer_for_a_later_fit_trains_as_one_process_or_is_refused_after_a_loss(
+    tmp_path,
+):
+    """A script that builds a new Trainer and strategy for its second fit: the ranks leave
+    the first fit's group (whose store counted its steps) and meet in a new one, and the
+    weights are one process's after both fits. After a rank was lost in the first fit, the
+    second Trainer, which expects every rank, is refused with a line naming the fix."""
+    (whole := tmp_path / "whole").mkdir()
+    run, out = _torchrun(whole, "ring_allreduce", "-", "two_trainers")
+    assert run.code == 0 and _result(run.text)["raised"] is None, run.text[-4000:]
+    assert _worst(one_process(3, "two_trainers"), torch.load(out, weights_only=True)) < 1e-5
+    (lost := tmp_path / "lost").mkdir()
+    run, _ = _torchrun(lost, "ring_allreduce", "kill:rank=2:step=3", "two_trainers")
+    raised = _result(run.text)["raised"]
+    assert raised is not None and raised["fit"] == 1, run.text[-4000:]
+    assert (
+        "an earlier fault-tolerant fit of this script went on without the ranks it lost"
+        in (raised["message"])
+    ), raised

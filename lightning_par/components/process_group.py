@@ -34,6 +34,15 @@ def join_process_group(host: Any, backend: str) -> Any | None:
     """Join (or, after ``fit``, go on watching) the group of ``host``'s ranks; the store it
     met in when it joined now (None: it had joined before)."""
     if dist.is_initialized():
+        earlier = host.process_group_store is None  # (an earlier Trainer's strategy made it)
+        if earlier and dist.get_world_size() != host.world_size:
+            raise RuntimeError(
+                f"lightning_par: {host.strategy_name} runs on {host.world_size} ranks, but "
+                f"this process's group has {dist.get_world_size()}: an earlier fault-tolerant "
+                "fit of this script went on without the ranks it lost. Go on with that fit's "
+                "Trainer (its validate, test or fit again), or start the job again from its "
+                "last checkpoint with every rank"
+            )
         if liveness.current() is not None:
             liveness.current().resume()  # fit, then test: the same group, watched again
         return None

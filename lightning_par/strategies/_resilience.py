@@ -21,11 +21,13 @@ import sys
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from lightning.pytorch.trainer.states import TrainerFn
 
 from lightning_par import _compat
 from lightning_par.components import rejoin
 from lightning_par.components.fault_tolerance import FaultTolerance
+from lightning_par.components.process_group import destroy_process_group
 from lightning_par.launch.joining import JOIN_ENV, Admission, NotAdmitted, withdraw
 from lightning_par.launch.rendezvous import dead_peer_timeout
 from lightning_par.strategies import _joiner
@@ -82,6 +84,20 @@ class Resilience:
                 "run manual optimisation: the step it would run again is your code's",
                 "use automatic optimisation, or fault_tolerant=False",
             )
+
+    def leave_an_earlier_group(self) -> None:
+        """Before this strategy's group, in a script that built a new Trainer (a new
+        strategy) after an earlier call: the ranks are still in that call's group, whose
+        store counted its steps, where this fit's would meet them again. They end it and
+        meet in a new group (every rank runs the same script: all do); one that joined as
+        a replacement is a member like the others now."""
+        if not self.enabled or self.tolerance.membership is not None:
+            return
+        if dist.is_initialized():
+            self._strategy.set_world_ranks()
+            if dist.get_world_size() == self._strategy.world_size:  # (else refused next)
+                destroy_process_group()
+                os.environ.pop(JOIN_ENV, None)
 
     def start(self) -> None:
         """After the process group: every rank joins the membership."""

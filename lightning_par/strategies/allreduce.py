@@ -170,6 +170,7 @@ class AllReduceStrategy(ParStrategy):
 
     @override
     def setup_distributed(self) -> None:
+        self.resilience.leave_an_earlier_group()  # (a new Trainer in the same script)
         if self.resilience.joins_running_job():  # a lost rank's replacement
             self.resilience.join_running_job()
         else:
